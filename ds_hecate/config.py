@@ -1,0 +1,93 @@
+"""The ``hecate`` section of a DeepSpeed config: schema, validation and extraction.
+
+The canonical place is ``zero_optimization.hecate``; a top-level ``hecate`` section is an alias. DeepSpeed never
+sees the section: :func:`split_hecate_section` removes it before DeepSpeed parses the config, so DeepSpeed's own
+``extra="forbid"`` models stay untouched, and every key is validated here instead, strictly, with errors that
+name the key.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Literal, Mapping, Optional, Tuple
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .errors import HecateConfigError
+
+#: Placement policies the planner knows (see ``ds_hecate.planning.placement``).
+PlacementName = Literal["cost", "owner", "local"]
+
+
+class HecateConfig(BaseModel):
+    """Validated ``hecate`` section. Unknown keys and wrong types are errors, never ignored."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    enabled: bool = Field(False, description="Turn Hecate (FSSDP for the experts) on.")
+    placement: PlacementName = Field(
+        "cost",
+        description=("Which experts each rank materializes every iteration. 'cost': its owned experts plus every "
+                     "expert its local tokens route to when moving the expert is cheaper than moving the tokens; "
+                     "'owner': owned experts only (plain expert parallelism); 'local': every expert a local token "
+                     "routes to (no token leaves its rank)."))
+    ranks_per_node: Optional[int] = Field(
+        None, ge=1, description="Ranks per node for topology-aware dispatch; default: LOCAL_WORLD_SIZE.")
+    reduce_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32", description="Dtype of expert gradients on the wire in SparseReduceScatter.")
+    collective_timeout_s: float = Field(
+        600.0, gt=0, le=86400.0, description="Timeout of Hecate's own process group, in seconds.")
+    log_conversion: bool = Field(True, description="Log one line (rank 0) saying what Hecate took over.")
+
+
+HECATE_KEY = "hecate"
+
+
+def _find_section(ds_config: Mapping[str, Any]) -> Tuple[Optional[Any], Optional[str]]:
+    """Return (raw section, where it was found) from a DeepSpeed config dict."""
+    zero = ds_config.get("zero_optimization")
+    nested = zero.get(HECATE_KEY) if isinstance(zero, Mapping) else None
+    top = ds_config.get(HECATE_KEY)
+    if nested is not None and top is not None:
+        raise HecateConfigError(
+            "hecate: the config holds both 'zero_optimization.hecate' and a top-level 'hecate' section; "
+            "keep exactly one (the canonical place is 'zero_optimization.hecate')")
+    if nested is not None:
+        return nested, "zero_optimization.hecate"
+    if top is not None:
+        return top, "hecate"
+    return None, None
+
+
+def parse_hecate_section(raw: Any, where: str = "zero_optimization.hecate") -> HecateConfig:
+    """Validate one raw ``hecate`` section; raise :class:`HecateConfigError` naming the bad key."""
+    if not isinstance(raw, Mapping):
+        raise HecateConfigError(f"{where}: expected a JSON object, got {type(raw).__name__} ({raw!r})")
+    try:
+        return HecateConfig(**dict(raw))
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            key = ".".join(str(p) for p in err.get("loc", ())) or "<section>"
+            if err.get("type") == "extra_forbidden":
+                problems.append(f"unknown key '{where}.{key}' (known keys: {', '.join(HecateConfig.model_fields)})")
+            else:
+                problems.append(f"'{where}.{key}': {err.get('msg')} (got {err.get('input')!r})")
+        raise HecateConfigError("invalid hecate config: " + "; ".join(problems)) from None
+    except TypeError as exc:  # non-string keys
+        raise HecateConfigError(f"invalid hecate config in '{where}': {exc}") from None
+
+
+def split_hecate_section(ds_config: Mapping[str, Any]) -> Tuple[Optional[HecateConfig], dict]:
+    """Split a DeepSpeed config dict into (validated hecate config or None, config without the section).
+
+    The input is never mutated. ``None`` means the config has no hecate section at all.
+    """
+    raw, where = _find_section(ds_config)
+    stripped = copy.deepcopy(dict(ds_config))
+    if where is None:
+        return None, stripped
+    if where == "hecate":
+        del stripped[HECATE_KEY]
+    else:
+        del stripped["zero_optimization"][HECATE_KEY]
+    return parse_hecate_section(raw, where), stripped

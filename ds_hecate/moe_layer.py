@@ -1,0 +1,154 @@
+"""``ds_hecate.MoE``: a drop-in for ``deepspeed.moe.layer.MoE`` whose experts Hecate can take over.
+
+Same constructor arguments and the same return value ``(output, l_aux, exp_counts)``; the gate *is* DeepSpeed's
+``TopKGate``, so routing (including its random sampling) is bit-for-bit DeepSpeed's. Before Hecate takes it over
+(or without Hecate) the layer runs its experts locally, which is exactly data-parallel MoE. After
+:func:`ds_hecate.initialize` it runs through the Hecate runtime: experts sharded, materialized per plan, tokens
+dispatched to replicas.
+
+It deliberately does not subclass DeepSpeed's ``MoE``: that class flips DeepSpeed into its own expert-parallel
+paths (``has_moe_layers``), which must stay off once Hecate owns the experts.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from deepspeed.moe.sharded_moe import TopKGate
+
+from .errors import HecateModelError
+
+
+def combine_routes(y_slots: torch.Tensor, gates: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """Weighted top-k combine, with DeepSpeed's arithmetic (``_sparse_decode``): fp32 gates, sum over k."""
+    k, num_tokens = gates.shape
+    routed = y_slots.view(k, num_tokens, -1)
+    return (routed * gates.unsqueeze(-1)).sum(0).to(out_dtype)
+
+
+class MoE(nn.Module):
+    """Mixture-of-Experts layer with DeepSpeed's ``MoE`` interface, for Hecate.
+
+    ``ep_size`` is accepted for compatibility and ignored: Hecate decides placement itself.
+    ``enable_expert_tensor_parallelism`` and ``use_tutel`` are not supported.
+    """
+
+    def __init__(self,
+                 hidden_size: int,
+                 expert: nn.Module,
+                 num_experts: int = 1,
+                 ep_size: int = 1,
+                 k: int = 1,
+                 capacity_factor: float = 1.0,
+                 eval_capacity_factor: float = 1.0,
+                 min_capacity: int = 4,
+                 use_residual: bool = False,
+                 noisy_gate_policy: Optional[str] = None,
+                 drop_tokens: bool = True,
+                 use_rts: bool = True,
+                 use_tutel: bool = False,
+                 enable_expert_tensor_parallelism: bool = False,
+                 top2_2nd_expert_sampling: bool = True) -> None:
+        super().__init__()
+        if enable_expert_tensor_parallelism:
+            raise HecateModelError("ds_hecate.MoE: enable_expert_tensor_parallelism is not supported")
+        if use_tutel:
+            raise HecateModelError("ds_hecate.MoE: use_tutel is not supported (Hecate has its own dispatch)")
+        if noisy_gate_policy not in (None, "None", "Jitter", "RSample"):
+            raise HecateModelError(f"ds_hecate.MoE: unsupported noisy_gate_policy {noisy_gate_policy!r}")
+        self.hidden_size = hidden_size
+        self.num_experts = num_experts
+        self.ep_size = ep_size
+        self.k = k
+        self.use_residual = use_residual
+        self.gate = TopKGate(hidden_size, num_experts, k, capacity_factor, eval_capacity_factor, min_capacity,
+                             noisy_gate_policy, drop_tokens, use_rts, None, top2_2nd_expert_sampling)
+        self.experts = nn.ModuleList([copy.deepcopy(expert) for _ in range(num_experts)])
+        if use_residual:
+            self.mlp = expert
+            self.coefficient = nn.Linear(hidden_size, 2)
+        self.binding = None  # set by Hecate when it takes the layer over (ds_hecate.runtime.LayerBinding)
+        self.l_aux: Optional[torch.Tensor] = None
+        self.exp_counts: Optional[torch.Tensor] = None
+
+    @classmethod
+    def from_deepspeed(cls, ds_moe: nn.Module) -> "MoE":
+        """Wrap an existing ``deepspeed.moe.layer.MoE`` in place: same gate module, same expert modules.
+
+        With ``ep_size > 1`` the module holds only this rank's ``num_local_experts``; the Hecate runtime gathers
+        the rest from their expert-parallel ranks when it shards them.
+        """
+        inner = ds_moe.deepspeed_moe
+        if getattr(ds_moe, "enable_expert_tensor_parallelism", False):
+            raise HecateModelError("deepspeed MoE with enable_expert_tensor_parallelism is not supported by Hecate")
+        if getattr(inner, "use_tutel", False):
+            raise HecateModelError("deepspeed MoE with use_tutel=True is not supported by Hecate")
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.hidden_size = inner.gate.wg.in_features
+        layer.num_experts = ds_moe.num_experts
+        layer.ep_size = ds_moe.ep_size
+        layer.k = inner.gate.k
+        layer.use_residual = ds_moe.use_residual
+        layer.gate = inner.gate
+        layer.experts = inner.experts.deepspeed_experts
+        for param in layer.experts.parameters():  # DeepSpeed's expert tags; Hecate owns these now
+            for tag in ("allreduce", "group_name"):
+                if hasattr(param, tag):
+                    delattr(param, tag)
+        if ds_moe.use_residual:
+            layer.mlp = ds_moe.mlp
+            layer.coefficient = ds_moe.coefficient
+        layer.binding = None
+        layer.l_aux = None
+        layer.exp_counts = None
+        return layer
+
+    @property
+    def local_expert_ids(self) -> range:
+        """Global ids of the experts this module holds before Hecate takes over (DeepSpeed's EP layout)."""
+        num_local = len(self.experts)
+        if num_local == self.num_experts:
+            return range(self.num_experts)
+        import torch.distributed as dist
+        ep_rank = dist.get_rank() % self.ep_size
+        return range(ep_rank * num_local, (ep_rank + 1) * num_local)
+
+    def forward(self, hidden_states: torch.Tensor,
+                used_token: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        d_model = hidden_states.shape[-1]
+        x = hidden_states.reshape(-1, d_model)
+        # DeepSpeed's gate with sparse routes: indices/gates are [k, S]; dropped routes have index -1.
+        l_aux, _capacity, _num_experts, indices, _locations, gates, exp_counts = self.gate(x, used_token, True, False)
+        if self.binding is not None:
+            y_slots = self.binding.run(x, indices)
+        else:
+            y_slots = self._run_local(x, indices)
+        output = combine_routes(y_slots, gates, y_slots.dtype).reshape(hidden_states.shape)
+        if self.use_residual:
+            output_mlp = self.mlp(hidden_states)
+            if isinstance(output_mlp, tuple):
+                output_mlp = output_mlp[0]
+            coef = F.softmax(self.coefficient(hidden_states), dim=-1)
+            output = output * coef[..., 0:1] + output_mlp * coef[..., 1:]
+        self.l_aux, self.exp_counts = l_aux, exp_counts
+        return output, l_aux, exp_counts
+
+    def _run_local(self, x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """Every expert on this rank (data-parallel MoE): one output row per (route, token) slot."""
+        if len(self.experts) != self.num_experts:
+            raise HecateModelError("this MoE layer holds only its expert-parallel share of experts; it can run "
+                                   "only after Hecate takes it over (ds_hecate.initialize)")
+        num_tokens = x.shape[0]
+        flat = indices.reshape(-1).long()
+        pieces, slots = [], []
+        for e, expert in enumerate(self.experts):
+            sel = torch.nonzero(flat == e).squeeze(1)
+            out = expert(x.index_select(0, sel % num_tokens))
+            pieces.append(out[0] if isinstance(out, tuple) else out)
+            slots.append(sel)
+        y = torch.cat(pieces)
+        return y.new_zeros(flat.numel(), y.shape[-1]).index_copy(0, torch.cat(slots), y)
