@@ -11,6 +11,7 @@ Steps 2-4 are autograd functions, so backward issues the mirror collectives in t
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import weakref
@@ -213,6 +214,26 @@ class HecateRuntime:
         finally:
             self.store.zero_grads()
             self.last_total_norm = None
+
+    # -- consolidation ------------------------------------------------------------------------------------------
+    def full_expert_weights(self) -> Dict[str, torch.Tensor]:
+        """Every expert of every layer as fp32 ``[num_experts, numel]`` on every rank. Collective.
+
+        A SparseAllGather to the placement 'every rank has every expert'; for export, checks and tests, not for
+        training (it materializes everything). Not counted as training traffic.
+        """
+        out = {}
+        saved = dataclasses.replace(self.comm.counters, calls=dict(self.comm.counters.calls))
+        for name, binding in zip(self.layer_names, self.bindings):
+            shard = binding.shard
+            everything = tuple(range(shard.num_experts))
+            plan = LayerPlan(world_size=self.world_size, num_experts=shard.num_experts, owners=shard.owners,
+                             materialized=(everything,) * self.world_size,
+                             routes=(((),) * shard.num_experts,) * self.world_size)
+            flats, _ = self.comm.sparse_all_gather(plan, shard.masters, shard.kernel.numel, torch.float32)
+            out[name] = torch.stack([flats[e].clone() for e in everything])
+        self.comm.counters = saved
+        return out
 
     # -- introspection ----------------------------------------------------------------------------------------
     def materialized_bytes(self) -> int:

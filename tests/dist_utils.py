@@ -1,0 +1,84 @@
+"""Run a function on N real processes over gloo, with a watchdog so a hang fails fast instead of eating CI."""
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+from typing import Any, Callable, Dict, List, Sequence
+
+import torch.multiprocessing as mp
+
+DEFAULT_TIMEOUT_S = float(os.environ.get("DS_HECATE_TEST_TIMEOUT", "300"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: Sequence[Any], results) -> None:
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                       "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+                       "LOCAL_WORLD_SIZE": os.environ.get("TEST_LOCAL_WORLD_SIZE", str(world_size)),
+                       "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"})
+    import torch
+    torch.set_num_threads(1)
+    try:
+        # Plain pickle (tensor data inline): the shared-memory handles of torch's queue die with this process.
+        results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
+    except BaseException:  # report every failure to the parent, which fails the test
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = DEFAULT_TIMEOUT_S) -> List[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return the per-rank results.
+
+    Raises AssertionError with the failing rank's traceback, or when the processes do not finish within
+    ``timeout`` seconds (then every process is killed).
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    out: List[Any] = [None] * world_size
+    failures: List[str] = []
+    pending = set(range(world_size))
+    deadline = time.monotonic() + timeout
+    dead_since: Dict[int, float] = {}
+    try:
+        while pending and not failures:
+            try:
+                rank, ok, payload = results.get(timeout=0.5)
+            except queue.Empty:
+                now = time.monotonic()
+                if now > deadline:
+                    raise AssertionError(f"watchdog: {world_size}-rank run of {fn.__name__} did not finish within "
+                                         f"{timeout:.0f} s (hang?); ranks still running: {sorted(pending)}") from None
+                for r in pending:  # a rank that died without reporting (crash, kill) fails the run
+                    if procs[r].exitcode is not None and now - dead_since.setdefault(r, now) > 5:
+                        failures.append(f"rank {r} exited with code {procs[r].exitcode} without a result")
+                continue
+            pending.discard(rank)
+            if ok:
+                out[rank] = pickle.loads(payload)
+            else:
+                failures.append(f"rank {rank} failed:\n{payload}")
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not failures else 1)
+            if p.is_alive():
+                p.kill()
+    if failures:
+        raise AssertionError("\n".join(failures))
+    return out
