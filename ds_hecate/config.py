@@ -42,18 +42,29 @@ class HecateConfig(BaseModel):
 HECATE_KEY = "hecate"
 
 
+def _short_repr(value: Any, limit: int = 80) -> str:
+    """repr for error messages: bounded, and safe for values repr() refuses (huge ints, deep nesting)."""
+    try:
+        text = repr(value)
+    except (ValueError, RecursionError):
+        return f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def _find_section(ds_config: Mapping[str, Any]) -> Tuple[Optional[Any], Optional[str]]:
-    """Return (raw section, where it was found) from a DeepSpeed config dict."""
+    """Return (raw section, where it was found) from a DeepSpeed config dict; a null section counts as ``{}``."""
     zero = ds_config.get("zero_optimization")
-    nested = zero.get(HECATE_KEY) if isinstance(zero, Mapping) else None
-    top = ds_config.get(HECATE_KEY)
-    if nested is not None and top is not None:
+    has_nested = isinstance(zero, Mapping) and HECATE_KEY in zero
+    has_top = HECATE_KEY in ds_config
+    nested = (zero[HECATE_KEY] if zero[HECATE_KEY] is not None else {}) if has_nested else None
+    top = (ds_config[HECATE_KEY] if ds_config[HECATE_KEY] is not None else {}) if has_top else None
+    if has_nested and has_top:
         raise HecateConfigError(
             "hecate: the config holds both 'zero_optimization.hecate' and a top-level 'hecate' section; "
             "keep exactly one (the canonical place is 'zero_optimization.hecate')")
-    if nested is not None:
+    if has_nested:
         return nested, "zero_optimization.hecate"
-    if top is not None:
+    if has_top:
         return top, "hecate"
     return None, None
 
@@ -61,7 +72,7 @@ def _find_section(ds_config: Mapping[str, Any]) -> Tuple[Optional[Any], Optional
 def parse_hecate_section(raw: Any, where: str = "zero_optimization.hecate") -> HecateConfig:
     """Validate one raw ``hecate`` section; raise :class:`HecateConfigError` naming the bad key."""
     if not isinstance(raw, Mapping):
-        raise HecateConfigError(f"{where}: expected a JSON object, got {type(raw).__name__} ({raw!r})")
+        raise HecateConfigError(f"{where}: expected a JSON object, got {type(raw).__name__} ({_short_repr(raw)})")
     try:
         return HecateConfig(**dict(raw))
     except ValidationError as exc:
@@ -71,7 +82,7 @@ def parse_hecate_section(raw: Any, where: str = "zero_optimization.hecate") -> H
             if err.get("type") == "extra_forbidden":
                 problems.append(f"unknown key '{where}.{key}' (known keys: {', '.join(HecateConfig.model_fields)})")
             else:
-                problems.append(f"'{where}.{key}': {err.get('msg')} (got {err.get('input')!r})")
+                problems.append(f"'{where}.{key}': {err.get('msg')} (got {_short_repr(err.get('input'))})")
         raise HecateConfigError("invalid hecate config: " + "; ".join(problems)) from None
     except TypeError as exc:  # non-string keys
         raise HecateConfigError(f"invalid hecate config in '{where}': {exc}") from None

@@ -89,6 +89,12 @@ class ExpertKernel:
         params = dict(expert.named_parameters())
         return torch.cat([params[n].detach().reshape(-1).to(torch.float32) for n in self.names])
 
+    def flatten_grad(self, expert: nn.Module) -> torch.Tensor:
+        """The expert's parameter gradients as one fp32 vector (zeros where a gradient is missing)."""
+        params = dict(expert.named_parameters())
+        return torch.cat([(params[n].grad if params[n].grad is not None else torch.zeros_like(params[n]))
+                          .detach().reshape(-1).to(torch.float32) for n in self.names])
+
     def views(self, flat: torch.Tensor) -> Dict[str, torch.Tensor]:
         """Named views into a flat vector (differentiable: gradients land in the flat vector)."""
         out, offset = {}, 0

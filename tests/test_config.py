@@ -276,18 +276,16 @@ def test_split_from_json_file_contents():
     assert stripped == {"train_batch_size": 4, "zero_optimization": {"stage": 2}}
 
 
-@pytest.mark.xfail(strict=True, reason="a null section ('hecate': null) is treated as absent but NOT stripped, so "
-                                       "DeepSpeed's extra='forbid' DeepSpeedZeroConfig later rejects "
-                                       "'zero_optimization.hecate'; docs say DeepSpeed never sees the section")
 @pytest.mark.parametrize("nested_null", [True, False])
 def test_split_strips_null_section(nested_null):
+    """'hecate': null means an empty section (all defaults: disabled) and is stripped like any other."""
     cfg = _ds_config()
     if nested_null:
         cfg["zero_optimization"]["hecate"] = None
     else:
         cfg["hecate"] = None
     hcfg, stripped = split_hecate_section(cfg)
-    assert hcfg is None
+    assert hcfg == HecateConfig() and not hcfg.enabled
     assert "hecate" not in stripped
     assert "hecate" not in stripped["zero_optimization"]
 
@@ -379,7 +377,7 @@ def test_fuzz_split_only_raises_config_error(nested, top, zero_extra, other):
     if top != "absent":
         cfg["hecate"] = top
     before = repr(cfg)
-    present = lambda v: v not in ("absent", None)  # noqa: E731
+    present = lambda v: v != "absent"  # noqa: E731  (a null section is present: it means {})
     try:
         hcfg, stripped = split_hecate_section(cfg)
     except HecateConfigError:
@@ -405,9 +403,6 @@ def test_fuzz_split_only_raises_config_error(nested, top, zero_extra, other):
     assert repr(cfg) == before, "input must not be mutated"
 
 
-@pytest.mark.xfail(strict=True, reason="building the error message repr()s the offending input; an int with more "
-                                       "than 4300 digits makes repr raise a plain ValueError instead of "
-                                       "HecateConfigError")
 @pytest.mark.parametrize("section", [{"enabled": 10 ** 5000}, {"placement": [1, -(10 ** 4400)]},
                                      {"reduce_dtype": {"x": 10 ** 5000}}])
 def test_huge_int_in_bad_value_raises_config_error(section):
@@ -415,9 +410,6 @@ def test_huge_int_in_bad_value_raises_config_error(section):
         parse_hecate_section(section)
 
 
-@pytest.mark.xfail(strict=True, reason="building the error message repr()s the offending input; a value nested "
-                                       "deeper than the recursion limit makes repr raise RecursionError instead "
-                                       "of HecateConfigError")
 def test_deeply_nested_bad_value_raises_config_error():
     deep: list = []
     for _ in range(5000):

@@ -389,9 +389,6 @@ def test_plan_layer_rejects_more_count_columns_than_experts():
         plan_layer([[1, 2, 3]], (0, 0), "owner")
 
 
-@pytest.mark.xfail(strict=True, reason="plan_layer raises IndexError (not ValueError) when owners name a rank "
-                                       ">= world_size or counts has fewer columns than owners: placement indexes "
-                                       "before validate_plan can reject the plan")
 @pytest.mark.parametrize("counts,owners", [
     ([[1, 2]], (0, 1)),          # owner rank 1 in a world of 1
     ([[1, 2]], (0, 0, 0)),       # 3 experts, counts for 2

@@ -61,6 +61,11 @@ def plan_layer(counts: Sequence[Sequence[int]], owners: Sequence[int], policy: s
     Deterministic in its inputs (no dict order, no floats in tie-breaks), so every rank gets the same plan.
     """
     world = len(counts)
+    if world < 1 or any(len(row) != len(owners) for row in counts):
+        raise ValueError(f"plan_layer: counts must be [world_size][num_experts={len(owners)}], got row lengths "
+                         f"{[len(row) for row in counts]}")
+    if any(not 0 <= o < world for o in owners):
+        raise ValueError(f"plan_layer: owners must be ranks in [0, {world}), got {tuple(owners)}")
     if policy not in POLICIES:
         raise ValueError(f"unknown placement policy {policy!r}; known: {sorted(POLICIES)}")
     materialized = POLICIES[policy](counts, owners, cost)
