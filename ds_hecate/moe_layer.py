@@ -25,7 +25,7 @@ from .errors import HecateModelError
 def combine_routes(y_slots: torch.Tensor, gates: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """Weighted top-k combine, with DeepSpeed's arithmetic (``_sparse_decode``): fp32 gates, sum over k."""
     k, num_tokens = gates.shape
-    routed = y_slots.view(k, num_tokens, -1)
+    routed = y_slots.view(k, num_tokens, y_slots.shape[-1])
     return (routed * gates.unsqueeze(-1)).sum(0).to(out_dtype)
 
 

@@ -32,11 +32,13 @@ class _Materialize(torch.autograd.Function):
     """Forward: SparseAllGather of this layer's plan. Backward: SparseReduceScatter into the owners' accumulators.
 
     The received token rows pass through unchanged, so this node sits on every rank's backward path (even a rank
-    that materializes nothing or receives no token), and its collective is issued on every rank.
+    that materializes nothing or receives no token), and its collective is issued on every rank. ``anchor`` is a
+    tensor that always requires grad, so the node is recorded even when the tokens do not require grad (a rank
+    whose micro-batch is empty, or whose rows came from nowhere).
     """
 
     @staticmethod
-    def forward(ctx, tokens: torch.Tensor, binding: "LayerBinding", plan: LayerPlan):
+    def forward(ctx, tokens: torch.Tensor, anchor: torch.Tensor, binding: "LayerBinding", plan: LayerPlan):
         ctx.binding, ctx.plan = binding, plan
         flats = binding.gather(plan)
         mine = plan.materialized[binding.runtime.rank]
@@ -47,7 +49,7 @@ class _Materialize(torch.autograd.Function):
         binding, plan = ctx.binding, ctx.plan
         mine = plan.materialized[binding.runtime.rank]
         binding.reduce_scatter(plan, dict(zip(mine, grad_weights)))
-        return grad_tokens, None, None
+        return grad_tokens, None, None, None
 
 
 class LayerBinding:
@@ -101,11 +103,11 @@ class LayerBinding:
         dsts = [dst for e in range(num_experts) for dst, n in plan.routes[rank][e] for _ in range(n)]
         dst_of_sorted = torch.tensor(dsts, dtype=torch.long, device=x.device)
         send_slots = by_expert.index_select(0, torch.argsort(dst_of_sorted, stable=True))
-        send_rows = x.index_select(0, send_slots % num_tokens) if num_tokens else x.new_zeros(0, x.shape[1])
+        send_rows = x.index_select(0, send_slots % max(num_tokens, 1))  # stays on the graph even when empty
 
         send_splits, recv_splits = plan.send_splits(rank), plan.recv_splits(rank)
         recv = AllToAllTokens.apply(send_rows, rt.comm, send_splits, recv_splits, "dispatch")
-        recv, *weights = _Materialize.apply(recv, self, plan)
+        recv, *weights = _Materialize.apply(recv, rt.autograd_anchor, self, plan)
 
         # Regroup received rows expert-major, run each materialized expert on its rows, restore the order.
         mine = plan.materialized[rank]
@@ -162,6 +164,7 @@ class HecateRuntime:
         self.reduce_dtype = torch.float32 if config.reduce_dtype == "fp32" else torch.bfloat16
         self.ranks_per_node = ranks_per_node
         self.store = ExpertShardStore()
+        self.autograd_anchor = torch.empty(0, requires_grad=True)
         self.bindings: List[LayerBinding] = []
         self.layer_names: List[str] = []
         self.optimizer: Optional[ExpertOptimizer] = None

@@ -151,7 +151,8 @@ def batch(spec: Spec, step: int, micro: int, rank: int, dtype: torch.dtype):
     y = torch.randn(n, generator=g)
     used = None
     if spec.zero_token_rank is not None:
-        used = torch.full((n,), 0.0 if rank == spec.zero_token_rank else 1.0)
+        # Integer mask: DeepSpeed's top-1 gate breaks on a float mask with drop_tokens=False (topk(k=float)).
+        used = torch.full((n,), 0 if rank == spec.zero_token_rank else 1, dtype=torch.long)
     return x, y, used
 
 
