@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from .config import HecateConfig, split_hecate_section
 from .errors import HecateConfigError, HecateUnsupportedError
+from .logging_utils import log_rank0
 
 _ORIGINAL_INITIALIZE = None
 
@@ -101,7 +102,6 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
     """Drop-in for ``deepspeed.initialize`` that lets Hecate own the experts when the config enables it."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
-    from deepspeed.utils import log_dist
 
     original = _ORIGINAL_INITIALIZE or deepspeed.initialize
     passthrough = dict(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
@@ -136,7 +136,7 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
     engine, engine_optimizer, dataloader, scheduler = original(**call)
     attach_engine(engine, runtime, groups)
     if hcfg.log_conversion:
-        log_dist(f"ds_hecate: {runtime.summary()}", ranks=[0])
+        log_rank0(runtime.summary())
     return engine, engine_optimizer, dataloader, scheduler
 
 

@@ -12,7 +12,6 @@ Steps 2-4 are autograd functions, so backward issues the mirror collectives in t
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 import weakref
 from typing import Dict, List, Optional, Sequence
@@ -24,8 +23,6 @@ from .config import HecateConfig
 from .expert_optimizer import ExpertOptimizer
 from .planning import CommCostModel, LayerPlan, plan_layer
 from .shard_store import ExpertShardStore, LayerShard
-
-logger = logging.getLogger("ds_hecate")
 
 
 class _Materialize(torch.autograd.Function):

@@ -29,7 +29,7 @@ def _launch(config: str, log_file: Path, hecate_import: bool, steps: int = 6) ->
 
 def test_deepspeed_launcher_trains_unmodified_script_with_hecate(tmp_path):
     out = _launch("ds_hecate.json", tmp_path / "hecate.json", hecate_import=True)
-    took_over = [line for line in out.splitlines() if "ds_hecate: Hecate took over" in line]
+    took_over = [line for line in out.splitlines() if "[ds_hecate] Hecate took over" in line]
     assert len(took_over) == 1, out[-3000:]  # one line, from rank 0
     assert "2 MoE layer(s) with 16 experts" in took_over[0]
     baseline_out = _launch("ds_baseline.json", tmp_path / "baseline.json", hecate_import=False)
