@@ -2,24 +2,25 @@
 ragged token all-to-all.
 
 All of them are built on ``all_to_all_single`` with split sizes (gloo has no uneven all_gather). Who sends what is
-read from the :class:`~ds_hecate.planning.LayerPlan`, which is identical on every rank, so every rank issues the
-same collectives in the same order; a collective is skipped only when the plan says it is empty on every rank.
+read from the :class:`~ds_hecate.planning.Placement` / :class:`~ds_hecate.planning.LayerPlan`, identical on every
+rank, so every rank issues the same collectives in the same order; a collective is skipped only when the plan says
+it is empty on every rank.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-from .planning import LayerPlan
+from .planning import Placement
 
 
 @dataclass
 class CommCounters:
-    """Bytes this rank sent, per kind of traffic (local copies excluded)."""
+    """Bytes this rank sent, per kind of traffic (local copies excluded), and calls per collective."""
 
     allgather_bytes: int = 0
     reducescatter_bytes: int = 0
@@ -29,9 +30,36 @@ class CommCounters:
     def count(self, kind: str) -> None:
         self.calls[kind] = self.calls.get(kind, 0) + 1
 
+    def add(self, other: "CommCounters") -> None:
+        self.allgather_bytes += other.allgather_bytes
+        self.reducescatter_bytes += other.reducescatter_bytes
+        self.dispatch_bytes += other.dispatch_bytes
+        for k, v in other.calls.items():
+            self.calls[k] = self.calls.get(k, 0) + v
+
     def as_dict(self) -> dict:
         return {"bytes_allgather": self.allgather_bytes, "bytes_reducescatter": self.reducescatter_bytes,
                 "bytes_dispatch": self.dispatch_bytes, "calls": dict(self.calls)}
+
+
+class PendingGather:
+    """A SparseAllGather in flight; :meth:`wait` returns (expert -> flat tensor, freshly allocated buffers)."""
+
+    def __init__(self, placement: Placement, finish: Callable[[], Tuple[Dict[int, torch.Tensor],
+                                                                       List[torch.Tensor]]]) -> None:
+        self.placement = placement
+        self._finish = finish
+        self._result: Optional[Tuple[Dict[int, torch.Tensor], List[torch.Tensor]]] = None
+
+    def wait(self) -> Tuple[Dict[int, torch.Tensor], List[torch.Tensor]]:
+        if self._result is None:
+            self._result = self._finish()
+            self._finish = None  # type: ignore[assignment]
+        return self._result
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 class Communicator:
@@ -41,25 +69,20 @@ class Communicator:
         self.group = group
         self.rank = rank
         self.world_size = world_size
-        self.counters = CommCounters()
 
     # ------------------------------------------------------------------------------------------------------------
-    def all_to_all(self, send: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int]) -> torch.Tensor:
-        """Ragged all-to-all along dim 0. With one rank it is a copy-free identity."""
+    def all_to_all(self, send: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int],
+                   async_op: bool = False):
+        """Ragged all-to-all along dim 0. Returns the receive tensor (and the Work handle when ``async_op``)."""
         if self.world_size == 1:
-            return send
+            return (send, None) if async_op else send
         recv = send.new_empty((sum(recv_splits),) + tuple(send.shape[1:]))
-        dist.all_to_all_single(recv, send.contiguous(), output_split_sizes=list(recv_splits),
-                               input_split_sizes=list(send_splits), group=self.group)
-        return recv
-
-    def count_token_bytes(self, rows: torch.Tensor, send_splits: Sequence[int]) -> None:
-        row_bytes = math.prod(rows.shape[1:]) * rows.element_size()
-        self.counters.dispatch_bytes += row_bytes * sum(s for d, s in enumerate(send_splits) if d != self.rank)
+        work = dist.all_to_all_single(recv, send.contiguous(), output_split_sizes=list(recv_splits),
+                                      input_split_sizes=list(send_splits), group=self.group, async_op=async_op)
+        return (recv, work) if async_op else recv
 
     def exchange_counts(self, local_counts: torch.Tensor) -> List[List[int]]:
         """All ranks' per-expert token-expert pair counts, as nested Python ints (the planner's input)."""
-        self.counters.count("counts")
         local = local_counts.to(torch.int64).reshape(-1)
         if self.world_size == 1:
             return [local.tolist()]
@@ -67,79 +90,100 @@ class Communicator:
         dist.all_gather_into_tensor(out, local, group=self.group)
         return out.view(self.world_size, -1).tolist()
 
-    def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
+    def all_reduce(self, value: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         if self.world_size > 1:
-            dist.all_reduce(value, op=dist.ReduceOp.SUM, group=self.group)
+            dist.all_reduce(value, op=op, group=self.group)
         return value
 
-    # ------------------------------------------------------------------------------------------------------------
-    def _chunk_exchange(self, sends: Dict[int, List[torch.Tensor]], recv_numels: Dict[int, List[int]],
-                        numel: int, dtype: torch.dtype, device: torch.device) -> Dict[int, List[torch.Tensor]]:
-        """Send per-dst lists of equal-size flat chunks; return per-src lists of received chunks."""
-        send_splits = [len(sends.get(d, ())) * numel for d in range(self.world_size)]
-        recv_splits = [len(recv_numels.get(s, ())) * numel for s in range(self.world_size)]
-        parts = [t.reshape(-1).to(dtype) for d in range(self.world_size) for t in sends.get(d, ())]
-        send = torch.cat(parts) if parts else torch.empty(0, dtype=dtype, device=device)
-        recv = self.all_to_all(send, send_splits, recv_splits)
-        out: Dict[int, List[torch.Tensor]] = {}
-        offset = 0
-        for src in range(self.world_size):
-            for _ in recv_numels.get(src, ()):
-                out.setdefault(src, []).append(recv.narrow(0, offset, numel))
-                offset += numel
+    def all_gather_object(self, obj) -> list:
+        if self.world_size == 1:
+            return [obj]
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
         return out
 
-    def sparse_all_gather(self, plan: LayerPlan, owned: Dict[int, torch.Tensor], numel: int,
-                          dtype: torch.dtype) -> Tuple[Dict[int, torch.Tensor], List[torch.Tensor]]:
-        """spAG(P, P'): the materialized experts of this rank, as flat ``dtype`` vectors.
+    # ------------------------------------------------------------------------------------------------------------
+    def _start_chunk_exchange(self, sends: Dict[int, List[torch.Tensor]], recv_lists: Dict[int, List[int]],
+                              numel: int, dtype: torch.dtype, device: torch.device, async_op: bool):
+        """Send per-dst lists of equal-size flat chunks; returns a function giving per-src received chunks."""
+        send_splits = [len(sends.get(d, ())) * numel for d in range(self.world_size)]
+        recv_splits = [len(recv_lists.get(s, ())) * numel for s in range(self.world_size)]
+        parts = [t.reshape(-1).to(dtype) for d in range(self.world_size) for t in sends.get(d, ())]
+        send = torch.cat(parts) if parts else torch.empty(0, dtype=dtype, device=device)
+        recv, work = self.all_to_all(send, send_splits, recv_splits, async_op=True)
+
+        def finish() -> Dict[int, List[torch.Tensor]]:
+            if work is not None:
+                work.wait()
+            out: Dict[int, List[torch.Tensor]] = {}
+            offset = 0
+            for src in range(self.world_size):
+                for _ in recv_lists.get(src, ()):
+                    out.setdefault(src, []).append(recv.narrow(0, offset, numel))
+                    offset += numel
+            return out
+        if not async_op:
+            received = finish()
+            return lambda: received
+        return finish
+
+    def start_sparse_all_gather(self, placement: Placement, owned: Dict[int, torch.Tensor], numel: int,
+                                dtype: torch.dtype, counters: CommCounters, async_op: bool = True) -> PendingGather:
+        """spAG(P, P'): start materializing this rank's experts of ``placement``; :meth:`PendingGather.wait` gives
+        them as flat ``dtype`` vectors.
 
         Owned experts are local (a view of the fp32 master when ``dtype`` is fp32, else a cast copy); every other
-        materialized expert is sent by its owner, and only the pairs in P' \\ P cross the wire. Also returns the
-        freshly allocated buffers the result views into, so callers can tell when that memory is released.
+        materialized expert is sent by its owner, and only the pairs in P' \\ P cross the wire. The wait also
+        returns the freshly allocated buffers the result views into, so callers can tell when that memory is freed.
         """
-        mine = plan.materialized[self.rank]
         result: Dict[int, torch.Tensor] = {}
         buffers: List[torch.Tensor] = []
-        for e in mine:
-            if plan.owners[e] == self.rank:
+        for e in placement.materialized[self.rank]:
+            if placement.owners[e] == self.rank:
                 master = owned[e]
                 result[e] = master.detach() if master.dtype == dtype else master.detach().to(dtype)
                 if master.dtype != dtype:
                     buffers.append(result[e])
-        if plan.num_moved == 0:
-            return result, buffers
-        self.counters.count("allgather")
+        if placement.num_moved == 0:
+            return PendingGather(placement, lambda: (result, buffers))
+        counters.count("allgather")
         device = next(iter(owned.values())).device if owned else torch.device("cpu")
-        send_lists = {dst: [owned[e] for e in experts] for dst, experts in plan.gather_sends(self.rank).items()}
-        recv_lists = plan.gather_recvs(self.rank)
-        received = self._chunk_exchange(send_lists, recv_lists, numel, dtype, device)
-        buffers.extend({id(c._base): c._base for chunks in received.values() for c in chunks}.values())
-        self.counters.allgather_bytes += sum(len(v) for v in send_lists.values()) * numel * _itemsize(dtype)
-        for src, experts in recv_lists.items():
-            for e, chunk in zip(experts, received[src]):
-                result[e] = chunk
-        return result, buffers
+        send_lists = {dst: [owned[e] for e in experts] for dst, experts in placement.gather_sends(self.rank).items()}
+        recv_lists = placement.gather_recvs(self.rank)
+        finish_exchange = self._start_chunk_exchange(send_lists, recv_lists, numel, dtype, device, async_op)
+        counters.allgather_bytes += sum(len(v) for v in send_lists.values()) * numel * _itemsize(dtype)
 
-    def sparse_reduce_scatter(self, plan: LayerPlan, grads: Dict[int, torch.Tensor], numel: int,
-                              wire_dtype: torch.dtype) -> Dict[int, torch.Tensor]:
+        def finish():
+            received = finish_exchange()
+            replicas = {id(c._base): c._base for chunks in received.values() for c in chunks}
+            for src, experts in recv_lists.items():
+                for e, chunk in zip(experts, received[src]):
+                    result[e] = chunk
+            return result, buffers + list(replicas.values())
+        return PendingGather(placement, finish)
+
+    def sparse_reduce_scatter(self, placement: Placement, grads: Dict[int, torch.Tensor], numel: int,
+                              wire_dtype: torch.dtype, counters: CommCounters) -> Dict[int, torch.Tensor]:
         """spRS(P', P): sum every materialized copy's gradient onto the expert's owner.
 
         ``grads`` holds this rank's gradient for each of its materialized experts. Returns, for each expert this
         rank owns, the sum over all ranks (fp32), summed in a fixed order: own copy first, then by source rank.
         """
         totals: Dict[int, torch.Tensor] = {}
-        for e in plan.materialized[self.rank]:
-            if plan.owners[e] == self.rank:
+        for e in placement.materialized[self.rank]:
+            if placement.owners[e] == self.rank:
                 totals[e] = grads[e].to(torch.float32)
-        if plan.num_moved == 0:
+        if placement.num_moved == 0:
             return totals
-        self.counters.count("reducescatter")
+        counters.count("reducescatter")
         # As a replica, send to each owner the experts it sent us in spAG (same lists, opposite direction).
-        send_lists = {owner: [grads[e] for e in experts] for owner, experts in plan.gather_recvs(self.rank).items()}
-        recv_lists = plan.gather_sends(self.rank)
+        send_lists = {owner: [grads[e] for e in experts]
+                      for owner, experts in placement.gather_recvs(self.rank).items()}
+        recv_lists = placement.gather_sends(self.rank)
         device = next(iter(grads.values())).device if grads else torch.device("cpu")
-        received = self._chunk_exchange(send_lists, recv_lists, numel, wire_dtype, device)
-        self.counters.reducescatter_bytes += sum(len(v) for v in send_lists.values()) * numel * _itemsize(wire_dtype)
+        received = self._start_chunk_exchange(send_lists, recv_lists, numel, wire_dtype, device, False)()
+        counters.reducescatter_bytes += (sum(len(v) for v in send_lists.values()) * numel
+                                         * _itemsize(wire_dtype))
         for src in range(self.world_size):
             for e, chunk in zip(recv_lists.get(src, ()), received.get(src, ())):
                 totals[e] = totals[e] + chunk.to(torch.float32)
@@ -147,10 +191,10 @@ class Communicator:
 
     def move_experts(self, sources: Sequence[int], owners: Sequence[int], local: Dict[int, torch.Tensor],
                      numel: int) -> Dict[int, torch.Tensor]:
-        """One-off redistribution: expert e goes from rank ``sources[e]`` to rank ``owners[e]`` (fp32).
+        """One-off redistribution: expert e's flat fp32 chunk goes from rank ``sources[e]`` to ``owners[e]``.
 
-        Used at conversion, when experts start replicated (taken from rank 0, as DeepSpeed's broadcast does) or
-        spread over expert-parallel ranks.
+        Used at conversion (experts start replicated, taken from rank 0 as DeepSpeed's broadcast does, or spread
+        over expert-parallel ranks) and when re-sharding (chunks then carry optimizer state too).
         """
         sends: Dict[int, List[torch.Tensor]] = {}
         recvs: Dict[int, List[int]] = {}
@@ -163,15 +207,11 @@ class Communicator:
             elif dst == self.rank:
                 recvs.setdefault(src, []).append(e)
         if any(s != d for s, d in zip(sources, owners)):
-            received = self._chunk_exchange(sends, recvs, numel, torch.float32, torch.device("cpu"))
+            received = self._start_chunk_exchange(sends, recvs, numel, torch.float32, torch.device("cpu"), False)()
             for src, experts in recvs.items():
                 for e, chunk in zip(experts, received[src]):
                     kept[e] = chunk.clone()
         return kept
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 class AllToAllTokens(torch.autograd.Function):
@@ -179,17 +219,19 @@ class AllToAllTokens(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, comm: Communicator, send_splits: List[int], recv_splits: List[int],
-                kind: str) -> torch.Tensor:
-        ctx.comm, ctx.send_splits, ctx.recv_splits, ctx.kind = comm, send_splits, recv_splits, kind
-        return _token_exchange(comm, x, send_splits, recv_splits, kind)
+                counters: CommCounters) -> torch.Tensor:
+        ctx.comm, ctx.send_splits, ctx.recv_splits, ctx.counters = comm, send_splits, recv_splits, counters
+        return _token_exchange(comm, x, send_splits, recv_splits, counters)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _token_exchange(ctx.comm, grad, ctx.recv_splits, ctx.send_splits, ctx.kind), None, None, None, None
+        return (_token_exchange(ctx.comm, grad, ctx.recv_splits, ctx.send_splits, ctx.counters),
+                None, None, None, None)
 
 
 def _token_exchange(comm: Communicator, x: torch.Tensor, send_splits: List[int], recv_splits: List[int],
-                    kind: str) -> torch.Tensor:
-    comm.count_token_bytes(x, send_splits)
-    comm.counters.count(kind)
+                    counters: CommCounters) -> torch.Tensor:
+    row_bytes = math.prod(x.shape[1:]) * x.element_size()
+    counters.dispatch_bytes += row_bytes * sum(s for d, s in enumerate(send_splits) if d != comm.rank)
+    counters.count("alltoall")
     return comm.all_to_all(x, send_splits, recv_splits)

@@ -14,8 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .errors import HecateConfigError
 
-#: Placement policies the planner knows (see ``ds_hecate.planning.placement``).
-PlacementName = Literal["cost", "owner", "local"]
+#: Placement policies the planner knows (see ``ds_hecate.planning``).
+PlacementName = Literal["hecate", "cost", "owner", "local"]
 
 
 class HecateConfig(BaseModel):
@@ -25,11 +25,35 @@ class HecateConfig(BaseModel):
 
     enabled: bool = Field(False, description="Turn Hecate (FSSDP for the experts) on.")
     placement: PlacementName = Field(
-        "cost",
-        description=("Which experts each rank materializes every iteration. 'cost': its owned experts plus every "
-                     "expert its local tokens route to when moving the expert is cheaper than moving the tokens; "
-                     "'owner': owned experts only (plain expert parallelism); 'local': every expert a local token "
-                     "routes to (no token leaves its rank)."))
+        "hecate",
+        description=("Which experts each rank materializes every iteration. 'hecate': load-aware scheduler "
+                     "(predicted loads, overlap degree, memory budget, optional calibration); 'cost': owned "
+                     "experts plus every expert whose local tokens would move more bytes than the expert; 'owner': "
+                     "owned experts only (plain expert parallelism); 'local': every expert a local token routes "
+                     "to (no token leaves its rank)."))
+    load_window: int = Field(5, ge=1, le=10000, description="Iterations in the load-prediction sliding window.")
+    materialize_budget_mb: float = Field(
+        1024.0, ge=0, le=1e9, description="Per-rank memory for materialized replicas of other ranks' experts (MiB).")
+    overlap_degree: Optional[int] = Field(
+        None, ge=0, le=1 << 20,
+        description="t: experts a rank can move while the preceding non-MoE compute runs; null: from the cost model.")
+    calibration: bool = Field(
+        False, description="Re-plan after the gate with the actual counts; gather more only if estimated faster.")
+    rematerialize: bool = Field(
+        False, description="Release materialized experts after forward and gather them again for backward.")
+    prefetch: bool = Field(True, description="Issue a layer's SparseAllGather before its gate (after the previous "
+                                             "MoE layer) so it overlaps the non-MoE compute.")
+    reshard_interval: int = Field(
+        100, ge=0, le=1 << 30, description="Heterogeneous re-sharding every N optimizer steps (0: never).")
+    compute_s_per_pair: Optional[float] = Field(
+        None, gt=0, le=1.0, description="Expert compute per token-expert pair, fwd+bwd (s); null: measured.")
+    link_gbps: Optional[float] = Field(
+        None, gt=0, le=1e6, description="Bandwidth between ranks of one node (GB/s); null: measured.")
+    inter_node_gbps: Optional[float] = Field(
+        None, gt=0, le=1e6, description="Bandwidth between nodes (GB/s); null: same as link_gbps.")
+    non_moe_time_s: Optional[float] = Field(
+        None, ge=0, le=3600.0, description="T_nonMoE: compute before each MoE layer that hides its gather (s); "
+                                           "null: measured.")
     ranks_per_node: Optional[int] = Field(
         None, ge=1, description="Ranks per node for topology-aware dispatch; default: LOCAL_WORLD_SIZE.")
     reduce_dtype: Literal["fp32", "bf16"] = Field(

@@ -31,6 +31,7 @@ class HecateEngine(DeepSpeedEngine):
         loss_scale = float(getattr(self.optimizer, "loss_scale", 1.0))
         result = super().step(lr_kwargs)
         runtime.apply_step(self.was_step_applied(), self.dp_world_size, loss_scale, self.gradient_clipping(), lrs)
+        runtime.after_step(self.global_steps)
         return result
 
 

@@ -38,7 +38,7 @@ class ExpertOptimizer:
         if len(groups) != len(lr_sources):
             raise ValueError("one LrSource per expert param group")
         self.lr_sources = list(lr_sources)
-        self._empty = all(len(g["params"]) == 0 for g in groups)
+        # A group may own no expert on this rank (now, or after re-sharding); a zero-size placeholder keeps it.
         placeholder = [{**g, "params": list(g["params"]) or [nn.Parameter(torch.zeros(0))]} for g in groups]
         try:
             self.optimizer = optimizer_cls(placeholder)
@@ -62,8 +62,21 @@ class ExpertOptimizer:
             for p in group["params"]:
                 if p.grad is not None:
                     p.grad.mul_(grad_scale)
-        if not self._empty:
-            self.optimizer.step()
+        self.optimizer.step()
+
+    # -- re-sharding: parameters (with their state) leave and join this rank --------------------------------------
+    def state_of(self, param: nn.Parameter) -> Dict[str, Any]:
+        return self.optimizer.state.get(param, {})
+
+    def remove(self, param: nn.Parameter) -> None:
+        for group in self.optimizer.param_groups:
+            group["params"] = [p for p in group["params"] if p is not param]
+        self.optimizer.state.pop(param, None)
+
+    def add(self, group_index: int, param: nn.Parameter, state: Dict[str, Any]) -> None:
+        self.optimizer.param_groups[group_index]["params"].append(param)
+        if state:
+            self.optimizer.state[param] = state
 
     def state_bytes(self) -> int:
         total = 0

@@ -193,7 +193,9 @@ def attach_engine(engine: Any, runtime: Any, groups: Any) -> None:
             expert_groups.append({**hyper, "params": []})
             lr_sources.append(lr_source)
         expert_groups[by_group[key]]["params"].extend(shard.masters[e] for e in shard.owned)
+        runtime.layer_group[shard.layer_id] = by_group[key]
     runtime.optimizer = ExpertOptimizer(type(basic), expert_groups, lr_sources)
+    engine.module.register_forward_pre_hook(lambda module, args: runtime.on_model_forward())
 
 
 def patch_deepspeed() -> None:

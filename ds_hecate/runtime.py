@@ -1,135 +1,352 @@
 """Hecate runtime: per-layer execution of one MoE call, and the per-step expert update.
 
-One MoE layer call, on every rank, whatever its tokens:
+One MoE layer call, on every rank, whatever its tokens (:meth:`LayerBinding.run`):
 
-1. exchange per-expert token counts (all-gather) and compute the plan (identical on every rank);
-2. dispatch token rows to the ranks that process them (ragged all-to-all);
-3. SparseAllGather the experts this rank materializes; backward runs SparseReduceScatter to the owners;
-4. run each materialized expert on its rows; send results back (ragged all-to-all) and combine.
+1. (ahead of time, when prefetching) SparseAllGather of the placement predicted from the load window;
+2. exchange per-expert token counts (all-gather); optionally calibrate the placement with them (extra gather);
+3. route tokens (topology-aware dispatch) and send them to the ranks that process them (ragged all-to-all);
+4. run each materialized expert on its rows; send results back (ragged all-to-all) and combine;
+5. prefetch the next layer's placement.
 
-Steps 2-4 are autograd functions, so backward issues the mirror collectives in the mirror order on every rank.
+The gather/compute pair is an autograd function, so backward issues SparseReduceScatter (and, with
+re-materialization, a second SparseAllGather) in the mirror order on every rank.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
+import time
 import weakref
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .collectives import AllToAllTokens, Communicator
+from .collectives import AllToAllTokens, CommCounters, Communicator, PendingGather
 from .config import HecateConfig
+from .errors import HecateError
 from .expert_optimizer import ExpertOptimizer
-from .planning import CommCostModel, LayerPlan, plan_layer
+from .planning import CommCostModel, LayerPlan, Placement, POLICIES, topology_aware_routes
+from .planning.predictor import LoadPredictor
+from .planning.scheduler import StepCostModel, rank_loads, schedule_materialization
 from .shard_store import ExpertShardStore, LayerShard
+
+PHASES = ("counts", "plan", "gather", "dispatch", "compute", "combine", "reduce_scatter", "regather")
+
+
+def _in_backward_pass() -> bool:
+    """True while autograd runs a backward pass (activation-checkpoint recompute happens there)."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return current is not None and current() != -1
+
+
+def _run_experts(kernel, recv: torch.Tensor, weights: Sequence[torch.Tensor], order: torch.Tensor,
+                 sizes: Sequence[int]) -> torch.Tensor:
+    """Regroup received rows expert-major, run each materialized expert on its rows, restore the received order."""
+    grouped = recv.index_select(0, order)
+    outs, offset = [], 0
+    for weight, size in zip(weights, sizes):
+        outs.append(kernel(weight, grouped.narrow(0, offset, size)))
+        offset += size
+    y_grouped = torch.cat(outs) if outs else grouped
+    return y_grouped.index_select(0, torch.argsort(order))
 
 
 class _Materialize(torch.autograd.Function):
-    """Forward: SparseAllGather of this layer's plan. Backward: SparseReduceScatter into the owners' accumulators.
+    """Forward: hands out the gathered experts. Backward: SparseReduceScatter into the owners' accumulators.
 
     The received token rows pass through unchanged, so this node sits on every rank's backward path (even a rank
-    that materializes nothing or receives no token), and its collective is issued on every rank. ``anchor`` is a
-    tensor that always requires grad, so the node is recorded even when the tokens do not require grad (a rank
-    whose micro-batch is empty, or whose rows came from nowhere).
+    that materializes nothing or receives no token), and its collective is issued on every rank. ``anchor`` always
+    requires grad, so the node is recorded even when the tokens do not (an empty micro-batch).
     """
 
     @staticmethod
-    def forward(ctx, tokens: torch.Tensor, anchor: torch.Tensor, binding: "LayerBinding", plan: LayerPlan):
+    def forward(ctx, tokens, anchor, binding, plan, flats):
         ctx.binding, ctx.plan = binding, plan
-        flats = binding.gather(plan)
         mine = plan.materialized[binding.runtime.rank]
         return (tokens.view_as(tokens),) + tuple(flats[e] for e in mine)
 
     @staticmethod
-    def backward(ctx, grad_tokens: torch.Tensor, *grad_weights: torch.Tensor):
+    def backward(ctx, grad_tokens, *grad_weights):
         binding, plan = ctx.binding, ctx.plan
         mine = plan.materialized[binding.runtime.rank]
         binding.reduce_scatter(plan, dict(zip(mine, grad_weights)))
-        return grad_tokens, None, None, None
+        return grad_tokens, None, None, None, None
+
+
+class _RematerializedExperts(torch.autograd.Function):
+    """Re-materialization mode: expert compute that keeps no expert weights between forward and backward.
+
+    Forward runs the experts without recording them and drops the gathered weights; backward gathers the same
+    placement again (second SparseAllGather), recomputes the experts with autograd, and reduce-scatters their
+    gradients. Only the received rows are saved.
+    """
+
+    @staticmethod
+    def forward(ctx, recv, anchor, binding, plan, flats, order, sizes):
+        ctx.binding, ctx.plan, ctx.sizes = binding, plan, sizes
+        ctx.save_for_backward(recv, order)
+        mine = plan.materialized[binding.runtime.rank]
+        with torch.no_grad():
+            return _run_experts(binding.shard.kernel, recv, [flats[e] for e in mine], order, sizes)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        binding, plan = ctx.binding, ctx.plan
+        recv, order = ctx.saved_tensors
+        mine = plan.materialized[binding.runtime.rank]
+        with binding.timed("regather"):
+            flats = binding.gather(plan.placement, async_op=False).wait()[0]
+        leaves = [flats[e].detach().requires_grad_(True) for e in mine]
+        rows = recv.detach().requires_grad_(recv.requires_grad)
+        with torch.enable_grad():
+            y = _run_experts(binding.shard.kernel, rows, leaves, order, ctx.sizes)
+            inputs = leaves + ([rows] if rows.requires_grad else [])
+            grads = torch.autograd.grad(y, inputs, grad_out, allow_unused=True) if inputs else []
+        weight_grads = {e: (g if g is not None else torch.zeros_like(w)) for e, g, w in zip(mine, grads, leaves)}
+        binding.reduce_scatter(plan, weight_grads)
+        grad_rows = grads[len(leaves)] if rows.requires_grad else None
+        return grad_rows, None, None, None, None, None, None
 
 
 class LayerBinding:
     """Connects one ``ds_hecate.MoE`` module to the runtime and to its shard."""
 
-    def __init__(self, runtime: "HecateRuntime", shard: LayerShard, cost: CommCostModel) -> None:
+    def __init__(self, runtime: "HecateRuntime", shard: LayerShard, hidden_size: int) -> None:
         self.runtime = runtime
         self.shard = shard
-        self.cost = cost
+        self.hidden_size = hidden_size
+        self.cost = runtime.comm_cost_model(shard, hidden_size)
+        self.predictor = LoadPredictor(runtime.config.load_window)
+        self.counters = CommCounters()
+        self.phase_s: Dict[str, float] = {p: 0.0 for p in PHASES}
+        self.pending: Optional[PendingGather] = None
+        self.forward_cache: List[Tuple[List[List[int]], LayerPlan]] = []
         self.last_plan: Optional[LayerPlan] = None
+        self.last_counts: Optional[List[List[int]]] = None
+        self.calls = 0
+        self.prefetch_hits = 0
+        self.pairs_processed = 0
+        self.gaps_s: List[float] = []
+        self.cross_node_rows = 0
+        self.avoidable_cross_node_rows = 0
+        self.peak_replica_bytes = 0
         self._live_buffers: List[weakref.ref] = []
 
-    # -- collectives ------------------------------------------------------------------------------------------
-    def gather(self, plan: LayerPlan) -> Dict[int, torch.Tensor]:
+    # -- helpers -----------------------------------------------------------------------------------------------
+    class _Timer:
+        def __init__(self, binding: "LayerBinding", phase: str) -> None:
+            self.binding, self.phase = binding, phase
+
+        def __enter__(self):
+            self.start = time.perf_counter()
+
+        def __exit__(self, *exc):
+            self.binding.phase_s[self.phase] += time.perf_counter() - self.start
+
+    def timed(self, phase: str) -> "_Timer":
+        return LayerBinding._Timer(self, phase)
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes of one materialized expert in the compute dtype."""
+        return self.shard.kernel.numel * torch.empty((), dtype=self.runtime.compute_dtype).element_size()
+
+    def replica_budget(self) -> int:
+        """Replicas this layer may hold per rank within ``materialize_budget_mb``."""
         rt = self.runtime
-        flats, buffers = rt.comm.sparse_all_gather(plan, self.shard.masters, self.shard.kernel.numel,
-                                                   rt.compute_dtype)
-        self._live_buffers = [weakref.ref(t) for t in buffers]
-        return flats
+        resident_layers = 1 if rt.config.rematerialize else max(1, len(rt.bindings))
+        return int(rt.config.materialize_budget_mb * (1 << 20) // (resident_layers * self.expert_bytes))
+
+    def owner_placement(self) -> Placement:
+        owned = [[] for _ in range(self.runtime.world_size)]
+        for e, o in enumerate(self.shard.owners):
+            owned[o].append(e)
+        return Placement(self.shard.owners, tuple(tuple(x) for x in owned))
+
+    # -- collectives ---------------------------------------------------------------------------------------------
+    def gather(self, placement: Placement, async_op: bool) -> PendingGather:
+        rt = self.runtime
+        pending = rt.comm.start_sparse_all_gather(placement, self.shard.masters, self.shard.kernel.numel,
+                                                  rt.compute_dtype, self.counters, async_op=async_op)
+        finish = pending.wait
+
+        def tracked():
+            flats, buffers = finish()
+            self._live_buffers.extend(weakref.ref(t) for t in buffers)
+            live = self.replica_bytes_alive()
+            self.peak_replica_bytes = max(self.peak_replica_bytes, live)
+            rt.note_replica_bytes()
+            return flats, buffers
+        return PendingGather(placement, tracked)
 
     def reduce_scatter(self, plan: LayerPlan, grads: Dict[int, torch.Tensor]) -> None:
         rt = self.runtime
-        totals = rt.comm.sparse_reduce_scatter(plan, grads, self.shard.kernel.numel, rt.reduce_dtype)
-        self.shard.accumulate(totals)
+        with self.timed("reduce_scatter"):
+            totals = rt.comm.sparse_reduce_scatter(plan.placement, grads, self.shard.kernel.numel, rt.reduce_dtype,
+                                                   self.counters)
+            self.shard.accumulate(totals)
 
-    def materialized_bytes(self) -> int:
+    def replica_bytes_alive(self) -> int:
         """Bytes of materialized expert copies still alive (replicas and cast copies, not the masters)."""
-        total = 0
+        total, alive = 0, []
         for ref in self._live_buffers:
             t = ref()
             if t is not None:
                 total += t.numel() * t.element_size()
+                alive.append(ref)
+        self._live_buffers = alive
         return total
+
+    # -- planning -----------------------------------------------------------------------------------------------
+    def predicted_placement(self) -> Placement:
+        """The 'hecate' placement from the load window (owners only before any observation)."""
+        predicted = self.predictor.predict()
+        if predicted is None:
+            return self.owner_placement()
+        rt = self.runtime
+        materialized = schedule_materialization(predicted, self.shard.owners, rt.step_costs(self),
+                                                self.replica_budget(), rt.ranks_per_node)
+        return Placement(self.shard.owners, materialized)
+
+    def start_prefetch(self) -> None:
+        if self.pending is None and self.runtime.config.placement == "hecate":
+            self.pending = self.gather(self.predicted_placement(), async_op=True)
+
+    def _plan(self, counts: List[List[int]]) -> Tuple[LayerPlan, PendingGather, Optional[PendingGather]]:
+        """Plan this call; returns (plan, gather of the main placement, gather of calibration extras or None)."""
+        rt, owners = self.runtime, self.shard.owners
+        if rt.config.placement != "hecate":
+            materialized = POLICIES[rt.config.placement](counts, owners, self.cost)
+            pending, extra = self.gather(Placement(owners, materialized), async_op=False), None
+        else:
+            self.prefetch_hits += self.pending is not None
+            pending = self.pending or self.gather(self.predicted_placement(), async_op=False)
+            self.pending = None
+            materialized = pending.placement.materialized
+            extra = None
+            if rt.config.calibration:
+                calibrated = schedule_materialization(counts, owners, rt.step_costs(self), self.replica_budget(),
+                                                      rt.ranks_per_node, start=materialized, prefetched=materialized)
+                if calibrated != materialized:
+                    added = tuple(tuple(sorted(set(c) - set(m) | {e for e in m if owners[e] == r}))
+                                  for r, (c, m) in enumerate(zip(calibrated, materialized)))
+                    extra = self.gather(Placement(owners, added), async_op=False)
+                    materialized = calibrated
+        routes = topology_aware_routes(counts, materialized, rt.ranks_per_node)
+        plan = LayerPlan(world_size=rt.world_size, num_experts=self.shard.num_experts, owners=owners,
+                         materialized=materialized, routes=routes)
+        return plan, pending, extra
+
+    def _cached_plan(self, counts: List[List[int]]) -> LayerPlan:
+        for i, (cached_counts, plan) in enumerate(self.forward_cache):
+            if cached_counts == counts:
+                del self.forward_cache[i]
+                return plan
+        raise HecateError(
+            f"MoE layer '{self.shard.name}': activation-checkpoint recompute routed tokens differently from the "
+            "forward pass; recompute must reproduce the gate (keep torch.utils.checkpoint's preserve_rng_state=True "
+            "and do not change the model between forward and backward)")
 
     # -- one layer call ---------------------------------------------------------------------------------------
     def run(self, x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """Expert outputs for every (route, token) slot of ``indices`` ([k, S], -1 = dropped); zeros if dropped."""
         rt, shard = self.runtime, self.shard
         rank, num_experts = rt.rank, shard.num_experts
+        recompute = _in_backward_pass()
+        rt.note_layer_call(self, recompute)
+        if not recompute and rt.last_layer_end is not None:
+            self.gaps_s = (self.gaps_s + [time.perf_counter() - rt.last_layer_end])[-16:]
         num_tokens = x.shape[0]
         flat = indices.reshape(-1).long()
         valid_slots = torch.nonzero(flat >= 0).squeeze(1)
         experts_of_valid = flat.index_select(0, valid_slots)
-        local_counts = torch.bincount(experts_of_valid, minlength=num_experts)
-        counts = rt.comm.exchange_counts(local_counts)
-        plan = rt.plan(self, counts)
-        self.last_plan = plan
+        with self.timed("counts"):
+            counts = rt.comm.exchange_counts(torch.bincount(experts_of_valid, minlength=num_experts))
+        with self.timed("plan"):
+            if recompute:
+                plan = self._cached_plan(counts)
+                pending, extra = self.gather(plan.placement, async_op=False), None
+            else:
+                plan, pending, extra = self._plan(counts)
+                self.predictor.push(counts)
+                self.forward_cache.append((counts, plan))
+                self._record(plan, counts)
+        with self.timed("gather"):
+            flats = dict(pending.wait()[0])
+            if extra is not None:
+                flats.update(extra.wait()[0])
 
         # Send order: by destination, then expert, then slot; the receiver expects (src, expert) segments.
-        by_expert = valid_slots.index_select(0, torch.argsort(experts_of_valid, stable=True))
-        dsts = [dst for e in range(num_experts) for dst, n in plan.routes[rank][e] for _ in range(n)]
-        dst_of_sorted = torch.tensor(dsts, dtype=torch.long, device=x.device)
-        send_slots = by_expert.index_select(0, torch.argsort(dst_of_sorted, stable=True))
-        send_rows = x.index_select(0, send_slots % max(num_tokens, 1))  # stays on the graph even when empty
+        with self.timed("dispatch"):
+            by_expert = valid_slots.index_select(0, torch.argsort(experts_of_valid, stable=True))
+            dsts = [dst for e in range(num_experts) for dst, n in plan.routes[rank][e] for _ in range(n)]
+            dst_of_sorted = torch.tensor(dsts, dtype=torch.long, device=x.device)
+            send_slots = by_expert.index_select(0, torch.argsort(dst_of_sorted, stable=True))
+            send_rows = x.index_select(0, send_slots % max(num_tokens, 1))  # on the graph even when empty
+            send_splits, recv_splits = plan.send_splits(rank), plan.recv_splits(rank)
+            recv = AllToAllTokens.apply(send_rows, rt.comm, send_splits, recv_splits, self.counters)
 
-        send_splits, recv_splits = plan.send_splits(rank), plan.recv_splits(rank)
-        recv = AllToAllTokens.apply(send_rows, rt.comm, send_splits, recv_splits, "dispatch")
-        recv, *weights = _Materialize.apply(recv, rt.autograd_anchor, self, plan)
+        with self.timed("compute"):
+            mine = plan.materialized[rank]
+            order, sizes = _expert_major_order(plan, rank, mine)
+            order_t = torch.tensor(order, dtype=torch.long, device=x.device)
+            if rt.config.rematerialize:
+                y_recv = _RematerializedExperts.apply(recv, rt.autograd_anchor, self, plan, flats, order_t, sizes)
+            else:
+                recv, *weights = _Materialize.apply(recv, rt.autograd_anchor, self, plan, flats)
+                y_recv = _run_experts(shard.kernel, recv, weights, order_t, sizes)
+            del flats
+        with self.timed("combine"):
+            y_back = AllToAllTokens.apply(y_recv, rt.comm, recv_splits, send_splits, self.counters)
+            out = y_back.new_zeros(flat.numel(), y_back.shape[-1]).index_copy(0, send_slots, y_back)
+        if not recompute and rt.config.prefetch:
+            rt.prefetch_after(self)
+        rt.last_layer_end = time.perf_counter()
+        return out
 
-        # Regroup received rows expert-major, run each materialized expert on its rows, restore the order.
-        mine = plan.materialized[rank]
-        order, sizes = _expert_major_order(plan, rank, mine)
-        order_t = torch.tensor(order, dtype=torch.long, device=x.device)
-        grouped = recv.index_select(0, order_t)
-        outs = []
-        offset = 0
-        for weight, size in zip(weights, sizes):
-            rows = grouped.narrow(0, offset, size)
-            outs.append(shard.kernel(weight, rows))
-            offset += size
-        y_grouped = torch.cat(outs) if outs else grouped
-        y_recv = y_grouped.index_select(0, torch.argsort(order_t))
-        y_back = AllToAllTokens.apply(y_recv, rt.comm, recv_splits, send_splits, "combine")
-        return y_back.new_zeros(flat.numel(), y_back.shape[-1]).index_copy(0, send_slots, y_back)
+    def _record(self, plan: LayerPlan, counts: List[List[int]]) -> None:
+        self.last_plan, self.last_counts = plan, counts
+        self.calls += 1
+        self.pairs_processed += plan.tokens_processed(self.runtime.rank)
+        crossing, avoidable = plan.node_traffic(self.runtime.ranks_per_node)
+        self.cross_node_rows += crossing
+        self.avoidable_cross_node_rows += avoidable
+
+    # -- statistics ----------------------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        plan, counts = self.last_plan, self.last_counts
+        out = {"name": self.shard.name, "num_experts": self.shard.num_experts, "owners": list(self.shard.owners),
+               "owned_experts": self.shard.owned, "calls": self.calls, "prefetch_hits": self.prefetch_hits, "replica_budget": self.replica_budget(),
+               "peak_replica_bytes": self.peak_replica_bytes, **self.counters.as_dict(),
+               "cross_node_tokens": self.cross_node_rows,
+               "avoidable_cross_node_tokens": self.avoidable_cross_node_rows,
+               "time_s": {k: round(v, 6) for k, v in self.phase_s.items()}}
+        if plan is not None and counts is not None:
+            world = self.runtime.world_size
+            before = [sum(row) for row in rank_loads(counts, self.owner_placement().materialized,
+                                                     self.runtime.ranks_per_node)[0]]
+            after = [plan.tokens_processed(r) for r in range(world)]
+            moved_experts = {e for e, _ in plan.gather_pairs}
+            out.update({
+                "tokens_per_expert": [sum(row[e] for row in counts) for e in range(self.shard.num_experts)],
+                "compute_per_rank_before": before, "compute_per_rank_after": after,
+                "load_imbalance_before": _imbalance(before), "load_imbalance_after": _imbalance(after),
+                "replicas": plan.num_moved, "materialized": [list(m) for m in plan.materialized],
+                "lambda": len(moved_experts) / self.shard.num_experts,
+            })
+        return out
+
+
+def _imbalance(loads: Sequence[float]) -> float:
+    mean = sum(loads) / len(loads)
+    return max(loads) / mean if mean > 0 else 1.0
 
 
 def _expert_major_order(plan: LayerPlan, rank: int, mine: Sequence[int]):
     """Permutation from received order (src-major, then expert) to expert-major order, and rows per expert."""
     tm = plan.token_matrix
-    world = plan.world_size
     seg_start = {}
     offset = 0
-    for src in range(world):
+    for src in range(plan.world_size):
         for e in range(plan.num_experts):
             n = tm[src][rank][e]
             if n:
@@ -139,7 +356,7 @@ def _expert_major_order(plan: LayerPlan, rank: int, mine: Sequence[int]):
     sizes: List[int] = []
     for e in mine:
         size = 0
-        for src in range(world):
+        for src in range(plan.world_size):
             if (src, e) in seg_start:
                 start, n = seg_start[(src, e)]
                 order.extend(range(start, start + n))
@@ -165,33 +382,92 @@ class HecateRuntime:
         self.bindings: List[LayerBinding] = []
         self.layer_names: List[str] = []
         self.optimizer: Optional[ExpertOptimizer] = None
+        self.layer_group: Dict[int, int] = {}  # layer id -> expert optimizer param group
         self.last_total_norm: Optional[torch.Tensor] = None
         self.steps_applied = 0
         self.steps_skipped = 0
+        self.reshards = 0
+        self.call_order: List[int] = []
+        self._order_fixed = False
+        self.measured: Dict[str, float] = {}
+        self.last_layer_end: Optional[float] = None
+        self.peak_replica_bytes = 0
 
     # -- setup --------------------------------------------------------------------------------------------------
     def add_layer(self, name: str, shard: LayerShard, hidden_size: int) -> LayerBinding:
         self.store.add(shard)
-        binding = LayerBinding(self, shard, self.cost_model(shard, hidden_size))
+        binding = LayerBinding(self, shard, hidden_size)
         self.bindings.append(binding)
         self.layer_names.append(name)
         return binding
 
-    def cost_model(self, shard: LayerShard, hidden_size: int) -> CommCostModel:
+    def comm_cost_model(self, shard: LayerShard, hidden_size: int) -> CommCostModel:
         act = torch.empty((), dtype=self.compute_dtype).element_size()
         grad = torch.empty((), dtype=self.reduce_dtype).element_size()
         return CommCostModel(hidden_size=hidden_size, expert_numel=shard.kernel.numel, activation_bytes=act,
                              param_bytes=act, grad_bytes=grad)
 
-    # -- planning -----------------------------------------------------------------------------------------------
-    def plan(self, binding: LayerBinding, counts: Sequence[Sequence[int]]) -> LayerPlan:
-        return plan_layer(counts, binding.shard.owners, self.config.placement, binding.cost, self.ranks_per_node)
+    def step_costs(self, binding: LayerBinding) -> StepCostModel:
+        """Cost model for the scheduler: configured values, else measured ones (identical on all ranks)."""
+        cfg, m = self.config, self.measured
+        bw = (cfg.inter_node_gbps if self.world_size > self.ranks_per_node and cfg.inter_node_gbps else
+              cfg.link_gbps) or m.get("link_gbps", 10.0)
+        bytes_per_s = bw * 1e9
+        comm = binding.cost
+        expert_s = comm.expert_bytes / bytes_per_s
+        overlap_s = cfg.non_moe_time_s if cfg.non_moe_time_s is not None else m.get("non_moe_time_s", 0.0)
+        if cfg.overlap_degree is not None:
+            overlap_s = cfg.overlap_degree * expert_s
+        return StepCostModel(
+            compute_s_per_pair=cfg.compute_s_per_pair or m.get("compute_s_per_pair", 1e-6),
+            token_transfer_s=comm.token_bytes(1) / bytes_per_s,
+            expert_transfer_s=expert_s, overlap_s=overlap_s)
+
+    # -- call sequence and prefetch ---------------------------------------------------------------------------
+    def note_layer_call(self, binding: LayerBinding, recompute: bool) -> None:
+        if recompute or self._order_fixed:
+            return
+        index = self.bindings.index(binding)
+        if index in self.call_order:
+            self._order_fixed = True  # a layer called twice: the order of one pass is known
+        else:
+            self.call_order.append(index)
+
+    def on_model_forward(self) -> None:
+        """Start of a model forward (a micro-step): forget stale caches, prefetch the first layer."""
+        if _in_backward_pass():
+            return
+        self.last_layer_end = time.perf_counter()
+        for b in self.bindings:
+            b.forward_cache.clear()
+        if self.call_order:
+            self._order_fixed = True
+            if self.config.prefetch:
+                self.bindings[self.call_order[0]].start_prefetch()
+
+    def prefetch_after(self, binding: LayerBinding) -> None:
+        index = self.bindings.index(binding)
+        if index in self.call_order:
+            pos = self.call_order.index(index)
+            if pos + 1 < len(self.call_order):
+                self.bindings[self.call_order[pos + 1]].start_prefetch()
+
+    def drop_pending(self) -> None:
+        """Complete and discard prefetches (before weights change); every rank holds the same pending set."""
+        for b in self.bindings:
+            if b.pending is not None:
+                b.pending.wait()
+                b.pending = None
+
+    def note_replica_bytes(self) -> None:
+        live = sum(b.replica_bytes_alive() for b in self.bindings)
+        self.peak_replica_bytes = max(self.peak_replica_bytes, live)
 
     # -- gradient norm and step -------------------------------------------------------------------------------
     def expert_grad_norm(self, grad_divisor: float) -> torch.Tensor:
         """L2 norm over all ranks of the (averaged, still loss-scaled) expert gradients. Collective."""
         sq = self.store.grad_sq_sum() / (grad_divisor * grad_divisor)
-        return self.comm.all_reduce_sum(sq.reshape(1)).reshape(()).sqrt()
+        return self.comm.all_reduce(sq.reshape(1)).reshape(()).sqrt()
 
     def apply_step(self, applied: bool, dp_world_size: int, loss_scale: float, clip: float,
                    lrs: Sequence[float]) -> None:
@@ -206,7 +482,7 @@ class HecateRuntime:
             combined = float(loss_scale)
             if clip > 0 and self.last_total_norm is not None:
                 total = float(self.last_total_norm)
-                if math.isfinite(total):
+                if total == total and total != float("inf"):
                     combined *= max(1.0, (total / loss_scale + 1e-6) / clip)
             if self.optimizer is not None:
                 self.optimizer.step(1.0 / (dp_world_size * combined), lrs)
@@ -214,6 +490,22 @@ class HecateRuntime:
         finally:
             self.store.zero_grads()
             self.last_total_norm = None
+
+    def after_step(self, global_steps: int) -> None:
+        """Step-boundary work, identical on every rank: cost profiling once, periodic re-sharding."""
+        self.drop_pending()
+        if global_steps == 1 and not self.measured:
+            self.measure_costs()
+        interval = self.config.reshard_interval
+        if interval and global_steps % interval == 0 and self.config.placement == "hecate":
+            from .resharding import reshard
+            if reshard(self):
+                self.reshards += 1
+
+    def measure_costs(self) -> None:
+        """Profile link bandwidth, expert compute per pair and T_nonMoE; agree on rank 0's numbers."""
+        from .profiling import measure_costs
+        self.measured = measure_costs(self)
 
     # -- consolidation ------------------------------------------------------------------------------------------
     def full_expert_weights(self) -> Dict[str, torch.Tensor]:
@@ -223,46 +515,46 @@ class HecateRuntime:
         training (it materializes everything). Not counted as training traffic.
         """
         out = {}
-        saved = dataclasses.replace(self.comm.counters, calls=dict(self.comm.counters.calls))
         for name, binding in zip(self.layer_names, self.bindings):
             shard = binding.shard
             everything = tuple(range(shard.num_experts))
-            plan = LayerPlan(world_size=self.world_size, num_experts=shard.num_experts, owners=shard.owners,
-                             materialized=(everything,) * self.world_size,
-                             routes=(((),) * shard.num_experts,) * self.world_size)
-            flats, _ = self.comm.sparse_all_gather(plan, shard.masters, shard.kernel.numel, torch.float32)
+            placement = Placement(shard.owners, (everything,) * self.world_size)
+            flats, _ = self.comm.start_sparse_all_gather(placement, shard.masters, shard.kernel.numel,
+                                                         torch.float32, CommCounters(), async_op=False).wait()
             out[name] = torch.stack([flats[e].clone() for e in everything])
-        self.comm.counters = saved
         return out
 
     # -- introspection ----------------------------------------------------------------------------------------
     def materialized_bytes(self) -> int:
-        return sum(b.materialized_bytes() for b in self.bindings)
+        return sum(b.replica_bytes_alive() for b in self.bindings)
 
     def memory_bytes(self) -> Dict[str, int]:
         return {"expert_master": self.store.master_bytes(),
                 "expert_optimizer_state": self.optimizer.state_bytes() if self.optimizer else 0,
                 "expert_grad": self.store.grad_bytes(),
-                "materialized": self.materialized_bytes()}
+                "materialized": self.materialized_bytes(),
+                "peak_materialized": self.peak_replica_bytes,
+                "materialize_budget": int(self.config.materialize_budget_mb * (1 << 20))}
 
     def stats(self) -> dict:
-        layers = []
-        for name, binding in zip(self.layer_names, self.bindings):
-            plan = binding.last_plan
-            layers.append({"name": name, "num_experts": binding.shard.num_experts,
-                           "owned_experts": binding.shard.owned,
-                           "replicas": plan.num_moved if plan else 0,
-                           "lambda": (plan.num_moved / binding.shard.num_experts) if plan else 0.0})
-        return {"world_size": self.world_size, "placement": self.config.placement, "layers": layers,
-                "comm": self.comm.counters.as_dict(), "memory": self.memory_bytes(),
-                "steps_applied": self.steps_applied, "steps_skipped": self.steps_skipped}
+        """JSON-serialisable statistics; see docs/stats.md."""
+        total = CommCounters()
+        for b in self.bindings:
+            total.add(b.counters)
+        return {"world_size": self.world_size, "ranks_per_node": self.ranks_per_node,
+                "nodes": self.world_size // self.ranks_per_node, "placement": self.config.placement,
+                "layers": [b.stats() for b in self.bindings], "comm": total.as_dict(),
+                "memory": self.memory_bytes(), "steps_applied": self.steps_applied,
+                "steps_skipped": self.steps_skipped, "reshards": self.reshards,
+                "measured_costs": dict(self.measured)}
 
     def summary(self) -> str:
         experts = sum(s.num_experts for s in self.store.layers)
         params = sum(s.num_experts * s.kernel.numel for s in self.store.layers)
+        nodes = self.world_size // self.ranks_per_node
         return (f"Hecate took over {len(self.bindings)} MoE layer(s) with {experts} experts "
-                f"({params:,} expert parameters) on {self.world_size} rank(s); placement={self.config.placement}, "
-                f"compute dtype={str(self.compute_dtype).replace('torch.', '')}")
+                f"({params:,} expert parameters) on {self.world_size} rank(s) in {nodes} node(s); "
+                f"placement={self.config.placement}, compute dtype={str(self.compute_dtype).replace('torch.', '')}")
 
     def __str__(self) -> str:
         return self.summary()

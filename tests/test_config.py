@@ -14,9 +14,14 @@ from hypothesis import strategies as st
 from ds_hecate.config import HecateConfig, parse_hecate_section, split_hecate_section
 from ds_hecate.errors import HecateConfigError, HecateError
 
-KNOWN_KEYS = ("enabled", "placement", "ranks_per_node", "reduce_dtype", "collective_timeout_s", "log_conversion")
-DEFAULTS = dict(enabled=False, placement="cost", ranks_per_node=None, reduce_dtype="fp32",
-                collective_timeout_s=600.0, log_conversion=True)
+KNOWN_KEYS = ("enabled", "placement", "load_window", "materialize_budget_mb", "overlap_degree", "calibration",
+              "rematerialize", "prefetch", "reshard_interval", "compute_s_per_pair", "link_gbps", "inter_node_gbps",
+              "non_moe_time_s", "ranks_per_node", "reduce_dtype", "collective_timeout_s", "log_conversion")
+DEFAULTS = dict(enabled=False, placement="hecate", load_window=5, materialize_budget_mb=1024.0, overlap_degree=None,
+                calibration=False, rematerialize=False, prefetch=True, reshard_interval=100,
+                compute_s_per_pair=None, link_gbps=None, inter_node_gbps=None, non_moe_time_s=None,
+                ranks_per_node=None, reduce_dtype="fp32", collective_timeout_s=600.0, log_conversion=True)
+PLACEMENTS = ["hecate", "cost", "owner", "local"]
 
 
 def _fields(cfg: HecateConfig) -> dict:
@@ -38,12 +43,14 @@ def test_defaults():
 
 
 def test_full_valid_section():
-    raw = dict(enabled=True, placement="local", ranks_per_node=8, reduce_dtype="bf16", collective_timeout_s=30.5,
-               log_conversion=False)
+    raw = dict(enabled=True, placement="local", load_window=3, materialize_budget_mb=12.5, overlap_degree=2,
+               calibration=True, rematerialize=True, prefetch=False, reshard_interval=7, compute_s_per_pair=1e-6,
+               link_gbps=100.0, inter_node_gbps=12.5, non_moe_time_s=0.01, ranks_per_node=8, reduce_dtype="bf16",
+               collective_timeout_s=30.5, log_conversion=False)
     assert _fields(parse_hecate_section(raw)) == raw
 
 
-@pytest.mark.parametrize("placement", ["cost", "owner", "local"])
+@pytest.mark.parametrize("placement", PLACEMENTS)
 def test_every_placement_accepted(placement):
     assert parse_hecate_section({"placement": placement}).placement == placement
 
@@ -313,7 +320,13 @@ _keys = st.one_of(st.sampled_from(KNOWN_KEYS), st.text(max_size=12), st.integers
                                                                  "Enabled", " enabled", "enabled "]))
 _VALID = {
     "enabled": st.booleans(), "log_conversion": st.booleans(),
-    "placement": st.sampled_from(["cost", "owner", "local"]), "reduce_dtype": st.sampled_from(["fp32", "bf16"]),
+    "placement": st.sampled_from(PLACEMENTS), "reduce_dtype": st.sampled_from(["fp32", "bf16"]),
+    "load_window": st.integers(1, 10000), "materialize_budget_mb": st.floats(0, 1e9),
+    "overlap_degree": st.one_of(st.none(), st.integers(0, 1 << 20)), "calibration": st.booleans(),
+    "rematerialize": st.booleans(), "prefetch": st.booleans(), "reshard_interval": st.integers(0, 1 << 30),
+    "compute_s_per_pair": st.one_of(st.none(), st.floats(1e-12, 1.0)),
+    "link_gbps": st.one_of(st.none(), st.floats(1e-3, 1e6)), "inter_node_gbps": st.one_of(st.none(), st.floats(1e-3, 1e6)),
+    "non_moe_time_s": st.one_of(st.none(), st.floats(0, 3600.0)),
     "ranks_per_node": st.one_of(st.none(), st.integers(1, 10 ** 30)),
     "collective_timeout_s": st.one_of(st.integers(1, 86400), st.floats(min_value=1e-9, max_value=86400.0)),
 }
@@ -323,7 +336,7 @@ _VALID = {
 def _mostly_valid_sections(draw):
     """Sections of known keys, each value valid with high probability, so the fuzz also reaches the success
     path and the single-bad-value paths."""
-    keys = draw(st.lists(st.sampled_from(KNOWN_KEYS), unique=True, max_size=6))
+    keys = draw(st.lists(st.sampled_from(KNOWN_KEYS), unique=True, max_size=8))
     out = {}
     for k in keys:
         out[k] = draw(_values) if draw(st.integers(0, 9)) == 0 else draw(_VALID[k])
@@ -340,7 +353,10 @@ _sections = st.one_of(_mostly_valid_sections(), st.dictionaries(_keys, _values, 
 def _check_parsed(cfg):
     assert isinstance(cfg, HecateConfig)
     assert isinstance(cfg.enabled, bool) and isinstance(cfg.log_conversion, bool)
-    assert cfg.placement in ("cost", "owner", "local")
+    assert cfg.placement in PLACEMENTS
+    assert type(cfg.load_window) is int and cfg.load_window >= 1
+    assert isinstance(cfg.materialize_budget_mb, float) and cfg.materialize_budget_mb >= 0
+    assert type(cfg.reshard_interval) is int and cfg.reshard_interval >= 0
     assert cfg.reduce_dtype in ("fp32", "bf16")
     assert cfg.ranks_per_node is None or (type(cfg.ranks_per_node) is int and cfg.ranks_per_node >= 1)
     assert isinstance(cfg.collective_timeout_s, float) and 0 < cfg.collective_timeout_s <= 86400.0

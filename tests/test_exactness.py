@@ -18,6 +18,10 @@ BASE = Spec(steps=20)
 # Few tokens, cheap experts: the 'cost' placement then materializes remote experts (spAG/spRS on the wire).
 CHEAP_EXPERTS = dict(ffn=4, tokens=64)
 
+# Two hot experts (both owned by rank 0 under even sharding): the scheduler replicates them, re-sharding moves them.
+HOT = (3.0, 3.0) + (0.0,) * 6
+SCHEDULER = {"placement": "hecate", "overlap_degree": 1, "reshard_interval": 3}
+
 # name -> (oracle spec, hecate section, tolerances)
 Case = Tuple[Spec, dict, dict]
 
@@ -31,6 +35,16 @@ def _cases(world: int) -> Dict[str, Case]:
         "top2-cost": (replace(BASE, **CHEAP_EXPERTS), {"placement": "cost"}, {}),
         "top1-cost": (replace(BASE, k=1, **CHEAP_EXPERTS), {"placement": "cost"}, {}),
     }
+    if world > 1:
+        cases.update({
+            "hecate-reshard": (replace(BASE, gate_bias=HOT), SCHEDULER, {}),
+            "hecate-reshard-rematerialize": (replace(BASE, gate_bias=HOT), {**SCHEDULER, "rematerialize": True},
+                                             {}),
+            "hecate-calibration-no-prefetch": (replace(BASE, gate_bias=HOT, k=1),
+                                               {**SCHEDULER, "calibration": True, "prefetch": False}, {}),
+            "hecate-tight-budget": (replace(BASE, gate_bias=HOT),
+                                    {**SCHEDULER, "materialize_budget_mb": 1.5 * 2 * 1072 * 4 / (1 << 20)}, {}),
+        })
     if world == 2:
         cases.update({
             "gas2": (replace(BASE, gas=2), {"placement": "local"}, {}),
@@ -86,6 +100,26 @@ def test_sparse_collectives_only_move_what_the_plan_says(world_results):
             assert stats["comm"]["bytes_dispatch"] == 0, f"{name}: 'local' placement must not move tokens"
         if name.endswith("-cost") and world > 1:
             assert stats["comm"]["bytes_allgather"] > 0, f"{name}: cheap experts should be gathered"
+
+
+def test_scheduler_replicates_reshards_and_respects_budget(world_results):
+    world, results = world_results
+    for name, (_, mine, _) in results.items():
+        if not name.startswith("hecate-"):
+            continue
+        for rank, r in enumerate(mine):
+            stats = r["hecate_stats"]
+            assert stats["reshards"] >= 1, f"{name}: re-sharding should have fired"
+            assert any(layer["replicas"] > 0 for layer in stats["layers"]), f"{name}: hot experts not replicated"
+            for layer in stats["layers"]:
+                assert layer["peak_replica_bytes"] <= stats["memory"]["materialize_budget"], (name, layer)
+            layer_peaks = [layer["peak_replica_bytes"] for layer in stats["layers"]]
+            if "rematerialize" in name:  # one layer's replicas at a time
+                assert stats["memory"]["peak_materialized"] <= max(layer_peaks), (name, stats["memory"])
+            if "no-prefetch" not in name:
+                assert all(layer["prefetch_hits"] > 0 for layer in stats["layers"]), f"{name}: prefetch unused"
+            if name == "hecate-tight-budget":
+                assert all(layer["replica_budget"] == 1 for layer in stats["layers"]), stats["layers"]
 
 
 def test_expert_state_is_sharded(world_results):

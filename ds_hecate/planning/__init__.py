@@ -2,7 +2,7 @@
 from .cost import CommCostModel
 from .dispatch import topology_aware_routes
 from .placement import POLICIES, plan_layer
-from .plan import LayerPlan
+from .plan import LayerPlan, Placement
 from .sharding import even_sharding
 
-__all__ = ["CommCostModel", "LayerPlan", "POLICIES", "even_sharding", "plan_layer", "topology_aware_routes"]
+__all__ = ["CommCostModel", "LayerPlan", "Placement", "POLICIES", "even_sharding", "plan_layer", "topology_aware_routes"]

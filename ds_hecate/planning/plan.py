@@ -15,24 +15,20 @@ Routes = Tuple[Tuple[Tuple[Tuple[int, int], ...], ...], ...]
 
 
 @dataclass(frozen=True)
-class LayerPlan:
-    """Placement + dispatch for one layer call.
+class Placement:
+    """Sharded placement P (``owners``) and materialized placement P' (``materialized``) of one layer call.
 
-    ``owners[e]`` is the rank holding expert e's master weights and optimizer state (P, surjective).
-    ``materialized[r]`` is the sorted tuple of experts present on rank r during this call (P' ⊇ P).
-    ``routes`` says, for each source rank and expert, which ranks process its tokens and how many.
+    This is all SparseAllGather and SparseReduceScatter need, so it exists before the tokens are routed (the
+    gather can be prefetched from a predicted placement).
     """
 
-    world_size: int
-    num_experts: int
     owners: Tuple[int, ...]
     materialized: Tuple[Tuple[int, ...], ...]
-    routes: Routes
 
-    def __post_init__(self) -> None:
-        validate_plan(self)
+    @property
+    def world_size(self) -> int:
+        return len(self.materialized)
 
-    # ----- SparseAllGather / SparseReduceScatter ---------------------------------------------------------------
     @cached_property
     def gather_pairs(self) -> Tuple[Tuple[int, int], ...]:
         """(expert, dst) pairs in P' \\ P, sorted: the owner of each expert sends it to dst (and dst sends back
@@ -65,6 +61,47 @@ class LayerPlan:
                 out.setdefault(self.owners[e], []).append(e)
         return out
 
+    def replicas_on(self, rank: int) -> List[int]:
+        """Experts materialized on ``rank`` that it does not own."""
+        return [e for e in self.materialized[rank] if self.owners[e] != rank]
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """Placement + dispatch for one layer call.
+
+    ``owners[e]`` is the rank holding expert e's master weights and optimizer state (P, surjective).
+    ``materialized[r]`` is the sorted tuple of experts present on rank r during this call (P' ⊇ P).
+    ``routes`` says, for each source rank and expert, which ranks process its tokens and how many.
+    """
+
+    world_size: int
+    num_experts: int
+    owners: Tuple[int, ...]
+    materialized: Tuple[Tuple[int, ...], ...]
+    routes: Routes
+
+    def __post_init__(self) -> None:
+        validate_plan(self)
+
+    @cached_property
+    def placement(self) -> Placement:
+        return Placement(self.owners, self.materialized)
+
+    @property
+    def gather_pairs(self) -> Tuple[Tuple[int, int], ...]:
+        return self.placement.gather_pairs
+
+    @property
+    def num_moved(self) -> int:
+        return self.placement.num_moved
+
+    def gather_sends(self, rank: int) -> Dict[int, List[int]]:
+        return self.placement.gather_sends(rank)
+
+    def gather_recvs(self, rank: int) -> Dict[int, List[int]]:
+        return self.placement.gather_recvs(rank)
+
     # ----- token dispatch ---------------------------------------------------------------------------------------
     @cached_property
     def token_matrix(self) -> Tuple[Tuple[Tuple[int, ...], ...], ...]:
@@ -88,6 +125,19 @@ class LayerPlan:
     def tokens_processed(self, rank: int) -> int:
         """Token-expert pairs whose expert compute runs on ``rank``: its compute load."""
         return sum(self.recv_splits(rank))
+
+    def node_traffic(self, ranks_per_node: int) -> Tuple[int, int]:
+        """(token rows crossing nodes, of which avoidable: a rank on the source's node had the expert)."""
+        crossing = avoidable = 0
+        for src in range(self.world_size):
+            node = src // ranks_per_node
+            for e in range(self.num_experts):
+                local_holder = any(r // ranks_per_node == node for r, m in enumerate(self.materialized) if e in m)
+                for dst, cnt in self.routes[src][e]:
+                    if dst // ranks_per_node != node:
+                        crossing += cnt
+                        avoidable += cnt if local_holder else 0
+        return crossing, avoidable
 
     def expert_load_on(self, rank: int) -> List[int]:
         """Per expert, token-expert pairs processed on ``rank``."""

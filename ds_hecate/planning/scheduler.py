@@ -1,0 +1,178 @@
+"""Load-aware sparse materialization (the paper's Algorithm 1, reworked as a cost-driven greedy search).
+
+The paper replicates the top-t experts on all devices when memory allows, else gives replicas in proportion to
+load. We optimise the quantity the paper only argues about: the estimated layer time
+
+    max over ranks of (expert compute + token all-to-all + SparseAllGather not hidden by the preceding compute)
+
+Starting from the sharded placement (plain expert parallelism), we repeatedly add the single replica
+(expert, rank) that lowers this estimate the most, considering the experts the current bottleneck rank processes,
+until no replica helps or every rank's memory budget is used. The overlap degree t enters through the hidden
+communication window: a rank can receive or send ``t`` experts for free, beyond that transfers are exposed and a
+replica must earn its cost. Compared with the paper this (1) never replicates an expert whose replica would not
+shorten the step (e.g. hot but sourced on its owner's rank under local-first dispatch), (2) trades replicas
+against the token traffic they save, and (3) respects a per-rank budget rather than one global slot count. Every
+input is identical on all ranks and ties break on (expert id, rank), so all ranks compute the same placement.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Set, Tuple
+
+from .dispatch import node_of
+
+Placement = Tuple[Tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
+class StepCostModel:
+    """Seconds per unit of work; profiled or configured, identical on every rank.
+
+    compute_s_per_pair: one token through one expert, forward + backward.
+    token_transfer_s: one token row leaving (or entering) a rank, all four all-to-all passes together.
+    expert_transfer_s: one expert through SparseAllGather + SparseReduceScatter on one rank's link.
+    overlap_s: communication time hidden behind the non-MoE compute before the layer (T_nonMoE).
+    """
+
+    compute_s_per_pair: float
+    token_transfer_s: float
+    expert_transfer_s: float
+    overlap_s: float = 0.0
+
+    @property
+    def overlap_degree(self) -> int:
+        """t in the paper: experts a rank can move while the preceding non-MoE compute runs."""
+        if self.expert_transfer_s <= 0:
+            return 1 << 30
+        return int(self.overlap_s / self.expert_transfer_s)
+
+
+@dataclass(frozen=True)
+class LayerEstimate:
+    time_s: float
+    compute_pairs: Tuple[float, ...]   # token-expert pairs processed per rank
+    rank_time_s: Tuple[float, ...]
+
+    @property
+    def imbalance(self) -> float:
+        """max/mean of per-rank expert compute (1.0 = perfectly balanced)."""
+        loads = self.compute_pairs
+        mean = sum(loads) / len(loads)
+        return max(loads) / mean if mean > 0 else 1.0
+
+
+def rank_loads(counts: Sequence[Sequence[float]], materialized: Sequence[Sequence[int]], ranks_per_node: int):
+    """Fractional version of the topology-aware dispatch.
+
+    Returns (pairs processed per rank and expert ``[world][experts]``, rows sent per rank, rows received per rank).
+    """
+    world = len(counts)
+    num_experts = len(counts[0]) if world else 0
+    holders: List[List[int]] = [[] for _ in range(num_experts)]
+    for r, experts in enumerate(materialized):
+        for e in experts:
+            holders[e].append(r)
+    processed = [[0.0] * num_experts for _ in range(world)]
+    sent = [0.0] * world
+    received = [0.0] * world
+    for src in range(world):
+        node = node_of(src, ranks_per_node)
+        row = counts[src]
+        for e in range(num_experts):
+            n = row[e]
+            if not n:
+                continue
+            hs = holders[e]
+            if src in hs:
+                processed[src][e] += n
+                continue
+            cands = [r for r in hs if node_of(r, ranks_per_node) == node] or hs
+            share = n / len(cands)
+            sent[src] += n
+            for d in cands:
+                processed[d][e] += share
+                received[d] += share
+    return processed, sent, received
+
+
+def estimate_layer(counts: Sequence[Sequence[float]], owners: Sequence[int], materialized: Sequence[Sequence[int]],
+                   costs: StepCostModel, ranks_per_node: int,
+                   prefetched: Optional[Sequence[Sequence[int]]] = None) -> LayerEstimate:
+    """Estimated time of one layer under a placement.
+
+    Replicas listed in ``prefetched`` were gathered ahead of time (hidden up to ``overlap_s``); others are gathered
+    on the critical path (calibration), fully exposed.
+    """
+    world = len(counts)
+    per_expert, sent, received = rank_loads(counts, materialized, ranks_per_node)
+    processed = [sum(row) for row in per_expert]
+    moved_in = [0] * world
+    moved_out = [0] * world
+    exposed_in = [0] * world
+    exposed_out = [0] * world
+    for r, experts in enumerate(materialized):
+        early = set(prefetched[r]) if prefetched is not None else None
+        for e in experts:
+            o = owners[e]
+            if o == r:
+                continue
+            if early is None or e in early:
+                moved_in[r] += 1
+                moved_out[o] += 1
+            else:
+                exposed_in[r] += 1
+                exposed_out[o] += 1
+    times = []
+    for r in range(world):
+        hidden_comm = max(moved_in[r], moved_out[r]) * costs.expert_transfer_s
+        exposed = max(0.0, hidden_comm - costs.overlap_s)
+        exposed += max(exposed_in[r], exposed_out[r]) * costs.expert_transfer_s
+        tokens = max(sent[r], received[r]) * costs.token_transfer_s
+        times.append(processed[r] * costs.compute_s_per_pair + tokens + exposed)
+    return LayerEstimate(max(times), tuple(processed), tuple(times))
+
+
+def schedule_materialization(counts: Sequence[Sequence[float]], owners: Sequence[int], costs: StepCostModel,
+                             budget_per_rank: int, ranks_per_node: int,
+                             start: Optional[Sequence[Sequence[int]]] = None,
+                             prefetched: Optional[Sequence[Sequence[int]]] = None,
+                             candidate_experts: int = 4) -> Placement:
+    """Greedy replica placement minimising :func:`estimate_layer` under ``budget_per_rank`` extra experts/rank.
+
+    ``start`` is a placement to extend (the prefetched one, for calibration); by default the sharded placement.
+    """
+    world = len(counts)
+    num_experts = len(owners)
+    mat: List[Set[int]] = [set() for _ in range(world)]
+    for e, o in enumerate(owners):
+        mat[o].add(e)
+    if start is not None:
+        for r, experts in enumerate(start):
+            mat[r].update(experts)
+    extra = [sum(1 for e in mat[r] if owners[e] != r) for r in range(world)]
+
+    def frozen(m: List[Set[int]]) -> Placement:
+        return tuple(tuple(sorted(s)) for s in m)
+
+    best = estimate_layer(counts, owners, frozen(mat), costs, ranks_per_node, prefetched)
+    while True:
+        bottleneck = max(range(world), key=lambda r: (best.rank_time_s[r], -r))
+        load_on_bottleneck = rank_loads(counts, frozen(mat), ranks_per_node)[0][bottleneck]
+        hot = sorted((e for e in range(num_experts) if load_on_bottleneck[e] > 0),
+                     key=lambda e: (-load_on_bottleneck[e], e))[:candidate_experts]
+        choice: Optional[Tuple[float, int, int, LayerEstimate]] = None
+        for e in hot:
+            for d in range(world):
+                if e in mat[d] or extra[d] >= budget_per_rank:
+                    continue
+                mat[d].add(e)
+                est = estimate_layer(counts, owners, frozen(mat), costs, ranks_per_node, prefetched)
+                mat[d].discard(e)
+                key = (est.time_s, e, d)
+                if choice is None or key < choice[:3]:
+                    choice = (est.time_s, e, d, est)
+        if choice is None or not choice[0] < best.time_s * (1 - 1e-9):
+            return frozen(mat)
+        _, e, d, best = choice
+        mat[d].add(e)
+        extra[d] += 1
