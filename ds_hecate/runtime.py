@@ -124,6 +124,7 @@ class LayerBinding:
         self.last_counts: Optional[List[List[int]]] = None
         self.calls = 0
         self.prefetch_hits = 0
+        self.recomputes = 0
         self.pairs_processed = 0
         self.gaps_s: List[float] = []
         self.cross_node_rows = 0
@@ -263,6 +264,7 @@ class LayerBinding:
             counts = rt.comm.exchange_counts(torch.bincount(experts_of_valid, minlength=num_experts))
         with self.timed("plan"):
             if recompute:
+                self.recomputes += 1
                 plan = self._cached_plan(counts)
                 pending, extra = self.gather(plan.placement, async_op=False), None
             else:
@@ -315,7 +317,8 @@ class LayerBinding:
     def stats(self) -> dict:
         plan, counts = self.last_plan, self.last_counts
         out = {"name": self.shard.name, "num_experts": self.shard.num_experts, "owners": list(self.shard.owners),
-               "owned_experts": self.shard.owned, "calls": self.calls, "prefetch_hits": self.prefetch_hits, "replica_budget": self.replica_budget(),
+               "owned_experts": self.shard.owned, "forward_calls": self.calls, "prefetch_hits": self.prefetch_hits,
+               "recomputes": self.recomputes, "replica_budget": self.replica_budget(),
                "peak_replica_bytes": self.peak_replica_bytes, **self.counters.as_dict(),
                "cross_node_tokens": self.cross_node_rows,
                "avoidable_cross_node_tokens": self.avoidable_cross_node_rows,

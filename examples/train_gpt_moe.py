@@ -52,6 +52,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--log-every", type=int, default=1, help="print progress every N steps")
     parser.add_argument("--log-file", type=str, default=None,
                         help="rank 0 writes a JSON list of per-step {step, loss, grad_norm, tokens_per_s}")
+    parser.add_argument("--stats-file", type=str, default=None,
+                        help="rank 0 writes engine.hecate.stats() as JSON at the end (Hecate runs only)")
     parser.add_argument("--hecate-import", action=argparse.BooleanOptionalAction,
                         default=os.environ.get("DS_HECATE_EXAMPLE_IMPORT", "1") != "0",
                         help="import ds_hecate before deepspeed.initialize so it can hook in "
@@ -152,6 +154,17 @@ def grad_norm_of(engine: deepspeed.DeepSpeedEngine) -> Optional[float]:
     return norm if math.isfinite(norm) else None
 
 
+def expert_imbalance(engine) -> Optional[tuple]:
+    """Mean over MoE layers of max/mean per-rank expert load: (plain expert parallelism, Hecate's plan)."""
+    if not hasattr(engine, "hecate"):
+        return None
+    layers = [layer for layer in engine.hecate.stats()["layers"] if "load_imbalance_after" in layer]
+    if not layers:
+        return None
+    return (sum(layer["load_imbalance_before"] for layer in layers) / len(layers),
+            sum(layer["load_imbalance_after"] for layer in layers) / len(layers))
+
+
 def main() -> None:
     args = parse_args()
     if args.hecate_import:
@@ -207,15 +220,17 @@ def main() -> None:
         dt = time.perf_counter() - t0
 
         record = {"step": step, "loss": step_loss.item() / world, "grad_norm": grad_norm_of(engine),
-                  "tokens_per_s": tokens_per_step / dt}
+                  "tokens_per_s": tokens_per_step / dt, "imbalance": expert_imbalance(engine)}
         history.append(record)
         if rank == 0 and (step % args.log_every == 0 or step == args.steps):
             gn = "n/a" if record["grad_norm"] is None else f"{record['grad_norm']:.4f}"
+            imb = "" if record["imbalance"] is None else " | imbalance {:.2f} -> {:.2f}".format(*record["imbalance"])
             if bar is not None:
-                bar.set_postfix(loss=f"{record['loss']:.4f}", grad_norm=gn, tok_s=f"{record['tokens_per_s']:.0f}")
+                bar.set_postfix(loss=f"{record['loss']:.4f}", grad_norm=gn, tok_s=f"{record['tokens_per_s']:.0f}",
+                                imbalance=imb.split(" ", 3)[-1] if imb else "n/a")
             else:
                 print(f"step {step:>5d} | loss {record['loss']:.4f} | grad_norm {gn} | "
-                      f"tokens/s {record['tokens_per_s']:.0f}", flush=True)
+                      f"tokens/s {record['tokens_per_s']:.0f}{imb}", flush=True)
         if bar is not None:
             bar.update(1)
     wall = time.perf_counter() - t_start
@@ -236,6 +251,9 @@ def main() -> None:
         if args.log_file:
             with open(args.log_file, "w", encoding="utf-8") as f:
                 json.dump(history, f, indent=1)
+        if args.stats_file and hasattr(engine, "hecate"):
+            with open(args.stats_file, "w", encoding="utf-8") as f:
+                json.dump(engine.hecate.stats(), f, indent=1)
 
 
 if __name__ == "__main__":

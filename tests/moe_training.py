@@ -11,6 +11,7 @@ from typing import Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 from deepspeed.moe.sharded_moe import TopKGate, top1gating, top2gating
 
@@ -37,6 +38,7 @@ class Spec:
     empty_rank: Optional[int] = None       # this rank's micro-batches have zero tokens (needs no aux loss)
     aux_coef: float = 0.01
     client_optimizer: bool = False         # torch AdamW over split_params_into_different_moe_groups_for_optimizer
+    checkpoint: bool = False               # torch.utils.checkpoint around each block (recompute in backward)
     lr: float = 5e-3
     weight_decay: float = 0.01
     seed: int = 1234
@@ -80,6 +82,7 @@ class GenericExpert(nn.Module):
 class Block(nn.Module):
     def __init__(self, spec: Spec) -> None:
         super().__init__()
+        self.checkpoint = spec.checkpoint
         self.mix = nn.Linear(spec.hidden, spec.hidden)
         expert = (nn.Sequential(nn.Linear(spec.hidden, spec.ffn), nn.GELU(), nn.Linear(spec.ffn, spec.hidden))
                   if spec.expert_kind == "ffn" else GenericExpert(spec.hidden, spec.ffn))
@@ -98,6 +101,11 @@ class Block(nn.Module):
             inner.gate = BiasedGate(inner.gate, torch.tensor(spec.gate_bias))
 
     def forward(self, h, used_token):
+        if self.checkpoint and torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(self._forward, h, used_token, use_reentrant=False)
+        return self._forward(h, used_token)
+
+    def _forward(self, h, used_token):
         h = h + torch.tanh(self.mix(h))
         out, l_aux, _ = self.moe(h, used_token)
         return h + out, l_aux

@@ -55,6 +55,9 @@ def _cases(world: int) -> Dict[str, Case]:
             "native-generic-expert": (replace(BASE, native=True, expert_kind="generic"), {"placement": "local"},
                                       {}),
             "native-ffn-owner": (replace(BASE, native=True), {"placement": "owner"}, {}),
+            # Activation checkpointing: the recompute in backward reuses the forward's plan (same collectives).
+            "checkpointed-local": (replace(BASE, checkpoint=True), {"placement": "local"}, {}),
+            "checkpointed-scheduler": (replace(BASE, checkpoint=True, gate_bias=HOT), SCHEDULER, {}),
             # bf16: expert grads are reduced in fp32 by Hecate but in bf16 by DeepSpeed, so only bf16-level
             # agreement is expected.
             "bf16": (replace(BASE, bf16=True, steps=10), {"placement": "local"},
@@ -120,6 +123,18 @@ def test_scheduler_replicates_reshards_and_respects_budget(world_results):
                 assert all(layer["prefetch_hits"] > 0 for layer in stats["layers"]), f"{name}: prefetch unused"
             if name == "hecate-tight-budget":
                 assert all(layer["replica_budget"] == 1 for layer in stats["layers"]), stats["layers"]
+
+
+def test_checkpoint_recompute_replays_the_forward_plan(world_results):
+    world, results = world_results
+    for name, (_, mine, _) in results.items():
+        for r in mine:
+            recomputes = [layer["recomputes"] for layer in r["hecate_stats"]["layers"]]
+            if name.startswith("checkpointed"):
+                calls = [layer["forward_calls"] for layer in r["hecate_stats"]["layers"]]
+                assert recomputes == calls, (name, recomputes, calls)
+            else:
+                assert not any(recomputes), name
 
 
 def test_expert_state_is_sharded(world_results):
