@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
-from deepspeed.moe.sharded_moe import TopKGate, top1gating, top2gating
+
+from ds_hecate.workloads import bias_gate
 
 
 @dataclass(frozen=True)
@@ -43,26 +44,6 @@ class Spec:
     weight_decay: float = 0.01
     seed: int = 1234
     extra_config: dict = field(default_factory=dict)
-
-
-class BiasedGate(TopKGate):
-    """DeepSpeed's TopKGate with a fixed bias on the logits, to force adversarial routing."""
-
-    def __init__(self, gate: TopKGate, bias: torch.Tensor) -> None:
-        super().__init__(gate.wg.in_features, gate.wg.out_features, gate.k, gate.capacity_factor,
-                         gate.eval_capacity_factor, gate.min_capacity, gate.noisy_gate_policy, gate.drop_tokens,
-                         gate.use_rts, None, gate.top2_2nd_expert_sampling)
-        self.wg.weight.data.copy_(gate.wg.weight.data)
-        self.register_buffer("logit_bias", bias.float(), persistent=False)
-
-    def forward(self, input, used_token=None, sparse_routes=False, use_tutel=False):
-        logits = F.linear(input.float(), self.wg.weight.float()) + self.logit_bias
-        cf = self.capacity_factor if self.training else self.eval_capacity_factor
-        if self.k == 1:
-            return top1gating(logits, cf, self.min_capacity, used_token, None, self.drop_tokens, self.use_rts,
-                              self.ep_group, sparse_routes, use_tutel)
-        return top2gating(logits, cf, self.min_capacity, self.drop_tokens, self.ep_group,
-                          self.top2_2nd_expert_sampling, sparse_routes)
 
 
 class GenericExpert(nn.Module):
@@ -97,8 +78,7 @@ class Block(nn.Module):
         for p in experts.parameters():
             nn.init.normal_(p, std=0.3)
         if spec.gate_bias is not None:
-            inner = self.moe if spec.native else self.moe.deepspeed_moe
-            inner.gate = BiasedGate(inner.gate, torch.tensor(spec.gate_bias))
+            bias_gate(self.moe, spec.gate_bias)
 
     def forward(self, h, used_token):
         if self.checkpoint and torch.is_grad_enabled():

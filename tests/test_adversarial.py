@@ -57,17 +57,22 @@ def _random_routing_worker(rank: int, world: int, seeds: int) -> dict:
     from ds_hecate.config import HecateConfig
     from ds_hecate.convert import take_over_layer
     from ds_hecate.initialize import build_runtime
-    from moe_training import BiasedGate
+    from ds_hecate.workloads import BiasedTopKGate
 
     dist.init_process_group("gloo")
     checked = {"seeds": 0, "empty_rank_cases": 0, "moved_experts": 0}
     runtimes = {p: build_runtime(HecateConfig(enabled=True, placement=p), {}) for p in ("owner", "local", "cost")}
+    # The load-aware scheduler, with calibration (re-plan from the actual counts) and a compute-heavy cost model
+    # so that it replicates.
+    runtimes["hecate"] = build_runtime(HecateConfig(enabled=True, placement="hecate", calibration=True,
+                                                    compute_s_per_pair=1e-4, link_gbps=100.0,
+                                                    non_moe_time_s=1e-3), {})
     for seed in range(seeds):
         g = torch.Generator().manual_seed(seed)
         num_experts = int(torch.randint(1, 9, (1,), generator=g))
         k = 1 if num_experts == 1 else int(torch.randint(1, 3, (1,), generator=g))
         hidden, ffn = 8, int(torch.randint(2, 12, (1,), generator=g))
-        placement = ("owner", "local", "cost")[seed % 3]
+        placement = ("owner", "local", "cost", "hecate")[seed % 4]
         # Skewed logits: a few experts strongly preferred or avoided, varying by seed.
         bias = torch.randn(num_experts, generator=g) * float(torch.randint(0, 20, (1,), generator=g))
         counts = torch.randint(0, 24, (world,), generator=g)
@@ -81,7 +86,7 @@ def _random_routing_worker(rank: int, world: int, seeds: int) -> dict:
                               min_capacity=0)
         for p in layer.experts.parameters():
             nn.init.normal_(p, std=0.5)
-        layer.gate = BiasedGate(layer.gate, bias)
+        layer.gate = BiasedTopKGate(layer.gate, bias.tolist())
         reference = copy.deepcopy(layer)
         runtime = runtimes[placement]
         take_over_layer(f"layer{seed}", layer, runtime)
@@ -109,7 +114,7 @@ def _random_routing_worker(rank: int, world: int, seeds: int) -> dict:
             if got is None:
                 got = torch.zeros_like(ref[e])
             assert torch.allclose(got, ref[e], atol=1e-4, rtol=1e-5), f"seed {seed}: expert {e} grad differs"
-        assert binding.materialized_bytes() == 0, f"seed {seed}: materialized experts outlive backward"
+        assert binding.replica_bytes_alive() == 0, f"seed {seed}: materialized experts outlive backward"
         checked["moved_experts"] += binding.last_plan.num_moved
         runtime.store.zero_grads()
         checked["seeds"] += 1

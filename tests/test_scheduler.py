@@ -195,7 +195,7 @@ def schedule_inputs(draw):
     return counts, owners, costs, budget, rpn
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(schedule_inputs())
 def test_schedule_invariants(inputs):
     counts, owners, costs, budget, rpn = inputs
@@ -219,7 +219,7 @@ def test_schedule_invariants(inputs):
     integer_plan(int_counts, owners, result, rpn)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(schedule_inputs(), st.data())
 def test_schedule_with_start_extends_start(inputs, data):
     counts, owners, costs, budget, rpn = inputs
