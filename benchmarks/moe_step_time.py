@@ -14,6 +14,8 @@ pairs) it trains the same model on the same data with:
   (expert parallelism without balancing, as DeepSpeed ships it).
 
 It reports the median step time (after warm-up), ratios against ds_hecate, and the per-rank compute imbalance.
+All systems run side by side in the same processes, one step each in rotating order, so that the drift of a shared
+machine affects them alike.
 """
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ from ds_hecate.workloads import bias_gate
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", -1)))
-    p.add_argument("--steps", type=int, default=12, help="timed steps per system and workload")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per system and workload")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--ffn", type=int, default=512)
@@ -96,41 +98,58 @@ def config(hecate: dict | None) -> dict:
     return cfg
 
 
-def run_system(args, name: str, bias, rank: int, world: int) -> dict:
+def build_system(args, name: str, bias, world: int):
     native = name.startswith("ds_hecate")
     torch.manual_seed(1234)
     model = Model(args, ep_size=1 if native else world, native=native, bias=bias)
     hecate = {"ds_hecate": {"placement": "hecate", "reshard_interval": 0},
               "ds_hecate-owner": {"placement": "owner"}}.get(name)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config(hecate))
-    times = []
+    return engine
+
+
+def timed_step(engine, x) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    loss = engine(x)
+    engine.backward(loss)
+    engine.step()
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+def run_workload(args, systems, bias, rank: int, world: int) -> dict:
+    """All systems side by side: each timed step runs every system once, in rotating order, on the same input,
+    so slow drifts of a shared machine hit all systems alike."""
+    engines = {s: build_system(args, s, bias, world) for s in systems}
+    times = {s: [] for s in systems}
     gen = torch.Generator().manual_seed(99 + rank)
     for step in range(args.warmup + args.steps):
         x = torch.randn(args.tokens, args.hidden, generator=gen)
-        dist.barrier()
-        start = time.perf_counter()
-        loss = engine(x)
-        engine.backward(loss)
-        engine.step()
-        dist.barrier()
-        if step >= args.warmup:
-            times.append(time.perf_counter() - start)
-    result = {"median_step_s": statistics.median(times), "step_s": times, "loss": float(loss.detach())}
-    if native:
-        stats = engine.hecate.stats()
-        layers = stats["layers"]
-        result.update({
-            "imbalance_before": sum(l["load_imbalance_before"] for l in layers) / len(layers),
-            "imbalance_after": sum(l["load_imbalance_after"] for l in layers) / len(layers),
-            "replicas_per_layer": sum(l["replicas"] for l in layers) / len(layers),
-            "hot_share": _hot_share(layers),
-            "bytes_allgather_per_step": stats["comm"]["bytes_allgather"] / (args.warmup + args.steps),
-            "bytes_dispatch_per_step": stats["comm"]["bytes_dispatch"] / (args.warmup + args.steps),
-            "phase_s_per_step": {k: sum(l["time_s"][k] for l in layers) / (args.warmup + args.steps)
-                                 for k in layers[0]["time_s"]},
-            "measured_costs": stats["measured_costs"],
-        })
-    return result
+        order = systems[step % len(systems):] + systems[:step % len(systems)]
+        for s in order:
+            t = timed_step(engines[s], x)
+            if step >= args.warmup:
+                times[s].append(t)
+    results = {}
+    for s, engine in engines.items():
+        result = {"median_step_s": statistics.median(times[s]), "step_s": times[s]}
+        if s.startswith("ds_hecate"):
+            stats = engine.hecate.stats()
+            layers = stats["layers"]
+            n = args.warmup + args.steps
+            result.update({
+                "imbalance_before": sum(l["load_imbalance_before"] for l in layers) / len(layers),
+                "imbalance_after": sum(l["load_imbalance_after"] for l in layers) / len(layers),
+                "replicas_per_layer": sum(l["replicas"] for l in layers) / len(layers),
+                "hot_share": _hot_share(layers),
+                "bytes_allgather_per_step": stats["comm"]["bytes_allgather"] / n,
+                "bytes_dispatch_per_step": stats["comm"]["bytes_dispatch"] / n,
+                "phase_s_per_step": {k: sum(l["time_s"][k] for l in layers) / n for k in layers[0]["time_s"]},
+                "measured_costs": stats["measured_costs"],
+            })
+        results[s] = result
+    return results
 
 
 def _hot_share(layers) -> float:
@@ -145,13 +164,7 @@ def main() -> None:
     workloads = {"balanced": [0.0] * args.experts,
                  "hot-experts": [args.hot_bias, args.hot_bias] + [0.0] * (args.experts - 2)}
     systems = ["ds_hecate", "ds_hecate-owner", "deepspeed-ep"]
-    results = {}
-    for wname, bias in workloads.items():
-        # Two rounds in opposite orders, step times pooled: order effects (warm caches, allocator) cancel out.
-        rounds = [{s: run_system(args, s, bias, rank, world) for s in order} for order in (systems, systems[::-1])]
-        results[wname] = {s: {**rounds[1][s], "median_step_s": statistics.median(rounds[0][s]["step_s"]
-                                                                                + rounds[1][s]["step_s"])}
-                          for s in systems}
+    results = {wname: run_workload(args, systems, bias, rank, world) for wname, bias in workloads.items()}
     if rank == 0:
         print(f"\nMoE step time, {world} CPU ranks, {args.layers} MoE layers x {args.experts} experts "
               f"(hidden {args.hidden}, ffn {args.ffn}), top-2, {args.tokens} tokens/rank, {args.steps} timed steps")

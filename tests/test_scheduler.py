@@ -289,10 +289,6 @@ UNBALANCED_WORKLOADS = [
     (4, 16, (0.50, 0.25), 1),    # scheduler: 1.203
     (4, 16, (0.50, 0.25), 2),    # scheduler: 1.216
 ]
-GREEDY_LOCAL_OPTIMUM = ("schedule_materialization's single-replica greedy stalls in a local optimum on this hot-expert "
-                        "workload (no single replica lowers the estimated max; replicating both hot experts on every "
-                        "rank would balance it within budget 2)")
-
 
 def _workload_id(w):
     world, num_e, hot, rpn = w
@@ -327,12 +323,15 @@ def test_balance_acceptance(workload):
     assert est.imbalance == pytest.approx(scheduled, abs=0.01)
 
 
-@pytest.mark.xfail(strict=True, reason=GREEDY_LOCAL_OPTIMUM)
+@pytest.mark.parametrize("budget", [BUDGET, 16])
 @pytest.mark.parametrize("workload", UNBALANCED_WORKLOADS, ids=_workload_id)
-def test_balance_acceptance_greedy_local_optimum(workload):
+def test_balance_acceptance_where_single_replicas_stall(workload, budget):
+    """Workloads where every single new replica overloads its own rank (local-first dispatch): the scheduler's
+    group moves (a replica on every rank of a node / of the job) must still reach the target."""
     world, num_e, hot, rpn = workload
     counts, owners, ep = _check_hot_workload(world, num_e, hot, rpn)
-    mat = schedule_materialization(counts, owners, COMPUTE_DOMINATED, BUDGET, rpn)
+    mat = schedule_materialization(counts, owners, COMPUTE_DOMINATED, budget, rpn)
+    assert max(replicas_per_rank(mat, owners)) <= budget
     scheduled = compute_imbalance(counts, owners, mat, rpn)
     assert scheduled <= BALANCED_MAX, f"EP {ep:.3f} -> scheduled {scheduled:.3f}: {mat}"
 
@@ -344,7 +343,7 @@ def _hot_replicated(owners, world):
 
 @pytest.mark.parametrize("workload", UNBALANCED_WORKLOADS, ids=_workload_id)
 def test_hot_replication_is_feasible(workload):
-    """The balance target is reachable within the budget: the failures above are a search failure."""
+    """The balance target is reachable within the budget with the paper's top-t replication (a yardstick)."""
     world, num_e, hot, rpn = workload
     counts, owners, _ = _check_hot_workload(world, num_e, hot, rpn)
     alt = _hot_replicated(owners, world)
@@ -352,11 +351,11 @@ def test_hot_replication_is_feasible(workload):
     assert compute_imbalance(counts, owners, alt, rpn) <= BALANCED_MAX
 
 
-@pytest.mark.xfail(strict=True, reason=GREEDY_LOCAL_OPTIMUM)
-@pytest.mark.parametrize("workload", UNBALANCED_WORKLOADS, ids=_workload_id)
+@pytest.mark.parametrize("workload", UNBALANCED_WORKLOADS + [(4, 16, (0.40, 0.25), 1)], ids=_workload_id)
 def test_schedule_not_worse_than_hot_replication(workload):
     """The cost-driven greedy should never be worse, by its own estimate, than the paper's top-t replication when
-    that fits the budget."""
+    that fits the budget. (4r-16e-hot40+25-rpn1 meets the 1.15 criterion, 1.083, but hot replication is better:
+    1.050, estimate 0.1050 s vs 0.1084 s.)"""
     world, num_e, hot, rpn = workload
     counts, owners, _ = _check_hot_workload(world, num_e, hot, rpn)
     mat = schedule_materialization(counts, owners, COMPUTE_DOMINATED, BUDGET, rpn)
@@ -528,9 +527,10 @@ def test_heterogeneous_sharding_properties(inputs):
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.lists(st.floats(0.001, 1000, allow_nan=False), min_size=2, max_size=16))
-def test_heterogeneous_underloaded_balance_two_ranks(loads):
-    (owners,) = heterogeneous_sharding([loads], 2, 1, 0)
+@given(st.lists(st.floats(0.001, 1000, allow_nan=False), min_size=2, max_size=16), st.sampled_from([1, 2]))
+def test_heterogeneous_underloaded_balance_two_ranks(loads, rpn):
+    # rpn=1: two nodes of one rank (node choice balances); rpn=2: one node (rank choice within the node balances)
+    (owners,) = heterogeneous_sharding([loads], 2, rpn, 0)
     order = sorted(range(len(loads)), key=lambda e: (-loads[e], e))
     assert owners[order[0]] != owners[order[1]]
     rank_load = [sum(x for x, o in zip(loads, owners) if o == r) for r in range(2)]
@@ -559,6 +559,12 @@ def test_heterogeneous_hand_computed():
     # t=2: the hot 100 and 90 are placed last into the remaining slots; the underloaded 5,4,3,2 balance (7 / 7)
     assert heterogeneous_sharding([[100, 90, 5, 4, 3, 2]], 2, 1, 2) == [(0, 1, 0, 1, 1, 0)]
     assert heterogeneous_sharding([[100, 90, 5, 4, 3, 2]], 2, 1, 0) == [(0, 1, 1, 1, 0, 0)]
+    # the overlappable experts go, in id order, to the rank with the most free slots (lowest id on ties), whatever
+    # their load: underloaded 3 -> r0, 2 -> r1, 1 -> r2, then 100 -> r0, 90 -> r1, 80 -> r2
+    assert heterogeneous_sharding([[100, 90, 80, 3, 2, 1]], 3, 1, 3) == [(0, 1, 2, 0, 1, 2)]
+    assert heterogeneous_sharding([[80, 90, 100, 3, 2, 1]], 3, 1, 3) == [(0, 1, 2, 0, 1, 2)]
+    # one node of two ranks: the rank choice inside the node balances (same as two single-rank nodes)
+    assert heterogeneous_sharding([[10, 9, 1, 1]], 2, 2, 0) == [(0, 1, 1, 0)]
 
 
 def test_heterogeneous_per_layer_degrees():

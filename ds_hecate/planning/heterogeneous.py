@@ -26,7 +26,9 @@ def heterogeneous_sharding(layer_loads: Sequence[Sequence[float]], world_size: i
     ``overlap_degree`` is t, one value for all layers or one per layer.
     """
     degrees = ([overlap_degree] * len(layer_loads) if isinstance(overlap_degree, int) else list(overlap_degree))
-    if world_size % ranks_per_node:
+    if len(degrees) != len(layer_loads):
+        raise ValueError(f"overlap_degree: {len(degrees)} values for {len(layer_loads)} layers")
+    if ranks_per_node < 1 or world_size % ranks_per_node:
         raise ValueError(f"ranks_per_node={ranks_per_node} must divide world_size={world_size}")
     total = sum(len(loads) for loads in layer_loads)
     free = slots_per_rank(total, world_size)

@@ -24,7 +24,11 @@ class LoadPredictor:
         return len(self._history)
 
     def push(self, counts: Sequence[Sequence[int]]) -> None:
-        self._history.append([list(map(int, row)) for row in counts])
+        matrix = [list(map(int, row)) for row in counts]
+        if self._history and (len(matrix) != len(self._history[0])
+                              or any(len(row) != len(self._history[0][0]) for row in matrix)):
+            raise ValueError("LoadPredictor.push: count matrix shape changed within the window")
+        self._history.append(matrix)
 
     def predict(self) -> Optional[Matrix]:
         """Average count matrix over the window; None before the first observation."""
@@ -42,7 +46,7 @@ class LoadPredictor:
         return [sum(row[e] for row in pred) for e in range(len(pred[0]))]
 
     def state_dict(self) -> dict:
-        return {"window": self.window, "history": [m for m in self._history]}
+        return {"window": self.window, "history": [[list(row) for row in m] for m in self._history]}
 
     def load_state_dict(self, state: dict) -> None:
         self._history = deque((list(map(list, m)) for m in state["history"]), maxlen=self.window)

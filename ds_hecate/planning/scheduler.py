@@ -132,6 +132,12 @@ def estimate_layer(counts: Sequence[Sequence[float]], owners: Sequence[int], mat
     return LayerEstimate(max(times), tuple(processed), tuple(times))
 
 
+def _profile(est: LayerEstimate) -> Tuple[float, ...]:
+    """Rank times sorted from slowest, rounded so that float noise never decides: the search compares these
+    lexicographically, so a move that lowers one of several tied maxima counts as progress."""
+    return tuple(float(f"{t:.12g}") for t in sorted(est.rank_time_s, reverse=True))
+
+
 def schedule_materialization(counts: Sequence[Sequence[float]], owners: Sequence[int], costs: StepCostModel,
                              budget_per_rank: int, ranks_per_node: int,
                              start: Optional[Sequence[Sequence[int]]] = None,
@@ -139,7 +145,12 @@ def schedule_materialization(counts: Sequence[Sequence[float]], owners: Sequence
                              candidate_experts: int = 4) -> Placement:
     """Greedy replica placement minimising :func:`estimate_layer` under ``budget_per_rank`` extra experts/rank.
 
-    ``start`` is a placement to extend (the prefetched one, for calibration); by default the sharded placement.
+    Moves considered for the experts that load the bottleneck rank most: one new replica on one rank, a replica on
+    every rank of one node that lacks the expert, and a replica on every rank that lacks it. Single replicas alone
+    get stuck where local-first dispatch makes each new copy overload its own rank; the group moves are Algorithm
+    1's "replicate on all devices" as one option among others. A move is taken when it lowers the sorted profile
+    of rank times (see :func:`_profile`); ties break on (expert, ranks). ``start`` is a placement to extend (the
+    prefetched one, for calibration); by default the sharded placement.
     """
     world = len(counts)
     num_experts = len(owners)
@@ -150,6 +161,7 @@ def schedule_materialization(counts: Sequence[Sequence[float]], owners: Sequence
         for r, experts in enumerate(start):
             mat[r].update(experts)
     extra = [sum(1 for e in mat[r] if owners[e] != r) for r in range(world)]
+    num_nodes = max(1, world // ranks_per_node)
 
     def frozen(m: List[Set[int]]) -> Placement:
         return tuple(tuple(sorted(s)) for s in m)
@@ -160,19 +172,29 @@ def schedule_materialization(counts: Sequence[Sequence[float]], owners: Sequence
         load_on_bottleneck = rank_loads(counts, frozen(mat), ranks_per_node)[0][bottleneck]
         hot = sorted((e for e in range(num_experts) if load_on_bottleneck[e] > 0),
                      key=lambda e: (-load_on_bottleneck[e], e))[:candidate_experts]
-        choice: Optional[Tuple[float, int, int, LayerEstimate]] = None
+        moves = set()
         for e in hot:
-            for d in range(world):
-                if e in mat[d] or extra[d] >= budget_per_rank:
-                    continue
+            open_ranks = [d for d in range(world) if e not in mat[d] and extra[d] < budget_per_rank]
+            moves.update((e, (d,)) for d in open_ranks)
+            for n in range(num_nodes):
+                in_node = tuple(d for d in open_ranks if d // ranks_per_node == n)
+                if in_node:
+                    moves.add((e, in_node))
+            if open_ranks:
+                moves.add((e, tuple(open_ranks)))
+        choice: Optional[Tuple[Tuple[float, ...], int, Tuple[int, ...], LayerEstimate]] = None
+        for e, ranks in sorted(moves):
+            for d in ranks:
                 mat[d].add(e)
-                est = estimate_layer(counts, owners, frozen(mat), costs, ranks_per_node, prefetched)
+            est = estimate_layer(counts, owners, frozen(mat), costs, ranks_per_node, prefetched)
+            for d in ranks:
                 mat[d].discard(e)
-                key = (est.time_s, e, d)
-                if choice is None or key < choice[:3]:
-                    choice = (est.time_s, e, d, est)
-        if choice is None or not choice[0] < best.time_s * (1 - 1e-9):
+            key = (_profile(est), e, ranks)
+            if choice is None or key < choice[:3]:
+                choice = (key[0], e, ranks, est)
+        if choice is None or not choice[0] < _profile(best):
             return frozen(mat)
-        _, e, d, best = choice
-        mat[d].add(e)
-        extra[d] += 1
+        _, e, ranks, best = choice
+        for d in ranks:
+            mat[d].add(e)
+            extra[d] += 1
