@@ -162,32 +162,38 @@ class Communicator:
             return result, buffers + list(replicas.values())
         return PendingGather(placement, finish)
 
-    def sparse_reduce_scatter(self, placement: Placement, grads: Dict[int, torch.Tensor], numel: int,
-                              wire_dtype: torch.dtype, counters: CommCounters) -> Dict[int, torch.Tensor]:
+    def start_sparse_reduce_scatter(self, placement: Placement, grads: Dict[int, torch.Tensor], numel: int,
+                                    wire_dtype: torch.dtype, counters: CommCounters,
+                                    async_op: bool = True) -> Callable[[], Dict[int, torch.Tensor]]:
         """spRS(P', P): sum every materialized copy's gradient onto the expert's owner.
 
-        ``grads`` holds this rank's gradient for each of its materialized experts. Returns, for each expert this
-        rank owns, the sum over all ranks (fp32), summed in a fixed order: own copy first, then by source rank.
+        ``grads`` holds this rank's gradient for each of its materialized experts. Returns a function that waits
+        for the exchange and gives, for each expert this rank owns, the sum over all ranks (fp32), summed in a fixed
+        order: own copy first, then by source rank.
         """
         totals: Dict[int, torch.Tensor] = {}
         for e in placement.materialized[self.rank]:
             if placement.owners[e] == self.rank:
                 totals[e] = grads[e].to(torch.float32)
         if placement.num_moved == 0:
-            return totals
+            return lambda: totals
         counters.count("reducescatter")
         # As a replica, send to each owner the experts it sent us in spAG (same lists, opposite direction).
         send_lists = {owner: [grads[e] for e in experts]
                       for owner, experts in placement.gather_recvs(self.rank).items()}
         recv_lists = placement.gather_sends(self.rank)
         device = next(iter(grads.values())).device if grads else torch.device("cpu")
-        received = self._start_chunk_exchange(send_lists, recv_lists, numel, wire_dtype, device, False)()
+        finish_exchange = self._start_chunk_exchange(send_lists, recv_lists, numel, wire_dtype, device, async_op)
         counters.reducescatter_bytes += (sum(len(v) for v in send_lists.values()) * numel
                                          * _itemsize(wire_dtype))
-        for src in range(self.world_size):
-            for e, chunk in zip(recv_lists.get(src, ()), received.get(src, ())):
-                totals[e] = totals[e] + chunk.to(torch.float32)
-        return totals
+
+        def finish() -> Dict[int, torch.Tensor]:
+            received = finish_exchange()
+            for src in range(self.world_size):
+                for e, chunk in zip(recv_lists.get(src, ()), received.get(src, ())):
+                    totals[e] = totals[e] + chunk.to(torch.float32)
+            return totals
+        return finish
 
     def move_experts(self, sources: Sequence[int], owners: Sequence[int], local: Dict[int, torch.Tensor],
                      numel: int) -> Dict[int, torch.Tensor]:

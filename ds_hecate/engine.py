@@ -1,6 +1,7 @@
 """HecateEngine: DeepSpeed's engine with the expert update added, and nothing else changed.
 
 Hooks, all narrow:
+- ``backward``: completes the SparseReduceScatters issued asynchronously during backward.
 - ``step``: after DeepSpeed's own step (which decides overflow, computes the global norm and advances the LR
   schedule) the expert optimizer steps the owned shards with the same unscale/clip factor and the LR that applied.
 - the ZeRO optimizer's ``scaled_global_norm`` (on the instance): adds the expert gradients to the global norm, so
@@ -22,6 +23,11 @@ class HecateEngine(DeepSpeedEngine):
     """Class-swapped onto the engine ``deepspeed.initialize`` built; ``engine.hecate`` is the runtime."""
 
     hecate: HecateRuntime
+
+    def backward(self, loss, *args, **kwargs):
+        result = super().backward(loss, *args, **kwargs)
+        self.hecate.flush_reductions()  # expert gradients complete on their owners at the end of every backward
+        return result
 
     def step(self, lr_kwargs=None):
         if not self.is_gradient_accumulation_boundary():

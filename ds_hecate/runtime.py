@@ -29,7 +29,7 @@ from .planning.predictor import LoadPredictor
 from .planning.scheduler import StepCostModel, rank_loads, schedule_materialization
 from .shard_store import ExpertShardStore, LayerShard
 
-PHASES = ("counts", "plan", "gather", "dispatch", "compute", "combine", "reduce_scatter", "regather")
+PHASES = ("counts", "plan", "gather", "dispatch", "compute", "combine", "reduce_scatter", "reduce_wait", "regather")
 
 
 def _in_backward_pass() -> bool:
@@ -180,11 +180,13 @@ class LayerBinding:
         return PendingGather(placement, tracked)
 
     def reduce_scatter(self, plan: LayerPlan, grads: Dict[int, torch.Tensor]) -> None:
+        """Issue the layer's SparseReduceScatter asynchronously; the rest of backward runs while it is in flight,
+        and :meth:`HecateRuntime.flush_reductions` adds the results to the owners' accumulators."""
         rt = self.runtime
         with self.timed("reduce_scatter"):
-            totals = rt.comm.sparse_reduce_scatter(plan.placement, grads, self.shard.kernel.numel, rt.reduce_dtype,
-                                                   self.counters)
-            self.shard.accumulate(totals)
+            finish = rt.comm.start_sparse_reduce_scatter(plan.placement, grads, self.shard.kernel.numel,
+                                                         rt.reduce_dtype, self.counters)
+        rt.pending_reductions.append((self, finish))
 
     def replica_bytes_alive(self) -> int:
         """Bytes of materialized expert copies still alive (replicas and cast copies, not the masters)."""
@@ -396,6 +398,7 @@ class HecateRuntime:
         self.overlaps_compute = torch.cuda.is_available()
         self.last_layer_end: Optional[float] = None
         self.peak_replica_bytes = 0
+        self.pending_reductions: List[Tuple[LayerBinding, object]] = []
 
     # -- setup --------------------------------------------------------------------------------------------------
     def add_layer(self, name: str, shard: LayerShard, hidden_size: int) -> LayerBinding:
@@ -471,8 +474,16 @@ class HecateRuntime:
         self.peak_replica_bytes = max(self.peak_replica_bytes, live)
 
     # -- gradient norm and step -------------------------------------------------------------------------------
+    def flush_reductions(self) -> None:
+        """Wait for every SparseReduceScatter issued in backward (in issue order) and accumulate the results."""
+        pending, self.pending_reductions = self.pending_reductions, []
+        for binding, finish in pending:
+            with binding.timed("reduce_wait"):
+                binding.shard.accumulate(finish())
+
     def expert_grad_norm(self, grad_divisor: float) -> torch.Tensor:
         """L2 norm over all ranks of the (averaged, still loss-scaled) expert gradients. Collective."""
+        self.flush_reductions()
         sq = self.store.grad_sq_sum() / (grad_divisor * grad_divisor)
         return self.comm.all_reduce(sq.reshape(1)).reshape(()).sqrt()
 
@@ -482,6 +493,7 @@ class HecateRuntime:
 
         ``loss_scale`` and ``lrs`` are the values from before DeepSpeed's step, the ones that applied to it.
         """
+        self.flush_reductions()
         try:
             if not applied:
                 self.steps_skipped += 1

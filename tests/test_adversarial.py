@@ -107,6 +107,7 @@ def _random_routing_worker(rank: int, world: int, seeds: int) -> dict:
         assert torch.allclose(grads[0][0], grads[1][0], atol=1e-5, rtol=1e-5), f"seed {seed}: input grads differ"
         assert torch.allclose(grads[0][1], grads[1][1], atol=1e-5, rtol=1e-5), f"seed {seed}: gate grads differ"
         # Expert gradients: data-parallel sum over ranks == what SparseReduceScatter delivered to the owners.
+        runtime.flush_reductions()
         ref = torch.stack([binding.shard.kernel.flatten_grad(e) for e in reference.experts])
         dist.all_reduce(ref)
         for e in binding.shard.owned:

@@ -13,6 +13,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
+
+from standalone import planning_prelude
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -39,19 +41,9 @@ def _fresh_import_report() -> dict:
 def _standalone_planning_without_torch() -> str:
     """Load ds_hecate/planning as a top-level package in a subprocess where torch and deepspeed cannot be
     imported at all; return the repr of a plan computed there."""
-    code = textwrap.dedent(f"""
-        import importlib.util, sys
-        sys.modules["torch"] = None          # any 'import torch' now raises ImportError
-        sys.modules["deepspeed"] = None
-        spec = importlib.util.spec_from_file_location(
-            "standalone_planning", {str(PLANNING_DIR / "__init__.py")!r},
-            submodule_search_locations=[{str(PLANNING_DIR)!r}])
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["standalone_planning"] = mod
-        spec.loader.exec_module(mod)
-        assert not any(m == "torch" or m.startswith("torch.") for m, v in sys.modules.items() if v is not None)
-        plan = mod.plan_layer([[3, 0], [1, 4]], mod.even_sharding(2, 2), "cost",
-                              mod.CommCostModel(hidden_size=1, expert_numel=1), 1)
+    code = planning_prelude() + textwrap.dedent("""
+        plan = planning.plan_layer([[3, 0], [1, 4]], planning.even_sharding(2, 2), "cost",
+                                   planning.CommCostModel(hidden_size=1, expert_numel=1), 1)
         print(repr(plan))
     """)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd="/")
@@ -516,14 +508,8 @@ def test_policies_are_ordered(inputs):
 # Independence from the Python hash seed
 # ---------------------------------------------------------------------------------------------------------------
 # The planning package is loaded standalone (it needs neither torch nor the rest of ds_hecate) to keep this fast.
-_HASH_SCRIPT = textwrap.dedent(f"""
-    import importlib.util, random, sys
-    spec = importlib.util.spec_from_file_location(
-        "standalone_planning", {str(PLANNING_DIR / "__init__.py")!r},
-        submodule_search_locations=[{str(PLANNING_DIR)!r}])
-    planning = importlib.util.module_from_spec(spec)
-    sys.modules["standalone_planning"] = planning
-    spec.loader.exec_module(planning)
+_HASH_SCRIPT = planning_prelude(block_torch=False) + textwrap.dedent("""
+    import random
     CommCostModel, even_sharding, plan_layer = planning.CommCostModel, planning.even_sharding, planning.plan_layer
     rng = random.Random(1234)
     out = []

@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import List, Sequence, Tuple
 
 import pytest
+
+from standalone import planning_prelude
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -607,21 +609,10 @@ _EXAMPLE = textwrap.dedent("""
     result = repr((placement, predictor.expert_loads(), sharding))
 """)
 
-_STANDALONE = textwrap.dedent(f"""
-    import importlib, importlib.util, sys
-    sys.modules["torch"] = None          # any 'import torch' (torch.distributed included) raises ImportError
-    sys.modules["deepspeed"] = None
-    spec = importlib.util.spec_from_file_location(
-        "standalone_planning", {str(PLANNING_DIR / "__init__.py")!r},
-        submodule_search_locations=[{str(PLANNING_DIR)!r}])
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["standalone_planning"] = mod
-    spec.loader.exec_module(mod)
+_STANDALONE = planning_prelude() + textwrap.dedent("""
     scheduler = importlib.import_module("standalone_planning.scheduler")
     predictor_mod = importlib.import_module("standalone_planning.predictor")
     heterogeneous = importlib.import_module("standalone_planning.heterogeneous")
-    assert not any(m == "torch" or m.startswith("torch.") or m.startswith("ds_hecate")
-                   for m, v in sys.modules.items() if v is not None)
     StepCostModel, schedule_materialization = scheduler.StepCostModel, scheduler.schedule_materialization
     LoadPredictor, heterogeneous_sharding = predictor_mod.LoadPredictor, heterogeneous.heterogeneous_sharding
 """)
