@@ -27,7 +27,6 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import deepspeed
@@ -139,13 +138,13 @@ def run_workload(args, systems, bias, rank: int, world: int) -> dict:
             layers = stats["layers"]
             n = args.warmup + args.steps
             result.update({
-                "imbalance_before": sum(l["load_imbalance_before"] for l in layers) / len(layers),
-                "imbalance_after": sum(l["load_imbalance_after"] for l in layers) / len(layers),
-                "replicas_per_layer": sum(l["replicas"] for l in layers) / len(layers),
+                "imbalance_before": sum(layer["load_imbalance_before"] for layer in layers) / len(layers),
+                "imbalance_after": sum(layer["load_imbalance_after"] for layer in layers) / len(layers),
+                "replicas_per_layer": sum(layer["replicas"] for layer in layers) / len(layers),
                 "hot_share": _hot_share(layers),
                 "bytes_allgather_per_step": stats["comm"]["bytes_allgather"] / n,
                 "bytes_dispatch_per_step": stats["comm"]["bytes_dispatch"] / n,
-                "phase_s_per_step": {k: sum(l["time_s"][k] for l in layers) / n for k in layers[0]["time_s"]},
+                "phase_s_per_step": {k: sum(layer["time_s"][k] for layer in layers) / n for k in layers[0]["time_s"]},
                 "measured_costs": stats["measured_costs"],
             })
         results[s] = result
@@ -153,7 +152,7 @@ def run_workload(args, systems, bias, rank: int, world: int) -> dict:
 
 
 def _hot_share(layers) -> float:
-    tokens = [l["tokens_per_expert"] for l in layers]
+    tokens = [layer["tokens_per_expert"] for layer in layers]
     return sum(t[0] + t[1] for t in tokens) / max(1, sum(sum(t) for t in tokens))
 
 

@@ -8,7 +8,7 @@ module dispatch.
 from __future__ import annotations
 
 import copy
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -115,6 +115,3 @@ class ExpertKernel:
             return self.fast_path(params, x)
         out = torch.func.functional_call(self._template, params, (x,))
         return out[0] if isinstance(out, tuple) else out  # DeepSpeed's Experts ignore a returned bias too
-
-    def describe(self) -> Tuple[str, int]:
-        return self.kind, self.numel

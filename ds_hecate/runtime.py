@@ -13,7 +13,6 @@ re-materialization, a second SparseAllGather) in the mirror order on every rank.
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 import weakref
 from typing import Dict, List, Optional, Sequence, Tuple

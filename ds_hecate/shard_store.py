@@ -35,7 +35,8 @@ class LayerShard:
     def set_masters(self, flats: Dict[int, torch.Tensor]) -> None:
         expected = [e for e, o in enumerate(self.owners) if o == self.rank]
         if sorted(flats) != expected:
-            raise RuntimeError(f"layer {self.name}: rank {self.rank} should own experts {expected}, got {sorted(flats)}")
+            raise RuntimeError(f"layer {self.name}: rank {self.rank} should own experts {expected}, "
+                               f"got {sorted(flats)}")
         self.masters = {e: nn.Parameter(flats[e].to(torch.float32).contiguous(), requires_grad=False)
                         for e in expected}
 
@@ -78,6 +79,3 @@ class ExpertShardStore:
 
     def grad_bytes(self) -> int:
         return sum(p.grad.numel() * p.grad.element_size() for p in self.parameters() if p.grad is not None)
-
-    def num_owned(self) -> int:
-        return sum(len(shard.masters) for shard in self.layers)

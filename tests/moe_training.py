@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 import torch
-import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
@@ -232,7 +231,8 @@ def assert_same_trajectory(oracle: List[dict], mine: List[dict], loss_rtol: floa
     for rank, (o, m) in enumerate(zip(oracle, mine)):
         lo, lm = torch.tensor(o["losses"], dtype=torch.float64), torch.tensor(m["losses"], dtype=torch.float64)
         rel = ((lo - lm).abs() / lo.abs().clamp_min(1e-12)).max().item()
-        assert rel <= loss_rtol, f"{label} rank {rank}: loss rel diff {rel:.3e} > {loss_rtol}: {o['losses']} vs {m['losses']}"
+        assert rel <= loss_rtol, \
+            f"{label} rank {rank}: loss rel diff {rel:.3e} > {loss_rtol}: {o['losses']} vs {m['losses']}"
         no, nm = torch.tensor(o["norms"]), torch.tensor(m["norms"])
         assert torch.allclose(no, nm, rtol=max(loss_rtol, 1e-5) * 10, atol=1e-6, equal_nan=True), \
             f"{label} rank {rank}: grad norms differ: {o['norms']} vs {m['norms']}"

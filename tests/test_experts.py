@@ -34,7 +34,7 @@ def _module_out(module, x):
 def check_kernel_matches_module(module: nn.Module, kind: str, x: torch.Tensor) -> ExpertKernel:
     kernel = ExpertKernel(module)
     assert kernel.kind == kind
-    assert kernel.describe() == (kind, sum(p.numel() for p in module.parameters()))
+    assert (kernel.kind, kernel.numel) == (kind, sum(p.numel() for p in module.parameters()))
     assert kernel.names == [n for n, _ in module.named_parameters()]
 
     flat = kernel.flatten(module)

@@ -22,7 +22,6 @@ def _expect_error(build, config, error_type):
 
 
 def _errors_worker(rank: int, world: int) -> dict:
-    import torch
     from torch import nn
 
     import deepspeed

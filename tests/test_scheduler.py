@@ -516,7 +516,7 @@ def test_heterogeneous_sharding_properties(inputs):
     assert max(per_rank) - min(per_rank) <= 1
     assert per_rank == slots_per_rank(total, world)
     # deterministic
-    assert heterogeneous_sharding([list(l) for l in layer_loads], world, rpn, degree) == owners
+    assert heterogeneous_sharding([list(loads) for loads in layer_loads], world, rpn, degree) == owners
     # a per-layer list with the same value everywhere is the same as the scalar
     if isinstance(degree, int):
         assert heterogeneous_sharding(layer_loads, world, rpn, [degree] * len(layer_loads)) == owners
@@ -583,7 +583,7 @@ def test_heterogeneous_per_layer_degrees():
 def test_heterogeneous_layers_may_be_uneven_per_rank():
     # totals are balanced across layers, not per layer: 3 + 1 experts on 2 ranks
     owners = heterogeneous_sharding([[5, 5, 5], [1]], 2, 1, 0)
-    assert [sum(l.count(r) for l in owners) for r in range(2)] == [2, 2]
+    assert [sum(layer.count(r) for layer in owners) for r in range(2)] == [2, 2]
     assert sorted(owners[0].count(r) for r in range(2)) == [1, 2]
 
 

@@ -5,4 +5,5 @@ from .placement import POLICIES, plan_layer
 from .plan import LayerPlan, Placement
 from .sharding import even_sharding
 
-__all__ = ["CommCostModel", "LayerPlan", "Placement", "POLICIES", "even_sharding", "plan_layer", "topology_aware_routes"]
+__all__ = ["CommCostModel", "LayerPlan", "Placement", "POLICIES", "even_sharding", "plan_layer",
+           "topology_aware_routes"]

@@ -30,19 +30,33 @@ def split_evenly(num_tokens: int, candidates: Sequence[int], src: int) -> Tuple[
     return tuple(sorted(routes))
 
 
+def expert_holders(materialized: Sequence[Sequence[int]], num_experts: int) -> List[List[int]]:
+    """holders[e]: ranks (ascending) where expert e is materialized."""
+    holders: List[List[int]] = [[] for _ in range(num_experts)]
+    for rank, experts in enumerate(materialized):
+        for e in experts:
+            holders[e].append(rank)
+    return holders
+
+
+def eligible_ranks(src: int, holders: Sequence[int], ranks_per_node: int) -> List[int]:
+    """Where src's pairs for an expert go: itself if it holds the expert, else the holders on its node, else all
+    holders. The single statement of the dispatch rule, shared by the runtime and the scheduler's estimate."""
+    if src in holders:
+        return [src]
+    node = node_of(src, ranks_per_node)
+    return [r for r in holders if node_of(r, ranks_per_node) == node] or list(holders)
+
+
 def topology_aware_routes(counts: Sequence[Sequence[int]], materialized: Sequence[Sequence[int]],
                           ranks_per_node: int) -> Routes:
     """Routes for every (src, expert) given the per-rank counts and the materialized placement."""
     world = len(counts)
     num_experts = len(counts[0]) if world else 0
-    holders: List[List[int]] = [[] for _ in range(num_experts)]
-    for rank, experts in enumerate(materialized):
-        for e in experts:
-            holders[e].append(rank)
+    holders = expert_holders(materialized, num_experts)
     routes = []
     for src in range(world):
         per_expert = []
-        src_node = node_of(src, ranks_per_node)
         for e in range(num_experts):
             n = int(counts[src][e])
             if n == 0:
@@ -50,10 +64,6 @@ def topology_aware_routes(counts: Sequence[Sequence[int]], materialized: Sequenc
                 continue
             if not holders[e]:
                 raise ValueError(f"dispatch: expert {e} is materialized nowhere")
-            if src in holders[e]:
-                per_expert.append(((src, n),))
-                continue
-            same_node = [r for r in holders[e] if node_of(r, ranks_per_node) == src_node]
-            per_expert.append(split_evenly(n, same_node or holders[e], src))
+            per_expert.append(split_evenly(n, eligible_ranks(src, holders[e], ranks_per_node), src))
         routes.append(tuple(per_expert))
     return tuple(routes)

@@ -61,10 +61,6 @@ class Placement:
                 out.setdefault(self.owners[e], []).append(e)
         return out
 
-    def replicas_on(self, rank: int) -> List[int]:
-        """Experts materialized on ``rank`` that it does not own."""
-        return [e for e in self.materialized[rank] if self.owners[e] != rank]
-
 
 @dataclass(frozen=True)
 class LayerPlan:

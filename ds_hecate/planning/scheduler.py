@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Set, Tuple
 
-from .dispatch import node_of
+from .dispatch import eligible_ranks, expert_holders
 
 Placement = Tuple[Tuple[int, ...], ...]
 
@@ -68,25 +68,20 @@ def rank_loads(counts: Sequence[Sequence[float]], materialized: Sequence[Sequenc
     """
     world = len(counts)
     num_experts = len(counts[0]) if world else 0
-    holders: List[List[int]] = [[] for _ in range(num_experts)]
-    for r, experts in enumerate(materialized):
-        for e in experts:
-            holders[e].append(r)
+    holders = expert_holders(materialized, num_experts)
     processed = [[0.0] * num_experts for _ in range(world)]
     sent = [0.0] * world
     received = [0.0] * world
     for src in range(world):
-        node = node_of(src, ranks_per_node)
         row = counts[src]
         for e in range(num_experts):
             n = row[e]
             if not n:
                 continue
-            hs = holders[e]
-            if src in hs:
+            cands = eligible_ranks(src, holders[e], ranks_per_node)
+            if cands == [src]:
                 processed[src][e] += n
                 continue
-            cands = [r for r in hs if node_of(r, ranks_per_node) == node] or hs
             share = n / len(cands)
             sent[src] += n
             for d in cands:
@@ -149,8 +144,9 @@ def schedule_materialization(counts: Sequence[Sequence[float]], owners: Sequence
     every rank of one node that lacks the expert, and a replica on every rank that lacks it. Single replicas alone
     get stuck where local-first dispatch makes each new copy overload its own rank; the group moves are Algorithm
     1's "replicate on all devices" as one option among others. A move is taken when it lowers the sorted profile
-    of rank times (see :func:`_profile`); ties break on (expert, ranks). ``start`` is a placement to extend (the
-    prefetched one, for calibration); by default the sharded placement.
+    of rank times (see :func:`_profile`); ties break on (expert, ranks); the result is the earliest placement on
+    that path with the lowest layer time. ``start`` is a placement to extend (the prefetched one, for
+    calibration); by default the sharded placement.
     """
     world = len(counts)
     num_experts = len(owners)
@@ -167,6 +163,9 @@ def schedule_materialization(counts: Sequence[Sequence[float]], owners: Sequence
         return tuple(tuple(sorted(s)) for s in m)
 
     best = estimate_layer(counts, owners, frozen(mat), costs, ranks_per_node, prefetched)
+    # The search may pass through placements that only break a tie among the slowest ranks; what it returns is the
+    # earliest placement with the lowest layer time, so no replica is kept that does not shorten the step.
+    result = (best.time_s, frozen(mat))
     while True:
         bottleneck = max(range(world), key=lambda r: (best.rank_time_s[r], -r))
         load_on_bottleneck = rank_loads(counts, frozen(mat), ranks_per_node)[0][bottleneck]
@@ -193,8 +192,10 @@ def schedule_materialization(counts: Sequence[Sequence[float]], owners: Sequence
             if choice is None or key < choice[:3]:
                 choice = (key[0], e, ranks, est)
         if choice is None or not choice[0] < _profile(best):
-            return frozen(mat)
+            return result[1]
         _, e, ranks, best = choice
         for d in ranks:
             mat[d].add(e)
             extra[d] += 1
+        if _profile(best)[0] < float(f"{result[0]:.12g}"):
+            result = (best.time_s, frozen(mat))
