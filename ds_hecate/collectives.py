@@ -95,6 +95,10 @@ class Communicator:
             dist.all_reduce(value, op=op, group=self.group)
         return value
 
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier(group=self.group)
+
     def all_gather_object(self, obj) -> list:
         if self.world_size == 1:
             return [obj]

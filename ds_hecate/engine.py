@@ -1,6 +1,7 @@
 """HecateEngine: DeepSpeed's engine with the expert update added, and nothing else changed.
 
 Hooks, all narrow:
+- ``save_checkpoint`` / ``load_checkpoint``: add the experts (``ds_hecate.checkpoint``) around DeepSpeed's own.
 - ``backward``: completes the SparseReduceScatters issued asynchronously during backward.
 - ``step``: after DeepSpeed's own step (which decides overflow, computes the global norm and advances the LR
   schedule) the expert optimizer steps the owned shards with the same unscale/clip factor and the LR that applied.
@@ -9,12 +10,14 @@ Hooks, all narrow:
 """
 from __future__ import annotations
 
+import os
 from typing import List
 
 import torch
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.utils import combine_grad_norm_groups
 
+from . import checkpoint
 from .errors import HecateUnsupportedError
 from .runtime import HecateRuntime
 
@@ -23,6 +26,33 @@ class HecateEngine(DeepSpeedEngine):
     """Class-swapped onto the engine ``deepspeed.initialize`` built; ``engine.hecate`` is the runtime."""
 
     hecate: HecateRuntime
+
+    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,
+                        exclude_frozen_parameters=False):
+        """DeepSpeed's checkpoint plus every expert (``<tag>/hecate``), written before DeepSpeed's files and
+        ``latest``, so ``latest`` never points at a checkpoint whose experts are incomplete."""
+        tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
+        checkpoint.save(self.hecate, os.path.join(save_dir, tag))
+        return super().save_checkpoint(save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+                        load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
+        """Validates the expert state first (nothing is loaded if it is incomplete), then loads DeepSpeed's
+        state, then installs the experts."""
+        if tag is None:
+            latest = os.path.join(load_dir, "latest_universal" if self.load_universal_checkpoint() else "latest")
+            if not os.path.isfile(latest):
+                return super().load_checkpoint(load_dir, tag, load_module_strict, load_optimizer_states,
+                                               load_lr_scheduler_states, load_module_only, custom_load_fn)
+            with open(latest, encoding="utf-8") as f:
+                tag = f.read().strip()
+        install = checkpoint.prepare_load(self.hecate, os.path.join(load_dir, str(tag)),
+                                          load_optimizer_states and not load_module_only)
+        result = super().load_checkpoint(load_dir, tag, load_module_strict, load_optimizer_states,
+                                         load_lr_scheduler_states, load_module_only, custom_load_fn)
+        if result[0] is not None:
+            install()
+        return result
 
     def backward(self, loss, *args, **kwargs):
         result = super().backward(loss, *args, **kwargs)

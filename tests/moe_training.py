@@ -39,6 +39,11 @@ class Spec:
     aux_coef: float = 0.01
     client_optimizer: bool = False         # torch AdamW over split_params_into_different_moe_groups_for_optimizer
     checkpoint: bool = False               # torch.utils.checkpoint around each block (recompute in backward)
+    reseed_each_step: bool = False         # seed the gate's sampling per step (so a resumed run can match)
+    save_after: Optional[int] = None       # engine.save_checkpoint(ckpt_dir) after this many steps
+    ckpt_dir: Optional[str] = None
+    resume_from: Optional[str] = None      # engine.load_checkpoint(resume_from) first, continue from its step
+    load_module_only: bool = False
     lr: float = 5e-3
     weight_decay: float = 0.01
     seed: int = 1234
@@ -174,18 +179,26 @@ def train(rank: int, world_size: int, spec: Spec) -> dict:
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, model_parameters=params,
                                       config=ds_config(spec))
     dtype = torch.bfloat16 if spec.bf16 else torch.float32
+    start = 0
+    if spec.resume_from is not None:
+        engine.load_checkpoint(spec.resume_from, load_module_only=spec.load_module_only)
+        start = engine.global_steps
     torch.manual_seed(spec.seed + 1)  # same RNG stream (gate sampling) in both runs from here on
     losses: List[float] = []
     norms: List[float] = []
-    for step in range(spec.steps):
+    for step in range(start, spec.steps):
+        if spec.reseed_each_step:
+            torch.manual_seed(spec.seed + 7919 * step)
         for micro in range(spec.gas):
             x, y, used = batch(spec, step, micro, rank, dtype)
             loss = engine(x, y, used)
             engine.backward(loss)
             engine.step()
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
         norm = engine.get_global_grad_norm()
         norms.append(float(norm) if norm is not None else float("nan"))
+        if spec.save_after == step + 1:
+            engine.save_checkpoint(spec.ckpt_dir)
     dense = {n.replace("deepspeed_moe.", ""): p.detach().float().clone() for n, p in engine.module.named_parameters()
              if "experts" not in n}
     if getattr(engine, "hecate", None) is not None:

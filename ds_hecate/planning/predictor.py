@@ -18,13 +18,13 @@ class LoadPredictor:
         if window < 1:
             raise ValueError(f"load window must be >= 1, got {window}")
         self.window = window
-        self._history: Deque[List[List[int]]] = deque(maxlen=window)
+        self._history: Deque[List[List[float]]] = deque(maxlen=window)
 
     def __len__(self) -> int:
         return len(self._history)
 
-    def push(self, counts: Sequence[Sequence[int]]) -> None:
-        matrix = [list(map(int, row)) for row in counts]
+    def push(self, counts: Sequence[Sequence[float]]) -> None:
+        matrix = [list(row) for row in counts]
         if self._history and (len(matrix) != len(self._history[0])
                               or any(len(row) != len(self._history[0][0]) for row in matrix)):
             raise ValueError("LoadPredictor.push: count matrix shape changed within the window")
@@ -49,4 +49,4 @@ class LoadPredictor:
         return {"window": self.window, "history": [[list(row) for row in m] for m in self._history]}
 
     def load_state_dict(self, state: dict) -> None:
-        self._history = deque((list(map(list, m)) for m in state["history"]), maxlen=self.window)
+        self._history = deque(([list(row) for row in m] for m in state["history"]), maxlen=self.window)

@@ -1,0 +1,161 @@
+"""Hecate's part of a DeepSpeed checkpoint: every expert, stored as a logical expert, never a per-rank blob.
+
+Layout, next to DeepSpeed's own files in ``<save_dir>/<tag>/``::
+
+    hecate/meta.json                      layers (names, parameter layout, sharding), scheduler state, format
+    hecate/layer000_expert00003.pt        {"master": fp32 vector, "state": {optimizer state tensors}}
+
+Each owner writes its experts (write to a temporary name, then rename); all ranks meet at a barrier before
+DeepSpeed writes its files and, last, ``latest``, so ``latest`` never names a checkpoint with experts missing.
+Materialized replicas are never saved. Loading reads the files of the experts a rank owns, whatever world size
+saved them (with the saved sharding when the world size is the same, else an even one), validates the model
+against ``meta.json`` and refuses to load partially: any missing, truncated or mismatched file fails on every rank
+with a message naming the layer and expert. Files are read with ``torch.load(weights_only=True)``.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+from torch import nn
+
+from .errors import HecateError
+from .planning import even_sharding
+
+FORMAT = "ds_hecate/1"
+SUBDIR = "hecate"
+
+
+def expert_file(layer_id: int, expert: int) -> str:
+    return f"layer{layer_id:03d}_expert{expert:05d}.pt"
+
+
+def _atomic_torch_save(obj: Any, path: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def _layer_meta(rt) -> List[Dict[str, Any]]:
+    return [{"name": name, "num_experts": b.shard.num_experts, "numel": b.shard.kernel.numel,
+             "param_names": b.shard.kernel.names, "param_shapes": [list(s) for s in b.shard.kernel.shapes],
+             "owners": list(b.shard.owners), "load_history": b.predictor.state_dict()["history"]}
+            for name, b in zip(rt.layer_names, rt.bindings)]
+
+
+def save(rt, checkpoint_dir: str) -> None:
+    """Write this rank's experts and (rank 0) the metadata into ``checkpoint_dir/hecate``. Collective."""
+    rt.drop_pending()
+    rt.flush_reductions()
+    directory = os.path.join(checkpoint_dir, SUBDIR)
+    os.makedirs(directory, exist_ok=True)
+    for binding in rt.bindings:
+        shard = binding.shard
+        for e in shard.owned:
+            master = shard.masters[e]
+            state = rt.optimizer.state_of(master) if rt.optimizer is not None else {}
+            _atomic_torch_save({"master": master.detach().clone(),
+                                "state": {k: v.detach().clone() if torch.is_tensor(v) else v
+                                          for k, v in state.items()}},
+                               os.path.join(directory, expert_file(shard.layer_id, e)))
+    if rt.rank == 0:
+        meta = {"format": FORMAT, "world_size": rt.world_size, "layers": _layer_meta(rt),
+                "steps_applied": rt.steps_applied, "steps_skipped": rt.steps_skipped, "reshards": rt.reshards,
+                "measured_costs": rt.measured}
+        tmp = os.path.join(directory, "meta.json.tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(meta, f)
+        os.replace(tmp, os.path.join(directory, "meta.json"))
+    rt.comm.barrier()
+
+
+def _check_meta(rt, meta: Dict[str, Any], where: str) -> None:
+    if meta.get("format") != FORMAT:
+        raise HecateError(f"{where}: unknown Hecate checkpoint format {meta.get('format')!r} (expected {FORMAT})")
+    saved = meta["layers"]
+    if len(saved) != len(rt.bindings):
+        raise HecateError(f"{where}: checkpoint has {len(saved)} MoE layers, the model has {len(rt.bindings)}")
+    for layer, name, binding in zip(saved, rt.layer_names, rt.bindings):
+        kernel = binding.shard.kernel
+        mine = {"name": name, "num_experts": binding.shard.num_experts, "param_names": kernel.names,
+                "param_shapes": [list(s) for s in kernel.shapes]}
+        for key, value in mine.items():
+            if layer[key] != value:
+                raise HecateError(f"{where}: MoE layer '{name}' differs from the checkpoint in {key}: "
+                                  f"checkpoint {layer[key]!r}, model {value!r}")
+
+
+def prepare_load(rt, checkpoint_dir: str, load_optimizer_states: bool = True) -> Callable[[], None]:
+    """Read and validate every expert this rank will own from ``checkpoint_dir/hecate``; return the function that
+    installs them. Collective: if any rank finds a problem, every rank raises and nothing has been modified, so
+    the caller can check the expert state before DeepSpeed loads the dense state."""
+    rt.drop_pending()
+    directory = os.path.join(checkpoint_dir, SUBDIR)
+    meta_path = os.path.join(directory, "meta.json")
+    error: Optional[str] = None
+    loaded: Dict[int, Dict[int, Dict[str, Any]]] = {}
+    owners_per_layer: List[tuple] = []
+    meta: Dict[str, Any] = {}
+    try:
+        if not os.path.isfile(meta_path):
+            raise HecateError(f"{checkpoint_dir} has no Hecate expert state ({meta_path} is missing); it was not "
+                              "saved by a Hecate engine, or the save did not complete")
+        with open(meta_path, encoding="utf-8") as f:
+            meta = json.load(f)
+        _check_meta(rt, meta, checkpoint_dir)
+        same_world = meta["world_size"] == rt.world_size
+        for layer, binding in zip(meta["layers"], rt.bindings):
+            shard = binding.shard
+            owners = tuple(layer["owners"]) if same_world else even_sharding(shard.num_experts, rt.world_size)
+            owners_per_layer.append(owners)
+            for e, owner in enumerate(owners):
+                if owner == rt.rank:
+                    loaded.setdefault(shard.layer_id, {})[e] = _read_expert(directory, checkpoint_dir, shard, e)
+    except HecateError as exc:
+        error = str(exc)
+    errors = [m for m in rt.comm.all_gather_object(error) if m]
+    if errors:
+        raise HecateError(errors[0])
+
+    def install() -> None:
+        for binding, owners, layer in zip(rt.bindings, owners_per_layer, meta["layers"]):
+            shard = binding.shard
+            for param in shard.masters.values():
+                if rt.optimizer is not None:
+                    rt.optimizer.remove(param)
+            shard.owners = owners
+            shard.masters = {}
+            for e, blob in sorted(loaded.get(shard.layer_id, {}).items()):
+                param = nn.Parameter(blob["master"].to(torch.float32).contiguous(), requires_grad=False)
+                shard.masters[e] = param
+                if rt.optimizer is not None:
+                    rt.optimizer.add(rt.layer_group[shard.layer_id], param,
+                                     dict(blob["state"]) if load_optimizer_states else {})
+            history = layer["load_history"]
+            if meta["world_size"] != rt.world_size:  # per-source counts do not map to new ranks: keep expert totals
+                history = [[[sum(row[e] for row in m) / rt.world_size for e in range(len(m[0]))]] * rt.world_size
+                           for m in history]
+            binding.predictor.load_state_dict({"history": history})
+        rt.steps_applied = meta["steps_applied"]
+        rt.steps_skipped = meta["steps_skipped"]
+        rt.reshards = meta["reshards"]
+        rt.measured = dict(meta["measured_costs"])
+    return install
+
+
+def _read_expert(directory: str, checkpoint_dir: str, shard, expert: int) -> Dict[str, Any]:
+    path = os.path.join(directory, expert_file(shard.layer_id, expert))
+    where = f"{checkpoint_dir}: expert {expert} of MoE layer '{shard.name}'"
+    try:
+        blob = torch.load(path, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is reported by layer and expert
+        raise HecateError(f"{where} cannot be loaded from {path}: {type(exc).__name__}: {exc}") from None
+    master = blob.get("master") if isinstance(blob, dict) else None
+    if not torch.is_tensor(master) or tuple(master.shape) != (shard.kernel.numel,):
+        raise HecateError(f"{where} in {path} has master weights of shape {getattr(master, 'shape', None)}, "
+                          f"expected ({shard.kernel.numel},)")
+    if not isinstance(blob.get("state"), dict):
+        raise HecateError(f"{where} in {path} has no optimizer state dict")
+    return blob

@@ -1,0 +1,110 @@
+"""Checkpoints keep every expert: exact resume, loading at another world size, and refusing (on every rank, before
+anything is loaded) a checkpoint whose expert files are missing, truncated or hostile."""
+from __future__ import annotations
+
+import os
+import pickle
+from dataclasses import replace
+
+import pytest
+import torch
+
+from dist_utils import run_ranks
+from moe_training import Spec, run_specs, train
+
+HOT = (3.0, 3.0) + (0.0,) * 6
+SCHEDULED = Spec(steps=10, gate_bias=HOT, reseed_each_step=True,
+                 hecate={"enabled": True, "placement": "hecate", "overlap_degree": 1, "reshard_interval": 3})
+
+
+def test_resume_is_bitwise_exact(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    straight = run_specs(2, [replace(SCHEDULED, save_after=6, ckpt_dir=ckpt)])[0]
+    assert straight[0]["hecate_stats"]["reshards"] >= 1
+    assert open(os.path.join(ckpt, "latest")).read().strip() == "global_step6"
+    files = os.listdir(os.path.join(ckpt, "global_step6", "hecate"))
+    assert "meta.json" in files and sum(f.endswith(".pt") for f in files) == 2 * 8  # every expert, once
+    resumed = run_specs(2, [replace(SCHEDULED, resume_from=ckpt)])[0]
+    for rank in range(2):
+        assert resumed[rank]["losses"] == straight[rank]["losses"][6:], rank
+        assert resumed[rank]["norms"] == straight[rank]["norms"][6:], rank
+        for name, value in straight[rank]["dense"].items():
+            assert torch.equal(value, resumed[rank]["dense"][name]), name
+        for name, value in straight[rank]["experts"].items():
+            assert torch.equal(value, resumed[rank]["experts"][name]), name
+
+
+def test_load_at_another_world_size_reshards_experts(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    saved = run_specs(2, [replace(SCHEDULED, steps=4, save_after=4, ckpt_dir=ckpt)])[0]
+    on_one = run_specs(1, [replace(SCHEDULED, steps=0, resume_from=ckpt, load_module_only=True)])[0][0]
+    assert on_one["hecate_stats"]["layers"][0]["owned_experts"] == list(range(8))
+    for name, value in saved[0]["experts"].items():
+        assert torch.equal(value, on_one["experts"][name]), name
+    for name, value in saved[0]["dense"].items():
+        assert torch.equal(value, on_one["dense"][name]), name
+
+
+class _Payload:
+    """Unpickling this would create a marker file: a stand-in for code execution."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _load_broken(rank: int, world: int, ckpt: str) -> dict:
+    """Load a damaged checkpoint; report the error and whether any weight changed."""
+    import deepspeed
+
+    from ds_hecate import HecateError
+    from moe_training import TinyMoE, ds_config
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    spec = replace(SCHEDULED, steps=0)
+    torch.manual_seed(spec.seed)
+    engine, *_ = deepspeed.initialize(model=TinyMoE(spec), model_parameters=None, config=ds_config(spec))
+    before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    experts_before = engine.hecate.full_expert_weights()
+    try:
+        engine.load_checkpoint(ckpt)
+        message = "NO ERROR"
+    except HecateError as exc:
+        message = str(exc)
+    unchanged = all(torch.equal(before[n], p) for n, p in engine.module.named_parameters())
+    experts_after = engine.hecate.full_expert_weights()
+    unchanged &= all(torch.equal(experts_before[k], experts_after[k]) for k in experts_before)
+    return {"message": message, "unchanged": unchanged}
+
+
+@pytest.fixture(scope="module")
+def saved_checkpoint(tmp_path_factory):
+    ckpt = str(tmp_path_factory.mktemp("ckpt") / "run")
+    run_specs(2, [replace(SCHEDULED, steps=2, save_after=2, ckpt_dir=ckpt)])
+    return os.path.join(ckpt, "global_step2", "hecate")
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated", "pickle-payload", "wrong-shape"])
+def test_damaged_expert_file_fails_everywhere_naming_it(saved_checkpoint, tmp_path, damage):
+    import shutil
+    ckpt = str(tmp_path / "run")
+    shutil.copytree(os.path.dirname(os.path.dirname(saved_checkpoint)), ckpt)
+    target = os.path.join(ckpt, "global_step2", "hecate", "layer001_expert00005.pt")
+    marker = str(tmp_path / "executed")
+    if damage == "missing":
+        os.remove(target)
+    elif damage == "truncated":
+        data = open(target, "rb").read()
+        open(target, "wb").write(data[: len(data) // 2])
+    elif damage == "pickle-payload":
+        with open(target, "wb") as f:
+            pickle.dump({"master": _Payload(marker), "state": {}}, f)
+    else:
+        torch.save({"master": torch.zeros(3), "state": {}}, target)
+    results = run_ranks(2, _load_broken, ckpt)
+    for r in results:
+        assert "expert 5 of MoE layer 'blocks.1.moe'" in r["message"], r["message"]
+        assert r["unchanged"], "a failed load must not change any weight"
+    assert not os.path.exists(marker), "loading executed code from a checkpoint file"
