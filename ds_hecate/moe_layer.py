@@ -124,7 +124,7 @@ class MoE(nn.Module):
         # DeepSpeed's gate with sparse routes: indices/gates are [k, S]; dropped routes have index -1.
         l_aux, _capacity, _num_experts, indices, _locations, gates, exp_counts = self.gate(x, used_token, True, False)
         if self.binding is not None:
-            y_slots = self.binding.run(x, indices)
+            y_slots = self.binding.run(x, indices, gates)
         else:
             y_slots = self._run_local(x, indices)
         output = combine_routes(y_slots, gates, y_slots.dtype).reshape(hidden_states.shape)

@@ -249,8 +249,12 @@ class LayerBinding:
             "and do not change the model between forward and backward)")
 
     # -- one layer call ---------------------------------------------------------------------------------------
-    def run(self, x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        """Expert outputs for every (route, token) slot of ``indices`` ([k, S], -1 = dropped); zeros if dropped."""
+    def run(self, x: torch.Tensor, indices: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+        """Expert outputs for every (route, token) slot of ``indices`` ([k, S], -1 = dropped); zeros if dropped.
+
+        ``gates`` only feeds the health check: non-finite gate values or expert ids out of range travel with the
+        count exchange, so every rank learns of a bad rank at the same collective and all raise together.
+        """
         rt, shard = self.runtime, self.shard
         rank, num_experts = rt.rank, shard.num_experts
         recompute = _in_backward_pass()
@@ -262,7 +266,11 @@ class LayerBinding:
         valid_slots = torch.nonzero(flat >= 0).squeeze(1)
         experts_of_valid = flat.index_select(0, valid_slots)
         with self.timed("counts"):
-            counts = rt.comm.exchange_counts(torch.bincount(experts_of_valid, minlength=num_experts))
+            local = torch.bincount(experts_of_valid, minlength=num_experts)
+            health = torch.stack([(~torch.isfinite(gates)).any(), torch.tensor(local.numel() > num_experts)])
+            exchanged = rt.comm.exchange_counts(torch.cat([local[:num_experts], health.to(local.dtype)]))
+            counts = [row[:num_experts] for row in exchanged]
+            self._check_health([row[num_experts:] for row in exchanged])
         with self.timed("plan"):
             if recompute:
                 self.recomputes += 1
@@ -305,6 +313,18 @@ class LayerBinding:
             rt.prefetch_after(self)
         rt.last_layer_end = time.perf_counter()
         return out
+
+    def _check_health(self, flags: List[List[int]]) -> None:
+        nonfinite = [r for r, f in enumerate(flags) if f[0]]
+        out_of_range = [r for r, f in enumerate(flags) if f[1]]
+        if nonfinite or out_of_range:
+            problems = []
+            if nonfinite:
+                problems.append(f"non-finite gate values (NaN/Inf) on rank(s) {nonfinite}")
+            if out_of_range:
+                problems.append(f"expert indices outside [0, {self.shard.num_experts}) on rank(s) {out_of_range}")
+            raise HecateError(f"MoE layer '{self.shard.name}': " + " and ".join(problems) +
+                              "; every rank stops here (check the inputs and the learning rate of this layer)")
 
     def _record(self, plan: LayerPlan, counts: List[List[int]]) -> None:
         self.last_plan, self.last_counts = plan, counts
