@@ -43,7 +43,7 @@ class CommCounters:
 
 
 class PendingGather:
-    """A SparseAllGather in flight; :meth:`wait` returns (expert -> flat tensor, freshly allocated buffers)."""
+    """A SparseAllGather in flight; :meth:`wait` returns (expert -> flat tensor, receive buffers of the replicas)."""
 
     def __init__(self, placement: Placement, finish: Callable[[], Tuple[Dict[int, torch.Tensor],
                                                                        List[torch.Tensor]]]) -> None:
@@ -138,18 +138,15 @@ class Communicator:
 
         Owned experts are local (a view of the fp32 master when ``dtype`` is fp32, else a cast copy); every other
         materialized expert is sent by its owner, and only the pairs in P' \\ P cross the wire. The wait also
-        returns the freshly allocated buffers the result views into, so callers can tell when that memory is freed.
+        returns the receive buffers the replicas view into, so callers can tell when replica memory is freed.
         """
         result: Dict[int, torch.Tensor] = {}
-        buffers: List[torch.Tensor] = []
         for e in placement.materialized[self.rank]:
             if placement.owners[e] == self.rank:
                 master = owned[e]
                 result[e] = master.detach() if master.dtype == dtype else master.detach().to(dtype)
-                if master.dtype != dtype:
-                    buffers.append(result[e])
         if placement.num_moved == 0:
-            return PendingGather(placement, lambda: (result, buffers))
+            return PendingGather(placement, lambda: (result, []))
         counters.count("allgather")
         device = next(iter(owned.values())).device if owned else torch.device("cpu")
         send_lists = {dst: [owned[e] for e in experts] for dst, experts in placement.gather_sends(self.rank).items()}
@@ -163,7 +160,7 @@ class Communicator:
             for src, experts in recv_lists.items():
                 for e, chunk in zip(experts, received[src]):
                     result[e] = chunk
-            return result, buffers + list(replicas.values())
+            return result, list(replicas.values())
         return PendingGather(placement, finish)
 
     def start_sparse_reduce_scatter(self, placement: Placement, grads: Dict[int, torch.Tensor], numel: int,

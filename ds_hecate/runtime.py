@@ -188,7 +188,7 @@ class LayerBinding:
         rt.pending_reductions.append((self, finish))
 
     def replica_bytes_alive(self) -> int:
-        """Bytes of materialized expert copies still alive (replicas and cast copies, not the masters)."""
+        """Bytes of this layer's materialized replicas (experts of other ranks) still alive."""
         total, alive = 0, []
         for ref in self._live_buffers:
             t = ref()

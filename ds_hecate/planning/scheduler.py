@@ -137,7 +137,7 @@ def schedule_materialization(counts: Sequence[Sequence[float]], owners: Sequence
                              budget_per_rank: int, ranks_per_node: int,
                              start: Optional[Sequence[Sequence[int]]] = None,
                              prefetched: Optional[Sequence[Sequence[int]]] = None,
-                             candidate_experts: int = 4) -> Placement:
+                             candidate_experts: int = 4, min_gain: float = 0.05) -> Placement:
     """Greedy replica placement minimising :func:`estimate_layer` under ``budget_per_rank`` extra experts/rank.
 
     Moves considered for the experts that load the bottleneck rank most: one new replica on one rank, a replica on
@@ -145,8 +145,10 @@ def schedule_materialization(counts: Sequence[Sequence[float]], owners: Sequence
     get stuck where local-first dispatch makes each new copy overload its own rank; the group moves are Algorithm
     1's "replicate on all devices" as one option among others. A move is taken when it lowers the sorted profile
     of rank times (see :func:`_profile`); ties break on (expert, ranks); the result is the earliest placement on
-    that path with the lowest layer time. ``start`` is a placement to extend (the prefetched one, for
-    calibration); by default the sharded placement.
+    that path with the lowest layer time, kept only if it beats the starting placement by ``min_gain`` (a
+    fraction): predicted loads are noisy, and replicas that promise a few percent cost more than they return
+    when the routing moves. ``start`` is a placement to extend (the prefetched one, for calibration); by default
+    the sharded placement.
     """
     world = len(counts)
     num_experts = len(owners)
@@ -166,6 +168,7 @@ def schedule_materialization(counts: Sequence[Sequence[float]], owners: Sequence
     # The search may pass through placements that only break a tie among the slowest ranks; what it returns is the
     # earliest placement with the lowest layer time, so no replica is kept that does not shorten the step.
     result = (best.time_s, frozen(mat))
+    threshold = best.time_s * (1.0 - min_gain)
     while True:
         bottleneck = max(range(world), key=lambda r: (best.rank_time_s[r], -r))
         load_on_bottleneck = rank_loads(counts, frozen(mat), ranks_per_node)[0][bottleneck]
@@ -197,5 +200,5 @@ def schedule_materialization(counts: Sequence[Sequence[float]], owners: Sequence
         for d in ranks:
             mat[d].add(e)
             extra[d] += 1
-        if _profile(best)[0] < float(f"{result[0]:.12g}"):
+        if _profile(best)[0] < float(f"{result[0]:.12g}") and best.time_s <= threshold:
             result = (best.time_s, frozen(mat))
