@@ -8,8 +8,8 @@ setup(
     long_description=open("README.md", encoding="utf-8").read() if __import__("os").path.exists("README.md") else "",
     long_description_content_type="text/markdown",
     packages=find_packages(include=["ds_hecate", "ds_hecate.*"]),
-    package_data={"ds_hecate": ["kernels/*.cu"]},
     python_requires=">=3.9",
+    entry_points={"console_scripts": ["ds-hecate=ds_hecate.cli:main"]},
     install_requires=[
         "torch>=2.4,<2.14",
         "deepspeed>=0.19.8,<0.20",

@@ -44,6 +44,8 @@ class Spec:
     ckpt_dir: Optional[str] = None
     resume_from: Optional[str] = None      # engine.load_checkpoint(resume_from) first, continue from its step
     load_module_only: bool = False
+    crash_save_after: Optional[int] = None  # this rank kills itself (SIGKILL) while saving after this many steps
+    crash_rank: int = 1
     lr: float = 5e-3
     weight_decay: float = 0.01
     seed: int = 1234
@@ -160,6 +162,18 @@ def _expert_flats(moe: nn.Module) -> Dict[int, torch.Tensor]:
             for i, e in enumerate(experts)}
 
 
+def _kill_self_on_first_file_write() -> None:
+    """Simulate kill -9 of this rank in the middle of a checkpoint save."""
+    import os
+    import signal
+
+    import ds_hecate.checkpoint as checkpoint
+
+    def die(obj, path):
+        os.kill(os.getpid(), signal.SIGKILL)
+    checkpoint._atomic_torch_save = die
+
+
 def train(rank: int, world_size: int, spec: Spec) -> dict:
     """Train ``spec.steps`` optimizer steps; return losses, grad norms, dense params and every expert's weights."""
     import deepspeed
@@ -198,6 +212,10 @@ def train(rank: int, world_size: int, spec: Spec) -> dict:
         norm = engine.get_global_grad_norm()
         norms.append(float(norm) if norm is not None else float("nan"))
         if spec.save_after == step + 1:
+            engine.save_checkpoint(spec.ckpt_dir)
+        if spec.crash_save_after == step + 1:
+            if rank == spec.crash_rank:
+                _kill_self_on_first_file_write()
             engine.save_checkpoint(spec.ckpt_dir)
     dense = {n.replace("deepspeed_moe.", ""): p.detach().float().clone() for n, p in engine.module.named_parameters()
              if "experts" not in n}

@@ -45,6 +45,22 @@ def test_load_at_another_world_size_reshards_experts(tmp_path):
         assert torch.equal(value, on_one["dense"][name]), name
 
 
+def test_kill_during_save_keeps_previous_checkpoint(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    crashing = replace(SCHEDULED, steps=3, save_after=2, crash_save_after=3, ckpt_dir=ckpt,
+                       hecate={**SCHEDULED.hecate, "collective_timeout_s": 30.0})
+    with pytest.raises(AssertionError, match="Connection reset by peer|Connection closed by peer|exited with code -9"):
+        run_ranks(2, train, crashing, timeout=180)
+    assert open(os.path.join(ckpt, "latest")).read().strip() == "global_step2"
+    clean = run_specs(2, [replace(SCHEDULED, steps=2, save_after=2, ckpt_dir=str(tmp_path / "clean"))])[0]
+    resumed = run_specs(2, [replace(SCHEDULED, steps=2, resume_from=ckpt)])[0]  # loads 'latest', trains 0 steps
+    for rank in range(2):
+        for name, value in clean[rank]["experts"].items():
+            assert torch.equal(value, resumed[rank]["experts"][name]), name
+        for name, value in clean[rank]["dense"].items():
+            assert torch.equal(value, resumed[rank]["dense"][name]), name
+
+
 class _Payload:
     """Unpickling this would create a marker file: a stand-in for code execution."""
 
@@ -108,3 +124,35 @@ def test_damaged_expert_file_fails_everywhere_naming_it(saved_checkpoint, tmp_pa
         assert "expert 5 of MoE layer 'blocks.1.moe'" in r["message"], r["message"]
         assert r["unchanged"], "a failed load must not change any weight"
     assert not os.path.exists(marker), "loading executed code from a checkpoint file"
+
+
+def test_consolidated_fp32_state_dict_equals_the_live_model(tmp_path):
+    import subprocess
+    import sys
+
+    from moe_training import TinyMoE
+
+    ckpt = str(tmp_path / "ckpt")
+    spec = replace(SCHEDULED, steps=4, save_after=4, ckpt_dir=ckpt)
+    live = run_specs(2, [spec])[0][0]
+    outputs = {}
+    for layout in ("hecate", "deepspeed"):
+        out = str(tmp_path / f"{layout}.pt")
+        proc = subprocess.run([sys.executable, "-m", "ds_hecate.cli", "consolidate", ckpt, "--layout", layout,
+                               "-o", out], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "64 expert tensors" in proc.stdout, proc.stdout  # 2 layers x 8 experts x 4 tensors
+        outputs[layout] = torch.load(out, weights_only=True)
+    consolidated = outputs["hecate"]
+    for name, value in live["dense"].items():
+        assert torch.equal(consolidated[name], value), name
+    for layer, full in live["experts"].items():
+        for e in range(full.shape[0]):
+            ordered = torch.cat([consolidated[f"{layer}.experts.{e}.{p}"].reshape(-1)
+                                 for p in ("0.weight", "0.bias", "2.weight", "2.bias")])
+            assert torch.equal(ordered, full[e]), (layer, e)
+    # The DeepSpeed layout loads strictly into the unconverted model the user built.
+    model = TinyMoE(replace(spec, hecate=None))
+    model.load_state_dict(outputs["deepspeed"], strict=True)
+    assert torch.equal(model.blocks[1].moe.deepspeed_moe.experts.deepspeed_experts[5][2].bias,
+                       outputs["deepspeed"]["blocks.1.moe.deepspeed_moe.experts.deepspeed_experts.5.2.bias"])
