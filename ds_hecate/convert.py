@@ -58,6 +58,15 @@ def _expert_sources(layer: MoE, world_size: int) -> Tuple[int, ...]:
 def take_over_layer(name: str, layer: MoE, runtime: HecateRuntime) -> Set[int]:
     """Shard one layer's experts into the runtime; return the ids of the expert parameters that left the model."""
     experts = list(layer.experts)
+    if any(hasattr(p, "ds_id") for expert in experts for p in expert.parameters()):
+        raise HecateModelError(
+            f"MoE layer '{name}' was built under deepspeed.zero.Init; Hecate cannot take over ZeRO-3-partitioned "
+            "experts yet: build the model outside zero.Init (ZeRO-3 still partitions the dense parameters at "
+            "deepspeed.initialize)")
+    return _take_over_gathered(name, layer, experts, runtime)
+
+
+def _take_over_gathered(name: str, layer: MoE, experts: List[nn.Module], runtime: HecateRuntime) -> Set[int]:
     kernel = ExpertKernel(experts[0])
     for i, expert in enumerate(experts[1:], 1):
         layout = [(n, p.shape) for n, p in expert.named_parameters()]

@@ -5,7 +5,7 @@ Hooks, all narrow:
 - ``backward``: completes the SparseReduceScatters issued asynchronously during backward.
 - ``step``: after DeepSpeed's own step (which decides overflow, computes the global norm and advances the LR
   schedule) the expert optimizer steps the owned shards with the same unscale/clip factor and the LR that applied.
-- the ZeRO optimizer's ``scaled_global_norm`` (on the instance): adds the expert gradients to the global norm, so
+- the ZeRO optimizer's ``scaled_global_norm`` / ``_get_norm_groups`` (on the instance): adds the expert gradients to the global norm, so
   clipping, overflow detection and ``get_global_grad_norm()`` cover every parameter.
 """
 from __future__ import annotations
@@ -72,21 +72,41 @@ class HecateEngine(DeepSpeedEngine):
 
 
 def install_norm_hook(engine: DeepSpeedEngine, runtime: HecateRuntime) -> None:
-    """Make the ZeRO optimizer's global gradient norm include the expert gradients (all-reduced once)."""
+    """Make the ZeRO optimizer's global gradient norm include the expert gradients (all-reduced once).
+
+    ZeRO-1/2 compute it in ``scaled_global_norm``, ZeRO-3 from the per-group norms of ``_get_norm_groups``; the
+    hook adds the experts' norm in the same (loss-scaled, averaged) units and records the total for the expert
+    clip factor.
+    """
     optimizer = engine.optimizer
-    original = getattr(optimizer, "scaled_global_norm", None)
-    if original is None:
-        raise HecateUnsupportedError(
-            f"Hecate cannot hook the gradient norm of {type(optimizer).__name__}; supported: ZeRO stage 1/2 "
-            "(DeepSpeedZeroOptimizer). With bf16 and ZeRO stage 1, set data_types.grad_accum_dtype to 'bf16' or "
-            "use stage 2 (DeepSpeed picks its BF16_Optimizer otherwise)")
     dp_world_size = engine.dp_world_size
 
-    def scaled_global_norm(norm_type: int = 2) -> torch.Tensor:
-        dense = original(norm_type)
-        expert = runtime.expert_grad_norm(dp_world_size).to(device=dense.device, dtype=dense.dtype)
-        total = combine_grad_norm_groups([dense, expert], norm_type=norm_type)
-        runtime.last_total_norm = total
-        return total
+    def expert_norm_like(reference: torch.Tensor) -> torch.Tensor:
+        return runtime.expert_grad_norm(dp_world_size).to(device=reference.device, dtype=reference.dtype)
 
-    optimizer.scaled_global_norm = scaled_global_norm
+    if hasattr(optimizer, "scaled_global_norm"):
+        original = optimizer.scaled_global_norm
+
+        def scaled_global_norm(norm_type: int = 2) -> torch.Tensor:
+            dense = original(norm_type)
+            total = combine_grad_norm_groups([dense, expert_norm_like(dense)], norm_type=norm_type)
+            runtime.last_total_norm = total
+            return total
+
+        optimizer.scaled_global_norm = scaled_global_norm
+    elif hasattr(optimizer, "_get_norm_groups"):
+        original_groups = optimizer._get_norm_groups
+
+        def _get_norm_groups():
+            groups = list(original_groups())
+            reference = next((g for g in groups if torch.is_tensor(g)), torch.zeros((), dtype=torch.float32))
+            groups.append(expert_norm_like(reference))
+            runtime.last_total_norm = combine_grad_norm_groups(groups)
+            return groups
+
+        optimizer._get_norm_groups = _get_norm_groups
+    else:
+        raise HecateUnsupportedError(
+            f"Hecate cannot hook the gradient norm of {type(optimizer).__name__}; supported: ZeRO stage 1/2 "
+            "(DeepSpeedZeroOptimizer) and 3 (DeepSpeedZeroOptimizer_Stage3). With bf16 and ZeRO stage 1, set "
+            "data_types.grad_accum_dtype to 'bf16' or use stage 2 (DeepSpeed picks its BF16_Optimizer otherwise)")

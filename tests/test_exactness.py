@@ -62,6 +62,11 @@ def _cases(world: int) -> Dict[str, Case]:
             # agreement is expected.
             "bf16": (replace(BASE, bf16=True, steps=10), {"placement": "local"},
                      {"loss_rtol": 2e-2, "param_atol": 2e-2}),
+            # ZeRO-3 for the dense parameters (DeepSpeed's own MoE refuses stage 3, so the oracle is ds_hecate.MoE
+            # without Hecate: experts as ordinary ZeRO-3-partitioned parameters). Last: a ZeRO-3 engine leaves
+            # DeepSpeed state behind that changes later plain-DeepSpeed bf16 runs in the same process.
+            "zero3-local": (replace(BASE, native=True, stage=3, steps=10), {"placement": "local"}, {}),
+            "zero3-scheduler": (replace(BASE, native=True, stage=3, steps=10, gate_bias=HOT), SCHEDULER, {}),
         })
     return cases
 

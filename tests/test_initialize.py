@@ -44,9 +44,9 @@ def _errors_worker(rank: int, world: int) -> dict:
     autoep = cfg()
     autoep["expert_parallel"] = {"enabled": True, "autoep_size": 1, "preset_model": "mixtral"}
     out["expert_parallel"] = _expect_error(moe, autoep, HecateConfigError)
-    stage3 = cfg()
-    stage3["zero_optimization"]["stage"] = 3
-    out["stage3"] = _expect_error(moe, stage3, HecateUnsupportedError)
+    stage0 = cfg()
+    stage0["zero_optimization"]["stage"] = 0
+    out["stage0"] = _expect_error(moe, stage0, HecateUnsupportedError)
     fp16 = cfg()
     fp16["fp16"] = {"enabled": True}
     out["fp16"] = _expect_error(moe, fp16, HecateUnsupportedError)
@@ -78,7 +78,7 @@ def outcomes():
     ("bad_value", ["zero_optimization.hecate.placement", "everywhere"]),
     ("both_sections", ["both", "zero_optimization.hecate"]),
     ("expert_parallel", ["expert_parallel", "AutoEP"]),
-    ("stage3", ["ZeRO stage 3"]),
+    ("stage0", ["ZeRO stage 0"]),
     ("fp16", ["fp16"]),
     ("no_moe", ["Sequential", "no MoE layer", "hecate.enabled"]),
 ])
