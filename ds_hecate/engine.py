@@ -11,7 +11,6 @@ Hooks, all narrow:
 from __future__ import annotations
 
 import os
-from typing import List
 
 import torch
 from deepspeed.runtime.engine import DeepSpeedEngine
@@ -63,10 +62,10 @@ class HecateEngine(DeepSpeedEngine):
         if not self.is_gradient_accumulation_boundary():
             return super().step(lr_kwargs)
         runtime = self.hecate
-        lrs: List[float] = runtime.optimizer.current_lrs() if runtime.optimizer is not None else []
+        hyper = runtime.optimizer.current_hyperparameters() if runtime.optimizer is not None else []
         loss_scale = float(getattr(self.optimizer, "loss_scale", 1.0))
         result = super().step(lr_kwargs)
-        runtime.apply_step(self.was_step_applied(), self.dp_world_size, loss_scale, self.gradient_clipping(), lrs)
+        runtime.apply_step(self.was_step_applied(), self.dp_world_size, loss_scale, self.gradient_clipping(), hyper)
         runtime.after_step(self.global_steps)
         return result
 

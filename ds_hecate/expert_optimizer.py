@@ -17,11 +17,12 @@ from .errors import HecateUnsupportedError
 
 @dataclass
 class LrSource:
-    """Where an expert param group takes its learning rate from, at each step.
+    """Where an expert param group takes its scheduled hyper-parameters from, at each step.
 
     ``group`` is the dense param-group dict of the DeepSpeed optimizer the experts came from (same dict object);
     when that group became empty after pruning and DeepSpeed dropped it, ``group`` is the first remaining group
-    and ``ratio`` carries the initial ratio between the two groups' learning rates.
+    and ``ratio`` carries the initial ratio between the two groups' learning rates. Besides the learning rate,
+    schedules may drive momentum (OneCycle cycles Adam's ``betas``): those are followed as they are.
     """
 
     group: Dict[str, Any]
@@ -29,6 +30,15 @@ class LrSource:
 
     def lr(self) -> float:
         return float(self.group["lr"]) * self.ratio
+
+    def hyperparameters(self) -> Dict[str, Any]:
+        out = {k: self.group[k] for k in SCHEDULED_KEYS if k in self.group}
+        out["lr"] = self.lr()
+        return out
+
+
+#: Param-group entries DeepSpeed's LR schedules change during training.
+SCHEDULED_KEYS = ("lr", "betas", "momentum")
 
 
 class ExpertOptimizer:
@@ -51,14 +61,15 @@ class ExpertOptimizer:
     def param_groups(self) -> List[Dict[str, Any]]:
         return self.optimizer.param_groups
 
-    def current_lrs(self) -> List[float]:
-        """The learning rate each expert group gets now (read before DeepSpeed's step advances the schedule)."""
-        return [source.lr() for source in self.lr_sources]
+    def current_hyperparameters(self) -> List[Dict[str, Any]]:
+        """What each expert group gets now (read before DeepSpeed's step advances the schedule)."""
+        return [source.hyperparameters() for source in self.lr_sources]
 
-    def step(self, grad_scale: float, lrs: Sequence[float]) -> None:
-        """Multiply accumulated gradients by ``grad_scale`` (averaging, unscale, clip), set LRs, and step."""
-        for group, lr in zip(self.optimizer.param_groups, lrs):
-            group["lr"] = lr
+    def step(self, grad_scale: float, hyperparameters: Sequence[Dict[str, Any]]) -> None:
+        """Multiply accumulated gradients by ``grad_scale`` (averaging, unscale, clip), set the scheduled
+        hyper-parameters, and step."""
+        for group, hyper in zip(self.optimizer.param_groups, hyperparameters):
+            group.update(hyper)
             for p in group["params"]:
                 if p.grad is not None:
                     p.grad.mul_(grad_scale)

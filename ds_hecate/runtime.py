@@ -507,10 +507,11 @@ class HecateRuntime:
         return self.comm.all_reduce(sq.reshape(1)).reshape(()).sqrt()
 
     def apply_step(self, applied: bool, dp_world_size: int, loss_scale: float, clip: float,
-                   lrs: Sequence[float]) -> None:
+                   hyperparameters: Sequence[dict]) -> None:
         """Update expert masters after DeepSpeed's step decided (overflow) and computed the global norm.
 
-        ``loss_scale`` and ``lrs`` are the values from before DeepSpeed's step, the ones that applied to it.
+        ``loss_scale`` and ``hyperparameters`` (scheduled lr/betas per expert group) are the values from before
+        DeepSpeed's step, the ones that applied to it.
         """
         self.flush_reductions()
         try:
@@ -523,7 +524,7 @@ class HecateRuntime:
                 if total == total and total != float("inf"):
                     combined *= max(1.0, (total / loss_scale + 1e-6) / clip)
             if self.optimizer is not None:
-                self.optimizer.step(1.0 / (dp_world_size * combined), lrs)
+                self.optimizer.step(1.0 / (dp_world_size * combined), hyperparameters)
             self.steps_applied += 1
         finally:
             self.store.zero_grads()

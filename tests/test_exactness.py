@@ -55,6 +55,15 @@ def _cases(world: int) -> Dict[str, Case]:
             "native-generic-expert": (replace(BASE, native=True, expert_kind="generic"), {"placement": "local"},
                                       {}),
             "native-ffn-owner": (replace(BASE, native=True), {"placement": "owner"}, {}),
+            # DeepSpeed LR schedules drive the expert optimizer too (OneCycle also cycles Adam's betas).
+            "warmup-decay-lr": (replace(BASE, extra_config={"scheduler": {"type": "WarmupDecayLR", "params": {
+                "warmup_min_lr": 0.0, "warmup_max_lr": 5e-3, "warmup_num_steps": 5, "total_num_steps": 20}}}),
+                SCHEDULER, {}),
+            "warmup-cosine-lr": (replace(BASE, extra_config={"scheduler": {"type": "WarmupCosineLR", "params": {
+                "total_num_steps": 20, "warmup_num_steps": 5}}}), {"placement": "local"}, {}),
+            "one-cycle": (replace(BASE, extra_config={"scheduler": {"type": "OneCycle", "params": {
+                "cycle_min_lr": 1e-3, "cycle_max_lr": 5e-3, "cycle_first_step_size": 5, "cycle_momentum": True,
+                "cycle_min_mom": 0.8, "cycle_max_mom": 0.95}}}), {"placement": "local"}, {}),
             # Activation checkpointing: the recompute in backward reuses the forward's plan (same collectives).
             "checkpointed-local": (replace(BASE, checkpoint=True), {"placement": "local"}, {}),
             "checkpointed-scheduler": (replace(BASE, checkpoint=True, gate_bias=HOT), SCHEDULER, {}),
