@@ -1,5 +1,23 @@
 """ds_hecate: Fully Sharded Sparse Data Parallelism (Hecate) for MoE training, as a DeepSpeed extension."""
+import os
+import shutil
+
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
+
+AUTOLOAD_PTH = "ds_hecate_autoload.pth"
+
+
+class BuildWithAutoload(build_py):
+    """Also place ds_hecate_autoload.pth at the root of the build, so it lands in site-packages, where Python
+    runs it at start-up (automatic activation; switch off with DS_HECATE_AUTOLOAD=0)."""
+
+    def run(self):
+        super().run()
+        shutil.copy(AUTOLOAD_PTH, os.path.join(self.build_lib, AUTOLOAD_PTH))
+
+    def get_outputs(self, include_bytecode=True):
+        return super().get_outputs(include_bytecode) + [os.path.join(self.build_lib, AUTOLOAD_PTH)]
 
 setup(
     name="ds_hecate",
@@ -8,8 +26,10 @@ setup(
     long_description=open("README.md", encoding="utf-8").read() if __import__("os").path.exists("README.md") else "",
     long_description_content_type="text/markdown",
     packages=find_packages(include=["ds_hecate", "ds_hecate.*"]),
+    py_modules=["ds_hecate_autoload"],
     python_requires=">=3.9",
     entry_points={"console_scripts": ["ds-hecate=ds_hecate.cli:main"]},
+    cmdclass={"build_py": BuildWithAutoload},
     install_requires=[
         "torch>=2.4,<2.14",
         "deepspeed>=0.19.8,<0.20",
