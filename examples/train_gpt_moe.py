@@ -170,7 +170,8 @@ def main() -> None:
     if args.hecate_import:
         import_hecate()
 
-    deepspeed.init_distributed()
+    # Under mpirun DeepSpeed discovers ranks through mpi4py; MASTER_PORT picks its rendezvous port there too.
+    deepspeed.init_distributed(distributed_port=int(os.environ.get("MASTER_PORT", "29500")))
     rank, world = dist.get_rank(), dist.get_world_size()
 
     # Same seed on every rank before building the model, so all replicas start identical.

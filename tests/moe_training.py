@@ -38,7 +38,7 @@ class Spec:
     empty_rank: Optional[int] = None       # this rank's micro-batches have zero tokens (needs no aux loss)
     aux_coef: float = 0.01
     client_optimizer: bool = False         # torch AdamW over split_params_into_different_moe_groups_for_optimizer
-    checkpoint: bool = False               # torch.utils.checkpoint around each block (recompute in backward)
+    checkpoint: str = ""                   # activation checkpointing of each block: "torch" or "deepspeed"
     reseed_each_step: bool = False         # seed the gate's sampling per step (so a resumed run can match)
     save_after: Optional[int] = None       # engine.save_checkpoint(ckpt_dir) after this many steps
     ckpt_dir: Optional[str] = None
@@ -87,8 +87,11 @@ class Block(nn.Module):
             bias_gate(self.moe, spec.gate_bias)
 
     def forward(self, h, used_token):
-        if self.checkpoint and torch.is_grad_enabled():
+        if self.checkpoint == "torch" and torch.is_grad_enabled():
             return torch.utils.checkpoint.checkpoint(self._forward, h, used_token, use_reentrant=False)
+        if self.checkpoint == "deepspeed" and torch.is_grad_enabled():
+            import deepspeed
+            return deepspeed.checkpointing.checkpoint(self._forward, h, used_token)
         return self._forward(h, used_token)
 
     def _forward(self, h, used_token):

@@ -65,8 +65,9 @@ def _cases(world: int) -> Dict[str, Case]:
                 "cycle_min_lr": 1e-3, "cycle_max_lr": 5e-3, "cycle_first_step_size": 5, "cycle_momentum": True,
                 "cycle_min_mom": 0.8, "cycle_max_mom": 0.95}}}), {"placement": "local"}, {}),
             # Activation checkpointing: the recompute in backward reuses the forward's plan (same collectives).
-            "checkpointed-local": (replace(BASE, checkpoint=True), {"placement": "local"}, {}),
-            "checkpointed-scheduler": (replace(BASE, checkpoint=True, gate_bias=HOT), SCHEDULER, {}),
+            "checkpointed-local": (replace(BASE, checkpoint="torch"), {"placement": "local"}, {}),
+            "checkpointed-scheduler": (replace(BASE, checkpoint="torch", gate_bias=HOT), SCHEDULER, {}),
+            "checkpointed-deepspeed": (replace(BASE, checkpoint="deepspeed", gate_bias=HOT), SCHEDULER, {}),
             # bf16: expert grads are reduced in fp32 by Hecate but in bf16 by DeepSpeed, so only bf16-level
             # agreement is expected.
             "bf16": (replace(BASE, bf16=True, steps=10), {"placement": "local"},

@@ -51,6 +51,25 @@ def _errors_worker(rank: int, world: int) -> dict:
     fp16["fp16"] = {"enabled": True}
     out["fp16"] = _expect_error(moe, fp16, HecateUnsupportedError)
     out["no_moe"] = _expect_error(lambda: nn.Sequential(nn.Linear(4, 4)), cfg(), HecateModelError)
+    for case, (key, value) in {
+        "offload": ("zero_optimization", {"stage": 2, "offload_optimizer": {"device": "cpu"}}),
+        "hybrid_engine": ("hybrid_engine", {"enabled": True}),
+        "deepcompile": ("compile", {"deepcompile": True}),
+        "torch_autocast": ("torch_autocast", {"enabled": True}),
+        "autotp": ("tensor_parallel", {"autotp_size": 2}),
+        "sequence_parallel": ("sequence_parallel_size", 2),
+    }.items():
+        bad = cfg()
+        bad[key] = value if key != "zero_optimization" else {**value, "hecate": bad[key]["hecate"]}
+        out[case] = _expect_error(moe, bad, HecateUnsupportedError)
+    from deepspeed.pipe import PipelineModule
+    out["pipeline"] = _expect_error(lambda: PipelineModule(layers=[nn.Linear(4, 4)], num_stages=1), cfg(),
+                                    HecateUnsupportedError)
+    try:
+        deepspeed.initialize(model=moe(), config=cfg(), mpu=object())
+        out["mpu"] = "NO ERROR"
+    except HecateUnsupportedError as exc:
+        out["mpu"] = str(exc)
 
     # Spellings that turn Hecate on: nested key, top-level alias, explicit ds_hecate.initialize.
     import ds_hecate
@@ -81,6 +100,14 @@ def outcomes():
     ("stage0", ["ZeRO stage 0"]),
     ("fp16", ["fp16"]),
     ("no_moe", ["Sequential", "no MoE layer", "hecate.enabled"]),
+    ("offload", ["ZeRO-Offload"]),
+    ("hybrid_engine", ["hybrid engine"]),
+    ("deepcompile", ["DeepCompile"]),
+    ("torch_autocast", ["torch_autocast"]),
+    ("autotp", ["AutoTP"]),
+    ("sequence_parallel", ["sequence parallelism"]),
+    ("pipeline", ["pipeline engine"]),
+    ("mpu", ["model-parallel unit"]),
 ])
 def test_bad_input_fails_at_initialize_with_a_clear_message(outcomes, case, needles):
     message = outcomes[case]
