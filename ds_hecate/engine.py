@@ -2,6 +2,7 @@
 
 Hooks, all narrow:
 - ``save_checkpoint`` / ``load_checkpoint``: add the experts (``ds_hecate.checkpoint``) around DeepSpeed's own.
+- ``clip_fp32_gradients`` (ZeRO stage 0): clips by the norm over dense and expert gradients.
 - ``backward``: completes the SparseReduceScatters issued asynchronously during backward.
 - ``step``: after DeepSpeed's own step (which decides overflow, computes the global norm and advances the LR
   schedule) the expert optimizer steps the owned shards with the same unscale/clip factor and the LR that applied.
@@ -52,6 +53,20 @@ class HecateEngine(DeepSpeedEngine):
         if result[0] is not None:
             install()
         return result
+
+    def clip_fp32_gradients(self):
+        """ZeRO stage 0 (fp32): clip dense and expert gradients by their joint norm, as DeepSpeed clips all
+        parameters of a data-parallel model; the norm is also what ``get_global_grad_norm()`` reports."""
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        dense_sq = (torch.stack([p.grad.detach().float().norm(2) for p in params]).pow(2).sum() if params
+                    else torch.zeros((), dtype=torch.float32))
+        expert = self.hecate.expert_grad_norm(self.dp_world_size)
+        total = torch.sqrt(dense_sq + expert.pow(2))
+        self.hecate.last_total_norm = total
+        coef = torch.clamp(self.gradient_clipping() / (total + 1e-6), max=1.0)
+        for p in params:
+            p.grad.data.mul_(coef)
+        self._global_grad_norm = total
 
     def backward(self, loss, *args, **kwargs):
         result = super().backward(loss, *args, **kwargs)

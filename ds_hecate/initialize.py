@@ -54,8 +54,10 @@ def _refuse_unsupported(cfg: Dict[str, Any], model: Any, mpu: Any) -> None:
     zero = cfg.get("zero_optimization") or {}
     stage = int(zero.get("stage", 0)) if isinstance(zero, dict) else 0
     problems = []
-    if stage not in (1, 2, 3):
-        problems.append(f"ZeRO stage {stage} (supported with hecate so far: stage 1, 2 and 3)")
+    if stage not in (0, 1, 2, 3):
+        problems.append(f"ZeRO stage {stage}")
+    if stage == 0 and isinstance(cfg.get("bf16"), dict) and cfg["bf16"].get("enabled"):
+        problems.append("bf16 with ZeRO stage 0 (DeepSpeed's BF16_Optimizer; use ZeRO stage 1-3 for bf16)")
     if enabled("fp16"):
         problems.append("fp16 (use bf16 or fp32 with hecate)")
     if isinstance(zero, dict) and any(zero.get(k) for k in ("offload_optimizer", "offload_param")):
@@ -156,11 +158,12 @@ def attach_engine(engine: Any, runtime: Any, groups: Any) -> None:
     from .engine import HecateEngine, install_norm_hook
     from .expert_optimizer import ExpertOptimizer, LrSource, group_hyperparameters
 
-    if not engine.zero_optimization() or engine.zero_optimization_stage() not in (1, 2, 3):
-        raise HecateUnsupportedError("hecate needs ZeRO stage 1, 2 or 3 for now")
     engine.__class__ = HecateEngine
     engine.hecate = runtime
-    install_norm_hook(engine, runtime)
+    if engine.zero_optimization():
+        install_norm_hook(engine, runtime)
+    elif engine.fp16_enabled() or engine.bfloat16_enabled():
+        raise HecateUnsupportedError("hecate with ZeRO stage 0 supports fp32 only")
 
     basic = engine.basic_optimizer
     dense_groups = basic.param_groups

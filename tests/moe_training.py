@@ -268,7 +268,8 @@ def assert_same_trajectory(oracle: List[dict], mine: List[dict], loss_rtol: floa
         assert rel <= loss_rtol, \
             f"{label} rank {rank}: loss rel diff {rel:.3e} > {loss_rtol}: {o['losses']} vs {m['losses']}"
         no, nm = torch.tensor(o["norms"]), torch.tensor(m["norms"])
-        assert torch.allclose(no, nm, rtol=max(loss_rtol, 1e-5) * 10, atol=1e-6, equal_nan=True), \
+        reported = ~torch.isnan(no)  # DeepSpeed's ZeRO stage 0 reports no norm; Hecate does
+        assert torch.allclose(no[reported], nm[reported], rtol=max(loss_rtol, 1e-5) * 10, atol=1e-6), \
             f"{label} rank {rank}: grad norms differ: {o['norms']} vs {m['norms']}"
         assert o["dense"].keys() == m["dense"].keys(), f"{label}: dense parameter names differ"
         for name in o["dense"]:

@@ -50,6 +50,8 @@ def _cases(world: int) -> Dict[str, Case]:
             "gas2": (replace(BASE, gas=2), {"placement": "local"}, {}),
             "clipping": (replace(BASE, clip=0.05), {"placement": "local"}, {}),
             "stage1": (replace(BASE, stage=1), {"placement": "cost"}, {}),
+            "stage0": (replace(BASE, stage=0), {"placement": "local"}, {}),
+            "stage0-clipping-scheduler": (replace(BASE, stage=0, clip=0.05, gate_bias=HOT), SCHEDULER, {}),
             "ep_size2": (replace(BASE, ep_size=2), {"placement": "local"}, {}),
             "client-optimizer-moe-groups": (replace(BASE, client_optimizer=True), {"placement": "local"}, {}),
             "native-generic-expert": (replace(BASE, native=True, expert_kind="generic"), {"placement": "local"},

@@ -46,7 +46,8 @@ def _errors_worker(rank: int, world: int) -> dict:
     out["expert_parallel"] = _expect_error(moe, autoep, HecateConfigError)
     stage0 = cfg()
     stage0["zero_optimization"]["stage"] = 0
-    out["stage0"] = _expect_error(moe, stage0, HecateUnsupportedError)
+    stage0["bf16"] = {"enabled": True}
+    out["stage0_bf16"] = _expect_error(moe, stage0, HecateUnsupportedError)
     fp16 = cfg()
     fp16["fp16"] = {"enabled": True}
     out["fp16"] = _expect_error(moe, fp16, HecateUnsupportedError)
@@ -97,7 +98,7 @@ def outcomes():
     ("bad_value", ["zero_optimization.hecate.placement", "everywhere"]),
     ("both_sections", ["both", "zero_optimization.hecate"]),
     ("expert_parallel", ["expert_parallel", "AutoEP"]),
-    ("stage0", ["ZeRO stage 0"]),
+    ("stage0_bf16", ["bf16 with ZeRO stage 0"]),
     ("fp16", ["fp16"]),
     ("no_moe", ["Sequential", "no MoE layer", "hecate.enabled"]),
     ("offload", ["ZeRO-Offload"]),
