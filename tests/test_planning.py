@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from strategies import topologies
+
 from standalone import planning_prelude
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -457,13 +459,7 @@ def test_single_rank_world():
 # ---------------------------------------------------------------------------------------------------------------
 @st.composite
 def planner_inputs(draw):
-    world = draw(st.integers(1, 8))
-    num_e = draw(st.integers(1, 16))
-    rpn = draw(st.sampled_from([d for d in range(1, world + 1) if world % d == 0]))
-    if draw(st.booleans()):
-        owners = even_sharding(num_e, world)
-    else:
-        owners = tuple(draw(st.lists(st.integers(0, world - 1), min_size=num_e, max_size=num_e)))
+    world, num_e, rpn, owners = draw(topologies(8, 16))
     sparse = draw(st.booleans())
     cell = st.one_of(st.just(0), st.integers(0, 50)) if sparse else st.integers(0, 50)
     counts = [draw(st.lists(cell, min_size=num_e, max_size=num_e)) for _ in range(world)]

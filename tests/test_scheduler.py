@@ -15,6 +15,8 @@ from typing import List, Sequence, Tuple
 
 import pytest
 
+from strategies import topologies
+
 from standalone import planning_prelude
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -177,13 +179,7 @@ def test_predictor_state_dict_of_empty_predictor():
 # ---------------------------------------------------------------------------------------------------------------
 @st.composite
 def schedule_inputs(draw):
-    world = draw(st.integers(1, 8))
-    num_e = draw(st.integers(1, 12))
-    rpn = draw(st.sampled_from([d for d in range(1, world + 1) if world % d == 0]))
-    if draw(st.booleans()):
-        owners = even_sharding(num_e, world)
-    else:
-        owners = tuple(draw(st.lists(st.integers(0, world - 1), min_size=num_e, max_size=num_e)))
+    world, num_e, rpn, owners = draw(topologies(8, 12))
     cell = st.one_of(st.just(0.0), st.floats(0, 200, allow_nan=False, allow_infinity=False))
     counts = [draw(st.lists(cell, min_size=num_e, max_size=num_e)) for _ in range(world)]
     budget = draw(st.integers(0, 4))
