@@ -56,13 +56,16 @@ def _expert_sources(layer: MoE, world_size: int) -> Tuple[int, ...]:
 
 
 def take_over_layer(name: str, layer: MoE, runtime: HecateRuntime) -> Set[int]:
-    """Shard one layer's experts into the runtime; return the ids of the expert parameters that left the model."""
+    """Shard one layer's experts into the runtime; return the ids of the expert parameters that left the model.
+
+    Experts built under ``deepspeed.zero.Init`` are partitioned: they are gathered first (one layer at a time).
+    """
     experts = list(layer.experts)
-    if any(hasattr(p, "ds_id") for expert in experts for p in expert.parameters()):
-        raise HecateModelError(
-            f"MoE layer '{name}' was built under deepspeed.zero.Init; Hecate cannot take over ZeRO-3-partitioned "
-            "experts yet: build the model outside zero.Init (ZeRO-3 still partitions the dense parameters at "
-            "deepspeed.initialize)")
+    params = [p for expert in experts for p in expert.parameters()]
+    if any(hasattr(p, "ds_id") for p in params):
+        import deepspeed
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            return _take_over_gathered(name, layer, experts, runtime)
     return _take_over_gathered(name, layer, experts, runtime)
 
 

@@ -22,6 +22,31 @@ from deepspeed.moe.sharded_moe import TopKGate
 from .errors import HecateModelError
 
 
+def _expert_copies(expert: nn.Module, count: int):
+    """``count`` independent copies of ``expert``.
+
+    Under ``deepspeed.zero.Init`` the expert's parameters are already partitioned, and a deep copy would clone the
+    partition bookkeeping (shared ids, empty data). There the full weights are gathered and each copy gets plain
+    parameters, which zero.Init then partitions as members of this layer.
+    """
+    params = list(expert.parameters())
+    if not any(hasattr(p, "ds_id") for p in params):
+        return [copy.deepcopy(expert) for _ in range(count)]
+    import deepspeed
+    copies = []
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+        full = {name: p.detach().clone() for name, p in expert.named_parameters()}
+    for _ in range(count):
+        clone = copy.deepcopy(expert)
+        for name, module in list(clone.named_modules()):
+            for pname, param in list(module._parameters.items()):
+                if param is not None:
+                    key = f"{name}.{pname}" if name else pname
+                    module._parameters[pname] = nn.Parameter(full[key].clone(), requires_grad=param.requires_grad)
+        copies.append(clone)
+    return copies
+
+
 def combine_routes(y_slots: torch.Tensor, gates: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """Weighted top-k combine, with DeepSpeed's arithmetic (``_sparse_decode``): fp32 gates, sum over k."""
     k, num_tokens = gates.shape
@@ -66,7 +91,7 @@ class MoE(nn.Module):
         self.use_residual = use_residual
         self.gate = TopKGate(hidden_size, num_experts, k, capacity_factor, eval_capacity_factor, min_capacity,
                              noisy_gate_policy, drop_tokens, use_rts, None, top2_2nd_expert_sampling)
-        self.experts = nn.ModuleList([copy.deepcopy(expert) for _ in range(num_experts)])
+        self.experts = nn.ModuleList(_expert_copies(expert, num_experts))
         if use_residual:
             self.mlp = expert
             self.coefficient = nn.Linear(hidden_size, 2)

@@ -44,6 +44,7 @@ class Spec:
     ckpt_dir: Optional[str] = None
     resume_from: Optional[str] = None      # engine.load_checkpoint(resume_from) first, continue from its step
     load_module_only: bool = False
+    zero_init: bool = False                # build the model under deepspeed.zero.Init (ZeRO-3)
     crash_save_after: Optional[int] = None  # this rank kills itself (SIGKILL) while saving after this many steps
     crash_rank: int = 1
     lr: float = 5e-3
@@ -185,7 +186,11 @@ def train(rank: int, world_size: int, spec: Spec) -> dict:
 
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(spec.seed)
-    model = TinyMoE(spec)
+    if spec.zero_init:
+        with deepspeed.zero.Init(config_dict_or_path=ds_config(spec)):
+            model = TinyMoE(spec)
+    else:
+        model = TinyMoE(spec)
     optimizer = None
     params = model.parameters()
     if spec.client_optimizer:

@@ -79,6 +79,8 @@ def _cases(world: int) -> Dict[str, Case]:
             # DeepSpeed state behind that changes later plain-DeepSpeed bf16 runs in the same process.
             "zero3-local": (replace(BASE, native=True, stage=3, steps=10), {"placement": "local"}, {}),
             "zero3-scheduler": (replace(BASE, native=True, stage=3, steps=10, gate_bias=HOT), SCHEDULER, {}),
+            "zero3-zero-init": (replace(BASE, native=True, stage=3, steps=10, zero_init=True, gate_bias=HOT),
+                                SCHEDULER, {}),
         })
     return cases
 
