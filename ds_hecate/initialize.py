@@ -93,8 +93,12 @@ def _ranks_per_node(hcfg: HecateConfig, world_size: int) -> int:
             raise HecateConfigError(f"hecate.ranks_per_node={hcfg.ranks_per_node} does not divide the world size "
                                     f"{world_size}")
         return hcfg.ranks_per_node
-    local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE")
-    return int(local) if local and world_size % int(local) == 0 else world_size
+    # torchrun, the deepspeed launcher, Open MPI and MPICH (hydra) each name it differently.
+    for key in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"):
+        local = os.environ.get(key)
+        if local and local.isdigit() and int(local) > 0 and world_size % int(local) == 0:
+            return int(local)
+    return world_size
 
 
 def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimizer: Any = None,

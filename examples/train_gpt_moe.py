@@ -259,3 +259,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # Tear the process groups down before interpreter exit: left to finalizers, gloo's worker threads can outlive
+    # them (seen as "terminate called without an active exception" under mpirun).
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
