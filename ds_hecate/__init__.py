@@ -8,12 +8,12 @@ from .config import HecateConfig, parse_hecate_section, split_hecate_section
 from .errors import HecateConfigError, HecateError, HecateModelError, HecateUnsupportedError
 from .experts import SwiGLUExpert
 from .initialize import initialize, patch_deepspeed
-from .moe_layer import MoE
+from .moe_layer import MoE, num_parameters
 
 __version__ = "0.1.0"
 
 patch_deepspeed()
 
 __all__ = ["HecateConfig", "HecateConfigError", "HecateError", "HecateModelError", "HecateUnsupportedError", "MoE",
-           "SwiGLUExpert", "initialize", "parse_hecate_section", "patch_deepspeed", "split_hecate_section",
-           "__version__"]
+           "SwiGLUExpert", "initialize", "num_parameters", "parse_hecate_section", "patch_deepspeed",
+           "split_hecate_section", "__version__"]

@@ -177,3 +177,12 @@ class MoE(nn.Module):
             slots.append(sel)
         y = torch.cat(pieces)
         return y.new_zeros(flat.numel(), y.shape[-1]).index_copy(0, torch.cat(slots), y)
+
+
+def num_parameters(model: nn.Module, trainable_only: bool = False) -> int:
+    """Parameter count of ``model`` including the experts Hecate took over (they are no longer module parameters,
+    so ``sum(p.numel() for p in model.parameters())`` misses them)."""
+    dense = sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
+    experts = sum(m.binding.shard.num_experts * m.binding.shard.kernel.numel
+                  for m in model.modules() if isinstance(m, MoE) and m.binding is not None)
+    return dense + experts

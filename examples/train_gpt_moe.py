@@ -183,7 +183,9 @@ def main() -> None:
     if rank == 0:
         # hasattr (not a config lookup) so the example reports what actually got attached.
         hecate = " ".join(str(engine.hecate).split()) if hasattr(engine, "hecate") else "off"
-        n_params = sum(p.numel() for p in model.parameters())
+        # With Hecate the experts are no longer module parameters; ds_hecate.num_parameters counts them too.
+        n_params = (sys.modules["ds_hecate"].num_parameters(model) if hasattr(engine, "hecate")
+                    else sum(p.numel() for p in model.parameters()))
         print(f"hecate: {hecate}")
         print(f"model: {n_params / 1e6:.3f}M params, vocab {VOCAB_SIZE}, world size {world}", flush=True)
 

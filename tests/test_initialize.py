@@ -81,6 +81,8 @@ def _errors_worker(rank: int, world: int) -> dict:
     engine, *_ = ds_hecate.initialize(model=moe(), config=cfg())
     out["explicit"] = type(engine).__name__
     out["stats"] = engine.hecate.stats()
+    reference = sum(p.numel() for p in moe().parameters())
+    out["num_parameters"] = (ds_hecate.num_parameters(engine.module), reference)
     disabled = ds_config(replace(spec, hecate={"enabled": False}))
     engine, *_ = deepspeed.initialize(model=moe(), config=disabled)
     out["disabled"] = (type(engine).__name__, hasattr(engine, "hecate"))
@@ -129,3 +131,8 @@ def test_engine_exposes_runtime_statistics(outcomes):
     json.dumps(stats)  # JSON-serialisable
     assert stats["world_size"] == 1 and len(stats["layers"]) == 1
     assert stats["layers"][0]["num_experts"] == 4 and stats["layers"][0]["owned_experts"] == [0, 1, 2, 3]
+
+
+def test_parameter_count_still_counts_the_experts(outcomes):
+    counted, reference = outcomes["num_parameters"]
+    assert counted == reference
