@@ -28,7 +28,8 @@ def venv(tmp_path_factory) -> Path:
 
 def _launch(python: Path, tmp_path: Path, **env) -> subprocess.CompletedProcess:
     cmd = [str(python), "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port()),
-           str(ROOT / "examples" / "train_gpt_moe.py"), "--deepspeed_config", str(ROOT / "ds_configs" / "ds_hecate.json"),
+           str(ROOT / "examples" / "train_gpt_moe.py"),
+           "--deepspeed_config", str(ROOT / "ds_configs" / "ds_hecate.json"),
            "--no-hecate-import", "--steps", "3"]
     environment = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     environment.update(OMP_NUM_THREADS="1", **env)
