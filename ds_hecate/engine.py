@@ -7,8 +7,7 @@ Hooks, all narrow:
 - ``step``: after DeepSpeed's own step (which decides overflow, computes the global norm and advances the LR
   schedule) the expert optimizer steps the owned shards with the same unscale/clip factor and the LR that applied.
 - the ZeRO optimizer's ``scaled_global_norm`` / ``_get_norm_groups`` (on the instance): adds the expert gradients
-  to the global norm, so
-  clipping, overflow detection and ``get_global_grad_norm()`` cover every parameter.
+  to the global norm, so clipping, overflow detection and ``get_global_grad_norm()`` cover every parameter.
 """
 from __future__ import annotations
 
