@@ -289,8 +289,10 @@ class LayerBinding:
         # Send order: by destination, then expert, then slot; the receiver expects (src, expert) segments.
         with self.timed("dispatch"):
             by_expert = valid_slots.index_select(0, torch.argsort(experts_of_valid, stable=True))
-            dsts = [dst for e in range(num_experts) for dst, n in plan.routes[rank][e] for _ in range(n)]
-            dst_of_sorted = torch.tensor(dsts, dtype=torch.long, device=x.device)
+            routes = [route for e in range(num_experts) for route in plan.routes[rank][e]]  # O(experts x ranks)
+            dst_of_sorted = torch.repeat_interleave(torch.tensor([d for d, _ in routes], dtype=torch.long),
+                                                    torch.tensor([n for _, n in routes], dtype=torch.long))
+            dst_of_sorted = dst_of_sorted.to(x.device)
             send_slots = by_expert.index_select(0, torch.argsort(dst_of_sorted, stable=True))
             send_rows = x.index_select(0, send_slots % max(num_tokens, 1))  # on the graph even when empty
             send_splits, recv_splits = plan.send_splits(rank), plan.recv_splits(rank)
@@ -299,7 +301,7 @@ class LayerBinding:
         with self.timed("compute"):
             mine = plan.materialized[rank]
             order, sizes = _expert_major_order(plan, rank, mine)
-            order_t = torch.tensor(order, dtype=torch.long, device=x.device)
+            order_t = order.to(x.device)
             if rt.config.rematerialize:
                 y_recv = _RematerializedExperts.apply(recv, rt.autograd_anchor, self, plan, flats, order_t, sizes)
             else:
@@ -366,27 +368,35 @@ def _imbalance(loads: Sequence[float]) -> float:
 
 
 def _expert_major_order(plan: LayerPlan, rank: int, mine: Sequence[int]):
-    """Permutation from received order (src-major, then expert) to expert-major order, and rows per expert."""
+    """Permutation from received order (src-major, then expert) to expert-major order, and rows per expert.
+
+    Built from the (src, expert) segment table, O(ranks x experts) in Python; the row indices come from torch.
+    """
     tm = plan.token_matrix
-    seg_start = {}
+    seg_start: Dict[Tuple[int, int], int] = {}
     offset = 0
     for src in range(plan.world_size):
         for e in range(plan.num_experts):
-            n = tm[src][rank][e]
-            if n:
-                seg_start[(src, e)] = (offset, n)
-                offset += n
-    order: List[int] = []
-    sizes: List[int] = []
+            seg_start[(src, e)] = offset
+            offset += tm[src][rank][e]
+    starts, lengths, sizes = [], [], []
     for e in mine:
         size = 0
         for src in range(plan.world_size):
-            if (src, e) in seg_start:
-                start, n = seg_start[(src, e)]
-                order.extend(range(start, start + n))
+            n = tm[src][rank][e]
+            if n:
+                starts.append(seg_start[(src, e)])
+                lengths.append(n)
                 size += n
         sizes.append(size)
-    return order, sizes
+    if not lengths:
+        return torch.empty(0, dtype=torch.long), sizes
+    lengths_t = torch.tensor(lengths, dtype=torch.long)
+    # For each output row: its segment's start plus its position inside the segment.
+    seg_of_row = torch.repeat_interleave(torch.arange(len(lengths)), lengths_t)
+    first_row = torch.cumsum(lengths_t, 0) - lengths_t
+    position = torch.arange(int(lengths_t.sum())) - first_row[seg_of_row]
+    return torch.tensor(starts, dtype=torch.long)[seg_of_row] + position, sizes
 
 
 class HecateRuntime:

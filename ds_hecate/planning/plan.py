@@ -124,11 +124,15 @@ class LayerPlan:
 
     def node_traffic(self, ranks_per_node: int) -> Tuple[int, int]:
         """(token rows crossing nodes, of which avoidable: a rank on the source's node had the expert)."""
+        nodes_holding = [set() for _ in range(self.num_experts)]
+        for r, experts in enumerate(self.materialized):
+            for e in experts:
+                nodes_holding[e].add(r // ranks_per_node)
         crossing = avoidable = 0
         for src in range(self.world_size):
             node = src // ranks_per_node
             for e in range(self.num_experts):
-                local_holder = any(r // ranks_per_node == node for r, m in enumerate(self.materialized) if e in m)
+                local_holder = node in nodes_holding[e]
                 for dst, cnt in self.routes[src][e]:
                     if dst // ranks_per_node != node:
                         crossing += cnt
