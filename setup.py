@@ -6,6 +6,7 @@ from setuptools import find_packages, setup
 from setuptools.command.build_py import build_py
 
 AUTOLOAD_PTH = "ds_hecate_autoload.pth"
+KERNEL_SOURCES = sorted(n for n in os.listdir("kernels") if n.endswith(".cu")) if os.path.isdir("kernels") else []
 
 
 class BuildWithAutoload(build_py):
@@ -15,9 +16,15 @@ class BuildWithAutoload(build_py):
     def run(self):
         super().run()
         shutil.copy(AUTOLOAD_PTH, os.path.join(self.build_lib, AUTOLOAD_PTH))
+        # The CUDA kernel sources (kernels/*.cu) ship inside the package: ds_hecate/kernels/, where
+        # ds_hecate.gpu.kernels compiles them at run time with CuPy.
+        os.makedirs(os.path.join(self.build_lib, "ds_hecate", "kernels"), exist_ok=True)
+        for name in KERNEL_SOURCES:
+            shutil.copy(os.path.join("kernels", name), os.path.join(self.build_lib, "ds_hecate", "kernels", name))
 
     def get_outputs(self, include_bytecode=True):
-        return super().get_outputs(include_bytecode) + [os.path.join(self.build_lib, AUTOLOAD_PTH)]
+        return (super().get_outputs(include_bytecode) + [os.path.join(self.build_lib, AUTOLOAD_PTH)]
+                + [os.path.join(self.build_lib, "ds_hecate", "kernels", name) for name in KERNEL_SOURCES])
 
 setup(
     name="ds_hecate",
@@ -38,7 +45,8 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8", "hypothesis>=6"],
-        "gpu": ["cupy-cuda12x"],
+        "gpu": ["cupy-cuda12x", "nvidia-nccl-cu12>=2.18.1,<3"],
         "mpi": ["mpi4py"],
+        "hf": ["transformers>=5.10,<5.11", "accelerate>=1.15,<1.16", "safetensors>=0.8,<0.9"],
     },
 )

@@ -68,7 +68,20 @@ def save(rt, checkpoint_dir: str) -> None:
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(meta, f)
         os.replace(tmp, os.path.join(directory, "meta.json"))
-    rt.comm.barrier()
+    rt.comm.barrier("checkpoint-save barrier")
+
+
+def read_meta(meta_path: str) -> Dict[str, Any]:
+    """The checkpoint's meta.json: plain JSON (never unpickled), or an error saying it is damaged."""
+    try:
+        with open(meta_path, "rb") as f:
+            meta = json.loads(f.read().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise HecateError(f"{meta_path} is not a Hecate checkpoint index (not valid UTF-8 JSON: "
+                          f"{type(exc).__name__}: {exc}); the checkpoint is damaged or was replaced") from None
+    if not isinstance(meta, dict):
+        raise HecateError(f"{meta_path} is not a Hecate checkpoint index (a JSON object was expected)")
+    return meta
 
 
 def _check_meta(rt, meta: Dict[str, Any], where: str) -> None:
@@ -102,8 +115,7 @@ def prepare_load(rt, checkpoint_dir: str, load_optimizer_states: bool = True) ->
         if not os.path.isfile(meta_path):
             raise HecateError(f"{checkpoint_dir} has no Hecate expert state ({meta_path} is missing); it was not "
                               "saved by a Hecate engine, or the save did not complete")
-        with open(meta_path, encoding="utf-8") as f:
-            meta = json.load(f)
+        meta = read_meta(meta_path)
         _check_meta(rt, meta, checkpoint_dir)
         same_world = meta["world_size"] == rt.world_size
         for layer, binding in zip(meta["layers"], rt.bindings):
@@ -115,7 +127,7 @@ def prepare_load(rt, checkpoint_dir: str, load_optimizer_states: bool = True) ->
                     loaded.setdefault(shard.layer_id, {})[e] = _read_expert(directory, checkpoint_dir, shard, e)
     except HecateError as exc:
         error = str(exc)
-    errors = [m for m in rt.comm.all_gather_object(error) if m]
+    errors = [m for m in rt.comm.all_gather_object(error, "checkpoint-load validation") if m]
     if errors:
         raise HecateError(errors[0])
 

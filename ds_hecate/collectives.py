@@ -8,6 +8,7 @@ it is empty on every rank.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -15,6 +16,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from .errors import HecateCollectiveError, HecateError
 from .planning import Placement
 
 
@@ -65,21 +67,57 @@ def _itemsize(dtype: torch.dtype) -> int:
 class Communicator:
     """Collectives on one process group; one instance per Hecate runtime."""
 
-    def __init__(self, group: Optional[dist.ProcessGroup], rank: int, world_size: int) -> None:
+    def __init__(self, group: Optional[dist.ProcessGroup], rank: int, world_size: int,
+                 timeout_s: Optional[float] = None) -> None:
         self.group = group
         self.rank = rank
         self.world_size = world_size
+        self.timeout_s = timeout_s
+        self.activity = "work outside the MoE layers"  # what the caller is doing; named when a collective fails
+
+    @contextlib.contextmanager
+    def during(self, activity: str):
+        """Name what the collectives issued inside this block are for (shown if one of them fails)."""
+        previous, self.activity = self.activity, activity
+        try:
+            yield
+        finally:
+            self.activity = previous
+
+    @contextlib.contextmanager
+    def _guard(self, collective: str):
+        """Turn a backend failure (peer gone, timeout) into an error that says which collective was waiting."""
+        try:
+            yield
+        except HecateError:
+            raise
+        except RuntimeError as exc:
+            lines = str(exc).strip().splitlines()
+            cause = f"{type(exc).__name__}: {lines[0] if lines else ''}"
+            limit = (f"hecate.collective_timeout_s = {self.timeout_s:g} s" if self.timeout_s
+                     else "the process group's timeout")
+            raise HecateCollectiveError(
+                f"Hecate collective '{collective}' failed on rank {self.rank} of {self.world_size} during "
+                f"{self.activity} ({cause}). Another rank probably died or stopped responding; Hecate's collectives "
+                f"wait at most {limit}. See the other ranks' logs.") from exc
 
     # ------------------------------------------------------------------------------------------------------------
     def all_to_all(self, send: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int],
-                   async_op: bool = False):
+                   async_op: bool = False, collective: str = "token all-to-all"):
         """Ragged all-to-all along dim 0. Returns the receive tensor (and the Work handle when ``async_op``)."""
         if self.world_size == 1:
             return (send, None) if async_op else send
         recv = send.new_empty((sum(recv_splits),) + tuple(send.shape[1:]))
-        work = dist.all_to_all_single(recv, send.contiguous(), output_split_sizes=list(recv_splits),
-                                      input_split_sizes=list(send_splits), group=self.group, async_op=async_op)
+        with self._guard(collective):
+            work = dist.all_to_all_single(recv, send.contiguous(), output_split_sizes=list(recv_splits),
+                                          input_split_sizes=list(send_splits), group=self.group, async_op=async_op)
         return (recv, work) if async_op else recv
+
+    def wait(self, work, collective: str) -> None:
+        """Wait for an async collective, naming it if it fails."""
+        if work is not None:
+            with self._guard(collective):
+                work.wait()
 
     def exchange_counts(self, local_counts: torch.Tensor) -> List[List[int]]:
         """All ranks' per-expert token-expert pair counts, as nested Python ints (the planner's input)."""
@@ -87,38 +125,42 @@ class Communicator:
         if self.world_size == 1:
             return [local.tolist()]
         out = torch.empty(self.world_size * local.numel(), dtype=torch.int64, device=local.device)
-        dist.all_gather_into_tensor(out, local, group=self.group)
+        with self._guard("token-count exchange"):
+            dist.all_gather_into_tensor(out, local, group=self.group)
         return out.view(self.world_size, -1).tolist()
 
-    def all_reduce(self, value: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    def all_reduce(self, value: torch.Tensor, op=dist.ReduceOp.SUM, collective: str = "all-reduce") -> torch.Tensor:
         if self.world_size > 1:
-            dist.all_reduce(value, op=op, group=self.group)
+            with self._guard(collective):
+                dist.all_reduce(value, op=op, group=self.group)
         return value
 
-    def barrier(self) -> None:
+    def barrier(self, collective: str = "barrier") -> None:
         if self.world_size > 1:
-            dist.barrier(group=self.group)
+            with self._guard(collective):
+                dist.barrier(group=self.group)
 
-    def all_gather_object(self, obj) -> list:
+    def all_gather_object(self, obj, collective: str = "all-gather of Python objects") -> list:
         if self.world_size == 1:
             return [obj]
         out = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
+        with self._guard(collective):
+            dist.all_gather_object(out, obj, group=self.group)
         return out
 
     # ------------------------------------------------------------------------------------------------------------
     def _start_chunk_exchange(self, sends: Dict[int, List[torch.Tensor]], recv_lists: Dict[int, List[int]],
-                              numel: int, dtype: torch.dtype, device: torch.device, async_op: bool):
+                              numel: int, dtype: torch.dtype, device: torch.device, async_op: bool,
+                              collective: str):
         """Send per-dst lists of equal-size flat chunks; returns a function giving per-src received chunks."""
         send_splits = [len(sends.get(d, ())) * numel for d in range(self.world_size)]
         recv_splits = [len(recv_lists.get(s, ())) * numel for s in range(self.world_size)]
         parts = [t.reshape(-1).to(dtype) for d in range(self.world_size) for t in sends.get(d, ())]
         send = torch.cat(parts) if parts else torch.empty(0, dtype=dtype, device=device)
-        recv, work = self.all_to_all(send, send_splits, recv_splits, async_op=True)
+        recv, work = self.all_to_all(send, send_splits, recv_splits, async_op=True, collective=collective)
 
         def finish() -> Dict[int, List[torch.Tensor]]:
-            if work is not None:
-                work.wait()
+            self.wait(work, collective)
             out: Dict[int, List[torch.Tensor]] = {}
             offset = 0
             for src in range(self.world_size):
@@ -151,7 +193,8 @@ class Communicator:
         device = next(iter(owned.values())).device if owned else torch.device("cpu")
         send_lists = {dst: [owned[e] for e in experts] for dst, experts in placement.gather_sends(self.rank).items()}
         recv_lists = placement.gather_recvs(self.rank)
-        finish_exchange = self._start_chunk_exchange(send_lists, recv_lists, numel, dtype, device, async_op)
+        finish_exchange = self._start_chunk_exchange(send_lists, recv_lists, numel, dtype, device, async_op,
+                                                     "SparseAllGather")
         counters.allgather_bytes += sum(len(v) for v in send_lists.values()) * numel * _itemsize(dtype)
 
         def finish():
@@ -184,7 +227,8 @@ class Communicator:
                       for owner, experts in placement.gather_recvs(self.rank).items()}
         recv_lists = placement.gather_sends(self.rank)
         device = next(iter(grads.values())).device if grads else torch.device("cpu")
-        finish_exchange = self._start_chunk_exchange(send_lists, recv_lists, numel, wire_dtype, device, async_op)
+        finish_exchange = self._start_chunk_exchange(send_lists, recv_lists, numel, wire_dtype, device, async_op,
+                                                     "SparseReduceScatter")
         counters.reducescatter_bytes += (sum(len(v) for v in send_lists.values()) * numel
                                          * _itemsize(wire_dtype))
 
@@ -214,7 +258,8 @@ class Communicator:
             elif dst == self.rank:
                 recvs.setdefault(src, []).append(e)
         if any(s != d for s, d in zip(sources, owners)):
-            received = self._start_chunk_exchange(sends, recvs, numel, torch.float32, torch.device("cpu"), False)()
+            received = self._start_chunk_exchange(sends, recvs, numel, torch.float32, torch.device("cpu"), False,
+                                                  "expert move")()
             for src, experts in recvs.items():
                 for e, chunk in zip(experts, received[src]):
                     kept[e] = chunk.clone()
@@ -226,14 +271,16 @@ class AllToAllTokens(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, comm: Communicator, send_splits: List[int], recv_splits: List[int],
-                counters: CommCounters) -> torch.Tensor:
-        ctx.comm, ctx.send_splits, ctx.recv_splits, ctx.counters = comm, send_splits, recv_splits, counters
+                counters: CommCounters, where: str = "an MoE layer") -> torch.Tensor:
+        ctx.comm, ctx.send_splits, ctx.recv_splits, ctx.counters, ctx.where = (comm, send_splits, recv_splits,
+                                                                              counters, where)
         return _token_exchange(comm, x, send_splits, recv_splits, counters)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return (_token_exchange(ctx.comm, grad, ctx.recv_splits, ctx.send_splits, ctx.counters),
-                None, None, None, None)
+        with ctx.comm.during(f"backward of {ctx.where}"):
+            grad_in = _token_exchange(ctx.comm, grad, ctx.recv_splits, ctx.send_splits, ctx.counters)
+        return grad_in, None, None, None, None, None
 
 
 def _token_exchange(comm: Communicator, x: torch.Tensor, send_splits: List[int], recv_splits: List[int],

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from .errors import HecateConfigError
 
 #: Placement policies the planner knows (see ``ds_hecate.planning``).
-PlacementName = Literal["hecate", "cost", "owner", "local"]
+PlacementName = Literal["hecate", "cost", "owner", "local", "shadow", "all"]
 
 
 class HecateConfig(BaseModel):
@@ -30,7 +30,9 @@ class HecateConfig(BaseModel):
                      "(predicted loads, overlap degree, memory budget, optional calibration); 'cost': owned "
                      "experts plus every expert whose local tokens would move more bytes than the expert; 'owner': "
                      "owned experts only (plain expert parallelism); 'local': every expert a local token routes "
-                     "to (no token leaves its rank)."))
+                     "to (no token leaves its rank). Baselines for benchmarks: 'shadow' (FasterMoE-style: hottest "
+                     "experts broadcast to every rank after the gate) and 'all' (every expert on every rank, "
+                     "ZeRO-3 style)."))
     load_window: int = Field(5, ge=1, le=10000, description="Iterations in the load-prediction sliding window.")
     materialize_budget_mb: float = Field(
         1024.0, ge=0, le=1e9, description="Per-rank memory for materialized replicas of other ranks' experts (MiB).")
@@ -61,6 +63,18 @@ class HecateConfig(BaseModel):
     collective_timeout_s: float = Field(
         600.0, gt=0, le=86400.0, description="Timeout of Hecate's own process group, in seconds.")
     log_conversion: bool = Field(True, description="Log one line (rank 0) saying what Hecate took over.")
+    monitor: bool = Field(True, description="Write per-layer metrics each optimizer step to DeepSpeed's monitor "
+                                            "(tensorboard / csv_monitor / wandb sections), when one is enabled.")
+    monitor_interval: int = Field(
+        1, ge=1, le=1 << 30, description="Write the metrics every N optimizer steps, as per-step means over them.")
+    trace_file: Optional[str] = Field(
+        None, min_length=1, max_length=4096,
+        description="Rank 0 records every layer's gate counts and executed plan here (JSON Lines, ds_hecate.trace); "
+                    "null: no trace.")
+    comm_backend: Literal["auto", "torch", "cupy"] = Field(
+        "auto", description="Transport of Hecate's collectives: 'cupy' (NCCL through CuPy on its own CUDA stream, "
+                            "with ds_hecate's CUDA kernels), 'torch' (torch.distributed), 'auto' (cupy when the "
+                            "tensors are on CUDA and CuPy with NCCL works, else torch, logging why).")
 
 
 HECATE_KEY = "hecate"

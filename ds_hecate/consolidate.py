@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import os
 from typing import Dict, Optional
 
 import torch
 
-from .checkpoint import SUBDIR, expert_file
+from .checkpoint import SUBDIR, expert_file, read_meta
 from .errors import HecateError
 
 LAYOUTS = ("hecate", "deepspeed")
@@ -43,8 +42,7 @@ def consolidated_state_dict(checkpoint_dir: str, tag: Optional[str] = None,
     meta_path = os.path.join(directory, "meta.json")
     if not os.path.isfile(meta_path):
         raise HecateError(f"{os.path.join(checkpoint_dir, tag)} has no Hecate expert state ({meta_path} is missing)")
-    with open(meta_path, encoding="utf-8") as f:
-        meta = json.load(f)
+    meta = read_meta(meta_path)
     with contextlib.redirect_stdout(io.StringIO()):  # zero_to_fp32 prints progress
         dense = dict(get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag))
     out: Dict[str, torch.Tensor] = {}

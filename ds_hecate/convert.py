@@ -90,12 +90,22 @@ def _take_over_gathered(name: str, layer: MoE, experts: List[nn.Module], runtime
     return expert_param_ids
 
 
+def _is_transformers_model(model: nn.Module) -> bool:
+    """A ``transformers.PreTrainedModel`` (checked without importing transformers when it is not in use)."""
+    import sys
+    transformers = sys.modules.get("transformers")
+    return transformers is not None and isinstance(model, transformers.PreTrainedModel)
+
+
 def convert_model(model: nn.Module, runtime: HecateRuntime) -> Dict[int, Set[int]]:
     """Replace DeepSpeed MoE layers by ``ds_hecate.MoE`` in place and take every MoE layer over.
 
     Returns, per Hecate layer id, the ids of the expert parameters removed from the model.
     """
     layers = find_moe_layers(model)
+    if not layers and _is_transformers_model(model):
+        from .hf.takeover import convert_hf_model  # HF MoE models: routed experts through ExpertsInterface
+        return convert_hf_model(model, runtime)
     if not layers:
         raise HecateModelError(
             f"hecate.enabled is true but the model ({type(model).__name__}) has no MoE layer Hecate can take over: "

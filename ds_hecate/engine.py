@@ -5,7 +5,8 @@ Hooks, all narrow:
 - ``clip_fp32_gradients`` (ZeRO stage 0): clips by the norm over dense and expert gradients.
 - ``backward``: completes the SparseReduceScatters issued asynchronously during backward.
 - ``step``: after DeepSpeed's own step (which decides overflow, computes the global norm and advances the LR
-  schedule) the expert optimizer steps the owned shards with the same unscale/clip factor and the LR that applied.
+  schedule) the expert optimizer steps the owned shards with the same unscale/clip factor and the LR that applied;
+  then the step's per-layer metrics go to DeepSpeed's monitor (``ds_hecate.metrics``).
 - the ZeRO optimizer's ``scaled_global_norm`` / ``_get_norm_groups`` (on the instance): adds the expert gradients
   to the global norm, so clipping, overflow detection and ``get_global_grad_norm()`` cover every parameter.
 """
@@ -17,7 +18,7 @@ import torch
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.utils import combine_grad_norm_groups
 
-from . import checkpoint
+from . import checkpoint, metrics
 from .errors import HecateUnsupportedError
 from .runtime import HecateRuntime
 
@@ -52,6 +53,7 @@ class HecateEngine(DeepSpeedEngine):
                                          load_lr_scheduler_states, load_module_only, custom_load_fn)
         if result[0] is not None:
             install()
+            self.hecate.global_steps = self.global_steps  # trace step numbers continue from the checkpoint
         return result
 
     def clip_fp32_gradients(self):
@@ -78,11 +80,40 @@ class HecateEngine(DeepSpeedEngine):
             return super().step(lr_kwargs)
         runtime = self.hecate
         hyper = runtime.optimizer.current_hyperparameters() if runtime.optimizer is not None else []
-        loss_scale = float(getattr(self.optimizer, "loss_scale", 1.0))
         result = super().step(lr_kwargs)
+        # The factor DeepSpeed's optimizer divided the dense gradients by in this step. ZeRO-1/2/3 update the loss
+        # scale before unscaling, so on a step where the scale grows dense gradients are divided by the new scale;
+        # the experts take the same factor, so dense and expert parameters step as in data-parallel training.
+        loss_scale = float(getattr(self.optimizer, "loss_scale", 1.0))
+        if getattr(runtime, "norm_from_optimizer", False):  # BF16_Optimizer: the joint norm it computed
+            norm = getattr(self.optimizer, "_global_grad_norm", None)
+            runtime.last_total_norm = torch.as_tensor(float(norm)) if norm is not None else None
         runtime.apply_step(self.was_step_applied(), self.dp_world_size, loss_scale, self.gradient_clipping(), hyper)
         runtime.after_step(self.global_steps)
+        metrics.end_step(self)  # per-layer events to DeepSpeed's monitor (rank 0, when one is configured)
         return result
+
+
+# Expert-norm sources of the FP16_UnfusedOptimizer steps in progress. Its norm comes from the module function
+# ``get_global_norm``, which is wrapped once to append the experts' norm while one of Hecate's steps runs.
+_EXTRA_NORMS: list = []
+
+
+def _is_unfused_bit16_optimizer(optimizer) -> bool:
+    import deepspeed.runtime.fp16.unfused_optimizer as unfused
+
+    if not isinstance(optimizer, unfused.FP16_UnfusedOptimizer):
+        return False
+    if not getattr(unfused.get_global_norm, "_hecate_wrapped", False):
+        original = unfused.get_global_norm
+
+        def get_global_norm(norm_list):
+            if _EXTRA_NORMS:
+                norm_list = list(norm_list) + [_EXTRA_NORMS[-1]()]
+            return original(norm_list)
+        get_global_norm._hecate_wrapped = True
+        unfused.get_global_norm = get_global_norm
+    return True
 
 
 def install_norm_hook(engine: DeepSpeedEngine, runtime: HecateRuntime) -> None:
@@ -119,6 +150,32 @@ def install_norm_hook(engine: DeepSpeedEngine, runtime: HecateRuntime) -> None:
             return groups
 
         optimizer._get_norm_groups = _get_norm_groups
+    elif hasattr(optimizer, "get_grads_for_norm"):  # BF16_Optimizer (bf16 with ZeRO stage 0 or 1): full local grads
+        original_grads = optimizer.get_grads_for_norm
+
+        def get_grads_for_norm(for_clipping: bool = False):
+            result = original_grads(for_clipping=for_clipping)
+            if for_clipping:  # the clip factor reaches the experts through apply_step
+                return result
+            dense, expert_groups = result
+            reference = dense[0] if dense else torch.zeros(1, dtype=torch.float32)
+            # a one-element tensor whose norm is the experts' norm joins the dense tensors' norm
+            dense = list(dense) + [expert_norm_like(reference).reshape(1)]
+            runtime.norm_from_optimizer = True
+            return dense, expert_groups
+
+        optimizer.get_grads_for_norm = get_grads_for_norm
+    elif _is_unfused_bit16_optimizer(optimizer):  # bf16 with ZeRO stage 0: FP16_UnfusedOptimizer in bf16 mode
+        original_step = optimizer.step
+
+        def step(closure=None):
+            _EXTRA_NORMS.append(lambda: float(runtime.expert_grad_norm(dp_world_size)))
+            try:
+                return original_step(closure)
+            finally:
+                _EXTRA_NORMS.pop()
+        optimizer.step = step
+        runtime.norm_from_optimizer = True
     else:
         raise HecateUnsupportedError(
             f"Hecate cannot hook the gradient norm of {type(optimizer).__name__}; supported: ZeRO stage 1/2 "

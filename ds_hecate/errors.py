@@ -15,3 +15,7 @@ class HecateUnsupportedError(HecateError):
 
 class HecateModelError(HecateError):
     """The model has no MoE layer Hecate can take over, or one it cannot convert."""
+
+
+class HecateCollectiveError(HecateError):
+    """One of Hecate's collectives failed or timed out, almost always because another rank died or stopped."""

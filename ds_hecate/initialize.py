@@ -56,10 +56,8 @@ def _refuse_unsupported(cfg: Dict[str, Any], model: Any, mpu: Any) -> None:
     problems = []
     if stage not in (0, 1, 2, 3):
         problems.append(f"ZeRO stage {stage}")
-    if stage == 0 and isinstance(cfg.get("bf16"), dict) and cfg["bf16"].get("enabled"):
-        problems.append("bf16 with ZeRO stage 0 (DeepSpeed's BF16_Optimizer; use ZeRO stage 1-3 for bf16)")
-    if enabled("fp16"):
-        problems.append("fp16 (use bf16 or fp32 with hecate)")
+    if stage == 0 and enabled("fp16"):
+        problems.append("fp16 with ZeRO stage 0 (DeepSpeed's FP16_Optimizer; use ZeRO stage 1-3 for fp16)")
     if isinstance(zero, dict) and any(zero.get(k) for k in ("offload_optimizer", "offload_param")):
         problems.append("ZeRO-Offload (offload_optimizer / offload_param)")
     if isinstance(zero, dict) and zero.get("zenflow"):
@@ -83,8 +81,12 @@ def _refuse_unsupported(cfg: Dict[str, Any], model: Any, mpu: Any) -> None:
 
 
 def _compute_dtype(cfg: Dict[str, Any]) -> torch.dtype:
+    """The dtype DeepSpeed runs the model in, which Hecate materializes experts in (masters stay fp32)."""
     bf16 = cfg.get("bf16") or cfg.get("bfloat16") or {}
-    return torch.bfloat16 if isinstance(bf16, dict) and bf16.get("enabled") else torch.float32
+    if isinstance(bf16, dict) and bf16.get("enabled"):
+        return torch.bfloat16
+    fp16 = cfg.get("fp16") or {}
+    return torch.float16 if isinstance(fp16, dict) and fp16.get("enabled") else torch.float32
 
 
 def _ranks_per_node(hcfg: HecateConfig, world_size: int) -> int:
@@ -141,6 +143,9 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
 
     engine, engine_optimizer, dataloader, scheduler = original(**call)
     attach_engine(engine, runtime, groups)
+    hf_takeover = model.__dict__.get("_hecate_hf")  # HF model: keep save_model / state_dict / counts whole
+    if hf_takeover is not None:
+        hf_takeover.attach(engine)
     if hcfg.log_conversion:
         log_rank0(runtime.summary())
     return engine, engine_optimizer, dataloader, scheduler
@@ -148,12 +153,15 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
 
 def build_runtime(hcfg: HecateConfig, ds_config: Dict[str, Any]):
     """Hecate's process group (its own communicator, with its own timeout) and an empty runtime."""
-    from .collectives import Communicator
+    from deepspeed.accelerator import get_accelerator
+
+    from .gpu import build_communicator
     from .runtime import HecateRuntime
 
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.new_group(ranks=list(range(world)), timeout=timedelta(seconds=hcfg.collective_timeout_s))
-    comm = Communicator(group, rank, world)
+    device = torch.device(get_accelerator().current_device_name())  # where Hecate's tensors live
+    comm = build_communicator(hcfg.comm_backend, group, rank, world, device, timeout_s=hcfg.collective_timeout_s)
     return HecateRuntime(hcfg, comm, _compute_dtype(ds_config), _ranks_per_node(hcfg, world))
 
 
@@ -164,10 +172,10 @@ def attach_engine(engine: Any, runtime: Any, groups: Any) -> None:
 
     engine.__class__ = HecateEngine
     engine.hecate = runtime
-    if engine.zero_optimization():
+    if engine.zero_optimization() or engine.bfloat16_enabled():
         install_norm_hook(engine, runtime)
-    elif engine.fp16_enabled() or engine.bfloat16_enabled():
-        raise HecateUnsupportedError("hecate with ZeRO stage 0 supports fp32 only")
+    elif engine.fp16_enabled():
+        raise HecateUnsupportedError("hecate with ZeRO stage 0 supports fp32 and bf16, not fp16")
 
     basic = engine.basic_optimizer
     dense_groups = basic.param_groups

@@ -39,7 +39,7 @@ def measure_costs(rt) -> Dict[str, float]:
     non_moe = sum(gaps) / len(gaps) if gaps else 0.0
     link = _probe_link_gbps(rt)
     values = torch.tensor([per_pair, non_moe, link], dtype=torch.float64)
-    rt.comm.all_reduce(values)
+    rt.comm.all_reduce(values, collective="cost measurement all-reduce")
     values /= rt.world_size
     if rt.world_size > 1:
         dist.broadcast(values, src=dist.get_global_rank(rt.comm.group, 0) if rt.comm.group is not None else 0,

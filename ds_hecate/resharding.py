@@ -31,7 +31,8 @@ def _local_layout(rt) -> StateLayout:
 
 
 def agree_state_layout(rt) -> StateLayout:
-    layouts = [tuple(map(tuple, layout)) for layout in rt.comm.all_gather_object(_local_layout(rt))]
+    gathered = rt.comm.all_gather_object(_local_layout(rt), "re-sharding layout exchange")
+    layouts = [tuple(map(tuple, layout)) for layout in gathered]
     known = {layout for layout in layouts if layout != ((), ())}
     if len(known) > 1:
         raise HecateError(f"expert optimizer states differ across ranks ({sorted(known)}); cannot re-shard")
@@ -90,7 +91,8 @@ def reshard(rt) -> bool:
                                                                torch.zeros(size - numel)]))
             elif new[e] == rt.rank:
                 recvs.setdefault(old[e], []).append(e)
-        received = rt.comm._start_chunk_exchange(sends, recvs, size, torch.float32, torch.device("cpu"), False)()
+        received = rt.comm._start_chunk_exchange(sends, recvs, size, torch.float32, torch.device("cpu"), False,
+                                             "re-sharding expert move")()
         for e in range(shard.num_experts):
             if old[e] != new[e] and old[e] == rt.rank:
                 param = shard.masters.pop(e)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -23,9 +23,12 @@ from .collectives import AllToAllTokens, CommCounters, Communicator, PendingGath
 from .config import HecateConfig
 from .errors import HecateError
 from .expert_optimizer import ExpertOptimizer
+from .logging_utils import logger
 from .planning import CommCostModel, LayerPlan, Placement, POLICIES, topology_aware_routes
+from .planning.placement import STEP_COST_POLICIES
 from .planning.predictor import LoadPredictor
 from .planning.scheduler import StepCostModel, rank_loads, schedule_materialization
+from .memory_plan import replica_budget, scheduler_costs
 from .shard_store import ExpertShardStore, LayerShard
 
 PHASES = ("counts", "plan", "gather", "dispatch", "compute", "combine", "reduce_scatter", "reduce_wait", "regather")
@@ -130,6 +133,7 @@ class LayerBinding:
         self.avoidable_cross_node_rows = 0
         self.peak_replica_bytes = 0
         self._live_buffers: List[weakref.ref] = []
+        self.top_k = 0  # routes per token, seen at the last call (for the trace header)
 
     # -- helpers -----------------------------------------------------------------------------------------------
     class _Timer:
@@ -137,10 +141,13 @@ class LayerBinding:
             self.binding, self.phase = binding, phase
 
         def __enter__(self):
+            comm = self.binding.runtime.comm
+            self.previous, comm.activity = comm.activity, f"{self.phase} of MoE layer '{self.binding.shard.name}'"
             self.start = time.perf_counter()
 
         def __exit__(self, *exc):
             self.binding.phase_s[self.phase] += time.perf_counter() - self.start
+            self.binding.runtime.comm.activity = self.previous
 
     def timed(self, phase: str) -> "_Timer":
         return LayerBinding._Timer(self, phase)
@@ -153,8 +160,8 @@ class LayerBinding:
     def replica_budget(self) -> int:
         """Replicas this layer may hold per rank within ``materialize_budget_mb``."""
         rt = self.runtime
-        resident_layers = 1 if rt.config.rematerialize else max(1, len(rt.bindings))
-        return int(rt.config.materialize_budget_mb * (1 << 20) // (resident_layers * self.expert_bytes))
+        return replica_budget(rt.config.materialize_budget_mb, self.expert_bytes, len(rt.bindings),
+                              rt.config.rematerialize)
 
     def owner_placement(self) -> Placement:
         owned = [[] for _ in range(self.runtime.world_size)]
@@ -211,13 +218,17 @@ class LayerBinding:
 
     def start_prefetch(self) -> None:
         if self.pending is None and self.runtime.config.placement == "hecate":
-            self.pending = self.gather(self.predicted_placement(), async_op=True)
+            with self.timed("plan"):  # the scheduler's search runs here, after the previous layer
+                placement = self.predicted_placement()
+            self.pending = self.gather(placement, async_op=True)
 
     def _plan(self, counts: List[List[int]]) -> Tuple[LayerPlan, PendingGather, Optional[PendingGather]]:
         """Plan this call; returns (plan, gather of the main placement, gather of calibration extras or None)."""
         rt, owners = self.runtime, self.shard.owners
         if rt.config.placement != "hecate":
-            materialized = POLICIES[rt.config.placement](counts, owners, self.cost)
+            policy = rt.config.placement
+            cost = rt.step_costs(self) if policy in STEP_COST_POLICIES else self.cost
+            materialized = POLICIES[policy](counts, owners, cost)
             pending, extra = self.gather(Placement(owners, materialized), async_op=False), None
         else:
             self.prefetch_hits += self.pending is not None
@@ -262,6 +273,7 @@ class LayerBinding:
         if not recompute and rt.last_layer_end is not None:
             self.gaps_s = (self.gaps_s + [time.perf_counter() - rt.last_layer_end])[-16:]
         num_tokens = x.shape[0]
+        self.top_k = indices.shape[0]
         flat = indices.reshape(-1).long()
         valid_slots = torch.nonzero(flat >= 0).squeeze(1)
         experts_of_valid = flat.index_select(0, valid_slots)
@@ -296,7 +308,8 @@ class LayerBinding:
             send_slots = by_expert.index_select(0, torch.argsort(dst_of_sorted, stable=True))
             send_rows = x.index_select(0, send_slots % max(num_tokens, 1))  # on the graph even when empty
             send_splits, recv_splits = plan.send_splits(rank), plan.recv_splits(rank)
-            recv = AllToAllTokens.apply(send_rows, rt.comm, send_splits, recv_splits, self.counters)
+            recv = AllToAllTokens.apply(send_rows, rt.comm, send_splits, recv_splits, self.counters,
+                                        f"MoE layer '{self.shard.name}'")
 
         with self.timed("compute"):
             mine = plan.materialized[rank]
@@ -309,7 +322,8 @@ class LayerBinding:
                 y_recv = _run_experts(shard.kernel, recv, weights, order_t, sizes)
             del flats
         with self.timed("combine"):
-            y_back = AllToAllTokens.apply(y_recv, rt.comm, recv_splits, send_splits, self.counters)
+            y_back = AllToAllTokens.apply(y_recv, rt.comm, recv_splits, send_splits, self.counters,
+                                          f"MoE layer '{self.shard.name}'")
             out = y_back.new_zeros(flat.numel(), y_back.shape[-1]).index_copy(0, send_slots, y_back)
         if not recompute and rt.config.prefetch:
             rt.prefetch_after(self)
@@ -335,6 +349,8 @@ class LayerBinding:
         crossing, avoidable = plan.node_traffic(self.runtime.ranks_per_node)
         self.cross_node_rows += crossing
         self.avoidable_cross_node_rows += avoidable
+        for observe in self.runtime.observers:  # ds_hecate.metrics: step metrics, routing trace
+            observe(self, plan, counts)
 
     # -- statistics ----------------------------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -420,6 +436,8 @@ class HecateRuntime:
         self.last_total_norm: Optional[torch.Tensor] = None
         self.steps_applied = 0
         self.steps_skipped = 0
+        self.nonfinite_grad_steps = 0
+        self.last_nonfinite_grads: Optional[dict] = None
         self.reshards = 0
         self.call_order: List[int] = []
         self._order_fixed = False
@@ -428,6 +446,11 @@ class HecateRuntime:
         self.last_layer_end: Optional[float] = None
         self.peak_replica_bytes = 0
         self.pending_reductions: List[Tuple[LayerBinding, object]] = []
+        self.global_steps = 0  # optimizer steps done (engine.global_steps), for the trace's step numbers
+        # Called as observe(binding, plan, counts) after each forward call's plan (not recomputes).
+        self.observers: List[Callable[[LayerBinding, LayerPlan, List[List[int]]], None]] = []
+        from .metrics import install_recorders
+        install_recorders(self)
 
     # -- setup --------------------------------------------------------------------------------------------------
     def add_layer(self, name: str, shard: LayerShard, hidden_size: int) -> LayerBinding:
@@ -445,22 +468,9 @@ class HecateRuntime:
 
     def step_costs(self, binding: LayerBinding) -> StepCostModel:
         """Cost model for the scheduler: configured values, else measured ones (identical on all ranks)."""
-        cfg, m = self.config, self.measured
-        bw = (cfg.inter_node_gbps if self.world_size > self.ranks_per_node and cfg.inter_node_gbps else
-              cfg.link_gbps) or m.get("link_gbps", 10.0)
-        bytes_per_s = bw * 1e9
-        comm = binding.cost
-        expert_s = comm.expert_bytes / bytes_per_s
-        # A measured T_nonMoE hides communication only where collectives run beside compute (CUDA streams); on a
-        # CPU the same cores do both, so nothing is hidden unless the user says otherwise.
-        measured_overlap = m.get("non_moe_time_s", 0.0) if self.overlaps_compute else 0.0
-        overlap_s = cfg.non_moe_time_s if cfg.non_moe_time_s is not None else measured_overlap
-        if cfg.overlap_degree is not None:
-            overlap_s = cfg.overlap_degree * expert_s
-        return StepCostModel(
-            compute_s_per_pair=cfg.compute_s_per_pair or m.get("compute_s_per_pair", 1e-6),
-            token_transfer_s=comm.token_bytes(1) / bytes_per_s,
-            expert_transfer_s=expert_s, overlap_s=overlap_s)
+        # One formula for the runtime, ``ds-hecate plan`` and the simulator (ds_hecate.memory_plan).
+        return scheduler_costs(self.config, self.measured, self.world_size, self.ranks_per_node,
+                               binding.cost.expert_bytes, binding.cost.token_bytes(1), self.overlaps_compute)
 
     # -- call sequence and prefetch ---------------------------------------------------------------------------
     def note_layer_call(self, binding: LayerBinding, recompute: bool) -> None:
@@ -514,17 +524,19 @@ class HecateRuntime:
         """L2 norm over all ranks of the (averaged, still loss-scaled) expert gradients. Collective."""
         self.flush_reductions()
         sq = self.store.grad_sq_sum() / (grad_divisor * grad_divisor)
-        return self.comm.all_reduce(sq.reshape(1)).reshape(()).sqrt()
+        return self.comm.all_reduce(sq.reshape(1), collective="expert gradient-norm all-reduce").reshape(()).sqrt()
 
     def apply_step(self, applied: bool, dp_world_size: int, loss_scale: float, clip: float,
                    hyperparameters: Sequence[dict]) -> None:
         """Update expert masters after DeepSpeed's step decided (overflow) and computed the global norm.
 
-        ``loss_scale`` and ``hyperparameters`` (scheduled lr/betas per expert group) are the values from before
+        ``loss_scale`` is the factor DeepSpeed unscaled the dense gradients by in this step; ``hyperparameters``
+        (scheduled lr/betas per expert group) are the values from before
         DeepSpeed's step, the ones that applied to it.
         """
         self.flush_reductions()
         try:
+            self._note_nonfinite_grads()
             if not applied:
                 self.steps_skipped += 1
                 return
@@ -540,8 +552,29 @@ class HecateRuntime:
             self.store.zero_grads()
             self.last_total_norm = None
 
+    def _note_nonfinite_grads(self) -> None:
+        """NaN/Inf in this rank's expert gradients: counted and named in the statistics, and logged. Whether the
+        step is applied is DeepSpeed's decision (its overflow check sees them through the global norm, which
+        includes the experts). One host sync for all experts."""
+        names, checks = [], []
+        for binding in self.bindings:
+            for e, param in binding.shard.masters.items():
+                if param.grad is not None:
+                    names.append(f"{binding.shard.name} expert {e}")
+                    checks.append(torch.isfinite(param.grad).all())
+        if not checks:
+            return
+        bad = [name for name, ok in zip(names, torch.stack(checks).tolist()) if not ok]
+        if bad:
+            self.nonfinite_grad_steps += 1
+            self.last_nonfinite_grads = {"step": self.steps_applied + self.steps_skipped + 1, "experts": bad}
+            logger.warning(f"rank {self.rank}: non-finite (NaN/Inf) gradients in {len(bad)} expert(s) "
+                           f"at optimizer step {self.last_nonfinite_grads['step']}: {', '.join(bad[:8])}"
+                           f"{' ...' if len(bad) > 8 else ''}")
+
     def after_step(self, global_steps: int) -> None:
         """Step-boundary work, identical on every rank: cost profiling once, periodic re-sharding."""
+        self.global_steps = global_steps
         self.drop_pending()
         if global_steps == 1 and not self.measured:
             self.measure_costs()
@@ -595,6 +628,7 @@ class HecateRuntime:
                 "layers": [b.stats() for b in self.bindings], "comm": total.as_dict(),
                 "memory": self.memory_bytes(), "steps_applied": self.steps_applied,
                 "steps_skipped": self.steps_skipped, "reshards": self.reshards,
+                "nonfinite_grad_steps": self.nonfinite_grad_steps, "last_nonfinite_grads": self.last_nonfinite_grads,
                 "measured_costs": dict(self.measured)}
 
     def summary(self) -> str:

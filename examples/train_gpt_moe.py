@@ -54,6 +54,9 @@ def parse_args() -> argparse.Namespace:
                         help="rank 0 writes a JSON list of per-step {step, loss, grad_norm, tokens_per_s}")
     parser.add_argument("--stats-file", type=str, default=None,
                         help="rank 0 writes engine.hecate.stats() as JSON at the end (Hecate runs only)")
+    parser.add_argument("--monitor-dir", type=str, default=None,
+                        help="write DeepSpeed's CSV monitor (with Hecate's per-layer metrics) and Hecate's routing "
+                        "trace (trace.jsonl) into this directory; plot them with `ds-hecate report DIR`")
     parser.add_argument("--hecate-import", action=argparse.BooleanOptionalAction,
                         default=os.environ.get("DS_HECATE_EXAMPLE_IMPORT", "1") != "0",
                         help="import ds_hecate before deepspeed.initialize so it can hook in "
@@ -62,6 +65,8 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     if args.hidden % args.heads != 0:
         parser.error(f"--hidden ({args.hidden}) must be divisible by --heads ({args.heads})")
+    if args.monitor_dir and not args.deepspeed_config:
+        parser.error("--monitor-dir needs --deepspeed_config (a JSON file it adds the monitor and trace to)")
     return args
 
 
@@ -165,6 +170,19 @@ def expert_imbalance(engine) -> Optional[tuple]:
             sum(layer["load_imbalance_after"] for layer in layers) / len(layers))
 
 
+def with_monitoring(config_path: str, monitor_dir: str) -> dict:
+    """The DeepSpeed config from ``config_path`` plus a CSV monitor and, when it has a hecate section, a trace, both
+    writing into ``monitor_dir``; everything else as the user wrote it."""
+    with open(config_path, encoding="utf-8") as f:
+        config = json.load(f)
+    config["csv_monitor"] = {"enabled": True, "output_path": monitor_dir, "job_name": "csv_monitor"}
+    zero = config.get("zero_optimization") or {}
+    section = zero.get("hecate") if "hecate" in zero else config.get("hecate")
+    if isinstance(section, dict):
+        section["trace_file"] = os.path.join(monitor_dir, "trace.jsonl")
+    return config
+
+
 def main() -> None:
     args = parse_args()
     if args.hecate_import:
@@ -178,7 +196,11 @@ def main() -> None:
     torch.manual_seed(args.seed)
     model = GPTMoE(VOCAB_SIZE, args.seq_len, args.hidden, args.layers, args.heads, args.ffn, args.experts,
                    args.top_k, args.tie_embeddings)
-    engine, _, _, _ = deepspeed.initialize(args=args, model=model, model_parameters=model.parameters())
+    config = None
+    if args.monitor_dir:
+        config, args.deepspeed_config = with_monitoring(args.deepspeed_config, args.monitor_dir), None
+    engine, _, _, _ = deepspeed.initialize(args=args, model=model, model_parameters=model.parameters(),
+                                           config=config)
 
     if rank == 0:
         # hasattr (not a config lookup) so the example reports what actually got attached.

@@ -82,3 +82,56 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = DEFAUL
     if failures:
         raise AssertionError("\n".join(failures))
     return out
+
+
+def _worker_until_exit(rank: int, world_size: int, port: int, fn: Callable, args: Sequence[Any], results) -> None:
+    """Like ``_worker``, but a failure ends the process with a non-zero exit code, as a real job's rank would."""
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                       "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size),
+                       "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"})
+    import torch
+    torch.set_num_threads(1)
+    try:
+        results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+        results.close()
+        results.join_thread()
+        os._exit(1)
+
+
+def run_ranks_until_exit(world_size: int, fn: Callable, *args: Any, timeout: float = DEFAULT_TIMEOUT_S) -> List[dict]:
+    """Run ``fn`` on ``world_size`` processes and let each end on its own (nobody kills the survivors when one
+    rank dies). Returns per rank ``{"exitcode", "exit_time" (time.time() when seen ended), "ok", "payload"}``;
+    processes still running after ``timeout`` are killed and reported with ``exitcode`` None."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker_until_exit, args=(r, world_size, port, fn, args, results), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    out: List[dict] = [{"exitcode": None, "exit_time": None, "ok": False, "payload": None} for _ in procs]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(o["exit_time"] is None for o in out):
+        try:
+            rank, ok, payload = results.get(timeout=0.2)
+            out[rank]["ok"] = ok
+            out[rank]["payload"] = pickle.loads(payload) if ok else payload
+        except queue.Empty:
+            pass
+        for r, p in enumerate(procs):
+            if out[r]["exit_time"] is None and p.exitcode is not None:
+                out[r]["exit_time"], out[r]["exitcode"] = time.time(), p.exitcode
+    while True:  # results that arrived just before the exit
+        try:
+            rank, ok, payload = results.get(timeout=0.5)
+        except queue.Empty:
+            break
+        out[rank]["ok"] = ok
+        out[rank]["payload"] = pickle.loads(payload) if ok else payload
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
+    return out

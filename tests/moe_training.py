@@ -7,7 +7,7 @@ parameters) and the system under test, so the two runs differ only in Hecate. Ru
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.utils.checkpoint
@@ -30,6 +30,11 @@ class Spec:
     gas: int = 1
     clip: float = 0.0
     bf16: bool = False
+    fp16: bool = False                     # DeepSpeed dynamic loss scaling (CPU: the fp16 capability probe is forced)
+    initial_scale_power: int = 8
+    inject_inf_step: Optional[int] = None  # rank 0 puts an Inf into one expert's gradient at this step
+    forced_routes: bool = False            # every token's experts drawn from (seed, step, rank, layer), not learned:
+                                           # low-precision runs then cannot flip a route (gate_bias skews the draw)
     stage: int = 2
     ep_size: int = 1
     expert_kind: str = "ffn"               # "ffn" (fast path) or "generic" (functional_call path)
@@ -45,8 +50,7 @@ class Spec:
     resume_from: Optional[str] = None      # engine.load_checkpoint(resume_from) first, continue from its step
     load_module_only: bool = False
     zero_init: bool = False                # build the model under deepspeed.zero.Init (ZeRO-3)
-    crash_save_after: Optional[int] = None  # this rank kills itself (SIGKILL) while saving after this many steps
-    crash_rank: int = 1
+    step_hook: Optional[Callable] = None    # called as step_hook(rank, step, engine) before each step (faults)
     lr: float = 5e-3
     weight_decay: float = 0.01
     seed: int = 1234
@@ -84,7 +88,10 @@ class Block(nn.Module):
         experts = (self.moe.experts if spec.native else self.moe.deepspeed_moe.experts.deepspeed_experts)
         for p in experts.parameters():
             nn.init.normal_(p, std=0.3)
-        if spec.gate_bias is not None:
+        if spec.forced_routes:
+            from ds_hecate.workloads import route_gate
+            self.router = route_gate(self.moe)
+        elif spec.gate_bias is not None:
             bias_gate(self.moe, spec.gate_bias)
 
     def forward(self, h, used_token):
@@ -136,6 +143,9 @@ def ds_config(spec: Spec) -> dict:
                                                         "torch_adam": True}}
     if spec.bf16:
         cfg["bf16"] = {"enabled": True}
+    if spec.fp16:
+        cfg["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": spec.initial_scale_power,
+                       "loss_scale_window": 4, "hysteresis": 1, "min_loss_scale": 1}
     if spec.hecate is not None:
         cfg["zero_optimization"]["hecate"] = dict(spec.hecate)
     cfg.update(spec.extra_config)
@@ -166,16 +176,46 @@ def _expert_flats(moe: nn.Module) -> Dict[int, torch.Tensor]:
             for i, e in enumerate(experts)}
 
 
-def _kill_self_on_first_file_write() -> None:
-    """Simulate kill -9 of this rank in the middle of a checkpoint save."""
-    import os
-    import signal
+def force_routes(model: nn.Module, spec: Spec, step: int, micro: int, rank: int, tokens: int) -> None:
+    """Set each layer's forced expert choices for this micro-batch (distinct experts per token, skewed by
+    ``spec.gate_bias``), identical in the Hecate run and in the oracle."""
+    weights = torch.softmax(torch.tensor(spec.gate_bias or (0.0,) * spec.num_experts, dtype=torch.float64), 0)
+    for layer, block in enumerate(model.blocks):
+        g = torch.Generator().manual_seed(spec.seed * 104729 + step * 7919 + micro * 131 + rank * 17 + layer)
+        block.router.choices = (torch.multinomial(weights.expand(tokens, -1), spec.k, replacement=False,
+                                                  generator=g) if tokens else torch.zeros(0, spec.k, dtype=torch.long))
 
-    import ds_hecate.checkpoint as checkpoint
 
-    def die(obj, path):
-        os.kill(os.getpid(), signal.SIGKILL)
-    checkpoint._atomic_torch_save = die
+def _allow_fp16_on_cpu() -> None:
+    """DeepSpeed refuses fp16 on CPUs without native fp16 matmul (its capability probe); torch emulates fp16 on
+    any CPU, so the tests force the probe to run DeepSpeed's real fp16 path (loss scaling, overflow skipping)."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    accelerator.is_fp16_supported = lambda: True
+    if torch.float16 not in accelerator.supported_dtypes():
+        supported = accelerator.supported_dtypes
+        accelerator.supported_dtypes = lambda: supported() + [torch.float16]
+
+
+def _inject_inf(engine, rank: int):
+    """Return a function that, called after backward, makes one expert gradient Inf on rank 0 (an fp16 overflow
+    that only an expert sees), in the Hecate run and in the data-parallel oracle alike."""
+    if rank != 0:
+        return None
+    if getattr(engine, "hecate", None) is not None:
+        def poison_hecate():
+            shard = engine.hecate.bindings[0].shard
+            param = shard.masters[min(shard.masters)]
+            param.grad = torch.full_like(param, float("inf"))
+        return poison_hecate
+    experts = [m for n, m in engine.module.named_modules() if n.endswith("deepspeed_experts")][0]
+    param = next(iter(experts.parameters()))
+    handle = param.register_hook(lambda g: torch.full_like(g, float("inf")))
+
+    def remove_hook():
+        handle.remove()
+    return remove_hook
 
 
 def train(rank: int, world_size: int, spec: Spec) -> dict:
@@ -185,6 +225,8 @@ def train(rank: int, world_size: int, spec: Spec) -> dict:
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
     deepspeed.init_distributed(dist_backend="gloo")
+    if spec.fp16:
+        _allow_fp16_on_cpu()
     torch.manual_seed(spec.seed)
     if spec.zero_init:
         with deepspeed.zero.Init(config_dict_or_path=ds_config(spec)):
@@ -200,7 +242,7 @@ def train(rank: int, world_size: int, spec: Spec) -> dict:
         params = groups
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, model_parameters=params,
                                       config=ds_config(spec))
-    dtype = torch.bfloat16 if spec.bf16 else torch.float32
+    dtype = torch.bfloat16 if spec.bf16 else torch.float16 if spec.fp16 else torch.float32
     start = 0
     if spec.resume_from is not None:
         engine.load_checkpoint(spec.resume_from, load_module_only=spec.load_module_only)
@@ -208,22 +250,27 @@ def train(rank: int, world_size: int, spec: Spec) -> dict:
     torch.manual_seed(spec.seed + 1)  # same RNG stream (gate sampling) in both runs from here on
     losses: List[float] = []
     norms: List[float] = []
+    scales: List[float] = []
     for step in range(start, spec.steps):
+        if spec.step_hook is not None:
+            spec.step_hook(rank, step, engine)
         if spec.reseed_each_step:
             torch.manual_seed(spec.seed + 7919 * step)
+        poisoned = _inject_inf(engine, rank) if spec.inject_inf_step == step else None
         for micro in range(spec.gas):
             x, y, used = batch(spec, step, micro, rank, dtype)
+            if spec.forced_routes:
+                force_routes(engine.module, spec, step, micro, rank, x.shape[0])
             loss = engine(x, y, used)
             engine.backward(loss)
+            if poisoned is not None and micro == spec.gas - 1:
+                poisoned()
             engine.step()
             losses.append(float(loss.detach()))
+        scales.append(float(getattr(engine.optimizer, "loss_scale", 1.0)))
         norm = engine.get_global_grad_norm()
         norms.append(float(norm) if norm is not None else float("nan"))
         if spec.save_after == step + 1:
-            engine.save_checkpoint(spec.ckpt_dir)
-        if spec.crash_save_after == step + 1:
-            if rank == spec.crash_rank:
-                _kill_self_on_first_file_write()
             engine.save_checkpoint(spec.ckpt_dir)
     dense = {n.replace("deepspeed_moe.", ""): p.detach().float().clone() for n, p in engine.module.named_parameters()
              if "experts" not in n}
@@ -234,7 +281,7 @@ def train(rank: int, world_size: int, spec: Spec) -> dict:
         experts = None
         local = {name: _expert_flats(m) for name, m in engine.module.named_modules()
                  if name.endswith(".moe")}
-    return {"losses": losses, "norms": norms, "dense": dense, "experts": experts, "local_experts": local,
+    return {"losses": losses, "norms": norms, "scales": scales, "skipped": engine.skipped_steps, "dense": dense, "experts": experts, "local_experts": local,
             "hecate_stats": engine.hecate.stats() if getattr(engine, "hecate", None) is not None else None,
             "hecate_memory": engine.hecate.memory_bytes() if getattr(engine, "hecate", None) is not None else None}
 

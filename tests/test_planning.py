@@ -364,7 +364,7 @@ def test_dispatch_expert_materialized_nowhere_raises():
 
 
 def test_plan_layer_policy_errors():
-    assert set(POLICIES) == {"owner", "local", "cost"}
+    assert set(POLICIES) == {"owner", "local", "cost", "shadow", "all"}
     with pytest.raises(ValueError, match="unknown placement policy"):
         plan_layer(COUNTS_A, OWNERS_A, "greedy", COST_A, 2)
     with pytest.raises(ValueError, match="CommCostModel"):

@@ -17,9 +17,9 @@ input is identical on all ranks and ties break on (expert id, rank), so all rank
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Set, Tuple
+from typing import Optional, Sequence, Tuple
 
-from .dispatch import eligible_ranks, expert_holders
+import numpy as np
 
 Placement = Tuple[Tuple[int, ...], ...]
 
@@ -65,29 +65,21 @@ def rank_loads(counts: Sequence[Sequence[float]], materialized: Sequence[Sequenc
     """Fractional version of the topology-aware dispatch.
 
     Returns (pairs processed per rank and expert ``[world][experts]``, rows sent per rank, rows received per rank).
+    Computed by :func:`dispatch_flows` (numpy, all experts at once); the rule is
+    :func:`~ds_hecate.planning.dispatch.eligible_ranks`.
     """
     world = len(counts)
     num_experts = len(counts[0]) if world else 0
-    holders = expert_holders(materialized, num_experts)
-    processed = [[0.0] * num_experts for _ in range(world)]
-    sent = [0.0] * world
-    received = [0.0] * world
-    for src in range(world):
-        row = counts[src]
-        for e in range(num_experts):
-            n = row[e]
-            if not n:
-                continue
-            cands = eligible_ranks(src, holders[e], ranks_per_node)
-            if cands == [src]:
-                processed[src][e] += n
-                continue
-            share = n / len(cands)
-            sent[src] += n
-            for d in cands:
-                processed[d][e] += share
-                received[d] += share
-    return processed, sent, received
+    if not world or not num_experts:
+        return [[0.0] * num_experts for _ in range(world)], [0.0] * world, [0.0] * world
+    holders = np.zeros((num_experts, world), dtype=bool)
+    for rank, experts in enumerate(materialized):
+        holders[list(experts), rank] = True
+    if (~holders.any(axis=1) & (np.asarray(counts, dtype=np.float64).sum(axis=0) != 0)).any():
+        # an expert with pairs but no holder: the pure-Python rule cannot route it either
+        raise ValueError("rank_loads: an expert with token-expert pairs is materialized nowhere")
+    flows = dispatch_flows(np.asarray(counts, dtype=np.float64).T, holders, ranks_per_node)
+    return flows.processed.T.tolist(), flows.sent.sum(axis=0).tolist(), flows.received.sum(axis=0).tolist()
 
 
 def estimate_layer(counts: Sequence[Sequence[float]], owners: Sequence[int], materialized: Sequence[Sequence[int]],
@@ -127,10 +119,170 @@ def estimate_layer(counts: Sequence[Sequence[float]], owners: Sequence[int], mat
     return LayerEstimate(max(times), tuple(processed), tuple(times))
 
 
+def _round12(values):
+    """Round to 12 significant digits (as ``float(f"{t:.12g}")``), elementwise on a numpy array."""
+    values = np.asarray(values, dtype=np.float64)
+    out = values.copy()
+    magnitude = np.abs(values)
+    normal = np.isfinite(values) & (magnitude > 1e-280) & (magnitude < 1e280)
+    if normal.any():
+        v = values[normal]
+        scale = 10.0 ** (11 - np.floor(np.log10(np.abs(v))))
+        out[normal] = np.round(v * scale) / scale
+    extreme = np.flatnonzero(~normal & (values != 0))
+    if extreme.size:   # denormals, huge values, inf/nan: the exact string rounding, elementwise
+        flat = out.reshape(-1)
+        for i in extreme:
+            flat[i] = float(f"{flat[i]:.12g}")
+    return out
+
+
 def _profile(est: LayerEstimate) -> Tuple[float, ...]:
     """Rank times sorted from slowest, rounded so that float noise never decides: the search compares these
     lexicographically, so a move that lowers one of several tied maxima counts as progress."""
-    return tuple(float(f"{t:.12g}") for t in sorted(est.rank_time_s, reverse=True))
+    return tuple(float(t) for t in -np.sort(-_round12(est.rank_time_s)))
+
+
+@dataclass(frozen=True)
+class DispatchFlows:
+    """Fractional topology-aware dispatch as arrays (numpy), per expert column: what :func:`rank_loads` computes,
+    plus the part of the traffic that crosses nodes (for the simulator's link model).
+
+    Arrays are ``[K, world]`` for K candidate holder sets of one expert, or ``[experts, world]`` when evaluated for
+    all experts of a placement at once.
+    """
+
+    processed: "np.ndarray"
+    sent: "np.ndarray"
+    received: "np.ndarray"
+    sent_inter: "np.ndarray"
+    received_inter: "np.ndarray"
+
+
+def dispatch_flows(pairs, holders, ranks_per_node: int) -> DispatchFlows:
+    """Vectorised :func:`rank_loads` (the same rule: :func:`~ds_hecate.planning.dispatch.eligible_ranks`).
+
+    ``pairs``: ``[K, world]`` (or ``[world]``, broadcast) token-expert pairs each source rank has for the expert;
+    ``holders``: ``[K, world]`` bool, ranks that materialize it. A source holding the expert keeps its pairs;
+    otherwise they split evenly over the holders on its node, or over all holders when its node has none.
+    """
+    holders = np.asarray(holders, dtype=bool)
+    k, world = holders.shape
+    n = np.broadcast_to(np.asarray(pairs, dtype=np.float64), (k, world))
+    starts = np.arange(0, world, ranks_per_node)
+    node_idx = np.arange(world) // ranks_per_node
+    hf = holders.astype(np.float64)
+    node_cnt = np.add.reduceat(hf, starts, axis=1)
+    node_has = (node_cnt > 0)[:, node_idx]
+    positive = n > 0
+    outsider = positive & ~holders
+    same = outsider & node_has
+    remote = outsider & ~node_has
+    node_mass = np.add.reduceat(np.where(same, n, 0.0), starts, axis=1)
+    remote_mass = np.where(remote, n, 0.0).sum(axis=1)
+    total_holders = np.maximum(hf.sum(axis=1), 1.0)
+    from_node = (node_mass / np.maximum(node_cnt, 1.0))[:, node_idx]
+    from_remote = (remote_mass / total_holders)[:, None]
+    received = hf * (from_node + from_remote)
+    processed = np.where(holders, n, 0.0) + received
+    sent = np.where(outsider, n, 0.0)
+    return DispatchFlows(processed, sent, received, np.where(remote, n, 0.0), hf * from_remote)
+
+
+class _Search:
+    """State of :func:`schedule_materialization`'s greedy search, vectorised with numpy.
+
+    Per expert it keeps the dispatch columns (pairs processed, rows sent and received per rank), so a candidate
+    move, which changes the holders of one expert only, is evaluated by replacing that expert's columns; all
+    candidate moves of one expert are evaluated in one batch.
+    """
+
+    def __init__(self, counts, owners, costs: StepCostModel, ranks_per_node: int, start, prefetched) -> None:
+        self.counts = np.asarray(counts, dtype=np.float64).reshape(len(counts), len(owners))
+        self.world, self.num_experts = self.counts.shape
+        self.owners = np.asarray(owners, dtype=np.int64)
+        self.costs = costs
+        self.rpn = ranks_per_node
+        self.mat = np.zeros((self.world, self.num_experts), dtype=bool)
+        self.mat[self.owners, np.arange(self.num_experts)] = True
+        if start is not None:
+            for r, experts in enumerate(start):
+                self.mat[r, list(experts)] = True
+        if prefetched is None:
+            self.early = np.ones_like(self.mat)
+        else:
+            self.early = np.zeros_like(self.mat)
+            for r, experts in enumerate(prefetched):
+                self.early[r, list(experts)] = True
+        self.owner_mask = np.zeros_like(self.mat)
+        self.owner_mask[self.owners, np.arange(self.num_experts)] = True
+        flows = dispatch_flows(self.counts.T, self.mat.T, ranks_per_node)
+        self.proc, self.sent, self.recv = flows.processed, flows.sent, flows.received   # [experts, world]
+        self.refresh()
+
+    def refresh(self) -> None:
+        replicas = self.mat & ~self.owner_mask
+        early, late = replicas & self.early, replicas & ~self.early
+        self.moved_in = early.sum(axis=1).astype(np.float64)
+        self.exposed_in = late.sum(axis=1).astype(np.float64)
+        self.moved_out = np.bincount(self.owners, weights=early.sum(axis=0), minlength=self.world)
+        self.exposed_out = np.bincount(self.owners, weights=late.sum(axis=0), minlength=self.world)
+        self.tot = (self.proc.sum(axis=0), self.sent.sum(axis=0), self.recv.sum(axis=0))
+        self.times = self.rank_times(*self.tot, self.moved_in, self.moved_out, self.exposed_in, self.exposed_out)
+
+    def rank_times(self, processed, sent, received, moved_in, moved_out, exposed_in, exposed_out):
+        c = self.costs
+        hidden = np.maximum(moved_in, moved_out) * c.expert_transfer_s
+        exposed = np.maximum(0.0, hidden - c.overlap_s) + np.maximum(exposed_in, exposed_out) * c.expert_transfer_s
+        return processed * c.compute_s_per_pair + np.maximum(sent, received) * c.token_transfer_s + exposed
+
+    def evaluate(self, e: int, rank_sets: Sequence[Tuple[int, ...]]):
+        """Rank times ``[len(rank_sets), world]`` after adding expert e on each rank set."""
+        k = len(rank_sets)
+        added = np.zeros((k, self.world), dtype=bool)
+        for i, ranks in enumerate(rank_sets):
+            added[i, list(ranks)] = True
+        holders = added | self.mat[:, e][None, :]
+        flows = dispatch_flows(self.counts[:, e], holders, self.rpn)
+        p, s, r = self.tot
+        processed = p - self.proc[e] + flows.processed
+        sent = s - self.sent[e] + flows.sent
+        received = r - self.recv[e] + flows.received
+        early_col = self.early[:, e][None, :]
+        add_early, add_late = added & early_col, added & ~early_col
+        moved_in, exposed_in = self.moved_in + add_early, self.exposed_in + add_late
+        times = self.rank_times(processed, sent, received, moved_in, self.moved_out, exposed_in, self.exposed_out)
+        o = self.owners[e]   # only the owner's outbound count changes
+        times[:, o] = self.rank_times(processed[:, o], sent[:, o], received[:, o], moved_in[:, o],
+                                      self.moved_out[o] + add_early.sum(axis=1), exposed_in[:, o],
+                                      self.exposed_out[o] + add_late.sum(axis=1))
+        return times
+
+    def add(self, e: int, ranks: Tuple[int, ...]) -> None:
+        self.mat[list(ranks), e] = True
+        flows = dispatch_flows(self.counts[:, e], self.mat[:, e][None, :], self.rpn)
+        self.proc[e], self.sent[e], self.recv[e] = flows.processed[0], flows.sent[0], flows.received[0]
+        self.refresh()
+
+    def frozen(self, mat=None) -> Placement:
+        mat = self.mat if mat is None else mat
+        return tuple(tuple(int(e) for e in np.flatnonzero(row)) for row in mat)
+
+
+def _lex_min(profiles) -> int:
+    """Index of the lexicographically smallest row (first such row on ties) of a 2-D array of sorted profiles."""
+    idx = np.arange(profiles.shape[0])
+    for col in range(profiles.shape[1]):
+        column = profiles[idx, col]
+        idx = idx[column == column.min()]
+        if len(idx) == 1:
+            break
+    return int(idx[0])
+
+
+def _lex_less(a, b) -> bool:
+    diff = np.flatnonzero(a != b)
+    return bool(diff.size) and bool(a[diff[0]] < b[diff[0]])
 
 
 def schedule_materialization(counts: Sequence[Sequence[float]], owners: Sequence[int], costs: StepCostModel,
@@ -149,34 +301,31 @@ def schedule_materialization(counts: Sequence[Sequence[float]], owners: Sequence
     fraction): predicted loads are noisy, and replicas that promise a few percent cost more than they return
     when the routing moves. ``start`` is a placement to extend (the prefetched one, for calibration); by default
     the sharded placement.
+
+    The search is vectorised (numpy): a move changes the holders of one expert, so it is evaluated by swapping
+    that expert's dispatch columns (:func:`dispatch_flows`, the same rule as :func:`rank_loads`), all moves of one
+    expert in one batch. Rank times are those of :func:`estimate_layer` up to float rounding, which
+    :func:`_profile`'s 12-digit rounding absorbs.
     """
-    world = len(counts)
-    num_experts = len(owners)
-    mat: List[Set[int]] = [set() for _ in range(world)]
-    for e, o in enumerate(owners):
-        mat[o].add(e)
-    if start is not None:
-        for r, experts in enumerate(start):
-            mat[r].update(experts)
-    extra = [sum(1 for e in mat[r] if owners[e] != r) for r in range(world)]
+    search = _Search(counts, owners, costs, ranks_per_node, start, prefetched)
+    world = search.world
+    extra = (search.mat & ~search.owner_mask).sum(axis=1)
     num_nodes = max(1, world // ranks_per_node)
 
-    def frozen(m: List[Set[int]]) -> Placement:
-        return tuple(tuple(sorted(s)) for s in m)
-
-    best = estimate_layer(counts, owners, frozen(mat), costs, ranks_per_node, prefetched)
+    best_times = search.times
+    best_max = float(best_times.max())
     # The search may pass through placements that only break a tie among the slowest ranks; what it returns is the
     # earliest placement with the lowest layer time, so no replica is kept that does not shorten the step.
-    result = (best.time_s, frozen(mat))
-    threshold = best.time_s * (1.0 - min_gain)
+    result_time, result_mat = best_max, search.mat.copy()
+    threshold = best_max * (1.0 - min_gain)
     while True:
-        bottleneck = max(range(world), key=lambda r: (best.rank_time_s[r], -r))
-        load_on_bottleneck = rank_loads(counts, frozen(mat), ranks_per_node)[0][bottleneck]
-        hot = sorted((e for e in range(num_experts) if load_on_bottleneck[e] > 0),
-                     key=lambda e: (-load_on_bottleneck[e], e))[:candidate_experts]
+        bottleneck = int(np.argmax(best_times))   # first (lowest) rank among the slowest
+        load_on_bottleneck = search.proc[:, bottleneck]
+        loaded = np.flatnonzero(load_on_bottleneck > 0)
+        hot = sorted(loaded.tolist(), key=lambda e: (-load_on_bottleneck[e], e))[:candidate_experts]
         moves = set()
         for e in hot:
-            open_ranks = [d for d in range(world) if e not in mat[d] and extra[d] < budget_per_rank]
+            open_ranks = np.flatnonzero(~search.mat[:, e] & (extra < budget_per_rank)).tolist()
             moves.update((e, (d,)) for d in open_ranks)
             for n in range(num_nodes):
                 in_node = tuple(d for d in open_ranks if d // ranks_per_node == n)
@@ -184,21 +333,26 @@ def schedule_materialization(counts: Sequence[Sequence[float]], owners: Sequence
                     moves.add((e, in_node))
             if open_ranks:
                 moves.add((e, tuple(open_ranks)))
-        choice: Optional[Tuple[Tuple[float, ...], int, Tuple[int, ...], LayerEstimate]] = None
-        for e, ranks in sorted(moves):
-            for d in ranks:
-                mat[d].add(e)
-            est = estimate_layer(counts, owners, frozen(mat), costs, ranks_per_node, prefetched)
-            for d in ranks:
-                mat[d].discard(e)
-            key = (_profile(est), e, ranks)
-            if choice is None or key < choice[:3]:
-                choice = (key[0], e, ranks, est)
-        if choice is None or not choice[0] < _profile(best):
-            return result[1]
-        _, e, ranks, best = choice
-        for d in ranks:
-            mat[d].add(e)
-            extra[d] += 1
-        if _profile(best)[0] < float(f"{result[0]:.12g}") and best.time_s <= threshold:
-            result = (best.time_s, frozen(mat))
+        if not moves:
+            break
+        ordered = sorted(moves)
+        rows = []
+        for e in sorted({e for e, _ in ordered}):
+            sets = [ranks for e2, ranks in ordered if e2 == e]
+            rows.append(search.evaluate(e, sets))
+        times = np.concatenate(rows)
+        peaks = _round12(times.max(axis=1))
+        tied = np.flatnonzero(peaks == peaks.min())
+        profiles = -np.sort(-_round12(times[tied]), axis=1)
+        pick = _lex_min(profiles)
+        best_profile = -np.sort(-_round12(best_times))
+        if not _lex_less(profiles[pick], best_profile):
+            break
+        e, ranks = ordered[int(tied[pick])]
+        search.add(e, ranks)
+        extra[list(ranks)] += 1
+        best_times = search.times
+        best_max = float(best_times.max())
+        if float(_round12(best_max)) < float(_round12(result_time)) and best_max <= threshold:
+            result_time, result_mat = best_max, search.mat.copy()
+    return search.frozen(result_mat)

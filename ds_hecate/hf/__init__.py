@@ -1,0 +1,20 @@
+"""Hugging Face integration: the Trainer (through DeepSpeed) trains transformers MoE models with Hecate.
+
+Nothing to call: with ``import ds_hecate`` in the training script and a DeepSpeed config holding an enabled
+``hecate`` section, ``deepspeed.initialize`` (reached by the Trainer through accelerate) converts the model's
+routed experts (see :mod:`ds_hecate.hf.takeover`). This package registers the ``"hecate"`` experts
+implementation in transformers, the supported architectures (:mod:`ds_hecate.hf.registry`) and the export of a
+Hecate checkpoint to an HF checkpoint directory (:mod:`ds_hecate.hf.export`). Tested with transformers 5.10.x.
+"""
+from .experts import IMPLEMENTATION, hecate_experts_forward, register_experts_implementation
+from .registry import ARCHITECTURES, MoEArchitecture, architecture_of, register_architecture
+from .takeover import HFTakeover, convert_hf_model, find_experts_modules, hecate_of, num_parameters
+
+register_experts_implementation()
+from .takeover import patch_trainer_param_count  # noqa: E402
+
+patch_trainer_param_count()
+
+__all__ = ["ARCHITECTURES", "HFTakeover", "IMPLEMENTATION", "MoEArchitecture", "architecture_of",
+           "convert_hf_model", "find_experts_modules", "hecate_experts_forward", "hecate_of", "num_parameters",
+           "register_architecture", "register_experts_implementation"]

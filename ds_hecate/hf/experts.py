@@ -1,0 +1,76 @@
+"""The ``"hecate"`` experts implementation for transformers' ``ExpertsInterface``, and the per-expert kernel.
+
+HF's MoE block keeps its router and calls ``experts(hidden_states [T, H], top_k_index [T, K],
+top_k_weights [T, K])``; the decorated experts class looks the compute up under
+``config._experts_implementation``. Registering ``"hecate"`` there lets Hecate replace exactly the routed
+experts' compute (and, having removed their parameters, their storage) and nothing else.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import HecateModelError
+from ..experts import ExpertKernel
+
+IMPLEMENTATION = "hecate"
+
+
+class FusedExpertSlice(nn.Module):
+    """Expert ``e`` of a fused HF experts module: ``gate_up_proj[e]`` ``[2F, H]`` and ``down_proj[e]`` ``[H, F]``.
+
+    Only its layout is used (Hecate's flat per-expert vector is ``gate_up`` then ``down``, row-major); the
+    parameters live on the meta device.
+    """
+
+    def __init__(self, gate_up_shape: torch.Size, down_shape: torch.Size, act_fn: Callable) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(gate_up_shape, device="meta"))
+        self.down_proj = nn.Parameter(torch.empty(down_shape, device="meta"))
+        self.act_fn = act_fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up_proj).chunk(2, dim=-1)
+        return F.linear(self.act_fn(gate) * up, self.down_proj)
+
+
+def fused_expert_kernel(gate_up_shape: torch.Size, down_shape: torch.Size, act_fn: Callable) -> ExpertKernel:
+    """An :class:`ExpertKernel` for one fused HF expert, with a direct (no module dispatch) fast path that does
+    HF's eager arithmetic: ``gate, up = linear(x, gate_up).chunk(2)``, ``linear(act(gate) * up, down)``."""
+    kernel = ExpertKernel(FusedExpertSlice(gate_up_shape, down_shape, act_fn))
+
+    def run(p: Dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, p["gate_up_proj"]).chunk(2, dim=-1)
+        return F.linear(act_fn(gate) * up, p["down_proj"])
+
+    kernel.fast_path = run
+    return kernel
+
+
+def hecate_experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                           top_k_weights: torch.Tensor) -> torch.Tensor:
+    """Routed-experts output ``[T, H]``: Hecate runs every (token, expert) pair, the weighted top-k sum is
+    taken here exactly as HF's eager path weights it (output times routing weight, summed over k)."""
+    binding = module.__dict__.get("_hecate_binding")
+    if binding is None:
+        raise HecateModelError(
+            f"{type(module).__name__} runs with experts_implementation='{IMPLEMENTATION}' but Hecate has not taken "
+            "it over (Hecate sets this itself in deepspeed.initialize with hecate.enabled; do not select it by hand)")
+    num_tokens, hidden = hidden_states.shape
+    k = top_k_index.shape[-1]
+    indices = top_k_index.reshape(num_tokens, k).t()
+    weights = top_k_weights.reshape(num_tokens, k).t()
+    y = binding.run(hidden_states, indices, weights)  # [k * T, H], slot order (route, token)
+    out = (y.view(k, num_tokens, hidden) * weights.unsqueeze(-1).to(y.dtype)).sum(0)
+    return out.to(hidden_states.dtype)
+
+
+def register_experts_implementation() -> None:
+    """Register ``"hecate"`` in transformers' experts registry (idempotent)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
+
+    if IMPLEMENTATION not in ALL_EXPERTS_FUNCTIONS:
+        ExpertsInterface.register(IMPLEMENTATION, hecate_experts_forward)

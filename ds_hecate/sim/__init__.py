@@ -1,0 +1,12 @@
+"""Cluster simulator: replay routing (named workloads W0-W7 or recorded traces) on a modelled cluster for expert
+parallelism, FasterMoE-, SmartMoE- and FlexMoE-style rearrangement, Hecate, Hecate with re-materialization and the
+ideal bound. Pure Python + numpy, no torch.distributed.
+
+The placements come from the real planner (ds_hecate.planning: even_sharding, POLICIES, LoadPredictor,
+schedule_materialization with the runtime's own budget and cost formulas from ds_hecate.memory_plan), and token
+routing from the planner's topology-aware dispatch rule (``dispatch_flows``); the simulator only adds a time model
+of the links and devices. See docs/simulator.md.
+"""
+from .core import SYSTEMS, SimResult, SystemResult, format_table, simulate
+
+__all__ = ["SYSTEMS", "SimResult", "SystemResult", "format_table", "simulate"]

@@ -1,0 +1,125 @@
+"""``ds-hecate simulate`` and ``ds-hecate plan``: argument parsing and printing (the work is in
+:mod:`ds_hecate.sim.core` and :mod:`ds_hecate.memory_plan`)."""
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any, Dict, Optional, Tuple
+
+from ..errors import HecateError
+
+
+def _read_json(path: str, what: str) -> Any:
+    try:
+        with open(path, "r", encoding="utf-8") as handle:
+            return json.load(handle)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise HecateError(f"cannot read {what} {path!r}: {exc}") from None
+
+
+def _hecate_from_ds_config(path: Optional[str]) -> Tuple[Any, Dict[str, Any]]:
+    """(HecateConfig, DeepSpeed config dict) from a DeepSpeed JSON config; defaults when no path or no section."""
+    from ..config import HecateConfig, split_hecate_section
+
+    if path is None:
+        return HecateConfig(enabled=True), {}
+    ds = _read_json(path, "DeepSpeed config")
+    if not isinstance(ds, dict):
+        raise HecateError(f"{path}: a DeepSpeed config must be a JSON object")
+    hecate, _ = split_hecate_section(ds)
+    return (hecate if hecate is not None else HecateConfig(enabled=True)), ds
+
+
+def _measured(path: str) -> Dict[str, float]:
+    """``measured_costs`` from a JSON file: the dict itself, or engine.hecate.stats() output holding it."""
+    data = _read_json(path, "measured costs")
+    if isinstance(data, dict) and isinstance(data.get("measured_costs"), dict):
+        data = data["measured_costs"]
+    if not isinstance(data, dict):
+        raise HecateError(f"{path}: expected a JSON object of measured costs (or stats with 'measured_costs')")
+    return data
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    from ..presets import Cluster, resolve_cluster
+    from .core import SYSTEMS, format_table, simulate
+
+    systems = [s for part in args.systems for s in part.split(",") if s] if args.systems else list(SYSTEMS)
+    hecate, _ = _hecate_from_ds_config(args.config)
+    cluster: Any = args.cluster
+    if args.measured:
+        base = resolve_cluster(args.cluster)
+        cluster = Cluster.from_measured(_measured(args.measured), world_size=args.world_size or base.world_size,
+                                        name=f"{base.name}+measured", device_memory_gb=base.device_memory_gb)
+    result = simulate(cluster, args.model, args.workload, systems=systems, steps=args.steps,
+                      world_size=args.world_size, tokens_per_rank=args.tokens_per_rank, warmup=args.warmup,
+                      seed=args.seed, hecate=hecate if args.config else None,
+                      materialize_budget_mb=args.materialize_budget_mb)
+    print(format_table(result))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as handle:
+            json.dump({"cluster": result.cluster.name, "model": result.model.name, "workload": result.workload,
+                       "world_size": result.world_size, "steps": result.steps, "wall_s": result.wall_s,
+                       "systems": {k: vars(v) for k, v in result.systems.items()}}, handle, indent=1)
+    return 0
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from ..memory_plan import format_plan, optimizer_layout_from_ds_config, plan_memory
+    from ..presets import resolve_cluster, resolve_model
+
+    hecate, ds = _hecate_from_ds_config(args.config)
+    model = resolve_model(args.model)
+    cluster = resolve_cluster(args.cluster) if args.cluster else None
+    rpn = args.ranks_per_node or hecate.ranks_per_node or (cluster.devices_per_node if cluster else 8)
+    rpn = min(rpn, args.world_size)
+    if args.world_size < 1 or args.world_size % rpn:
+        raise HecateError(f"--world-size {args.world_size} must be a positive multiple of --ranks-per-node {rpn}")
+    zero = ds.get("zero_optimization") or {}
+    stage = int(zero.get("stage", 0)) if isinstance(zero, dict) else 0
+    precision = ("bf16" if (ds.get("bf16") or {}).get("enabled") else
+                 "fp16" if (ds.get("fp16") or {}).get("enabled") else "fp32")
+    plan = plan_memory(model, hecate, args.world_size, rpn, stage, precision, optimizer_layout_from_ds_config(ds),
+                       cluster=cluster)
+    memory = args.device_memory_gb or (cluster.device_memory_gb if cluster else 80.0)
+    print(format_plan(plan, model, memory))
+    return 0
+
+
+def add_parsers(sub: Any) -> None:
+    """Register ``simulate`` and ``plan`` on the ``ds-hecate`` sub-parsers."""
+    from ..presets import CLUSTERS, MODELS
+    from ..routing_workloads import WORKLOADS
+    from .core import SYSTEMS
+
+    sim = sub.add_parser("simulate", help="replay routing on a modelled cluster for Hecate and the baselines")
+    sim.add_argument("--cluster", required=True, help=f"preset ({', '.join(CLUSTERS)}) or a JSON file")
+    sim.add_argument("--model", required=True, help=f"preset ({', '.join(MODELS)}) or a JSON file of sizes")
+    sim.add_argument("--workload", required=True, help=f"{'/'.join(WORKLOADS)} or a routing trace (.jsonl)")
+    sim.add_argument("--systems", nargs="*", default=None,
+                     help=f"any of {', '.join(SYSTEMS)} (default: all), space or comma separated")
+    sim.add_argument("--steps", type=int, default=30, help="simulated training steps (default 30)")
+    sim.add_argument("--warmup", type=int, default=1, help="first steps left out of the averages (default 1)")
+    sim.add_argument("--world-size", type=int, default=None, help="devices (default: the cluster's)")
+    sim.add_argument("--tokens-per-rank", type=int, default=None, help="default: the model's seq_len * micro_batch")
+    sim.add_argument("--config", default=None, help="DeepSpeed JSON config whose hecate section the Hecate systems "
+                                                    "plan with (default: hecate defaults)")
+    sim.add_argument("--materialize-budget-mb", type=float, default=None,
+                     help="replica memory per rank, MiB (default: the config's, else 10%% of device memory)")
+    sim.add_argument("--measured", default=None, help="JSON of ds_hecate's measured costs (stats()['measured_costs'] "
+                                                      "or the whole stats): calibrates compute, link and T_nonMoE")
+    sim.add_argument("--seed", type=int, default=0, help="workload seed (W4, W7)")
+    sim.add_argument("--json", default=None, help="also write the results as JSON to this file")
+    sim.set_defaults(run=run_simulate)
+
+    plan = sub.add_parser("plan", help="memory per rank and the scheduler's budgets, before launching")
+    plan.add_argument("--config", default=None, help="DeepSpeed JSON config (ZeRO stage, precision, optimizer, "
+                                                     "hecate section)")
+    plan.add_argument("--model", required=True, help=f"preset ({', '.join(MODELS)}) or a JSON file of sizes")
+    plan.add_argument("--world-size", type=int, required=True, help="ranks")
+    plan.add_argument("--ranks-per-node", type=int, default=None,
+                      help="default: hecate.ranks_per_node, else the cluster's, else 8")
+    plan.add_argument("--cluster", default=None, help="preset or JSON: device memory and bandwidth/T_nonMoE for t")
+    plan.add_argument("--device-memory-gb", type=float, default=None,
+                      help="warn above this (default: the cluster's device memory, else 80)")
+    plan.set_defaults(run=run_plan)

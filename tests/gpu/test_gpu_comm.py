@@ -1,0 +1,185 @@
+"""The CuPy+NCCL backend against the torch backend on the same inputs.
+
+1. One GPU, several simulated ranks: every rank's CupyNcclCommunicator (kernels, streams, events, layouts) runs with
+   an in-process loopback transport in place of NCCL, and must give bit-for-bit the torch Communicator's results
+   (simulated the same way on the same inputs).
+2. Two processes with real NCCL (needs two GPUs: NCCL refuses two ranks on one device): every collective of the
+   CuPy backend against the torch.distributed (gloo) backend on the same inputs.
+"""
+import random
+from typing import Dict
+
+import pytest
+import torch
+
+from ds_hecate.collectives import CommCounters, Communicator
+from ds_hecate.gpu.nccl_comm import CupyNcclCommunicator
+from ds_hecate.planning import Placement
+
+DEV = torch.device("cuda", 0)
+
+
+class Loopback:
+    """Stands in for NCCL in one process: posts are matched by (src, dst, call); :meth:`flush` copies."""
+
+    def __init__(self):
+        self.sends: Dict = {}
+        self.recvs: Dict = {}
+        self.calls: Dict = {}
+
+    def view(self, rank):
+        shared = self
+
+        class _Rank:
+            def exchange(self, sends, recvs, stream):
+                n = shared.calls[rank] = shared.calls.get(rank, 0) + 1
+                for peer, t in sends:
+                    shared.sends[(rank, peer, n)] = t
+                for peer, t in recvs:
+                    shared.recvs[(peer, rank, n)] = t
+        return _Rank()
+
+    def flush(self):
+        torch.cuda.synchronize()
+        for key, dst in self.recvs.items():
+            dst.copy_(self.sends[key])
+        torch.cuda.synchronize()
+        self.sends.clear()
+        self.recvs.clear()
+        self.calls.clear()
+
+
+class TorchLoop(Communicator):
+    """The torch Communicator on simulated ranks (CPU), mailbox-driven, as in tests/test_kernels.py."""
+
+    def __init__(self, rank, world, mailbox, replay):
+        super().__init__(None, rank, world)
+        self.mailbox, self.replay, self.n = mailbox, replay, 0
+
+    def all_to_all(self, send, send_splits, recv_splits, async_op=False, **kwargs):
+        self.n += 1
+        if not self.replay:
+            self.mailbox[(self.rank, self.n)] = (send.clone(), list(send_splits))
+            recv = send.new_zeros((sum(recv_splits),) + tuple(send.shape[1:]))
+        else:
+            parts = [d.narrow(0, sum(s[:self.rank]), s[self.rank])
+                     for d, s in (self.mailbox[(src, self.n)] for src in range(self.world_size))]
+            recv = torch.cat(parts)
+        return (recv, None) if async_op else recv
+
+
+def torch_world(world, run):
+    mailbox = {}
+    for r in range(world):
+        run(TorchLoop(r, world, mailbox, False))
+    return [run(TorchLoop(r, world, mailbox, True)) for r in range(world)]
+
+
+def cupy_world(world, start):
+    loop = Loopback()
+    comms = [CupyNcclCommunicator(None, r, world, DEV, transport=loop.view(r)) for r in range(world)]
+    finishes = [start(c) for c in comms]
+    loop.flush()
+    return [f() for f in finishes]
+
+
+def placement(seed, world, num_experts):
+    rng = random.Random(seed)
+    owners = tuple(rng.randrange(world) for _ in range(num_experts))
+    mat = tuple(tuple(sorted({e for e in range(num_experts) if owners[e] == r or rng.random() < 0.5}))
+                for r in range(world))
+    return Placement(owners, mat)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sparse_all_gather_matches_torch_backend(seed, dtype):
+    world, num_experts, numel = 4, 8, 10000 + seed
+    p = placement(seed, world, num_experts)
+    masters = torch.randn(num_experts, numel)
+    owned = [{e: masters[e].clone() for e in range(num_experts) if p.owners[e] == r} for r in range(world)]
+    want = torch_world(world, lambda c: c.start_sparse_all_gather(p, owned[c.rank], numel, dtype,
+                                                                  CommCounters()).wait()[0])
+    got = cupy_world(world, lambda c: c.start_sparse_all_gather(
+        p, {e: t.to(DEV) for e, t in owned[c.rank].items()}, numel, dtype, CommCounters()).wait)
+    for r in range(world):
+        assert sorted(got[r][0]) == sorted(want[r])
+        for e in want[r]:
+            assert torch.equal(got[r][0][e].cpu(), want[r][e])
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("compute, wire", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                           (torch.float32, torch.bfloat16)])
+def test_sparse_reduce_scatter_matches_torch_backend(seed, compute, wire):
+    world, num_experts, numel = 3, 6, 4099 + 4 * seed
+    p = placement(10 + seed, world, num_experts)
+    grads = [{e: torch.randn(numel).to(compute) for e in p.materialized[r]} for r in range(world)]
+    want = torch_world(world, lambda c: c.start_sparse_reduce_scatter(p, grads[c.rank], numel, wire,
+                                                                      CommCounters())())
+    got = cupy_world(world, lambda c: c.start_sparse_reduce_scatter(
+        p, {e: g.to(DEV) for e, g in grads[c.rank].items()}, numel, wire, CommCounters()))
+    for r in range(world):
+        assert sorted(got[r]) == sorted(want[r])
+        for e in want[r]:
+            assert torch.equal(got[r][e].cpu(), want[r][e])
+
+
+def test_token_all_to_all_matches_torch_backend():
+    world, hidden = 3, 96
+    splits = [[random.Random(s * 7 + d).randrange(0, 50) for d in range(world)] for s in range(world)]
+    xs = [torch.randn(sum(splits[s]), hidden) for s in range(world)]
+    recv_splits = [[splits[s][r] for s in range(world)] for r in range(world)]
+    want = torch_world(world, lambda c: c.all_to_all(xs[c.rank], splits[c.rank], recv_splits[c.rank]))
+    got = cupy_world(world, lambda c: (lambda out: (lambda: out))(
+        c.all_to_all(xs[c.rank].to(DEV), splits[c.rank], recv_splits[c.rank], async_op=True)[0]))
+    for r in range(world):
+        assert torch.equal(got[r].cpu(), want[r])
+
+
+# -- real NCCL, two processes --------------------------------------------------------------------------------------
+def _nccl_ranks(rank, world):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    dev = torch.device("cuda", torch.cuda.current_device())
+    cupy_comm = CupyNcclCommunicator(dist.group.WORLD, rank, world, dev)
+    torch_comm = Communicator(dist.group.WORLD, rank, world)
+    torch.manual_seed(0)
+    num_experts, numel = 8, 20011
+    p = placement(3, world, num_experts)
+    masters = torch.randn(num_experts, numel)
+    owned = {e: masters[e].clone() for e in range(num_experts) if p.owners[e] == rank}
+    checks = {}
+    a = torch_comm.start_sparse_all_gather(p, owned, numel, torch.bfloat16, CommCounters()).wait()[0]
+    b = cupy_comm.start_sparse_all_gather(p, {e: t.to(dev) for e, t in owned.items()}, numel, torch.bfloat16,
+                                          CommCounters()).wait()[0]
+    checks["all_gather"] = sorted(a) == sorted(b) and all(torch.equal(a[e], b[e].cpu()) for e in a)
+    grads = {e: torch.randn(numel) for e in p.materialized[rank]}
+    a = torch_comm.start_sparse_reduce_scatter(p, grads, numel, torch.float32, CommCounters())()
+    b = cupy_comm.start_sparse_reduce_scatter(p, {e: g.to(dev) for e, g in grads.items()}, numel, torch.float32,
+                                              CommCounters())()
+    checks["reduce_scatter"] = sorted(a) == sorted(b) and all(torch.equal(a[e], b[e].cpu()) for e in a)
+    counts = torch.arange(5) * (rank + 1)
+    checks["counts"] = torch_comm.exchange_counts(counts) == cupy_comm.exchange_counts(counts.to(dev))
+    v = torch.tensor([1.5 * (rank + 1)])
+    checks["all_reduce"] = torch.equal(torch_comm.all_reduce(v.clone()), cupy_comm.all_reduce(v.to(dev)).cpu())
+    sends = [3 + rank, 5 - rank]
+    recv = [3 + r if rank == 0 else 5 - r for r in range(world)] if world == 2 else None
+    x = torch.randn(sum(sends), 64)
+    checks["all_to_all"] = torch.equal(torch_comm.all_to_all(x, sends, recv),
+                                       cupy_comm.all_to_all(x.to(dev), sends, recv).cpu())
+    sources, targets = [0, 0, 1, 1, 0], [1, 0, 0, 1, 1]
+    local = {e: masters[e].clone() for e, s in enumerate(sources) if s == rank}
+    a = torch_comm.move_experts(sources, targets, local, numel)
+    b = cupy_comm.move_experts(sources, targets, {e: t.to(dev) for e, t in local.items()}, numel)
+    checks["move_experts"] = sorted(a) == sorted(b) and all(torch.equal(a[e], b[e].cpu()) for e in a)
+    return checks
+
+
+def test_two_process_nccl_matches_torch_backend():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs: NCCL refuses two ranks on one device (benchmarks/gpu_check.py tries anyway)")
+    from dist_utils import run_ranks
+    for checks in run_ranks(2, _nccl_ranks, timeout=180):
+        assert all(checks.values()), checks

@@ -1,0 +1,296 @@
+"""CPU-side checks of the GPU path (issue 7): the CUDA sources compile, the torch reference of every kernel contract
+agrees with the code paths it replaces, the kernels ship with the package, and backend selection works (and says
+why CuPy is not used) without a GPU. The kernels themselves run in tests/gpu/ (CUDA only)."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List
+
+import pytest
+import torch
+
+from ds_hecate.collectives import CommCounters, Communicator
+from ds_hecate.config import parse_hecate_section
+from ds_hecate.errors import HecateConfigError, HecateError
+from ds_hecate.gpu import reference as ref
+from ds_hecate.gpu.backend import resolve_backend
+from ds_hecate.gpu.kernels import KERNEL_NAMES, SOURCES, kernel_dir
+from ds_hecate.gpu.layout import gather_layout, owned_materialized, reduce_chunk_lists, reduce_layout
+from ds_hecate.moe_layer import combine_routes
+from ds_hecate.planning import Placement
+
+ROOT = Path(__file__).resolve().parent.parent
+NVCC = shutil.which("nvcc")
+
+
+# -- the CUDA sources ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("source", SOURCES)
+def test_kernel_compiles_with_nvcc(source, arch, tmp_path):
+    if NVCC is None:
+        pytest.skip("nvcc is not on PATH: the CUDA sources cannot be compiled on this machine")
+    out = tmp_path / f"{source}.{arch}.ptx"
+    proc = subprocess.run([NVCC, "-ptx", f"-arch={arch}", "-std=c++14", "-Werror", "all-warnings",
+                           str(ROOT / "kernels" / source), "-o", str(out)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    ptx = out.read_text()
+    entries = set(re.findall(r"\.entry\s+(\w+)\(", ptx))
+    missing = set(KERNEL_NAMES[source]) - entries
+    assert not missing, f"kernels the loader launches are missing from {source}: {sorted(missing)}"
+    # The vectorised variants must really issue 16-byte loads (the bandwidth target depends on them).
+    assert re.search(r"ld\.global(\.nc)?\.v4\.(f32|u32)", ptx), "no 16-byte vector load in the PTX"
+
+
+def test_kernel_sources_found_in_checkout():
+    assert kernel_dir() in (ROOT / "kernels", ROOT / "ds_hecate" / "kernels")
+
+
+def test_kernels_ship_with_the_package(tmp_path):
+    """build_py (what pip install . runs) puts kernels/*.cu into ds_hecate/kernels/, where the loader looks."""
+    proc = subprocess.run([sys.executable, "setup.py", "-q", "build_py", "--build-lib", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    shipped = sorted(p.name for p in (tmp_path / "ds_hecate" / "kernels").glob("*.cu"))
+    assert shipped == sorted(SOURCES)
+    probe = "from ds_hecate.gpu.kernels import kernel_dir; print(kernel_dir())"
+    found = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=120, env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert found.returncode == 0, found.stderr
+    assert found.stdout.strip() == str(tmp_path / "ds_hecate" / "kernels")
+
+
+# -- simulated world: the torch Communicator on N in-process ranks --------------------------------------------------
+class _LoopComm(Communicator):
+    """Communicator whose all_to_all is served from a shared mailbox, so N ranks run in one process: a first pass
+    records every rank's sends, a second pass hands each rank what the others sent it."""
+
+    def __init__(self, rank: int, world_size: int, mailbox: Dict, replay: bool) -> None:
+        super().__init__(None, rank, world_size)
+        self.mailbox, self.replay, self.calls = mailbox, replay, 0
+
+    def all_to_all(self, send, send_splits, recv_splits, async_op=False, **kwargs):
+        key = self.calls
+        self.calls += 1
+        if not self.replay:
+            self.mailbox[(self.rank, key)] = (send.clone(), list(send_splits))
+            recv = send.new_zeros((sum(recv_splits),) + tuple(send.shape[1:]))
+        else:
+            parts = []
+            for src in range(self.world_size):
+                data, splits = self.mailbox[(src, key)]
+                start = sum(splits[:self.rank])
+                parts.append(data.narrow(0, start, splits[self.rank]))
+            recv = torch.cat(parts)
+        return (recv, None) if async_op else recv
+
+
+def _simulate(world_size: int, run):
+    mailbox: Dict = {}
+    for r in range(world_size):
+        run(_LoopComm(r, world_size, mailbox, replay=False))
+    return [run(_LoopComm(r, world_size, mailbox, replay=True)) for r in range(world_size)], mailbox
+
+
+def _random_placement(rng: random.Random, world: int, num_experts: int) -> Placement:
+    owners = tuple(rng.randrange(world) for _ in range(num_experts))
+    materialized = tuple(tuple(sorted({e for e in range(num_experts) if owners[e] == r}
+                                      | {e for e in range(num_experts) if rng.random() < 0.4}))
+                         for r in range(world))
+    return Placement(owners, materialized)
+
+
+def _exchange(sends: List[torch.Tensor], counts: List[List[int]], numel: int) -> List[torch.Tensor]:
+    """What each rank receives when rank s sends ``counts[s][d]`` chunks of ``sends[s]`` to d, in rank order."""
+    world = len(sends)
+    out = []
+    for dst in range(world):
+        parts = []
+        for src in range(world):
+            start = sum(counts[src][:dst]) * numel
+            parts.append(sends[src].narrow(0, start, counts[src][dst] * numel))
+        out.append(torch.cat(parts))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pack_unpack_contract_matches_sparse_all_gather(seed, dtype):
+    rng = random.Random(seed)
+    world, num_experts, numel = rng.choice([2, 3, 4]), rng.choice([3, 8]), rng.choice([5, 16])
+    placement = _random_placement(rng, world, num_experts)
+    torch.manual_seed(seed)
+    masters = torch.randn(num_experts, numel)
+    owned = [{e: masters[e].clone() for e in range(num_experts) if placement.owners[e] == r} for r in range(world)]
+
+    def run(comm):
+        return comm.start_sparse_all_gather(placement, owned[comm.rank], numel, dtype, CommCounters()).wait()[0]
+    results, mailbox = _simulate(world, run)
+
+    sends, counts = [], []
+    for r in range(world):
+        lay = gather_layout(placement, r)
+        send = ref.pack_chunks([owned[r][e] for e in lay.send_experts], dtype, numel)
+        if placement.num_moved:
+            assert torch.equal(send, mailbox[(r, 0)][0]), "pack contract != torch path's send buffer"
+        sends.append(send)
+        counts.append(lay.send_counts)
+    received = _exchange(sends, counts, numel)
+    for r in range(world):
+        lay = gather_layout(placement, r)
+        assert lay.recv_counts == [counts[s][r] for s in range(world)]
+        unpacked = [torch.empty(numel, dtype=dtype) for _ in lay.recv_experts]
+        ref.unpack_chunks(received[r], unpacked, numel)
+        assert sorted(results[r]) == sorted(placement.materialized[r])
+        for e, t in zip(lay.recv_experts, unpacked):
+            assert torch.equal(t, results[r][e])
+            assert torch.equal(t, masters[e].to(dtype))  # and it is the owner's expert
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("compute, wire", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+                                           (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)])
+def test_reduce_contract_matches_sparse_reduce_scatter(seed, compute, wire):
+    rng = random.Random(100 + seed)
+    world, num_experts, numel = rng.choice([2, 3, 4]), rng.choice([3, 8]), rng.choice([7, 16])
+    placement = _random_placement(rng, world, num_experts)
+    torch.manual_seed(seed)
+    grads = [{e: torch.randn(numel).to(compute) for e in placement.materialized[r]} for r in range(world)]
+
+    def run(comm):
+        return comm.start_sparse_reduce_scatter(placement, grads[comm.rank], numel, wire, CommCounters())()
+    results, _ = _simulate(world, run)
+
+    sends, counts = [], []
+    for r in range(world):
+        lay = reduce_layout(placement, r)
+        sends.append(ref.pack_chunks([grads[r][e] for e in lay.send_experts], wire, numel))
+        counts.append(lay.send_counts)
+    received = _exchange(sends, counts, numel)
+    for r in range(world):
+        own = owned_materialized(placement, r)
+        totals = ref.reduce_chunks([grads[r][e] for e in own], received[r], reduce_chunk_lists(placement, r), numel)
+        assert sorted(results[r]) == own
+        for e, total in zip(own, totals):
+            assert total.dtype == torch.float32
+            assert torch.equal(total, results[r][e]), f"rank {r} expert {e}: reduce contract != torch path"
+            # and it is the sum over every copy of the expert's gradient
+            every = sum(grads[s][e].to(wire if s != r else compute).float() for s in range(world)
+                        if e in placement.materialized[s])
+            assert torch.allclose(total, every, atol=1e-5, rtol=1e-5)
+
+
+def test_expert_histogram_contract():
+    torch.manual_seed(0)
+    num_experts = 6
+    indices = torch.randint(-1, num_experts + 2, (2, 500))
+    counts = ref.expert_histogram(indices, num_experts)
+    flat = indices.reshape(-1).tolist()
+    assert counts.tolist() == [flat.count(e) for e in range(num_experts)] + [sum(i >= num_experts for i in flat)]
+    # the runtime's count: torch.bincount of the valid slots; overflow bin = its out-of-range flag
+    valid = indices.reshape(-1)[indices.reshape(-1) >= 0]
+    runtime = torch.bincount(valid, minlength=num_experts)
+    assert torch.equal(counts[:num_experts], runtime[:num_experts])
+    assert bool(counts[num_experts] > 0) == bool(runtime.numel() > num_experts)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_permute_and_combine_contracts_match_the_runtime(dtype):
+    """permute_rows = the dispatch gather; unpermute_combine = index_copy into slot order + combine_routes."""
+    torch.manual_seed(1)
+    k, num_tokens, hidden = 2, 37, 12
+    x = torch.randn(num_tokens, hidden).to(dtype)
+    indices = torch.randint(0, 5, (k, num_tokens))
+    indices[0, 3] = indices[1, 8] = -1  # dropped slots
+    gates = torch.rand(k, num_tokens)
+    flat = indices.reshape(-1)
+    valid_slots = torch.nonzero(flat >= 0).squeeze(1)
+    send_slots = valid_slots[torch.randperm(valid_slots.numel())]  # any send order
+    rows = ref.permute_rows(x, send_slots % num_tokens)
+    for i, slot in enumerate(send_slots.tolist()):
+        assert torch.equal(rows[i], x[slot % num_tokens])
+    y_back = (rows.float() * 1.5 + 0.25).to(dtype)  # stand-in expert output, one row per sent slot
+    slots = y_back.new_zeros(flat.numel(), hidden).index_copy(0, send_slots, y_back)  # the runtime's combine
+    expected = combine_routes(slots, gates, dtype)
+    got = ref.unpermute_combine(y_back, ref.slot_positions(send_slots, flat.numel()), gates)
+    assert got.dtype == dtype and torch.equal(got, expected)
+
+
+# -- backend selection ---------------------------------------------------------------------------------------------
+def test_comm_backend_config_key():
+    assert parse_hecate_section({}).comm_backend == "auto"
+    for value in ("auto", "torch", "cupy"):
+        assert parse_hecate_section({"comm_backend": value}).comm_backend == value
+    with pytest.raises(HecateConfigError, match="comm_backend"):
+        parse_hecate_section({"comm_backend": "nccl"})
+
+
+def test_backend_resolution_on_cpu():
+    assert resolve_backend("torch", torch.device("cpu")) == ("torch", None)
+    backend, why = resolve_backend("auto", torch.device("cpu"))
+    assert backend == "torch" and "not CUDA" in why
+    with pytest.raises(HecateConfigError, match=r"comm_backend='cupy' but the CuPy\+NCCL backend cannot be used"):
+        resolve_backend("cupy", torch.device("cpu"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU behaviour")
+def test_cuda_device_without_gpu_names_the_reason():
+    """A CUDA device requested where CuPy cannot run: 'auto' falls back with the CuPy reason, 'cupy' refuses."""
+    backend, why = resolve_backend("auto", torch.device("cuda", 0))
+    assert backend == "torch" and "cupy" in why
+    with pytest.raises(HecateConfigError, match="cannot be used: " + re.escape(why)):
+        resolve_backend("cupy", torch.device("cuda", 0))
+
+
+def test_cupy_backend_refuses_a_cpu_device():
+    from ds_hecate.gpu.nccl_comm import CupyNcclCommunicator
+    with pytest.raises(HecateError, match="needs a CUDA device"):
+        CupyNcclCommunicator(None, 0, 1, torch.device("cpu"))
+
+
+_BUILD_RUNTIME = """
+import os, tempfile, torch, torch.distributed as dist
+import ds_hecate
+from ds_hecate.collectives import Communicator
+from ds_hecate.config import parse_hecate_section
+from ds_hecate.initialize import build_runtime
+dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+runtime = build_runtime(parse_hecate_section({"enabled": True}), {})
+assert type(runtime.comm) is Communicator, type(runtime.comm)
+assert runtime.comm.exchange_counts(torch.tensor([3, 4])) == [[3, 4]]
+print("OK")
+"""
+
+
+def test_build_runtime_uses_torch_backend_and_logs_why_once():
+    """With no GPU (CuPy installed or not) Hecate runs on torch.distributed and says why in exactly one line."""
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "DS_HECATE_LOG_LEVEL": "INFO"}
+    proc = subprocess.run([sys.executable, "-c", _BUILD_RUNTIME], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert proc.returncode == 0 and proc.stdout.strip() == "OK", proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if "CuPy" in line]
+    assert len(lines) == 1, proc.stderr
+    installed = importlib.util.find_spec("cupy") is not None
+    assert lines[0].startswith("[ds_hecate] communication backend: torch.distributed; CuPy+NCCL not used: ")
+    assert f"cupy is {'installed' if installed else 'not installed'}" in lines[0]
+
+
+def test_cupy_backend_imports_without_gpu():
+    """CuPy installed, no GPU: the GPU modules import and the probe explains itself instead of failing."""
+    if importlib.util.find_spec("cupy") is None:
+        pytest.skip("cupy is not installed")
+    probe = ("import ds_hecate.gpu.kernels, ds_hecate.gpu.nccl_comm\n"
+             "from ds_hecate.gpu import cupy_status\n"
+             "usable, why = cupy_status(); print(usable); print(why)")
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    usable, why = proc.stdout.strip().splitlines()[-2:]
+    if not torch.cuda.is_available():
+        assert usable == "False" and why.startswith("cupy ") and "installed but" in why

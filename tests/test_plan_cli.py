@@ -1,0 +1,97 @@
+"""``ds-hecate plan``: the expert part of the memory plan equals the shard store's accounting of a real 2-rank run
+to the byte; the CLI prints the breakdown for the paper/production shapes and warns when a rank will not fit."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+
+from dist_utils import run_ranks
+from moe_training import Spec, TinyMoE, batch, ds_config
+
+SPEC = Spec(hecate={"enabled": True, "materialize_budget_mb": 3.0}, num_experts=5, layers=2, hidden=16, ffn=32,
+            tokens=24, steps=1)
+
+
+def _memory_worker(rank: int, world: int, spec: Spec) -> dict:
+    import torch
+
+    import deepspeed
+    import ds_hecate  # noqa: F401  (patches deepspeed.initialize)
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(spec.seed)
+    engine, *_ = deepspeed.initialize(model=TinyMoE(spec), model_parameters=None, config=ds_config(spec))
+    out = {"init": engine.hecate.memory_bytes()}
+    x, y, used = batch(spec, 0, 0, rank, torch.float32)
+    engine.backward(engine(x, y, used))
+    engine.hecate.flush_reductions()          # gradients land in the owners' accumulators
+    out["after_backward"] = engine.hecate.memory_bytes()
+    engine.step()
+    out["after_step"] = engine.hecate.memory_bytes()
+    out["owned"] = [len(s.owned) for s in engine.hecate.store.layers]
+    out["numel"] = engine.hecate.store.layers[0].kernel.numel
+    return out
+
+
+def test_plan_matches_shard_store_to_the_byte():
+    import torch
+
+    from ds_hecate.config import HecateConfig
+    from ds_hecate.memory_plan import optimizer_layout_from_ds_config, plan_memory, probe_optimizer_state
+    from ds_hecate.presets import ModelShape
+
+    results = run_ranks(2, _memory_worker, SPEC)
+    model = ModelShape(name="tiny", moe_layers=SPEC.layers, hidden_size=SPEC.hidden, ffn_size=SPEC.ffn,
+                       num_experts=SPEC.num_experts, top_k=SPEC.k, vocab_size=0, seq_len=SPEC.tokens,
+                       expert_bias=True)
+    assert results[0]["numel"] == model.expert_params
+    layout = optimizer_layout_from_ds_config(ds_config(SPEC))
+    assert layout == probe_optimizer_state(torch.optim.AdamW)   # what the expert optimizer steps with
+    plan = plan_memory(model, HecateConfig(**SPEC.hecate), world_size=2, ranks_per_node=2, zero_stage=SPEC.stage,
+                       precision="fp32", optimizer=layout)
+    for rank, got in enumerate(results):
+        want = plan.expert_memory_bytes(rank)
+        assert plan.owned_experts[rank] == sum(got["owned"])
+        assert got["init"]["expert_master"] == want["expert_master"]
+        assert got["after_backward"]["expert_grad"] == want["expert_grad"]
+        assert got["after_step"]["expert_optimizer_state"] == want["expert_optimizer_state"]
+        assert got["after_step"]["materialize_budget"] == want["materialize_budget"]
+    # 5 experts over 2 ranks: 3 and 2 per layer, so the two ranks differ and both are checked
+    assert plan.owned_experts == [6, 4]
+    assert plan.expert_master[0] == 6 * model.expert_params * 4 != plan.expert_master[1]
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ds_hecate.cli", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_plan_cli_breakdown_and_warning(tmp_path):
+    cfg = ds_config(replace(SPEC, bf16=True, stage=2, hecate={"enabled": True}))
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(cfg))
+    proc = _cli("plan", "--config", str(path), "--model", "deepseek-v3", "--world-size", "64",
+                "--ranks-per-node", "8", "--cluster", "h100-128x8")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    for needle in ("dense params", "dense optimizer states", "master weights", "optimizer states",
+                   "materialization budget", "overlap degree t", "memory cap"):
+        assert needle in out, out
+    # 58 x 256 experts over 64 ranks: 232 per rank, 44,040,192 fp32 params each
+    assert f"({232 * 44040192 * 4:,} B)" in out
+    assert "WARNING" in out and "will not fit" in out            # 671B on 64 x 80 GB does not fit
+    proc = _cli("plan", "--config", str(path), "--model", "gpt-moe-s", "--world-size", "32", "--ranks-per-node",
+                "8", "--device-memory-gb", "80")
+    assert proc.returncode == 0, proc.stderr
+    assert "fits:" in proc.stdout and "WARNING" not in proc.stdout
+    sizes = tmp_path / "model.json"
+    sizes.write_text(json.dumps({"moe_layers": 2, "hidden_size": 16, "ffn_size": 32, "num_experts": 4, "top_k": 2,
+                                 "vocab_size": 0, "seq_len": 8, "expert_bias": True}))
+    proc = _cli("plan", "--model", str(sizes), "--world-size", "2")
+    assert proc.returncode == 0, proc.stderr
+    assert f"({2 * 2 * 1072 * 4:,} B)" in proc.stdout                # 2 layers x 2 owned x 1072 params x 4 B
+    sizes.write_text(json.dumps({"moe_layers": 2, "hiden_size": 16}))
+    proc = _cli("plan", "--model", str(sizes), "--world-size", "2")
+    assert proc.returncode == 2 and "unknown field(s) ['hiden_size']" in proc.stderr
