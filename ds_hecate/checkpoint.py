@@ -71,6 +71,30 @@ def save(rt, checkpoint_dir: str) -> None:
     rt.comm.barrier("checkpoint-save barrier")
 
 
+CLIENT_STATE_KEY = "ds_hecate"
+
+
+def expert_checkpoint_dir(load_dir: str, tag: str, universal: bool) -> str:
+    """The checkpoint directory whose ``hecate/`` holds the experts for DeepSpeed checkpoint ``load_dir/tag``.
+
+    Normally ``load_dir/tag`` itself. A universal checkpoint made by ``ds_to_universal`` has no ``hecate/``; its
+    copy of DeepSpeed's model-state file names the tag the experts were saved with (Hecate's experts are stored
+    as logical experts, so they load at any world size as they are). That file is a pickle, read here exactly as
+    DeepSpeed reads it right after (``weights_only=False``), memory-mapped so no tensor is loaded.
+    """
+    direct = os.path.join(load_dir, tag)
+    if not universal or os.path.isfile(os.path.join(direct, SUBDIR, "meta.json")):
+        return direct
+    import glob
+
+    for path in sorted(glob.glob(os.path.join(direct, "mp_rank_*_model_states.pt")))[:1]:
+        state = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+        source = (state.get(CLIENT_STATE_KEY) or {}).get("expert_tag") if isinstance(state, dict) else None
+        if source is not None:
+            return os.path.join(load_dir, str(source))
+    return direct
+
+
 def read_meta(meta_path: str) -> Dict[str, Any]:
     """The checkpoint's meta.json: plain JSON (never unpickled), or an error saying it is damaged."""
     try:

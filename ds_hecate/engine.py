@@ -34,6 +34,9 @@ class HecateEngine(DeepSpeedEngine):
         ``latest``, so ``latest`` never points at a checkpoint whose experts are incomplete."""
         tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
         checkpoint.save(self.hecate, os.path.join(save_dir, tag))
+        # DeepSpeed's model-state file records where the experts are: ds_to_universal copies that file into the
+        # universal checkpoint, so a universal load finds them with no extra step.
+        client_state = {**client_state, checkpoint.CLIENT_STATE_KEY: {"expert_tag": tag}}
         return super().save_checkpoint(save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
@@ -47,7 +50,8 @@ class HecateEngine(DeepSpeedEngine):
                                                load_lr_scheduler_states, load_module_only, custom_load_fn)
             with open(latest, encoding="utf-8") as f:
                 tag = f.read().strip()
-        install = checkpoint.prepare_load(self.hecate, os.path.join(load_dir, str(tag)),
+        expert_dir = checkpoint.expert_checkpoint_dir(load_dir, str(tag), self.load_universal_checkpoint())
+        install = checkpoint.prepare_load(self.hecate, expert_dir,
                                           load_optimizer_states and not load_module_only)
         result = super().load_checkpoint(load_dir, tag, load_module_strict, load_optimizer_states,
                                          load_lr_scheduler_states, load_module_only, custom_load_fn)

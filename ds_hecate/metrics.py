@@ -217,9 +217,20 @@ def install_recorders(runtime: "HecateRuntime") -> None:
     runtime.metrics = StepMetrics(runtime)
     runtime.observers.append(runtime.metrics.observe)
     runtime.trace = None
-    if runtime.config.trace_file and runtime.rank == 0:
-        runtime.trace = TraceRecorder(runtime, runtime.config.trace_file)
-        runtime.observers.append(runtime.trace.observe)
+    if not runtime.config.trace_file:
+        return
+    problem = None
+    if runtime.rank == 0:
+        try:
+            runtime.trace = TraceRecorder(runtime, runtime.config.trace_file)
+            runtime.observers.append(runtime.trace.observe)
+        except HecateConfigError as exc:
+            problem = str(exc)
+    # Only rank 0 writes, but every rank must stop if it cannot (the others would wait in the next collective).
+    if runtime.world_size > 1:
+        problem = runtime.comm.all_gather_object(problem)[0]
+    if problem is not None:
+        raise HecateConfigError(problem)
 
 
 def end_step(engine: Any) -> None:

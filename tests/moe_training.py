@@ -33,6 +33,8 @@ class Spec:
     fp16: bool = False                     # DeepSpeed dynamic loss scaling (CPU: the fp16 capability probe is forced)
     initial_scale_power: int = 8
     inject_inf_step: Optional[int] = None  # rank 0 puts an Inf into one expert's gradient at this step
+    virtual_ranks: int = 0                 # data (and forced routes) laid out for this many ranks: each real rank
+                                           # trains on its share of them, concatenated (resizing tests)
     forced_routes: bool = False            # every token's experts drawn from (seed, step, rank, layer), not learned:
                                            # low-precision runs then cannot flip a route (gate_bias skews the draw)
     stage: int = 2
@@ -176,14 +178,34 @@ def _expert_flats(moe: nn.Module) -> Dict[int, torch.Tensor]:
             for i, e in enumerate(experts)}
 
 
-def force_routes(model: nn.Module, spec: Spec, step: int, micro: int, rank: int, tokens: int) -> None:
+def _virtual(spec: Spec, rank: int, world_size: int) -> List[int]:
+    """The data ranks this rank trains on: itself, or its share of ``spec.virtual_ranks``."""
+    if not spec.virtual_ranks:
+        return [rank]
+    per = spec.virtual_ranks // world_size
+    return list(range(rank * per, (rank + 1) * per))
+
+
+def rank_batch(spec: Spec, step: int, micro: int, rank: int, world_size: int, dtype: torch.dtype):
+    parts = [batch(spec, step, micro, v, dtype) for v in _virtual(spec, rank, world_size)]
+    if len(parts) == 1:
+        return parts[0]
+    return (torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]),
+            None if parts[0][2] is None else torch.cat([p[2] for p in parts]))
+
+
+def force_routes(model: nn.Module, spec: Spec, step: int, micro: int, rank: int, world_size: int) -> None:
     """Set each layer's forced expert choices for this micro-batch (distinct experts per token, skewed by
-    ``spec.gate_bias``), identical in the Hecate run and in the oracle."""
+    ``spec.gate_bias``), identical in the Hecate run and in the oracle, and for any world size."""
     weights = torch.softmax(torch.tensor(spec.gate_bias or (0.0,) * spec.num_experts, dtype=torch.float64), 0)
+    tokens = 0 if spec.empty_rank == rank else spec.tokens
     for layer, block in enumerate(model.blocks):
-        g = torch.Generator().manual_seed(spec.seed * 104729 + step * 7919 + micro * 131 + rank * 17 + layer)
-        block.router.choices = (torch.multinomial(weights.expand(tokens, -1), spec.k, replacement=False,
-                                                  generator=g) if tokens else torch.zeros(0, spec.k, dtype=torch.long))
+        choices = []
+        for v in _virtual(spec, rank, world_size):
+            g = torch.Generator().manual_seed(spec.seed * 104729 + step * 7919 + micro * 131 + v * 17 + layer)
+            choices.append(torch.multinomial(weights.expand(tokens, -1), spec.k, replacement=False, generator=g)
+                           if tokens else torch.zeros(0, spec.k, dtype=torch.long))
+        block.router.choices = torch.cat(choices)
 
 
 def _allow_fp16_on_cpu() -> None:
@@ -258,9 +280,9 @@ def train(rank: int, world_size: int, spec: Spec) -> dict:
             torch.manual_seed(spec.seed + 7919 * step)
         poisoned = _inject_inf(engine, rank) if spec.inject_inf_step == step else None
         for micro in range(spec.gas):
-            x, y, used = batch(spec, step, micro, rank, dtype)
+            x, y, used = rank_batch(spec, step, micro, rank, world_size, dtype)
             if spec.forced_routes:
-                force_routes(engine.module, spec, step, micro, rank, x.shape[0])
+                force_routes(engine.module, spec, step, micro, rank, world_size)
             loss = engine(x, y, used)
             engine.backward(loss)
             if poisoned is not None and micro == spec.gas - 1:

@@ -29,9 +29,10 @@ EXPERTS = 8
 HOT = (2.5, 2.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)  # experts 0 and 1 (owned by rank 0) draw most tokens
 
 
-def _train_capturing_gate(rank: int, world_size: int, specs) -> list:
+def _train_capturing_gate(rank: int, world_size: int, specs, unwritable) -> list:
     """Train each spec; also record, per forward call (not recomputes), this rank's own expert counts straight
-    from the gate's indices, before Hecate exchanges them."""
+    from the gate's indices, before Hecate exchanges them. Last, initialize with an unwritable trace_file and
+    return each rank's error (every rank must raise, not only rank 0, which alone writes)."""
     import torch
 
     from ds_hecate import runtime as rt
@@ -52,6 +53,11 @@ def _train_capturing_gate(rank: int, world_size: int, specs) -> list:
         seen.clear()
         result = train(rank, world_size, spec)
         out.append({"local_counts": list(seen), "stats": result["hecate_stats"]})
+    try:
+        train(rank, world_size, unwritable)
+        out.append(None)
+    except HecateConfigError as exc:
+        out.append(str(exc))
     return out
 
 
@@ -74,7 +80,8 @@ def monitored_run(tmp_path_factory):
     every2 = replace(on, steps=4, checkpoint="", hecate={"enabled": True, "monitor_interval": 2},
                      extra_config={"csv_monitor": {"enabled": True, "output_path": str(root / "every2"),
                                                    "job_name": "csv"}})
-    per_rank = run_ranks(2, _train_capturing_gate, [on, off, every2])
+    unwritable = replace(on, steps=1, hecate={"enabled": True, "trace_file": str(root)}, extra_config={})
+    per_rank = run_ranks(2, _train_capturing_gate, [on, off, every2], unwritable, timeout=240)
     return root, per_rank
 
 
@@ -190,6 +197,12 @@ def test_metric_values_match_the_traced_plans(monitored_run):
         warm = slice(2, None)
         assert (sum(got["imbalance_after"][warm]) < sum(got["imbalance_before"][warm])), got
     assert total_moved > 0  # replicas existed, so the byte checks above covered real traffic
+
+
+def test_unusable_trace_file_stops_every_rank(monitored_run):
+    _, per_rank = monitored_run
+    for rank in range(2):
+        assert "is a directory" in (per_rank[rank][3] or ""), per_rank[rank][3]
 
 
 def test_trace_file_config_is_validated(tmp_path):
