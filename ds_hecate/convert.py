@@ -110,7 +110,7 @@ def convert_model(model: nn.Module, runtime: HecateRuntime) -> Dict[int, Set[int
         raise HecateModelError(
             f"hecate.enabled is true but the model ({type(model).__name__}) has no MoE layer Hecate can take over: "
             "build MoE layers with deepspeed.moe.layer.MoE or ds_hecate.MoE (Hugging Face models: see "
-            "docs/models.md), or set hecate.enabled to false")
+            "docs/huggingface.md), or set hecate.enabled to false")
     removed: Dict[int, Set[int]] = {}
     for name, module in layers:
         if name == "":

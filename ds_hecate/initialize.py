@@ -95,8 +95,10 @@ def _ranks_per_node(hcfg: HecateConfig, world_size: int) -> int:
             raise HecateConfigError(f"hecate.ranks_per_node={hcfg.ranks_per_node} does not divide the world size "
                                     f"{world_size}")
         return hcfg.ranks_per_node
-    # torchrun, the deepspeed launcher, Open MPI and MPICH (hydra) each name it differently.
-    for key in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"):
+    # The deepspeed launcher, torchrun, Open MPI and MPICH (hydra) each name it differently. LOCAL_SIZE first:
+    # under the deepspeed launcher accelerate (HF Trainer) sets LOCAL_WORLD_SIZE=1 on CPU when it finds none of
+    # the variables it knows.
+    for key in ("LOCAL_SIZE", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"):
         local = os.environ.get(key)
         if local and local.isdigit() and int(local) > 0 and world_size % int(local) == 0:
             return int(local)

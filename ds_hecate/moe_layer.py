@@ -180,9 +180,13 @@ class MoE(nn.Module):
 
 
 def num_parameters(model: nn.Module, trainable_only: bool = False) -> int:
-    """Parameter count of ``model`` including the experts Hecate took over (they are no longer module parameters,
-    so ``sum(p.numel() for p in model.parameters())`` misses them)."""
-    dense = sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
+    """Parameter count of ``model`` (or of a DeepSpeed engine's module) including the experts Hecate took over:
+    they are no longer module parameters, so ``sum(p.numel() for p in model.parameters())`` misses them. ZeRO-3
+    partitioned parameters count fully; Hugging Face models converted by :mod:`ds_hecate.hf` count their experts."""
+    inner = getattr(model, "module", model)
+    dense = sum(getattr(p, "ds_numel", p.numel()) for p in inner.parameters()
+                if p.requires_grad or not trainable_only)
     experts = sum(m.binding.shard.num_experts * m.binding.shard.kernel.numel
-                  for m in model.modules() if isinstance(m, MoE) and m.binding is not None)
-    return dense + experts
+                  for m in inner.modules() if isinstance(m, MoE) and m.binding is not None)
+    takeover = inner.__dict__.get("_hecate_hf")  # set by ds_hecate.hf on a converted transformers model
+    return dense + experts + (takeover.expert_parameter_count() if takeover is not None else 0)

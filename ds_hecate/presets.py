@@ -113,6 +113,7 @@ class Cluster:
     compute_s_per_pair: Optional[float] = None    # measured override: seconds per token-expert pair, fwd+bwd
     non_moe_time_s: Optional[float] = None        # measured override: forward non-MoE time per block (s)
     fixed_step_s: float = 0.0                     # per-step time outside the blocks (optimizer step, data), s
+    layer_overhead_s: float = 0.0                 # per MoE layer call, fwd+bwd: count exchange, planning, launch
     description: str = ""
 
     @property

@@ -16,12 +16,14 @@ from ds_hecate.errors import HecateConfigError, HecateError
 
 KNOWN_KEYS = ("enabled", "placement", "load_window", "materialize_budget_mb", "overlap_degree", "calibration",
               "rematerialize", "prefetch", "reshard_interval", "compute_s_per_pair", "link_gbps", "inter_node_gbps",
-              "non_moe_time_s", "ranks_per_node", "reduce_dtype", "collective_timeout_s", "log_conversion")
+              "non_moe_time_s", "ranks_per_node", "reduce_dtype", "collective_timeout_s", "log_conversion", "monitor",
+              "monitor_interval", "trace_file", "comm_backend")
 DEFAULTS = dict(enabled=False, placement="hecate", load_window=5, materialize_budget_mb=1024.0, overlap_degree=None,
                 calibration=False, rematerialize=False, prefetch=True, reshard_interval=100,
                 compute_s_per_pair=None, link_gbps=None, inter_node_gbps=None, non_moe_time_s=None,
-                ranks_per_node=None, reduce_dtype="fp32", collective_timeout_s=600.0, log_conversion=True)
-PLACEMENTS = ["hecate", "cost", "owner", "local"]
+                ranks_per_node=None, reduce_dtype="fp32", collective_timeout_s=600.0, log_conversion=True,
+                monitor=True, monitor_interval=1, trace_file=None, comm_backend="auto")
+PLACEMENTS = ["hecate", "cost", "owner", "local", "shadow", "all"]
 
 
 def _fields(cfg: HecateConfig) -> dict:
@@ -46,7 +48,8 @@ def test_full_valid_section():
     raw = dict(enabled=True, placement="local", load_window=3, materialize_budget_mb=12.5, overlap_degree=2,
                calibration=True, rematerialize=True, prefetch=False, reshard_interval=7, compute_s_per_pair=1e-6,
                link_gbps=100.0, inter_node_gbps=12.5, non_moe_time_s=0.01, ranks_per_node=8, reduce_dtype="bf16",
-               collective_timeout_s=30.5, log_conversion=False)
+               collective_timeout_s=30.5, log_conversion=False, monitor=False, monitor_interval=5,
+               trace_file="run/trace.jsonl", comm_backend="torch")
     assert _fields(parse_hecate_section(raw)) == raw
 
 
@@ -330,6 +333,9 @@ _VALID = {
     "non_moe_time_s": st.one_of(st.none(), st.floats(0, 3600.0)),
     "ranks_per_node": st.one_of(st.none(), st.integers(1, 10 ** 30)),
     "collective_timeout_s": st.one_of(st.integers(1, 86400), st.floats(min_value=1e-9, max_value=86400.0)),
+    "monitor": st.booleans(), "monitor_interval": st.integers(1, 1 << 30),
+    "trace_file": st.one_of(st.none(), st.text(min_size=1, max_size=40)),
+    "comm_backend": st.sampled_from(["auto", "torch", "cupy"]),
 }
 
 

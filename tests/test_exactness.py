@@ -47,7 +47,7 @@ def _cases(world: int) -> Dict[str, Case]:
         })
     if world == 2:
         cases.update({
-            "gas2": (replace(BASE, gas=2), {"placement": "local"}, {}),
+            "gas4": (replace(BASE, gas=4), {"placement": "local"}, {}),
             "clipping": (replace(BASE, clip=0.05), {"placement": "local"}, {}),
             "stage1": (replace(BASE, stage=1), {"placement": "cost"}, {}),
             "stage0": (replace(BASE, stage=0), {"placement": "local"}, {}),

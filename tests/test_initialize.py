@@ -46,11 +46,8 @@ def _errors_worker(rank: int, world: int) -> dict:
     out["expert_parallel"] = _expect_error(moe, autoep, HecateConfigError)
     stage0 = cfg()
     stage0["zero_optimization"]["stage"] = 0
-    stage0["bf16"] = {"enabled": True}
-    out["stage0_bf16"] = _expect_error(moe, stage0, HecateUnsupportedError)
-    fp16 = cfg()
-    fp16["fp16"] = {"enabled": True}
-    out["fp16"] = _expect_error(moe, fp16, HecateUnsupportedError)
+    stage0["fp16"] = {"enabled": True}
+    out["stage0_fp16"] = _expect_error(moe, stage0, HecateUnsupportedError)
     out["no_moe"] = _expect_error(lambda: nn.Sequential(nn.Linear(4, 4)), cfg(), HecateModelError)
     for case, (key, value) in {
         "offload": ("zero_optimization", {"stage": 2, "offload_optimizer": {"device": "cpu"}}),
@@ -100,8 +97,7 @@ def outcomes():
     ("bad_value", ["zero_optimization.hecate.placement", "everywhere"]),
     ("both_sections", ["both", "zero_optimization.hecate"]),
     ("expert_parallel", ["expert_parallel", "AutoEP"]),
-    ("stage0_bf16", ["bf16 with ZeRO stage 0"]),
-    ("fp16", ["fp16"]),
+    ("stage0_fp16", ["fp16 with ZeRO stage 0", "FP16_Optimizer", "use ZeRO stage 1-3 for fp16"]),
     ("no_moe", ["Sequential", "no MoE layer", "hecate.enabled"]),
     ("offload", ["ZeRO-Offload"]),
     ("hybrid_engine", ["hybrid engine"]),

@@ -8,7 +8,8 @@ Hecate checkpoint to an HF checkpoint directory (:mod:`ds_hecate.hf.export`). Te
 """
 from .experts import IMPLEMENTATION, hecate_experts_forward, register_experts_implementation
 from .registry import ARCHITECTURES, MoEArchitecture, architecture_of, register_architecture
-from .takeover import HFTakeover, convert_hf_model, find_experts_modules, hecate_of, num_parameters
+from ..moe_layer import num_parameters
+from .takeover import HFTakeover, convert_hf_model, find_experts_modules, hecate_of
 
 register_experts_implementation()
 from .takeover import patch_trainer_param_count  # noqa: E402

@@ -226,14 +226,6 @@ def hecate_of(model: nn.Module) -> Optional[HFTakeover]:
     return inner.__dict__.get("_hecate_hf") if isinstance(inner, nn.Module) else None
 
 
-def num_parameters(model: nn.Module, trainable_only: bool = False) -> int:
-    """Parameters of ``model`` including the experts Hecate took over (ZeRO-3 partitioned params count fully)."""
-    inner = getattr(model, "module", model)
-    dense = sum(getattr(p, "ds_numel", p.numel()) for p in inner.parameters() if p.requires_grad or not trainable_only)
-    takeover = hecate_of(inner)
-    return dense + (takeover.expert_parameter_count() if takeover is not None else 0)
-
-
 def patch_trainer_param_count() -> None:
     """Make the Trainer's "Number of trainable parameters" log count Hecate's experts (idempotent).
 

@@ -40,12 +40,22 @@ def _measured(path: str) -> Dict[str, float]:
     return data
 
 
+def _zero_and_precision(ds: Dict[str, Any]) -> Tuple[int, str]:
+    """ZeRO stage (DeepSpeed's default 0) and precision (bf16/fp16 sections, else fp32) of a DeepSpeed config."""
+    zero = ds.get("zero_optimization") or {}
+    stage = int(zero.get("stage", 0)) if isinstance(zero, dict) else 0
+    precision = ("bf16" if (ds.get("bf16") or {}).get("enabled") else
+                 "fp16" if (ds.get("fp16") or {}).get("enabled") else "fp32")
+    return stage, precision
+
+
 def run_simulate(args: argparse.Namespace) -> int:
     from ..presets import Cluster, resolve_cluster
     from .core import SYSTEMS, format_table, simulate
 
     systems = [s for part in args.systems for s in part.split(",") if s] if args.systems else list(SYSTEMS)
-    hecate, _ = _hecate_from_ds_config(args.config)
+    hecate, ds = _hecate_from_ds_config(args.config)
+    stage, precision = _zero_and_precision(ds) if args.config else (1, "bf16")
     cluster: Any = args.cluster
     if args.measured:
         base = resolve_cluster(args.cluster)
@@ -54,7 +64,9 @@ def run_simulate(args: argparse.Namespace) -> int:
     result = simulate(cluster, args.model, args.workload, systems=systems, steps=args.steps,
                       world_size=args.world_size, tokens_per_rank=args.tokens_per_rank, warmup=args.warmup,
                       seed=args.seed, hecate=hecate if args.config else None,
-                      materialize_budget_mb=args.materialize_budget_mb)
+                      materialize_budget_mb=args.materialize_budget_mb,
+                      zero_stage=args.zero_stage if args.zero_stage is not None else stage,
+                      precision=args.precision or precision)
     print(format_table(result))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:
@@ -75,10 +87,7 @@ def run_plan(args: argparse.Namespace) -> int:
     rpn = min(rpn, args.world_size)
     if args.world_size < 1 or args.world_size % rpn:
         raise HecateError(f"--world-size {args.world_size} must be a positive multiple of --ranks-per-node {rpn}")
-    zero = ds.get("zero_optimization") or {}
-    stage = int(zero.get("stage", 0)) if isinstance(zero, dict) else 0
-    precision = ("bf16" if (ds.get("bf16") or {}).get("enabled") else
-                 "fp16" if (ds.get("fp16") or {}).get("enabled") else "fp32")
+    stage, precision = _zero_and_precision(ds)
     plan = plan_memory(model, hecate, args.world_size, rpn, stage, precision, optimizer_layout_from_ds_config(ds),
                        cluster=cluster)
     memory = args.device_memory_gb or (cluster.device_memory_gb if cluster else 80.0)
@@ -108,6 +117,10 @@ def add_parsers(sub: Any) -> None:
                      help="replica memory per rank, MiB (default: the config's, else 10%% of device memory)")
     sim.add_argument("--measured", default=None, help="JSON of ds_hecate's measured costs (stats()['measured_costs'] "
                                                       "or the whole stats): calibrates compute, link and T_nonMoE")
+    sim.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default=None,
+                     help="compute dtype (default: the config's, else bf16)")
+    sim.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None,
+                     help="ZeRO stage of the dense parameters, for the memory column (default: the config's, else 1)")
     sim.add_argument("--seed", type=int, default=0, help="workload seed (W4, W7)")
     sim.add_argument("--json", default=None, help="also write the results as JSON to this file")
     sim.set_defaults(run=run_simulate)

@@ -141,12 +141,14 @@ class _LayerTime:
     replicas: np.ndarray                # per rank
 
 
-def layer_time(ctx: _Ctx, counts: np.ndarray, mat: np.ndarray, owners: np.ndarray, mode: str) -> _LayerTime:
+def layer_time(ctx: _Ctx, counts: np.ndarray, mat: np.ndarray, owners: np.ndarray, mode: str,
+               late: Optional[np.ndarray] = None) -> _LayerTime:
     """Time of one layer call: ``counts`` [world, experts] routed over placement ``mat`` [world, experts] (bool)
     with sharded placement ``owners``. ``mode`` says how replicas travel: ``prefetch`` (Hecate: SparseAllGather
     before the gate, hidden behind T_nonMoE; SparseReduceScatter behind the backward non-MoE compute), ``rm``
     (the same plus a second gather in backward), ``critical`` (FasterMoE: broadcast after the gate and reduce, both
-    exposed), ``persistent`` (FlexMoE: replicas stay; their gradients are all-reduced in backward)."""
+    exposed), ``persistent`` (FlexMoE: replicas stay; their gradients are all-reduced in backward). ``late``: replicas
+    (a subset of ``mat``) gathered after the gate (Hecate's calibration), on the critical path."""
     world, num_experts = counts.shape
     rpn = min(ctx.rpn, world)
     flows = dispatch_flows(counts.T, mat.T, rpn)
@@ -161,13 +163,18 @@ def layer_time(ctx: _Ctx, counts: np.ndarray, mat: np.ndarray, owners: np.ndarra
     replicas = mat & ~owner_mask
     node_idx = np.arange(world) // rpn
     same_node = node_idx[:, None] == node_idx[owners][None, :]
-    in_intra = (replicas & same_node).sum(axis=1).astype(float)
-    in_inter = (replicas & ~same_node).sum(axis=1).astype(float)
-    out_intra = np.bincount(owners, weights=(replicas & same_node).sum(axis=0), minlength=world)
-    out_inter = np.bincount(owners, weights=(replicas & ~same_node).sum(axis=0), minlength=world)
-    node_in, node_out = _node_sum(in_inter, world, rpn), _node_sum(out_inter, world, rpn)
-    gather = _links(ctx, world, in_intra, out_intra, node_in, node_out, ctx.numel * ctx.compute_b)
-    reduce = _links(ctx, world, in_intra, out_intra, node_in, node_out, ctx.numel * ctx.grad_b)
+    def phase(rep: np.ndarray, nbytes: int) -> np.ndarray:
+        i_intra = (rep & same_node).sum(axis=1).astype(float)
+        i_inter = (rep & ~same_node).sum(axis=1).astype(float)
+        o_intra = np.bincount(owners, weights=(rep & same_node).sum(axis=0), minlength=world)
+        o_inter = np.bincount(owners, weights=(rep & ~same_node).sum(axis=0), minlength=world)
+        return _links(ctx, world, i_intra, o_intra, _node_sum(i_inter, world, rpn), _node_sum(o_inter, world, rpn),
+                      nbytes)
+
+    early = replicas if late is None else replicas & ~late
+    gather = phase(early, ctx.numel * ctx.compute_b)
+    reduce = phase(replicas, ctx.numel * ctx.grad_b)
+    late_gather = phase(late & replicas, ctx.numel * ctx.compute_b) if late is not None else np.zeros(world)
     if mode == "broadcast":
         # NCCL ring broadcast / reduce of each shadowed expert: every rank receives and forwards it once, and
         # the ring crosses each node boundary once.
@@ -188,6 +195,7 @@ def layer_time(ctx: _Ctx, counts: np.ndarray, mat: np.ndarray, owners: np.ndarra
         exp_f, exp_b = np.maximum(0.0, gather - t_f), np.maximum(0.0, reduce - t_b)
     else:
         raise ValueError(f"layer_time: unknown mode {mode!r}")
+    exp_f = exp_f + late_gather
     c_max, a_max = float(compute.max()), 4 * float(a2a_pass.max())
     exposed = float(exp_f.max()) + float(exp_b.max())
     mean = processed.mean()
@@ -463,6 +471,10 @@ class _Hecate(_System):
             self.start = tuple(tuple(e for e, o in enumerate(ep_owners) if o == r % ctx.ep_size)
                                for r in range(ctx.world))
 
+    @staticmethod
+    def frozen(mat: np.ndarray):
+        return tuple(tuple(int(e) for e in np.flatnonzero(row)) for row in mat)
+
     def step(self, step, counts):
         predicted = self.window.predict()
         key = self.window.key
@@ -471,14 +483,25 @@ class _Hecate(_System):
             if self.start is not None:
                 mat |= _placement_matrix(self.start, self.ctx.model.num_experts)
         else:
-            if key not in self.cache:
-                placement = schedule_materialization(predicted, tuple(int(o) for o in self.owners), self.costs,
-                                                     self.budget, self.ctx.rpn, start=self.start)
-                self.cache[key] = _placement_matrix(placement, self.ctx.model.num_experts)
-            mat = self.cache[key]
+            # the scheduler is a deterministic function of the predicted matrix: plan each distinct one once
+            digest = hashlib.blake2b(predicted.tobytes(), digest_size=16).digest()
+            if digest not in self.cache:
+                placement = schedule_materialization(predicted.tolist(), tuple(int(o) for o in self.owners),
+                                                     self.costs, self.budget, self.ctx.rpn, start=self.start)
+                self.cache[digest] = _placement_matrix(placement, self.ctx.model.num_experts)
+            mat = self.cache[digest]
+        late = None
+        if self.ctx.hecate.calibration and predicted is not None:
+            # as LayerBinding._plan: re-plan with the actual counts, extending the prefetched placement; the
+            # added replicas are gathered after the gate
+            calibrated = schedule_materialization(counts.tolist(), tuple(int(o) for o in self.owners), self.costs,
+                                                  self.budget, self.ctx.rpn, start=self.frozen(mat),
+                                                  prefetched=self.frozen(mat))
+            cal = _placement_matrix(calibrated, self.ctx.model.num_experts)
+            late, mat = cal & ~mat, cal
         timing_key = (key, counts.tobytes())
-        if timing_key not in self.timings:
-            self.timings[timing_key] = layer_time(self.ctx, counts, mat, self.owners, self.mode)
+        if late is not None or timing_key not in self.timings:
+            self.timings[timing_key] = layer_time(self.ctx, counts, mat, self.owners, self.mode, late)
         self.window.push(counts)
         return self.timings[timing_key], 0.0
 
@@ -618,10 +641,9 @@ def simulate(cluster: Union[str, Cluster], model: Union[str, ModelShape], worklo
     counts, notes = _workload_counts(workload, mdl, world, steps, tokens, seed)
     # Layers whose routing is identical at every step behave identically (the planner is deterministic):
     # simulate one of each class and weight it by the class size.
-    classes: Dict[bytes, List[int]] = {}
-    for layer in range(mdl.moe_layers):
-        key = b"".join(counts[s][layer].tobytes() for s in range(steps))
-        classes.setdefault(key, []).append(layer)
+    classes: Dict[Tuple[int, ...], List[int]] = {}
+    for layer in range(mdl.moe_layers):   # layers sharing the same count arrays at every step
+        classes.setdefault(tuple(id(counts[s][layer]) for s in range(steps)), []).append(layer)
     fixed = (3 * ctx.t_fwd * mdl.moe_layers
              + (6.0 * (mdl.attention_params_per_layer + 3 * mdl.hidden_size * mdl.dense_ffn_size) * tokens
                 + 12.0 * mdl.seq_len * mdl.hidden_size * tokens) * mdl.dense_layers / flops
@@ -642,7 +664,8 @@ def simulate(cluster: Union[str, Cluster], model: Union[str, ModelShape], worklo
             peak_reps = np.zeros(world)
             for s in range(steps):
                 lt, rearrange = sim.step(s, counts[s][layers[0]])
-                totals[s] += weight * (lt.total + rearrange)
+                overhead = cl.layer_overhead_s if system != "ideal" else 0.0
+                totals[s] += weight * (lt.total + rearrange + overhead)
                 parts["compute"][s] += weight * lt.compute
                 parts["all_to_all"][s] += weight * lt.a2a
                 parts["exposed_comm"][s] += weight * lt.exposed
