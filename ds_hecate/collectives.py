@@ -60,6 +60,18 @@ class PendingGather:
         return self._result
 
 
+def local_materialized(placement: Placement, rank: int, owned: Dict[int, torch.Tensor],
+                       dtype: torch.dtype) -> Dict[int, torch.Tensor]:
+    """The experts of ``placement`` this rank materializes from its own masters (a view when ``dtype`` is the
+    master's, else a cast copy): the part of a SparseAllGather that never crosses the wire."""
+    result: Dict[int, torch.Tensor] = {}
+    for e in placement.materialized[rank]:
+        if placement.owners[e] == rank:
+            master = owned[e]
+            result[e] = master.detach() if master.dtype == dtype else master.detach().to(dtype)
+    return result
+
+
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
@@ -182,11 +194,7 @@ class Communicator:
         materialized expert is sent by its owner, and only the pairs in P' \\ P cross the wire. The wait also
         returns the receive buffers the replicas view into, so callers can tell when replica memory is freed.
         """
-        result: Dict[int, torch.Tensor] = {}
-        for e in placement.materialized[self.rank]:
-            if placement.owners[e] == self.rank:
-                master = owned[e]
-                result[e] = master.detach() if master.dtype == dtype else master.detach().to(dtype)
+        result = local_materialized(placement, self.rank, owned, dtype)
         if placement.num_moved == 0:
             return PendingGather(placement, lambda: (result, []))
         counters.count("allgather")

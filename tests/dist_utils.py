@@ -20,13 +20,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: Sequence[Any], results) -> None:
+def _become_rank(rank: int, world_size: int, port: int) -> None:
+    """The environment torch.distributed / DeepSpeed read, as a launcher would set it, and one thread."""
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": os.environ.get("TEST_LOCAL_WORLD_SIZE", str(world_size)),
                        "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"})
     import torch
     torch.set_num_threads(1)
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: Sequence[Any], results) -> None:
+    _become_rank(rank, world_size, port)
     try:
         # Plain pickle (tensor data inline): the shared-memory handles of torch's queue die with this process.
         results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
@@ -86,11 +91,7 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = DEFAUL
 
 def _worker_until_exit(rank: int, world_size: int, port: int, fn: Callable, args: Sequence[Any], results) -> None:
     """Like ``_worker``, but a failure ends the process with a non-zero exit code, as a real job's rank would."""
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-                       "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size),
-                       "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"})
-    import torch
-    torch.set_num_threads(1)
+    _become_rank(rank, world_size, port)
     try:
         results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
     except BaseException:

@@ -52,6 +52,18 @@ def test_hecate_without_budget_is_expert_parallelism():
     assert balanced.systems["hecate"].replicas_per_layer == 0      # balanced routing: nothing worth replicating
 
 
+def test_calibration_reacts_to_bursts():
+    """W7's one-step bursts escape the load window; with hecate.calibration the runtime re-plans after the gate, and
+    so does the simulator (the extra gather on the critical path)."""
+    from ds_hecate.config import HecateConfig
+
+    plain = simulate("v100-4x8", "gpt-moe-s", "W7", systems=["ep", "hecate"], steps=12)
+    calibrated = simulate("v100-4x8", "gpt-moe-s", "W7", systems=["ep", "hecate"], steps=12,
+                          hecate=HecateConfig(enabled=True, calibration=True, materialize_budget_mb=3276.8))
+    assert calibrated.systems["hecate"].step_time_s < plain.systems["hecate"].step_time_s
+    assert calibrated.systems["hecate"].imbalance < plain.systems["hecate"].imbalance
+
+
 def test_calibrated_two_rank_prediction_by_hand():
     """EP on W0 with measured costs: every term computed by hand."""
     measured = {"compute_s_per_pair": 2e-5, "link_gbps": 1.0, "non_moe_time_s": 3e-3}
@@ -97,3 +109,62 @@ def test_trace_replay_and_cli(tmp_path):
         simulate("cpu-2", TINY, str(trace), world_size=1, steps=2)
     with pytest.raises(HecateError, match="unknown system"):
         simulate("cpu-2", TINY, "W0", systems=["zero3"], steps=2)
+
+
+def test_dispatch_flows_follow_the_dispatch_rule():
+    """The vectorised dispatch the scheduler and the simulator use equals the rule of planning.dispatch
+    (eligible_ranks, even split), and its cross-node part is what leaves the source's node."""
+    import random
+
+    from ds_hecate.planning.dispatch import eligible_ranks, node_of
+    from ds_hecate.planning.scheduler import dispatch_flows
+
+    rng = random.Random(3)
+    for _ in range(200):
+        rpn = rng.choice([1, 2, 3])
+        world = rpn * rng.randint(1, 4)
+        num_experts = rng.randint(1, 6)
+        counts = [[rng.choice([0, 0, rng.randint(1, 50)]) for _ in range(num_experts)] for _ in range(world)]
+        holders = [sorted(rng.sample(range(world), rng.randint(1, world))) for _ in range(num_experts)]
+        mask = np.zeros((num_experts, world), dtype=bool)
+        for e, hs in enumerate(holders):
+            mask[e, hs] = True
+        flows = dispatch_flows(np.asarray(counts, dtype=float).T, mask, rpn)
+        processed = np.zeros((num_experts, world))
+        sent, received, sent_x, received_x = (np.zeros(world) for _ in range(4))
+        for src in range(world):
+            for e in range(num_experts):
+                n = counts[src][e]
+                if not n:
+                    continue
+                cands = eligible_ranks(src, holders[e], rpn)
+                if cands == [src]:
+                    processed[e, src] += n
+                    continue
+                sent[src] += n
+                crosses = node_of(cands[0], rpn) != node_of(src, rpn)
+                sent_x[src] += n if crosses else 0
+                for d in cands:
+                    processed[e, d] += n / len(cands)
+                    received[d] += n / len(cands)
+                    received_x[d] += n / len(cands) if crosses else 0
+        np.testing.assert_allclose(flows.processed, processed, rtol=1e-12, atol=1e-9)
+        np.testing.assert_allclose(flows.sent.sum(axis=0), sent, rtol=1e-12, atol=1e-9)
+        np.testing.assert_allclose(flows.received.sum(axis=0), received, rtol=1e-12, atol=1e-9)
+        np.testing.assert_allclose(flows.sent_inter.sum(axis=0), sent_x, rtol=1e-12, atol=1e-9)
+        np.testing.assert_allclose(flows.received_inter.sum(axis=0), received_x, rtol=1e-12, atol=1e-9)
+
+
+def test_more_ranks_than_experts_and_ring_what_if():
+    """64 ranks, 8 experts: EP runs in groups of 8 with data parallelism across them; Hecate starts from that
+    layout when its budget allows (else says so), and its owner-sends SparseAllGather costs more exposed time than
+    the ring-broadcast what-if."""
+    kw = dict(systems=["ep", "hecate"], steps=3, world_size=64)
+    p2p = simulate("h100-128x8", "mixtral-8x7b", "W0", materialize_budget_mb=16384.0, **kw)
+    ring = simulate("h100-128x8", "mixtral-8x7b", "W0", materialize_budget_mb=16384.0, spag="ring", **kw)
+    assert p2p.systems["hecate"].replicas_per_layer == 64 - 8            # one expert per non-owner rank
+    assert ring.systems["hecate"].breakdown_s["exposed_comm"] < p2p.systems["hecate"].breakdown_s["exposed_comm"]
+    assert not p2p.notes
+    starved = simulate("h100-128x8", "mixtral-8x7b", "W0", materialize_budget_mb=100.0, **kw)
+    assert any("replica budget (0 per layer per rank)" in n for n in starved.notes)
+    assert starved.systems["hecate"].imbalance == pytest.approx(8.0)    # only the 8 owners compute

@@ -25,7 +25,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ..collectives import CommCounters, Communicator, PendingGather, _itemsize
+from ..collectives import CommCounters, Communicator, PendingGather, _itemsize, local_materialized
 from ..errors import HecateError
 from ..planning import Placement
 from . import kernels
@@ -208,11 +208,7 @@ class CupyNcclCommunicator(Communicator):
         """spAG(P, P'): see :meth:`Communicator.start_sparse_all_gather`. Owners pack the experts each peer lacks
         (fp32 master -> ``dtype`` in the pack kernel), one NCCL group moves them; replicas are views of the receive
         buffer (no unpack copy: the expert kernels read them in place)."""
-        result: Dict[int, torch.Tensor] = {}
-        for e in placement.materialized[self.rank]:
-            if placement.owners[e] == self.rank:
-                master = owned[e]
-                result[e] = master.detach() if master.dtype == dtype else master.detach().to(dtype)
+        result = local_materialized(placement, self.rank, owned, dtype)
         if placement.num_moved == 0:
             return PendingGather(placement, lambda: (result, []))
         counters.count("allgather")

@@ -66,7 +66,7 @@ def run_simulate(args: argparse.Namespace) -> int:
                       seed=args.seed, hecate=hecate if args.config else None,
                       materialize_budget_mb=args.materialize_budget_mb,
                       zero_stage=args.zero_stage if args.zero_stage is not None else stage,
-                      precision=args.precision or precision)
+                      precision=args.precision or precision, spag=args.spag)
     print(format_table(result))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:
@@ -121,6 +121,9 @@ def add_parsers(sub: Any) -> None:
                      help="compute dtype (default: the config's, else bf16)")
     sim.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None,
                      help="ZeRO stage of the dense parameters, for the memory column (default: the config's, else 1)")
+    sim.add_argument("--spag", choices=("p2p", "ring"), default="p2p",
+                     help="Hecate's sparse collectives: p2p from the owner (as ds_hecate runs them, default) or "
+                          "ring broadcast/reduce per expert (what-if)")
     sim.add_argument("--seed", type=int, default=0, help="workload seed (W4, W7)")
     sim.add_argument("--json", default=None, help="also write the results as JSON to this file")
     sim.set_defaults(run=run_simulate)

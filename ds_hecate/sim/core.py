@@ -86,6 +86,7 @@ class _Ctx:
     optimizer: OptimizerStateLayout
     zero_stage: int
     precision: str
+    spag: str = "p2p"                   # how Hecate's sparse collectives travel: "p2p" (as collectives.py) or "ring"
 
     @property
     def numel(self) -> int:
@@ -163,7 +164,17 @@ def layer_time(ctx: _Ctx, counts: np.ndarray, mat: np.ndarray, owners: np.ndarra
     replicas = mat & ~owner_mask
     node_idx = np.arange(world) // rpn
     same_node = node_idx[:, None] == node_idx[owners][None, :]
+
     def phase(rep: np.ndarray, nbytes: int) -> np.ndarray:
+        if ctx.spag == "ring":
+            # what-if: each replicated expert travels as a pipelined ring broadcast (reduce) over its holders:
+            # every holder receives and forwards it once; the ring enters and leaves each node holding it once
+            moved = rep.any(axis=0)
+            hold = mat[:, moved]
+            on_node = np.add.reduceat(hold.astype(float), np.arange(0, world, rpn), axis=0) > 0
+            crossing = (on_node & (on_node.sum(axis=0) > 1)).sum(axis=1).astype(float)
+            return _links(ctx, world, rep.sum(axis=1).astype(float), hold.sum(axis=1).astype(float), crossing,
+                          crossing, nbytes)
         i_intra = (rep & same_node).sum(axis=1).astype(float)
         i_inter = (rep & ~same_node).sum(axis=1).astype(float)
         o_intra = np.bincount(owners, weights=(rep & same_node).sum(axis=0), minlength=world)
@@ -190,7 +201,8 @@ def layer_time(ctx: _Ctx, counts: np.ndarray, mat: np.ndarray, owners: np.ndarra
     elif mode == "persistent":
         exp_f, exp_b = np.zeros(world), np.maximum(0.0, 2 * reduce - t_b)
     elif mode == "rm":
-        exp_f, exp_b = np.maximum(0.0, gather - t_f), np.maximum(0.0, reduce + gather - t_b)
+        regather = gather if late is None else phase(replicas, ctx.numel * ctx.compute_b)
+        exp_f, exp_b = np.maximum(0.0, gather - t_f), np.maximum(0.0, reduce + regather - t_b)
     elif mode == "prefetch":
         exp_f, exp_b = np.maximum(0.0, gather - t_f), np.maximum(0.0, reduce - t_b)
     else:
@@ -466,10 +478,17 @@ class _Hecate(_System):
         # More ranks than experts: every rank gets work only through replicas; the search starts from the
         # expert-data-parallel layout (ep = experts), which FSSDP has to materialize anyway.
         self.start = None
+        self.note = ""
         if ctx.world > ctx.model.num_experts:
             ep_owners = even_sharding(ctx.model.num_experts, ctx.ep_size)
-            self.start = tuple(tuple(e for e, o in enumerate(ep_owners) if o == r % ctx.ep_size)
-                               for r in range(ctx.world))
+            start = tuple(tuple(e for e, o in enumerate(ep_owners) if o == r % ctx.ep_size) for r in range(ctx.world))
+            needed = max(sum(1 for e in experts if self.owners[e] != r) for r, experts in enumerate(start))
+            if self.budget >= needed:
+                self.start = start
+            else:   # the budget is a hard cap in the runtime: no layout beyond it
+                self.note = (f"{'hecate-rm' if rematerialize else 'hecate'}: the replica budget ({self.budget} per "
+                             f"layer per rank) is below the {needed} the expert-data-parallel layout needs with "
+                             f"{ctx.world} ranks and {ctx.model.num_experts} experts; raise --materialize-budget-mb")
 
     @staticmethod
     def frozen(mat: np.ndarray):
@@ -602,12 +621,15 @@ def simulate(cluster: Union[str, Cluster], model: Union[str, ModelShape], worklo
              systems: Sequence[str] = SYSTEMS, steps: int = 30, world_size: Optional[int] = None,
              tokens_per_rank: Optional[int] = None, warmup: int = 1, seed: int = 0,
              hecate: Optional[HecateConfig] = None, materialize_budget_mb: Optional[float] = None,
-             zero_stage: int = 1, precision: str = "bf16", optimizer: OptimizerStateLayout = ADAM) -> SimResult:
+             zero_stage: int = 1, precision: str = "bf16", optimizer: OptimizerStateLayout = ADAM,
+             spag: str = "p2p") -> SimResult:
     """Simulate ``steps`` training steps of ``model`` on ``cluster`` under ``workload`` for each of ``systems``.
 
     ``workload``: W0..W7 or a trace file (ds_hecate.trace). ``hecate``: the ``hecate`` config the Hecate systems
     plan with (default: defaults, with ``materialize_budget_mb`` = 10% of device memory unless given).
-    ``tokens_per_rank``: default ``seq_len * micro_batch`` of the model. Returns per-system results; speedups are
+    ``tokens_per_rank``: default ``seq_len * micro_batch`` of the model. ``spag``: ``p2p`` models Hecate's
+    SparseAllGather/SparseReduceScatter as ds_hecate runs them (the owner sends each replica), ``ring`` is a
+    what-if with pipelined ring broadcasts/reductions per expert (the paper's NCCL Broadcast/Reduce). Returns per-system results; speedups are
     against ``ep`` and fractions against ``ideal`` when those are among ``systems``.
     """
     start_wall = time.perf_counter()
@@ -620,6 +642,8 @@ def simulate(cluster: Union[str, Cluster], model: Union[str, ModelShape], worklo
         raise HecateError(f"unknown system(s) {unknown}; choose from {', '.join(SYSTEMS)}")
     if steps <= warmup:
         raise HecateError(f"simulate: steps ({steps}) must exceed warm-up steps ({warmup})")
+    if spag not in ("p2p", "ring"):
+        raise HecateError(f"simulate: spag must be 'p2p' or 'ring', got {spag!r}")
     if precision not in ("bf16", "fp16", "fp32"):
         raise HecateError(f"simulate: precision must be bf16, fp16 or fp32, got {precision!r}")
     world = cl.world_size
@@ -637,7 +661,7 @@ def simulate(cluster: Union[str, Cluster], model: Union[str, ModelShape], worklo
                s_per_pair=cl.compute_s_per_pair or 6.0 * mdl.expert_params / flops,
                t_fwd=(cl.non_moe_time_s if cl.non_moe_time_s is not None
                       else mdl.non_moe_flops_per_layer(tokens) / 3.0 / flops),
-               hecate=hecate, optimizer=optimizer, zero_stage=zero_stage, precision=precision)
+               hecate=hecate, optimizer=optimizer, zero_stage=zero_stage, precision=precision, spag=spag)
     counts, notes = _workload_counts(workload, mdl, world, steps, tokens, seed)
     # Layers whose routing is identical at every step behave identically (the planner is deterministic):
     # simulate one of each class and weight it by the class size.
@@ -660,6 +684,8 @@ def simulate(cluster: Union[str, Cluster], model: Union[str, ModelShape], worklo
         replicas_by_layer: List[np.ndarray] = []
         for layers in classes.values():
             sim = _make(system, ctx)
+            if getattr(sim, "note", "") and sim.note not in notes:
+                notes.append(sim.note)
             weight = len(layers)
             peak_reps = np.zeros(world)
             for s in range(steps):
