@@ -228,23 +228,22 @@ def _load_json(path: str) -> Any:
         raise HecateError(f"cannot read {path!r}: {exc}") from None
 
 
+def _resolve(spec, kind, presets: dict, what: str, hint: str):
+    """A preset of ``presets`` by name, or a JSON file of ``kind``'s fields; ``spec`` itself if already one."""
+    if isinstance(spec, kind):
+        return spec
+    if spec in presets:
+        return presets[spec]
+    if spec.endswith(".json") or os.path.exists(spec):
+        return _from_mapping(kind, _load_json(spec), spec)
+    raise HecateError(f"unknown {what} {spec!r}; choose a preset ({', '.join(presets)}) or {hint}")
+
+
 def resolve_model(spec: Union[str, ModelShape]) -> ModelShape:
     """A model preset name or a JSON file of :class:`ModelShape` fields."""
-    if isinstance(spec, ModelShape):
-        return spec
-    if spec in MODELS:
-        return MODELS[spec]
-    if spec.endswith(".json") or os.path.exists(spec):
-        return _from_mapping(ModelShape, _load_json(spec), spec)
-    raise HecateError(f"unknown model {spec!r}; choose a preset ({', '.join(MODELS)}) or a JSON file of sizes")
+    return _resolve(spec, ModelShape, MODELS, "model", "a JSON file of sizes")
 
 
 def resolve_cluster(spec: Union[str, Cluster]) -> Cluster:
     """A cluster preset name or a JSON file of :class:`Cluster` fields."""
-    if isinstance(spec, Cluster):
-        return spec
-    if spec in CLUSTERS:
-        return CLUSTERS[spec]
-    if spec.endswith(".json") or os.path.exists(spec):
-        return _from_mapping(Cluster, _load_json(spec), spec)
-    raise HecateError(f"unknown cluster {spec!r}; choose a preset ({', '.join(CLUSTERS)}) or a JSON file")
+    return _resolve(spec, Cluster, CLUSTERS, "cluster", "a JSON file")
