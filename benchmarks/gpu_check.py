@@ -98,7 +98,7 @@ def micro_benchmarks(quick: bool) -> list:
     add("reduce fp32 (own + 3 received)", n_out * numel * 4 * 5,
         timed(lambda: K.reduce_chunks(chunks[:n_out], recv, lists, numel), repeat),
         timed(lambda: ref.reduce_chunks(chunks[:n_out], recv, lists, numel), repeat), "reference (torch adds)")
-    del src, chunks, big, half, outs
+    src = chunks = big = half = outs = None  # free the device memory before the token benchmarks
 
     tokens, hidden = (1 << 15, 4096) if quick else (1 << 17, 4096)
     x = torch.randn(tokens, hidden, device=dev).to(torch.bfloat16)

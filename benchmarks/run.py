@@ -472,22 +472,11 @@ def transient_peak_bytes(fn: Callable[[], Any]) -> int:
 # One workload
 # ---------------------------------------------------------------------------------------------------------------
 
-def per_rank_load(counts: Sequence[Sequence[int]], owners: Sequence[int], world: int) -> List[int]:
-    load = [0] * world
-    for row in counts:
-        for e, n in enumerate(row):
-            load[owners[e]] += n
-    return load
-
-
-def _imbalance(loads: Sequence[float]) -> float:
-    mean = sum(loads) / len(loads)
-    return max(loads) / mean if mean > 0 else 1.0
-
-
 def run_workload(args, systems: Dict[str, System], routes, rank: int, world: int, counter: ByteCounter) -> dict:
     import deepspeed.comm as dist
     import torch
+
+    from ds_hecate.planning.scheduler import imbalance, owner_loads
     names = list(systems)
     E = args.experts
     owners = [e // (E // world) for e in range(E)]
@@ -536,8 +525,8 @@ def run_workload(args, systems: Dict[str, System], routes, rank: int, world: int
                     r["rows"].append([pairs_per_rank] * world)
             else:
                 for counts in all_counts:
-                    load = per_rank_load(counts, owners, world)
-                    r["load"].append(_imbalance(load))
+                    load = owner_loads(counts, owners, world)
+                    r["load"].append(imbalance(load))
                     if s == "deepspeed-ep":  # dropless legacy layer: every expert padded to the largest count
                         capacity = max(max(row) for row in counts)
                         r["rows"].append([world * (E // world) * capacity] * world)

@@ -72,6 +72,28 @@ def local_materialized(placement: Placement, rank: int, owned: Dict[int, torch.T
     return result
 
 
+@dataclass
+class ExpertMove:
+    """This rank's part of a one-off expert redistribution: experts kept, sent per destination, received per
+    source (each list in expert order)."""
+
+    kept: List[int]
+    sends: Dict[int, List[int]]
+    recvs: Dict[int, List[int]]
+
+    @staticmethod
+    def of(sources: Sequence[int], owners: Sequence[int], rank: int) -> "ExpertMove":
+        move = ExpertMove([], {}, {})
+        for e, (src, dst) in enumerate(zip(sources, owners)):
+            if src == dst == rank:
+                move.kept.append(e)
+            elif src == rank:
+                move.sends.setdefault(dst, []).append(e)
+            elif dst == rank:
+                move.recvs.setdefault(src, []).append(e)
+        return move
+
+
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
@@ -255,20 +277,13 @@ class Communicator:
         Used at conversion (experts start replicated, taken from rank 0 as DeepSpeed's broadcast does, or spread
         over expert-parallel ranks) and when re-sharding (chunks then carry optimizer state too).
         """
-        sends: Dict[int, List[torch.Tensor]] = {}
-        recvs: Dict[int, List[int]] = {}
-        kept: Dict[int, torch.Tensor] = {}
-        for e, (src, dst) in enumerate(zip(sources, owners)):
-            if src == dst == self.rank:
-                kept[e] = local[e].to(torch.float32).clone()
-            elif src == self.rank:
-                sends.setdefault(dst, []).append(local[e])
-            elif dst == self.rank:
-                recvs.setdefault(src, []).append(e)
+        move = ExpertMove.of(sources, owners, self.rank)
+        kept = {e: local[e].to(torch.float32).clone() for e in move.kept}
         if any(s != d for s, d in zip(sources, owners)):
-            received = self._start_chunk_exchange(sends, recvs, numel, torch.float32, torch.device("cpu"), False,
-                                                  "expert move")()
-            for src, experts in recvs.items():
+            sends = {dst: [local[e] for e in experts] for dst, experts in move.sends.items()}
+            received = self._start_chunk_exchange(sends, move.recvs, numel, torch.float32, torch.device("cpu"),
+                                                  False, "expert move")()
+            for src, experts in move.recvs.items():
                 for e, chunk in zip(experts, received[src]):
                     kept[e] = chunk.clone()
         return kept

@@ -16,6 +16,7 @@ import os
 
 import torch
 from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 from deepspeed.runtime.utils import combine_grad_norm_groups
 
 from . import checkpoint, metrics
@@ -89,7 +90,7 @@ class HecateEngine(DeepSpeedEngine):
         # scale before unscaling, so on a step where the scale grows dense gradients are divided by the new scale;
         # the experts take the same factor, so dense and expert parameters step as in data-parallel training.
         loss_scale = float(getattr(self.optimizer, "loss_scale", 1.0))
-        if getattr(runtime, "norm_from_optimizer", False):  # BF16_Optimizer: the joint norm it computed
+        if runtime.norm_from_optimizer:  # BF16_Optimizer / FP16_UnfusedOptimizer: the joint norm they computed
             norm = getattr(self.optimizer, "_global_grad_norm", None)
             runtime.last_total_norm = torch.as_tensor(float(norm)) if norm is not None else None
         runtime.apply_step(self.was_step_applied(), self.dp_world_size, loss_scale, self.gradient_clipping(), hyper)
@@ -103,21 +104,21 @@ class HecateEngine(DeepSpeedEngine):
 _EXTRA_NORMS: list = []
 
 
-def _is_unfused_bit16_optimizer(optimizer) -> bool:
+def _wrap_unfused_global_norm() -> None:
+    """Once per process: FP16_UnfusedOptimizer's ``get_global_norm`` appends the expert norm of the step in
+    progress (if any)."""
     import deepspeed.runtime.fp16.unfused_optimizer as unfused
 
-    if not isinstance(optimizer, unfused.FP16_UnfusedOptimizer):
-        return False
-    if not getattr(unfused.get_global_norm, "_hecate_wrapped", False):
-        original = unfused.get_global_norm
+    if getattr(unfused.get_global_norm, "_hecate_wrapped", False):
+        return
+    original = unfused.get_global_norm
 
-        def get_global_norm(norm_list):
-            if _EXTRA_NORMS:
-                norm_list = list(norm_list) + [_EXTRA_NORMS[-1]()]
-            return original(norm_list)
-        get_global_norm._hecate_wrapped = True
-        unfused.get_global_norm = get_global_norm
-    return True
+    def get_global_norm(norm_list):
+        if _EXTRA_NORMS:
+            norm_list = list(norm_list) + [_EXTRA_NORMS[-1]()]
+        return original(norm_list)
+    get_global_norm._hecate_wrapped = True
+    unfused.get_global_norm = get_global_norm
 
 
 def install_norm_hook(engine: DeepSpeedEngine, runtime: HecateRuntime) -> None:
@@ -165,11 +166,12 @@ def install_norm_hook(engine: DeepSpeedEngine, runtime: HecateRuntime) -> None:
             reference = dense[0] if dense else torch.zeros(1, dtype=torch.float32)
             # a one-element tensor whose norm is the experts' norm joins the dense tensors' norm
             dense = list(dense) + [expert_norm_like(reference).reshape(1)]
-            runtime.norm_from_optimizer = True
             return dense, expert_groups
 
         optimizer.get_grads_for_norm = get_grads_for_norm
-    elif _is_unfused_bit16_optimizer(optimizer):  # bf16 with ZeRO stage 0: FP16_UnfusedOptimizer in bf16 mode
+        runtime.norm_from_optimizer = True
+    elif isinstance(optimizer, FP16_UnfusedOptimizer):  # bf16 with ZeRO stage 0 (FP16_UnfusedOptimizer, bf16 mode)
+        _wrap_unfused_global_norm()
         original_step = optimizer.step
 
         def step(closure=None):

@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 from .errors import HecateConfigError
+from .planning.scheduler import owner_loads
 from .trace import TraceLayer, TraceWriter
 
 if TYPE_CHECKING:  # no import cycle at run time: the runtime imports this module
@@ -45,25 +46,6 @@ Observer = Callable[["LayerBinding", "LayerPlan", List[List[int]]], None]
 def event_name(layer: int, metric: str) -> str:
     """``Hecate/layer{layer}/{metric}``; DeepSpeed's CSV monitor stores it as ``Hecate_layer{layer}_{metric}.csv``."""
     return f"{EVENT_PREFIX}/layer{layer}/{metric}"
-
-
-def owner_loads(counts: Sequence[Sequence[int]], owners: Sequence[int], world_size: int) -> List[int]:
-    """Token-expert pairs per rank when every expert runs only on its owner (plain expert parallelism)."""
-    loads = [0] * world_size
-    for row in counts:
-        for e, n in enumerate(row):
-            loads[owners[e]] += n
-    return loads
-
-
-def plan_loads(plan: "LayerPlan") -> List[int]:
-    """Token-expert pairs per rank under the plan's routes; O(ranks x experts x fan-out), no token matrix."""
-    loads = [0] * plan.world_size
-    for per_src in plan.routes:
-        for per_expert in per_src:
-            for dst, n in per_expert:
-                loads[dst] += n
-    return loads
 
 
 @dataclass
@@ -102,7 +84,7 @@ class StepMetrics:
         """Runtime observer: one forward call (not a recompute) of ``binding`` executed ``plan`` for ``counts``."""
         world = plan.world_size
         before = owner_loads(counts, binding.shard.owners, world)
-        after = plan_loads(plan)
+        after = plan.loads()
         acc = self._steps.setdefault(self.layer_index(binding), _LayerStep())
         acc.calls += 1
         acc.max_before += max(before)

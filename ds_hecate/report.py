@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .errors import HecateError
-from .metrics import owner_loads, plan_loads
+from .planning.scheduler import owner_loads
 from .trace import TRACE_FORMAT, Trace, read_trace
 
 MAX_LAYERS_SHOWN = 8
@@ -157,7 +157,7 @@ def layer_histories(trace: Trace) -> List[LayerHistory]:
                     plan = LayerPlan(world_size=trace.world_size, num_experts=layer.num_experts, owners=owners,
                                      materialized=materialized,
                                      routes=topology_aware_routes(record.counts, materialized, rpn))
-                    after.append(plan_loads(plan))
+                    after.append(plan.loads())
                     replicas.append([holders[e] - (e in materialized[owners[e]]) for e in range(layer.num_experts)])
                 else:
                     replicas.append([max(h - 1, 0) for h in holders])

@@ -27,7 +27,7 @@ from .logging_utils import logger
 from .planning import CommCostModel, LayerPlan, Placement, POLICIES, topology_aware_routes
 from .planning.placement import STEP_COST_POLICIES
 from .planning.predictor import LoadPredictor
-from .planning.scheduler import StepCostModel, rank_loads, schedule_materialization
+from .planning.scheduler import StepCostModel, imbalance, owner_loads, schedule_materialization
 from .memory_plan import replica_budget, scheduler_costs
 from .shard_store import ExpertShardStore, LayerShard
 
@@ -364,23 +364,17 @@ class LayerBinding:
                "time_s": {k: round(v, 6) for k, v in self.phase_s.items()}}
         if plan is not None and counts is not None:
             world = self.runtime.world_size
-            before = [sum(row) for row in rank_loads(counts, self.owner_placement().materialized,
-                                                     self.runtime.ranks_per_node)[0]]
-            after = [plan.tokens_processed(r) for r in range(world)]
+            before = owner_loads(counts, self.shard.owners, world)
+            after = plan.loads()
             moved_experts = {e for e, _ in plan.gather_pairs}
             out.update({
                 "tokens_per_expert": [sum(row[e] for row in counts) for e in range(self.shard.num_experts)],
                 "compute_per_rank_before": before, "compute_per_rank_after": after,
-                "load_imbalance_before": _imbalance(before), "load_imbalance_after": _imbalance(after),
+                "load_imbalance_before": imbalance(before), "load_imbalance_after": imbalance(after),
                 "replicas": plan.num_moved, "materialized": [list(m) for m in plan.materialized],
                 "lambda": len(moved_experts) / self.shard.num_experts,
             })
         return out
-
-
-def _imbalance(loads: Sequence[float]) -> float:
-    mean = sum(loads) / len(loads)
-    return max(loads) / mean if mean > 0 else 1.0
 
 
 def _expert_major_order(plan: LayerPlan, rank: int, mine: Sequence[int]):
@@ -437,6 +431,7 @@ class HecateRuntime:
         self.steps_applied = 0
         self.steps_skipped = 0
         self.nonfinite_grad_steps = 0
+        self.norm_from_optimizer = False  # set by the norm hook when DeepSpeed's optimizer computes the joint norm
         self.last_nonfinite_grads: Optional[dict] = None
         self.reshards = 0
         self.call_order: List[int] = []
@@ -555,7 +550,11 @@ class HecateRuntime:
     def _note_nonfinite_grads(self) -> None:
         """NaN/Inf in this rank's expert gradients: counted and named in the statistics, and logged. Whether the
         step is applied is DeepSpeed's decision (its overflow check sees them through the global norm, which
-        includes the experts). One host sync for all experts."""
+        includes the experts). Skipped when this step's joint norm is known and finite; otherwise one host sync
+        for all experts."""
+        total = self.last_total_norm
+        if total is not None and 0 <= float(total) < float("inf"):
+            return
         names, checks = [], []
         for binding in self.bindings:
             for e, param in binding.shard.masters.items():

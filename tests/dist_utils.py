@@ -43,19 +43,25 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: Sequence[
             dist.destroy_process_group()
 
 
+def _spawn(target: Callable, world_size: int, fn: Callable, args: Sequence[Any]):
+    """Start ``world_size`` spawned processes running ``target(rank, world_size, port, fn, args, results)``."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=target, args=(r, world_size, port, fn, args, results), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    return procs, results
+
+
 def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = DEFAULT_TIMEOUT_S) -> List[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return the per-rank results.
 
     Raises AssertionError with the failing rank's traceback, or when the processes do not finish within
     ``timeout`` seconds (then every process is killed).
     """
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results), daemon=True)
-             for r in range(world_size)]
-    for p in procs:
-        p.start()
+    procs, results = _spawn(_worker, world_size, fn, args)
     out: List[Any] = [None] * world_size
     failures: List[str] = []
     pending = set(range(world_size))
@@ -105,13 +111,7 @@ def run_ranks_until_exit(world_size: int, fn: Callable, *args: Any, timeout: flo
     """Run ``fn`` on ``world_size`` processes and let each end on its own (nobody kills the survivors when one
     rank dies). Returns per rank ``{"exitcode", "exit_time" (time.time() when seen ended), "ok", "payload"}``;
     processes still running after ``timeout`` are killed and reported with ``exitcode`` None."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker_until_exit, args=(r, world_size, port, fn, args, results), daemon=True)
-             for r in range(world_size)]
-    for p in procs:
-        p.start()
+    procs, results = _spawn(_worker_until_exit, world_size, fn, args)
     out: List[dict] = [{"exitcode": None, "exit_time": None, "ok": False, "payload": None} for _ in procs]
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and any(o["exit_time"] is None for o in out):

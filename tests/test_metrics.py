@@ -18,7 +18,8 @@ from moe_training import Spec, train
 
 from ds_hecate.config import parse_hecate_section
 from ds_hecate.errors import HecateConfigError
-from ds_hecate.metrics import LOAD_METRICS, TRAFFIC_METRICS, owner_loads, plan_loads
+from ds_hecate.metrics import LOAD_METRICS, TRAFFIC_METRICS
+from ds_hecate.planning.scheduler import owner_loads
 from ds_hecate.planning import LayerPlan, topology_aware_routes
 from ds_hecate.runtime import PHASES
 from ds_hecate.trace import read_trace
@@ -165,7 +166,7 @@ def test_metric_values_match_the_traced_plans(monitored_run):
             materialized = tuple(tuple(m) for m in record.materialized)
             plan = LayerPlan(world_size=2, num_experts=EXPERTS, owners=owners[layer], materialized=materialized,
                              routes=topology_aware_routes(record.counts, materialized, 2))
-            before, after = owner_loads(record.counts, owners[layer], 2), plan_loads(plan)
+            before, after = owner_loads(record.counts, owners[layer], 2), plan.loads()
             mean = sum(before) / 2
             assert sum(after) == sum(before)  # balancing moves work, never creates or drops it
             assert got["mean_load"][step] == mean

@@ -25,7 +25,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ..collectives import CommCounters, Communicator, PendingGather, _itemsize, local_materialized
+from ..collectives import CommCounters, Communicator, ExpertMove, PendingGather, _itemsize, local_materialized
 from ..errors import HecateError
 from ..planning import Placement
 from . import kernels
@@ -261,16 +261,9 @@ class CupyNcclCommunicator(Communicator):
     def move_experts(self, sources: Sequence[int], owners: Sequence[int], local: Dict[int, torch.Tensor],
                      numel: int) -> Dict[int, torch.Tensor]:
         """See :meth:`Communicator.move_experts`; received chunks are unpacked into separate fp32 tensors."""
-        send_experts: Dict[int, List[int]] = {}
-        recv_experts: Dict[int, List[int]] = {}
-        kept: Dict[int, torch.Tensor] = {}
-        for e, (src, dst) in enumerate(zip(sources, owners)):
-            if src == dst == self.rank:
-                kept[e] = local[e].to(torch.float32).clone()
-            elif src == self.rank:
-                send_experts.setdefault(dst, []).append(e)
-            elif dst == self.rank:
-                recv_experts.setdefault(src, []).append(e)
+        move = ExpertMove.of(sources, owners, self.rank)
+        send_experts, recv_experts = move.sends, move.recvs
+        kept = {e: local[e].to(torch.float32).clone() for e in move.kept}
         if not any(s != d for s, d in zip(sources, owners)):
             return kept
         order = [e for d in range(self.world_size) for e in send_experts.get(d, ())]

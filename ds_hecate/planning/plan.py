@@ -118,6 +118,15 @@ class LayerPlan:
         """Tokens ``rank`` receives from each src."""
         return [sum(self.token_matrix[src][rank]) for src in range(self.world_size)]
 
+    def loads(self) -> List[int]:
+        """Token-expert pairs each rank computes under the routes (its compute load), all ranks in one pass."""
+        loads = [0] * self.world_size
+        for per_src in self.routes:
+            for per_expert in per_src:
+                for dst, n in per_expert:
+                    loads[dst] += n
+        return loads
+
     def tokens_processed(self, rank: int) -> int:
         """Token-expert pairs whose expert compute runs on ``rank``: its compute load."""
         return sum(self.recv_splits(rank))

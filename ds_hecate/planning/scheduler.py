@@ -17,7 +17,7 @@ input is identical on all ranks and ties break on (expert id, rank), so all rank
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -59,6 +59,21 @@ class LayerEstimate:
         loads = self.compute_pairs
         mean = sum(loads) / len(loads)
         return max(loads) / mean if mean > 0 else 1.0
+
+
+def owner_loads(counts: Sequence[Sequence[int]], owners: Sequence[int], world_size: int) -> List[int]:
+    """Token-expert pairs per rank when every expert runs only on its owner (plain expert parallelism)."""
+    loads = [0] * world_size
+    for row in counts:
+        for e, n in enumerate(row):
+            loads[owners[e]] += n
+    return loads
+
+
+def imbalance(loads: Sequence[float]) -> float:
+    """max/mean of per-rank loads (1.0 when there is no load at all)."""
+    mean = sum(loads) / len(loads)
+    return max(loads) / mean if mean > 0 else 1.0
 
 
 def rank_loads(counts: Sequence[Sequence[float]], materialized: Sequence[Sequence[int]], ranks_per_node: int):
