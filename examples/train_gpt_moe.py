@@ -284,6 +284,8 @@ def main() -> None:
 if __name__ == "__main__":
     main()
     # Tear the process groups down before interpreter exit: left to finalizers, gloo's worker threads can outlive
-    # them (seen as "terminate called without an active exception" under mpirun).
+    # them (seen as "terminate called without an active exception"). The barrier first, so that no rank tears its
+    # groups down while a peer still talks to it.
     if torch.distributed.is_initialized():
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
