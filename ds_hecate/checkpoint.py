@@ -41,7 +41,8 @@ def _atomic_torch_save(obj: Any, path: str) -> None:
 def _layer_meta(rt) -> List[Dict[str, Any]]:
     return [{"name": name, "num_experts": b.shard.num_experts, "numel": b.shard.kernel.numel,
              "param_names": b.shard.kernel.names, "param_shapes": [list(s) for s in b.shard.kernel.shapes],
-             "owners": list(b.shard.owners), "load_history": b.predictor.state_dict()["history"]}
+             "owners": list(b.shard.owners), "load_history": b.predictor.state_dict()["history"],
+             "schedule": b.schedule.state_dict()}
             for name, b in zip(rt.layer_names, rt.bindings)]
 
 
@@ -146,6 +147,8 @@ def prepare_load(rt, checkpoint_dir: str, load_optimizer_states: bool = True) ->
             shard = binding.shard
             owners = tuple(layer["owners"]) if same_world else even_sharding(shard.num_experts, rt.world_size)
             owners_per_layer.append(owners)
+            if same_world:
+                binding.check_saved_schedule(layer.get("schedule", {}))
             for e, owner in enumerate(owners):
                 if owner == rt.rank:
                     loaded.setdefault(shard.layer_id, {})[e] = _read_expert(directory, checkpoint_dir, shard, e)
@@ -178,6 +181,9 @@ def prepare_load(rt, checkpoint_dir: str, load_optimizer_states: bool = True) ->
         rt.steps_skipped = meta["steps_skipped"]
         rt.reshards = meta["reshards"]
         rt.measured = dict(meta["measured_costs"])
+        for layer, binding in zip(meta["layers"], rt.bindings):   # after owners and costs: same reuse decisions
+            same_world = meta["world_size"] == rt.world_size
+            binding.restore_schedule(layer.get("schedule", {}) if same_world else {})
     return install
 
 

@@ -27,7 +27,7 @@ class HecateConfig(BaseModel):
     placement: PlacementName = Field(
         "hecate",
         description=("Which experts each rank materializes every iteration. 'hecate': load-aware scheduler "
-                     "(predicted loads, overlap degree, memory budget, optional calibration); 'cost': owned "
+                     "(predicted loads, overlap degree, memory budget, calibration); 'cost': owned "
                      "experts plus every expert whose local tokens would move more bytes than the expert; 'owner': "
                      "owned experts only (plain expert parallelism); 'local': every expert a local token routes "
                      "to (no token leaves its rank). Baselines for benchmarks: 'shadow' (FasterMoE-style: hottest "
@@ -40,7 +40,12 @@ class HecateConfig(BaseModel):
         None, ge=0, le=1 << 20,
         description="t: experts a rank can move while the preceding non-MoE compute runs; null: from the cost model.")
     calibration: bool = Field(
-        False, description="Re-plan after the gate with the actual counts; gather more only if estimated faster.")
+        True, description="Re-plan after the gate when the actual counts left replan_tolerance of the prediction; "
+                          "gather more only if estimated faster.")
+    replan_tolerance: float = Field(
+        0.05, ge=0.0, le=1.0,
+        description="Re-run the scheduler only when the predicted loads moved by more than this fraction (L1 over all "
+                    "token-expert pairs) since its last search; 0: on every change.")
     rematerialize: bool = Field(
         False, description="Release materialized experts after forward and gather them again for backward.")
     prefetch: bool = Field(True, description="Issue a layer's SparseAllGather before its gate (after the previous "

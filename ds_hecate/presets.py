@@ -139,16 +139,25 @@ class Cluster:
     def from_measured(cls, measured: Mapping[str, float], world_size: int = 2, name: str = "cpu-measured",
                       device_memory_gb: float = 24.0) -> "Cluster":
         """One node of ``world_size`` ranks with the throughput ds_hecate measured at the first step
-        (``engine.hecate.stats()["measured_costs"]``: ``compute_s_per_pair``, ``link_gbps``, ``non_moe_time_s``)."""
+        (``engine.hecate.stats()["measured_costs"]``: ``compute_s_per_pair``, ``link_gbps``, ``non_moe_time_s``).
+
+        Optional measured unit costs (absent: 0, i.e. not modelled), for measurements beyond the runtime's own:
+        ``fixed_step_s`` (per-step time outside the blocks: optimizer step, framework), ``layer_overhead_s`` (per
+        MoE layer call, forward + backward: count exchange, planning, launch) and ``collective_latency_s`` (the
+        fixed cost of one collective round, added to every all-to-all pass and sparse collective phase).
+        """
         missing = [k for k in ("compute_s_per_pair", "link_gbps", "non_moe_time_s") if k not in measured]
         if missing:
             raise HecateError(f"measured costs lack {missing}; expected the 'measured_costs' dict of "
                               "engine.hecate.stats() (compute_s_per_pair, link_gbps, non_moe_time_s)")
+        latency = float(measured.get("collective_latency_s", 0.0))
         return cls(name=name, nodes=1, devices_per_node=world_size, intra_node_gbps=float(measured["link_gbps"]),
                    inter_node_gbps=float(measured["link_gbps"]), device_tflops=1.0,
-                   device_memory_gb=device_memory_gb, intra_latency_s=0.0, inter_latency_s=0.0,
+                   device_memory_gb=device_memory_gb, intra_latency_s=latency, inter_latency_s=latency,
                    overlaps_compute=False, compute_s_per_pair=float(measured["compute_s_per_pair"]),
                    non_moe_time_s=float(measured["non_moe_time_s"]),
+                   fixed_step_s=float(measured.get("fixed_step_s", 0.0)),
+                   layer_overhead_s=float(measured.get("layer_overhead_s", 0.0)),
                    description="calibrated from ds_hecate's measured costs")
 
 

@@ -1,18 +1,27 @@
 """Measured inputs of the scheduler's cost model: link bandwidth, expert compute per token-expert pair, and the
 non-MoE compute time that hides a layer's SparseAllGather (T_nonMoE in the paper).
 
-Measured once, at the first optimizer step, on every rank; rank 0's numbers are broadcast so every rank plans with
-identical floats (identical plans are what keeps the collectives matched).
+Measured at the first optimizer step, so planning can start, and again at step :data:`WARM_PROFILE_STEP` from the
+work of the steps in between: the first step is cold (allocations, first-call kernel set-up) and on a CPU its
+compute per pair reads about twice the steady value, which would make the scheduler over-value replicas. Every rank
+measures; the mean is broadcast from rank 0 so every rank plans with identical floats (identical plans are what
+keeps the collectives matched).
 """
 from __future__ import annotations
 
 import time
-from typing import Dict
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 PROBE_BYTES_PER_PEER = 1 << 20
+WARM_PROFILE_STEP = 4
+
+
+def expert_work(rt) -> Tuple[int, float]:
+    """Token-expert pairs processed and forward expert-compute seconds so far, over all layers of this rank."""
+    return (sum(b.pairs_processed for b in rt.bindings), sum(b.phase_s["compute"] for b in rt.bindings))
 
 
 def _probe_link_gbps(rt) -> float:
@@ -30,9 +39,12 @@ def _probe_link_gbps(rt) -> float:
     return PROBE_BYTES_PER_PEER * (rt.world_size - 1) / max(elapsed, 1e-9) / 1e9
 
 
-def measure_costs(rt) -> Dict[str, float]:
-    pairs = sum(b.pairs_processed for b in rt.bindings)
-    compute = sum(b.phase_s["compute"] for b in rt.bindings)
+def measure_costs(rt, since: Optional[Tuple[int, float]] = None) -> Dict[str, float]:
+    """The cost-model inputs; ``since`` (an :func:`expert_work` snapshot) limits the compute figure to the work done
+    after it."""
+    pairs, compute = expert_work(rt)
+    if since is not None:
+        pairs, compute = pairs - since[0], compute - since[1]
     # Forward compute is timed; backward costs about twice the forward.
     per_pair = 3.0 * compute / pairs if pairs else 0.0
     gaps = [g for b in rt.bindings for g in b.gaps_s]
@@ -45,7 +57,7 @@ def measure_costs(rt) -> Dict[str, float]:
         dist.broadcast(values, src=dist.get_global_rank(rt.comm.group, 0) if rt.comm.group is not None else 0,
                        group=rt.comm.group)
     per_pair, non_moe, link = values.tolist()
-    out = {"non_moe_time_s": non_moe}
+    out = {"non_moe_time_s": non_moe, "profiled_at_step": float(rt.global_steps)}
     if per_pair > 0:
         out["compute_s_per_pair"] = per_pair
     if link > 0:

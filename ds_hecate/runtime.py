@@ -27,8 +27,10 @@ from .logging_utils import logger
 from .planning import CommCostModel, LayerPlan, Placement, POLICIES, topology_aware_routes
 from .planning.placement import STEP_COST_POLICIES
 from .planning.predictor import LoadPredictor
-from .planning.scheduler import StepCostModel, imbalance, owner_loads, schedule_materialization
+from .planning.scheduler import (ScheduleReuse, StepCostModel, imbalance, owner_loads,
+                                 schedule_materialization)
 from .memory_plan import replica_budget, scheduler_costs
+from .profiling import WARM_PROFILE_STEP, expert_work, measure_costs
 from .shard_store import ExpertShardStore, LayerShard
 
 PHASES = ("counts", "plan", "gather", "dispatch", "compute", "combine", "reduce_scatter", "reduce_wait", "regather")
@@ -118,6 +120,7 @@ class LayerBinding:
         self.hidden_size = hidden_size
         self.cost = runtime.comm_cost_model(shard, hidden_size)
         self.predictor = LoadPredictor(runtime.config.load_window)
+        self.schedule = ScheduleReuse(runtime.config.replan_tolerance)
         self.counters = CommCounters()
         self.phase_s: Dict[str, float] = {p: 0.0 for p in PHASES}
         self.pending: Optional[PendingGather] = None
@@ -212,9 +215,35 @@ class LayerBinding:
         if predicted is None:
             return self.owner_placement()
         rt = self.runtime
-        materialized = schedule_materialization(predicted, self.shard.owners, rt.step_costs(self),
-                                                self.replica_budget(), rt.ranks_per_node)
+        materialized = self.schedule.schedule(predicted, self.shard.owners, rt.step_costs(self),
+                                              self.replica_budget(), rt.ranks_per_node)
         return Placement(self.shard.owners, materialized)
+
+    def check_saved_schedule(self, state: dict) -> None:
+        """Raise if a checkpoint's saved schedule (``ScheduleReuse.state_dict``) cannot belong to this layer."""
+        rt = self.runtime
+        if not state:
+            return
+        try:
+            placement = [sorted(int(e) for e in r) for r in state["placement"]]
+            loads = [[float(v) for v in row] for row in state["planned_for"]]
+            owners = [int(o) for o in state["owners"]]
+            valid = (len(placement) == len(loads) == rt.world_size and len(owners) == self.shard.num_experts
+                     and all(0 <= o < rt.world_size for o in owners)
+                     and all(len(row) == len(owners) for row in loads)
+                     and all(0 <= e < len(owners) for r in placement for e in r)
+                     and all(e in placement[o] for e, o in enumerate(owners)))
+        except (KeyError, TypeError, ValueError):
+            valid = False
+        if not valid:
+            raise HecateError(f"MoE layer '{self.shard.name}': the checkpoint's saved schedule does not fit this "
+                              f"model ({rt.world_size} ranks, {self.shard.num_experts} experts); the checkpoint's "
+                              "meta.json is damaged")
+
+    def restore_schedule(self, state: dict) -> None:
+        """Adopt a checkpointed schedule (after owners and measured costs are restored): same reuse decisions."""
+        rt = self.runtime
+        self.schedule.load_state_dict(state, rt.step_costs(self), self.replica_budget(), rt.ranks_per_node)
 
     def start_prefetch(self) -> None:
         if self.pending is None and self.runtime.config.placement == "hecate":
@@ -236,7 +265,8 @@ class LayerBinding:
             self.pending = None
             materialized = pending.placement.materialized
             extra = None
-            if rt.config.calibration:
+            # calibration re-plans only when the actual counts left the tolerance of what the placement assumed
+            if rt.config.calibration and not self.schedule.still_fits(counts):
                 calibrated = schedule_materialization(counts, owners, rt.step_costs(self), self.replica_budget(),
                                                       rt.ranks_per_node, start=materialized, prefetched=materialized)
                 if calibrated != materialized:
@@ -358,6 +388,7 @@ class LayerBinding:
         out = {"name": self.shard.name, "num_experts": self.shard.num_experts, "owners": list(self.shard.owners),
                "owned_experts": self.shard.owned, "forward_calls": self.calls, "prefetch_hits": self.prefetch_hits,
                "recomputes": self.recomputes, "replica_budget": self.replica_budget(),
+               "schedule_searches": self.schedule.searches, "schedule_reuses": self.schedule.reuses,
                "peak_replica_bytes": self.peak_replica_bytes, **self.counters.as_dict(),
                "cross_node_tokens": self.cross_node_rows,
                "avoidable_cross_node_tokens": self.avoidable_cross_node_rows,
@@ -437,6 +468,7 @@ class HecateRuntime:
         self.call_order: List[int] = []
         self._order_fixed = False
         self.measured: Dict[str, float] = {}
+        self._work_at_profile: Optional[Tuple[int, float]] = None   # expert_work() when costs were last measured
         self.overlaps_compute = torch.cuda.is_available()
         self.last_layer_end: Optional[float] = None
         self.peak_replica_bytes = 0
@@ -577,16 +609,19 @@ class HecateRuntime:
         self.drop_pending()
         if global_steps == 1 and not self.measured:
             self.measure_costs()
+        elif (global_steps == WARM_PROFILE_STEP and self._work_at_profile is not None
+              and self.measured.get("profiled_at_step", 0.0) < WARM_PROFILE_STEP):
+            self.measure_costs(since=self._work_at_profile)   # steady-state figures replace the cold first step's
         interval = self.config.reshard_interval
         if interval and global_steps % interval == 0 and self.config.placement == "hecate":
             from .resharding import reshard
             if reshard(self):
                 self.reshards += 1
 
-    def measure_costs(self) -> None:
+    def measure_costs(self, since: Optional[Tuple[int, float]] = None) -> None:
         """Profile link bandwidth, expert compute per pair and T_nonMoE; agree on rank 0's numbers."""
-        from .profiling import measure_costs
-        self.measured = measure_costs(self)
+        self.measured = measure_costs(self, since)
+        self._work_at_profile = expert_work(self)
 
     # -- consolidation ------------------------------------------------------------------------------------------
     def full_expert_weights(self) -> Dict[str, torch.Tensor]:

@@ -189,3 +189,22 @@ def test_pickle_payload_in_place_of_each_hecate_file_is_refused_unexecuted(saved
                 assert f"expert {expert} of MoE layer 'blocks.{layer}.moe'" in message, message
         assert not os.path.exists(markers[i]), f"loading executed code hidden in {name}"
     assert all(r["unchanged"] for r in results), "a refused load must not change any weight"
+
+
+def test_saved_schedule_is_kept_and_a_damaged_one_is_refused(saved_checkpoint, tmp_path):
+    """meta.json carries each layer's last scheduler result (so a resumed run reuses it as the original would);
+    one that cannot belong to the model fails on every rank before anything is loaded."""
+    import json
+    import shutil
+    meta = json.load(open(os.path.join(saved_checkpoint, "meta.json")))
+    saved = meta["layers"][1]["schedule"]
+    assert saved, "the hot layer was scheduled before the save: its schedule must be in the checkpoint"
+    assert len(saved["placement"]) == 2 and len(saved["planned_for"]) == 2 and len(saved["owners"]) == 8
+    ckpt = str(tmp_path / "run")
+    shutil.copytree(os.path.dirname(os.path.dirname(saved_checkpoint)), ckpt)
+    meta["layers"][1]["schedule"]["placement"][0].append(99)   # an expert the layer does not have
+    with open(os.path.join(ckpt, "global_step2", "hecate", "meta.json"), "w") as f:
+        json.dump(meta, f)
+    for r in run_ranks(2, _load_broken, ckpt):
+        assert "MoE layer 'blocks.1.moe': the checkpoint's saved schedule does not fit" in r["message"], r["message"]
+        assert r["unchanged"], "a failed load must not change any weight"

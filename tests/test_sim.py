@@ -57,7 +57,8 @@ def test_calibration_reacts_to_bursts():
     so does the simulator (the extra gather on the critical path)."""
     from ds_hecate.config import HecateConfig
 
-    plain = simulate("v100-4x8", "gpt-moe-s", "W7", systems=["ep", "hecate"], steps=12)
+    plain = simulate("v100-4x8", "gpt-moe-s", "W7", systems=["ep", "hecate"], steps=12,
+                     hecate=HecateConfig(enabled=True, calibration=False, materialize_budget_mb=3276.8))
     calibrated = simulate("v100-4x8", "gpt-moe-s", "W7", systems=["ep", "hecate"], steps=12,
                           hecate=HecateConfig(enabled=True, calibration=True, materialize_budget_mb=3276.8))
     assert calibrated.systems["hecate"].step_time_s < plain.systems["hecate"].step_time_s

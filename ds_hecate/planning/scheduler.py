@@ -371,3 +371,82 @@ def schedule_materialization(counts: Sequence[Sequence[float]], owners: Sequence
         if float(_round12(best_max)) < float(_round12(result_time)) and best_max <= threshold:
             result_time, result_mat = best_max, search.mat.copy()
     return search.frozen(result_mat)
+
+
+def load_shift(before: Sequence[Sequence[float]], after: Sequence[Sequence[float]]) -> float:
+    """How far the (source rank, expert) loads moved: L1 distance over the total of ``before`` (0 = unchanged).
+
+    An empty ``before`` counts as moved entirely unless ``after`` is empty too.
+    """
+    a = np.asarray(before, dtype=np.float64)
+    b = np.asarray(after, dtype=np.float64)
+    if a.shape != b.shape:
+        return float("inf")
+    total = float(a.sum())
+    diff = float(np.abs(b - a).sum())
+    if total <= 0.0:
+        return 0.0 if diff == 0.0 else float("inf")
+    return diff / total
+
+
+class ScheduleReuse:
+    """The last schedule and what it was computed for, so an unchanged situation does not pay for a new search.
+
+    Why: the greedy search costs milliseconds per layer and call, while the predicted loads (a window average) move
+    by about a percent a step once routing settles; re-planning then returns the same placement, or one whose
+    estimate differs by noise. A schedule is reused while the owners, the cost model and the replica budget are
+    unchanged and the loads moved by at most ``tolerance`` (:func:`load_shift`) from the loads it was computed for;
+    ``tolerance`` 0 re-plans on every change. All inputs are identical on every rank, so every rank makes the same
+    choice. ``planned_for`` tells calibration which loads the prefetched placement assumed.
+    """
+
+    def __init__(self, tolerance: float) -> None:
+        if not 0.0 <= tolerance <= 1.0:
+            raise ValueError(f"ScheduleReuse: tolerance must be in [0, 1], got {tolerance}")
+        self.tolerance = tolerance
+        self.planned_for: Optional[List[List[float]]] = None
+        self.placement: Optional[Placement] = None
+        self._key: Optional[tuple] = None
+        self.searches = 0
+        self.reuses = 0
+
+    def schedule(self, counts: Sequence[Sequence[float]], owners: Sequence[int], costs: StepCostModel,
+                 budget_per_rank: int, ranks_per_node: int,
+                 start: Optional[Sequence[Sequence[int]]] = None) -> Placement:
+        """:func:`schedule_materialization` of ``counts``, or the previous result when it still applies."""
+        start_key = None if start is None else tuple(tuple(int(e) for e in r) for r in start)
+        key = (tuple(int(o) for o in owners), costs, budget_per_rank, ranks_per_node) + (
+            (start_key,) if start_key is not None else ())
+        if (self.placement is not None and key == self._key
+                and load_shift(self.planned_for, counts) <= self.tolerance):
+            self.reuses += 1
+            return self.placement
+        self.searches += 1
+        self.placement = schedule_materialization(counts, owners, costs, budget_per_rank, ranks_per_node,
+                                                  start=start)
+        self.planned_for = np.asarray(counts, dtype=np.float64).tolist()
+        self._key = key
+        return self.placement
+
+    def still_fits(self, counts: Sequence[Sequence[float]]) -> bool:
+        """Whether ``counts`` are within the tolerance of the loads the current schedule was computed for."""
+        return self.planned_for is not None and load_shift(self.planned_for, counts) <= self.tolerance
+
+    def reset(self) -> None:
+        self.planned_for, self.placement, self._key = None, None, None
+
+    def state_dict(self) -> dict:
+        """What a resumed run needs to make the same reuse decisions (bitwise resume)."""
+        if self.placement is None:
+            return {}
+        return {"planned_for": self.planned_for, "placement": [list(r) for r in self.placement],
+                "owners": list(self._key[0])}
+
+    def load_state_dict(self, state: dict, costs: StepCostModel, budget_per_rank: int, ranks_per_node: int) -> None:
+        """Restore :meth:`state_dict`; the owners come from the state (the schedule may predate a re-sharding, which
+        the next call then notices), the rest of the situation from the caller."""
+        self.reset()
+        if state:
+            self.planned_for = [[float(v) for v in row] for row in state["planned_for"]]
+            self.placement = tuple(tuple(int(e) for e in r) for r in state["placement"])
+            self._key = (tuple(int(o) for o in state["owners"]), costs, budget_per_rank, ranks_per_node)

@@ -32,7 +32,7 @@ from ..errors import HecateError
 from ..memory_plan import OptimizerStateLayout, dense_state_bytes, replica_budget, scheduler_costs
 from ..planning.placement import POLICIES
 from ..planning.predictor import LoadPredictor
-from ..planning.scheduler import StepCostModel, dispatch_flows, schedule_materialization
+from ..planning.scheduler import ScheduleReuse, StepCostModel, dispatch_flows, schedule_materialization
 from ..planning.sharding import even_sharding
 from ..presets import Cluster, ModelShape, resolve_cluster, resolve_model
 from ..routing_workloads import WORKLOADS, routing_counts
@@ -87,6 +87,7 @@ class _Ctx:
     zero_stage: int
     precision: str
     spag: str = "p2p"                   # how Hecate's sparse collectives travel: "p2p" (as collectives.py) or "ring"
+    planner_costs: Optional[Dict[str, float]] = None   # what the planners see, when not the time model's costs
 
     @property
     def numel(self) -> int:
@@ -106,6 +107,8 @@ class _Ctx:
         return 4 + 4 + self.optimizer.bytes_per_param
 
     def measured(self, world: int) -> Dict[str, float]:
+        if self.planner_costs is not None:
+            return dict(self.planner_costs)
         link = self.cluster.inter_node_gbps_per_device if world > self.rpn else self.cluster.intra_node_gbps
         return {"link_gbps": link, "compute_s_per_pair": self.s_per_pair, "non_moe_time_s": self.t_fwd}
 
@@ -471,6 +474,7 @@ class _Hecate(_System):
         self.mode = "rm" if rematerialize else "prefetch"
         self.owners = np.asarray(even_sharding(ctx.model.num_experts, ctx.world))
         self.window = _Window(ctx.hecate.load_window)
+        self.schedule = ScheduleReuse(ctx.hecate.replan_tolerance)   # the runtime's reuse rule
         self.costs = ctx.step_costs(ctx.world)
         self.timings: Dict[Any, _LayerTime] = {}
         self.budget = replica_budget(ctx.hecate.materialize_budget_mb, ctx.numel * ctx.compute_b,
@@ -496,21 +500,19 @@ class _Hecate(_System):
 
     def step(self, step, counts):
         predicted = self.window.predict()
-        key = self.window.key
         if predicted is None:
             mat = _owner_matrix(self.owners, self.ctx.world)
             if self.start is not None:
                 mat |= _placement_matrix(self.start, self.ctx.model.num_experts)
         else:
-            # the scheduler is a deterministic function of the predicted matrix: plan each distinct one once
-            digest = hashlib.blake2b(predicted.tobytes(), digest_size=16).digest()
-            if digest not in self.cache:
-                placement = schedule_materialization(predicted.tolist(), tuple(int(o) for o in self.owners),
-                                                     self.costs, self.budget, self.ctx.rpn, start=self.start)
-                self.cache[digest] = _placement_matrix(placement, self.ctx.model.num_experts)
-            mat = self.cache[digest]
+            # as LayerBinding.predicted_placement: search again only when the loads left replan_tolerance
+            placement = self.schedule.schedule(predicted, self.owners, self.costs, self.budget, self.ctx.rpn,
+                                               start=self.start)
+            if placement not in self.cache:
+                self.cache[placement] = _placement_matrix(placement, self.ctx.model.num_experts)
+            mat = self.cache[placement]
         late = None
-        if self.ctx.hecate.calibration and predicted is not None:
+        if self.ctx.hecate.calibration and predicted is not None and not self.schedule.still_fits(counts):
             # as LayerBinding._plan: re-plan with the actual counts, extending the prefetched placement; the
             # added replicas are gathered after the gate
             calibrated = schedule_materialization(counts.tolist(), tuple(int(o) for o in self.owners), self.costs,
@@ -518,7 +520,7 @@ class _Hecate(_System):
                                                   prefetched=self.frozen(mat))
             cal = _placement_matrix(calibrated, self.ctx.model.num_experts)
             late, mat = cal & ~mat, cal
-        timing_key = (key, counts.tobytes())
+        timing_key = (mat.tobytes(), counts.tobytes())
         if late is not None or timing_key not in self.timings:
             self.timings[timing_key] = layer_time(self.ctx, counts, mat, self.owners, self.mode, late)
         self.window.push(counts)
@@ -585,6 +587,29 @@ def _workload_counts(workload: str, model: ModelShape, world: int, steps: int, t
     return out, notes
 
 
+def _explicit_counts(counts: Sequence[Sequence[Any]], model: ModelShape, world: int,
+                     steps: int) -> List[List[np.ndarray]]:
+    """Validate ``counts[step][layer]`` ([world, experts] each) and convert to arrays; layers of a step with equal
+    counts share one array, so the simulator's layer classes (identical routing at every step) still form."""
+    if len(counts) != steps:
+        raise HecateError(f"simulate: counts has {len(counts)} step(s), expected steps={steps}")
+    out: List[List[np.ndarray]] = []
+    for s, layers in enumerate(counts):
+        if len(layers) != model.moe_layers:
+            raise HecateError(f"simulate: counts[{s}] has {len(layers)} layer(s), model {model.name} has "
+                              f"{model.moe_layers} MoE layers")
+        row: List[np.ndarray] = []
+        for layer, c in enumerate(layers):
+            arr = np.asarray(c, dtype=np.float64)
+            if arr.shape != (world, model.num_experts) or (arr < 0).any():
+                raise HecateError(f"simulate: counts[{s}][{layer}] must be a non-negative [world={world}, "
+                                  f"experts={model.num_experts}] matrix, got shape {arr.shape}")
+            same = next((prev for prev in row if np.array_equal(prev, arr)), None)
+            row.append(same if same is not None else arr)
+        out.append(row)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # memory
 # ---------------------------------------------------------------------------------------------------------------
@@ -622,7 +647,8 @@ def simulate(cluster: Union[str, Cluster], model: Union[str, ModelShape], worklo
              tokens_per_rank: Optional[int] = None, warmup: int = 1, seed: int = 0,
              hecate: Optional[HecateConfig] = None, materialize_budget_mb: Optional[float] = None,
              zero_stage: int = 1, precision: str = "bf16", optimizer: OptimizerStateLayout = ADAM,
-             spag: str = "p2p") -> SimResult:
+             spag: str = "p2p", counts: Optional[Sequence[Sequence[Any]]] = None,
+             planner_costs: Optional[Dict[str, float]] = None) -> SimResult:
     """Simulate ``steps`` training steps of ``model`` on ``cluster`` under ``workload`` for each of ``systems``.
 
     ``workload``: W0..W7 or a trace file (ds_hecate.trace). ``hecate``: the ``hecate`` config the Hecate systems
@@ -631,6 +657,14 @@ def simulate(cluster: Union[str, Cluster], model: Union[str, ModelShape], worklo
     SparseAllGather/SparseReduceScatter as ds_hecate runs them (the owner sends each replica), ``ring`` is a
     what-if with pipelined ring broadcasts/reductions per expert (the paper's NCCL Broadcast/Reduce). Returns per-system results; speedups are
     against ``ep`` and fractions against ``ideal`` when those are among ``systems``.
+
+    ``counts``: explicit routing to replay instead of generating it from ``workload`` (then only a label):
+    ``counts[step][layer]`` is a ``[world, experts]`` matrix of token-expert pairs, for every one of ``steps`` steps
+    and ``model.moe_layers`` layers. What the benchmark calibration passes (benchmarks/calibration.py), so the
+    simulator replays exactly the counts a measured run forced, trace rescaling included. ``planner_costs``: the
+    measured costs (``compute_s_per_pair``, ``link_gbps``, ``non_moe_time_s``) the planners decide with, when they
+    differ from the cluster's time model: a run's runtime planned with its first-step measurement, and replaying
+    its decisions needs those numbers even where the step time is modelled with other (e.g. warm) unit costs.
     """
     start_wall = time.perf_counter()
     cl = resolve_cluster(cluster)
@@ -661,8 +695,12 @@ def simulate(cluster: Union[str, Cluster], model: Union[str, ModelShape], worklo
                s_per_pair=cl.compute_s_per_pair or 6.0 * mdl.expert_params / flops,
                t_fwd=(cl.non_moe_time_s if cl.non_moe_time_s is not None
                       else mdl.non_moe_flops_per_layer(tokens) / 3.0 / flops),
-               hecate=hecate, optimizer=optimizer, zero_stage=zero_stage, precision=precision, spag=spag)
-    counts, notes = _workload_counts(workload, mdl, world, steps, tokens, seed)
+               hecate=hecate, optimizer=optimizer, zero_stage=zero_stage, precision=precision, spag=spag,
+               planner_costs=None if planner_costs is None else {k: float(v) for k, v in planner_costs.items()})
+    if counts is None:
+        counts, notes = _workload_counts(workload, mdl, world, steps, tokens, seed)
+    else:
+        counts, notes = _explicit_counts(counts, mdl, world, steps), []
     # Layers whose routing is identical at every step behave identically (the planner is deterministic):
     # simulate one of each class and weight it by the class size.
     classes: Dict[Tuple[int, ...], List[int]] = {}

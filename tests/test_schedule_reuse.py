@@ -1,0 +1,100 @@
+"""Reuse of the scheduler's last search (planning.scheduler.ScheduleReuse, hecate.replan_tolerance).
+
+Pure planning code: no process group. The runtime wiring (reused schedules in real training, the schedule in
+checkpoints) is covered by tests/test_checkpoint.py's bitwise resume and by the stats check below.
+"""
+from __future__ import annotations
+
+import pytest
+
+from ds_hecate.planning.scheduler import ScheduleReuse, StepCostModel, load_shift, schedule_materialization
+from ds_hecate.routing_workloads import routing_counts
+
+OWNERS = (0, 0, 0, 0, 1, 1, 1, 1)
+COSTS = StepCostModel(compute_s_per_pair=3e-5, token_transfer_s=1e-6, expert_transfer_s=2e-3)
+
+
+def hot(share_on_zero: int, step_noise: int = 0):
+    """Two source ranks, expert 0 hot by ``share_on_zero`` pairs; ``step_noise`` moves pairs between experts 5/6."""
+    return [[share_on_zero, 40, 40, 40, 40 + step_noise, 40 - step_noise, 40, 40] for _ in range(2)]
+
+
+def test_load_shift_is_l1_over_the_total():
+    assert load_shift([[10, 10]], [[10, 10]]) == 0.0
+    assert load_shift([[10, 10]], [[12, 8]]) == pytest.approx(4 / 20)
+    assert load_shift([[0, 0]], [[0, 0]]) == 0.0
+    assert load_shift([[0, 0]], [[1, 0]]) == float("inf")
+    assert load_shift([[1, 1]], [[1, 1, 1]]) == float("inf")   # shape changed: never "unchanged"
+
+
+def test_unchanged_loads_reuse_and_the_result_is_the_search_result():
+    reuse = ScheduleReuse(0.05)
+    counts = hot(600)
+    first = reuse.schedule(counts, OWNERS, COSTS, 8, 2)
+    assert first == schedule_materialization(counts, OWNERS, COSTS, 8, 2)
+    assert any(len(r) > 4 for r in first)           # the hot expert was replicated: a real schedule
+    again = reuse.schedule(hot(600, step_noise=5), OWNERS, COSTS, 8, 2)   # 20 of 1,520 pairs moved: 1.3%
+    assert again is first
+    assert (reuse.searches, reuse.reuses) == (1, 1)
+
+
+def test_loads_beyond_the_tolerance_search_again():
+    reuse = ScheduleReuse(0.05)
+    reuse.schedule(hot(600), OWNERS, COSTS, 8, 2)
+    moved = [[40, 40, 40, 40, 600, 40, 40, 40] for _ in range(2)]    # the hot expert moved to rank 1's block
+    placement = reuse.schedule(moved, OWNERS, COSTS, 8, 2)
+    assert reuse.searches == 2
+    assert placement == schedule_materialization(moved, OWNERS, COSTS, 8, 2)
+    assert 4 in placement[0]                         # now rank 0 holds a replica of expert 4
+
+
+@pytest.mark.parametrize("change", ["owners", "costs", "budget_per_rank", "ranks_per_node"])
+def test_a_changed_situation_searches_again_even_with_equal_loads(change):
+    reuse = ScheduleReuse(1.0)                       # any load change is tolerated: only the key can force a search
+    args = dict(counts=hot(600), owners=OWNERS, costs=COSTS, budget_per_rank=8, ranks_per_node=2)
+    reuse.schedule(**args)
+    args[change] = {"owners": (0, 0, 0, 1, 1, 1, 1, 0), "budget_per_rank": 1, "ranks_per_node": 1,
+                    "costs": StepCostModel(3e-5, 1e-6, 2e-1)}[change]
+    reuse.schedule(**args)
+    assert reuse.searches == 2
+
+
+def test_tolerance_zero_searches_on_every_change_but_not_on_identical_loads():
+    reuse = ScheduleReuse(0.0)
+    reuse.schedule(hot(600), OWNERS, COSTS, 8, 2)
+    reuse.schedule(hot(600), OWNERS, COSTS, 8, 2)
+    reuse.schedule(hot(600, step_noise=1), OWNERS, COSTS, 8, 2)
+    assert (reuse.searches, reuse.reuses) == (2, 1)
+
+
+def test_reuse_on_a_noisy_workload_saves_most_searches_and_tracks_the_moves():
+    """W6 (hot set moves every 10 steps) through a 5-step window average, as the runtime predicts loads."""
+    reuse, window, placements = ScheduleReuse(0.05), [], []
+    for step in range(40):
+        window = (window + [routing_counts("W6", step, 2, 8, 1024, 2)])[-5:]
+        predicted = [[sum(m[r][e] for m in window) / len(window) for e in range(8)] for r in range(2)]
+        placements.append(reuse.schedule(predicted, OWNERS, COSTS, 8, 2))
+    assert reuse.searches + reuse.reuses == 40
+    assert reuse.reuses >= 20, (reuse.searches, reuse.reuses)
+    assert len(set(placements)) >= 2                 # the rotation was followed, not frozen
+
+
+def test_still_fits_and_state_round_trip():
+    reuse = ScheduleReuse(0.05)
+    assert not reuse.still_fits(hot(600))            # nothing planned yet: calibration must run
+    placement = reuse.schedule(hot(600), OWNERS, COSTS, 8, 2)
+    assert reuse.still_fits(hot(600, step_noise=5))
+    assert not reuse.still_fits(hot(100))
+    restored = ScheduleReuse(0.05)
+    restored.load_state_dict(reuse.state_dict(), COSTS, 8, 2)
+    assert restored.schedule(hot(600, step_noise=5), OWNERS, COSTS, 8, 2) == placement
+    assert (restored.searches, restored.reuses) == (0, 1)
+    empty = ScheduleReuse(0.05)
+    empty.load_state_dict({}, COSTS, 8, 2)
+    assert empty.state_dict() == {} and not empty.still_fits(hot(600))
+
+
+@pytest.mark.parametrize("tolerance", [-0.1, 1.5])
+def test_tolerance_out_of_range_is_refused(tolerance):
+    with pytest.raises(ValueError, match="tolerance"):
+        ScheduleReuse(tolerance)
