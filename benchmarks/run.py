@@ -677,6 +677,7 @@ def run(args) -> Optional[dict]:
         raise SystemExit(f"unknown system(s) {unknown}; choose from {', '.join(DESCRIPTIONS)}")
     sources = _route_sources(args, world)
     efficiency_before = parallel_efficiency(rank, world)
+    load_before = os.getloadavg()[0]
 
     systems: Dict[str, System] = {}
     skipped: Dict[str, str] = {}
@@ -718,7 +719,8 @@ def run(args) -> Optional[dict]:
             "command": "OMP_NUM_THREADS=1 deepspeed --num_gpus {} benchmarks/run.py {}".format(
                 world, " ".join(a for a in sys.argv[1:] if not a.startswith("--local_rank"))),
             "machine": {**_machine(), "parallel_efficiency": [round(efficiency_before, 3),
-                                                               round(efficiency_after, 3)]},
+                                                               round(efficiency_after, 3)],
+                        "load_average_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)]},
             "world_size": world,
             "config": {k: v for k, v in vars(args).items() if k not in ("local_rank", "report_only")},
             "model": {"layers": args.layers, "hidden": args.hidden, "expert": f"SwiGLU {args.hidden}x{args.ffn}",
@@ -784,7 +786,9 @@ def markdown_section(results: dict) -> str:
              f"{m['backend']}, OMP_NUM_THREADS={m['omp_num_threads']}."
              + (" Parallel efficiency of the ranks (a fixed matmul loop alone / all ranks at once; 1.0 = a core "
                 "each), before and after the run: {:.2f}, {:.2f}.".format(*m["parallel_efficiency"])
-                if m.get("parallel_efficiency") else ""), "",
+                if m.get("parallel_efficiency") else "")
+             + (" 1-minute load average before and after: {:.2f}, {:.2f} (the run itself adds about 2).".format(
+                 *m["load_average_1min"]) if m.get("load_average_1min") else ""), "",
              f"Model: {model['layers']} blocks of (Linear {model['hidden']}x{model['hidden']} + tanh, top-"
              f"{model['top_k']} MoE with {model['experts']} {model['expert']} experts), {model['tokens_per_rank']} "
              f"tokens per rank per step (mean), {model['dtype']}, ZeRO-{model['zero_stage']}, AdamW. "

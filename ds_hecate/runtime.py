@@ -265,8 +265,8 @@ class LayerBinding:
             self.pending = None
             materialized = pending.placement.materialized
             extra = None
-            # calibration re-plans only when the actual counts left the tolerance of what the placement assumed
-            if rt.config.calibration and not self.schedule.still_fits(counts):
+            # calibration re-plans only when the prediction missed and the step would run imbalanced
+            if rt.config.calibration and self.schedule.needs_calibration(counts, materialized, rt.ranks_per_node):
                 calibrated = schedule_materialization(counts, owners, rt.step_costs(self), self.replica_budget(),
                                                       rt.ranks_per_node, start=materialized, prefetched=materialized)
                 if calibrated != materialized:

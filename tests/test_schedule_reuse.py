@@ -98,3 +98,18 @@ def test_still_fits_and_state_round_trip():
 def test_tolerance_out_of_range_is_refused(tolerance):
     with pytest.raises(ValueError, match="tolerance"):
         ScheduleReuse(tolerance)
+
+
+def test_calibration_only_when_the_prediction_missed_and_the_step_would_run_imbalanced():
+    reuse = ScheduleReuse(0.05)
+    placement = reuse.schedule(hot(600), OWNERS, COSTS, 8, 2)
+    owners_only = ((0, 1, 2, 3), (4, 5, 6, 7))
+    assert not reuse.needs_calibration(hot(600, step_noise=5), placement, 2)     # the prediction held
+    balanced = [[40] * 8, [40] * 8]                                               # missed, but balanced anyway
+    assert reuse.still_fits(balanced) is False
+    assert not reuse.needs_calibration(balanced, owners_only, 2)
+    burst = [[40, 40, 40, 40, 600, 40, 40, 40] for _ in range(2)]                # missed, and rank 1 overloaded
+    assert reuse.needs_calibration(burst, owners_only, 2)
+    fresh = ScheduleReuse(0.05)                                                   # nothing planned yet
+    assert fresh.needs_calibration(burst, owners_only, 2)
+    assert not fresh.needs_calibration(balanced, owners_only, 2)

@@ -209,7 +209,7 @@ class _Search:
 
     Per expert it keeps the dispatch columns (pairs processed, rows sent and received per rank), so a candidate
     move, which changes the holders of one expert only, is evaluated by replacing that expert's columns; all
-    candidate moves of one expert are evaluated in one batch.
+    candidate moves of a search step are evaluated in one batch.
     """
 
     def __init__(self, counts, owners, costs: StepCostModel, ranks_per_node: int, start, prefetched) -> None:
@@ -251,27 +251,29 @@ class _Search:
         exposed = np.maximum(0.0, hidden - c.overlap_s) + np.maximum(exposed_in, exposed_out) * c.expert_transfer_s
         return processed * c.compute_s_per_pair + np.maximum(sent, received) * c.token_transfer_s + exposed
 
-    def evaluate(self, e: int, rank_sets: Sequence[Tuple[int, ...]]):
-        """Rank times ``[len(rank_sets), world]`` after adding expert e on each rank set."""
-        k = len(rank_sets)
+    def evaluate(self, moves: Sequence[Tuple[int, Tuple[int, ...]]]):
+        """Rank times ``[len(moves), world]`` after each move (expert e added on a rank set), all in one batch."""
+        k = len(moves)
+        experts = np.fromiter((e for e, _ in moves), dtype=np.int64, count=k)
         added = np.zeros((k, self.world), dtype=bool)
-        for i, ranks in enumerate(rank_sets):
+        for i, (_, ranks) in enumerate(moves):
             added[i, list(ranks)] = True
-        holders = added | self.mat[:, e][None, :]
-        flows = dispatch_flows(self.counts[:, e], holders, self.rpn)
+        holders = added | self.mat[:, experts].T
+        flows = dispatch_flows(self.counts[:, experts].T, holders, self.rpn)
         p, s, r = self.tot
-        processed = p - self.proc[e] + flows.processed
-        sent = s - self.sent[e] + flows.sent
-        received = r - self.recv[e] + flows.received
-        early_col = self.early[:, e][None, :]
-        add_early, add_late = added & early_col, added & ~early_col
+        processed = p - self.proc[experts] + flows.processed
+        sent = s - self.sent[experts] + flows.sent
+        received = r - self.recv[experts] + flows.received
+        early = self.early[:, experts].T
+        add_early, add_late = added & early, added & ~early
         moved_in, exposed_in = self.moved_in + add_early, self.exposed_in + add_late
-        times = self.rank_times(processed, sent, received, moved_in, self.moved_out, exposed_in, self.exposed_out)
-        o = self.owners[e]   # only the owner's outbound count changes
-        times[:, o] = self.rank_times(processed[:, o], sent[:, o], received[:, o], moved_in[:, o],
-                                      self.moved_out[o] + add_early.sum(axis=1), exposed_in[:, o],
-                                      self.exposed_out[o] + add_late.sum(axis=1))
-        return times
+        # only the expert's owner sends more
+        rows, owners = np.arange(k), self.owners[experts]
+        moved_out = np.tile(self.moved_out, (k, 1))
+        exposed_out = np.tile(self.exposed_out, (k, 1))
+        moved_out[rows, owners] += add_early.sum(axis=1)
+        exposed_out[rows, owners] += add_late.sum(axis=1)
+        return self.rank_times(processed, sent, received, moved_in, moved_out, exposed_in, exposed_out)
 
     def add(self, e: int, ranks: Tuple[int, ...]) -> None:
         self.mat[list(ranks), e] = True
@@ -318,8 +320,8 @@ def schedule_materialization(counts: Sequence[Sequence[float]], owners: Sequence
     the sharded placement.
 
     The search is vectorised (numpy): a move changes the holders of one expert, so it is evaluated by swapping
-    that expert's dispatch columns (:func:`dispatch_flows`, the same rule as :func:`rank_loads`), all moves of one
-    expert in one batch. Rank times are those of :func:`estimate_layer` up to float rounding, which
+    that expert's dispatch columns (:func:`dispatch_flows`, the same rule as :func:`rank_loads`), all moves of a
+    search step in one batch. Rank times are those of :func:`estimate_layer` up to float rounding, which
     :func:`_profile`'s 12-digit rounding absorbs.
     """
     search = _Search(counts, owners, costs, ranks_per_node, start, prefetched)
@@ -351,11 +353,7 @@ def schedule_materialization(counts: Sequence[Sequence[float]], owners: Sequence
         if not moves:
             break
         ordered = sorted(moves)
-        rows = []
-        for e in sorted({e for e, _ in ordered}):
-            sets = [ranks for e2, ranks in ordered if e2 == e]
-            rows.append(search.evaluate(e, sets))
-        times = np.concatenate(rows)
+        times = search.evaluate(ordered)
         peaks = _round12(times.max(axis=1))
         tied = np.flatnonzero(peaks == peaks.min())
         profiles = -np.sort(-_round12(times[tied]), axis=1)
@@ -431,6 +429,17 @@ class ScheduleReuse:
     def still_fits(self, counts: Sequence[Sequence[float]]) -> bool:
         """Whether ``counts`` are within the tolerance of the loads the current schedule was computed for."""
         return self.planned_for is not None and load_shift(self.planned_for, counts) <= self.tolerance
+
+    def needs_calibration(self, counts: Sequence[Sequence[float]], materialized: Sequence[Sequence[int]],
+                          ranks_per_node: int) -> bool:
+        """Whether a re-plan after the gate can pay: the actual ``counts`` left the tolerance of the loads the
+        prefetched placement was planned for, *and* under that placement they leave the ranks' expert compute
+        imbalanced (max/mean) by more than the tolerance. A balanced step has nothing for calibration to fix; its
+        search would only cost time (about a millisecond per layer on a CPU)."""
+        if self.still_fits(counts):
+            return False
+        per_expert, _, _ = rank_loads(counts, materialized, ranks_per_node)
+        return imbalance([sum(row) for row in per_expert]) > 1.0 + self.tolerance
 
     def reset(self) -> None:
         self.planned_for, self.placement, self._key = None, None, None

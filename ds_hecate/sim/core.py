@@ -512,7 +512,8 @@ class _Hecate(_System):
                 self.cache[placement] = _placement_matrix(placement, self.ctx.model.num_experts)
             mat = self.cache[placement]
         late = None
-        if self.ctx.hecate.calibration and predicted is not None and not self.schedule.still_fits(counts):
+        if (self.ctx.hecate.calibration and predicted is not None
+                and self.schedule.needs_calibration(counts, self.frozen(mat), self.ctx.rpn)):
             # as LayerBinding._plan: re-plan with the actual counts, extending the prefetched placement; the
             # added replicas are gathered after the gate
             calibrated = schedule_materialization(counts.tolist(), tuple(int(o) for o in self.owners), self.costs,
