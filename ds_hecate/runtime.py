@@ -120,7 +120,8 @@ class LayerBinding:
         self.hidden_size = hidden_size
         self.cost = runtime.comm_cost_model(shard, hidden_size)
         self.predictor = LoadPredictor(runtime.config.load_window)
-        self.schedule = ScheduleReuse(runtime.config.replan_tolerance)
+        self.schedule = ScheduleReuse(runtime.config.replan_tolerance, runtime.config.load_window)
+        self.prediction: Optional[List[List[float]]] = None   # the load window's prediction for the next call
         self.counters = CommCounters()
         self.phase_s: Dict[str, float] = {p: 0.0 for p in PHASES}
         self.pending: Optional[PendingGather] = None
@@ -210,11 +211,15 @@ class LayerBinding:
 
     # -- planning -----------------------------------------------------------------------------------------------
     def predicted_placement(self) -> Placement:
-        """The 'hecate' placement from the load window (owners only before any observation)."""
-        predicted = self.predictor.predict()
+        """The 'hecate' placement from the load window (owners only before any observation, and while the window
+        keeps mispredicting with calibration on: then calibration plans from the actual counts)."""
+        predicted = self.prediction = self.predictor.predict()
+        rt = self.runtime
         if predicted is None:
             return self.owner_placement()
-        rt = self.runtime
+        if rt.config.calibration and not self.schedule.predictions_reliable:
+            self.schedule.reset()   # what is prefetched now is no schedule: calibration must not trust one
+            return self.owner_placement()
         materialized = self.schedule.schedule(predicted, self.shard.owners, rt.step_costs(self),
                                               self.replica_budget(), rt.ranks_per_node)
         return Placement(self.shard.owners, materialized)
@@ -225,15 +230,18 @@ class LayerBinding:
         if not state:
             return
         try:
-            placement = [sorted(int(e) for e in r) for r in state["placement"]]
-            loads = [[float(v) for v in row] for row in state["planned_for"]]
-            owners = [int(o) for o in state["owners"]]
-            valid = (len(placement) == len(loads) == rt.world_size and len(owners) == self.shard.num_experts
-                     and all(0 <= o < rt.world_size for o in owners)
-                     and all(len(row) == len(owners) for row in loads)
-                     and all(0 <= e < len(owners) for r in placement for e in r)
-                     and all(e in placement[o] for e, o in enumerate(owners)))
-        except (KeyError, TypeError, ValueError):
+            valid = all(isinstance(m, bool) for m in state.get("misses", []))
+            if "placement" in state:
+                placement = [sorted(int(e) for e in r) for r in state["placement"]]
+                loads = [[float(v) for v in row] for row in state["planned_for"]]
+                owners = [int(o) for o in state["owners"]]
+                valid = valid and (
+                    len(placement) == len(loads) == rt.world_size and len(owners) == self.shard.num_experts
+                    and all(0 <= o < rt.world_size for o in owners)
+                    and all(len(row) == len(owners) for row in loads)
+                    and all(0 <= e < len(owners) for r in placement for e in r)
+                    and all(e in placement[o] for e, o in enumerate(owners)))
+        except (AttributeError, KeyError, TypeError, ValueError):
             valid = False
         if not valid:
             raise HecateError(f"MoE layer '{self.shard.name}': the checkpoint's saved schedule does not fit this "
@@ -266,7 +274,8 @@ class LayerBinding:
             materialized = pending.placement.materialized
             extra = None
             # calibration re-plans only when the prediction missed and the step would run imbalanced
-            if rt.config.calibration and self.schedule.needs_calibration(counts, materialized, rt.ranks_per_node):
+            if rt.config.calibration and self.schedule.after_gate(self.prediction, counts, materialized,
+                                                                   rt.ranks_per_node):
                 calibrated = schedule_materialization(counts, owners, rt.step_costs(self), self.replica_budget(),
                                                       rt.ranks_per_node, start=materialized, prefetched=materialized)
                 if calibrated != materialized:

@@ -16,8 +16,9 @@ input is identical on all ranks and ties break on (expert id, rank), so all rank
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Deque, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -396,9 +397,15 @@ class ScheduleReuse:
     unchanged and the loads moved by at most ``tolerance`` (:func:`load_shift`) from the loads it was computed for;
     ``tolerance`` 0 re-plans on every change. All inputs are identical on every rank, so every rank makes the same
     choice. ``planned_for`` tells calibration which loads the prefetched placement assumed.
+
+    It also keeps score of the prediction (:meth:`after_gate`): a call *missed* when its actual counts moved more
+    than ``tolerance`` from the predicted loads and would leave the ranks' compute imbalanced under the prefetched
+    placement. While more than half of the last ``window`` calls missed, :attr:`predictions_reliable` is false and
+    the runtime prefetches no speculative replica (calibration plans from the actual counts instead): replicas
+    gathered for loads that do not come cost transfers and leave calibration less room.
     """
 
-    def __init__(self, tolerance: float) -> None:
+    def __init__(self, tolerance: float, window: int = 5) -> None:
         if not 0.0 <= tolerance <= 1.0:
             raise ValueError(f"ScheduleReuse: tolerance must be in [0, 1], got {tolerance}")
         self.tolerance = tolerance
@@ -407,6 +414,7 @@ class ScheduleReuse:
         self._key: Optional[tuple] = None
         self.searches = 0
         self.reuses = 0
+        self.misses: Deque[bool] = deque(maxlen=max(1, window))
 
     def schedule(self, counts: Sequence[Sequence[float]], owners: Sequence[int], costs: StepCostModel,
                  budget_per_rank: int, ranks_per_node: int,
@@ -430,32 +438,44 @@ class ScheduleReuse:
         """Whether ``counts`` are within the tolerance of the loads the current schedule was computed for."""
         return self.planned_for is not None and load_shift(self.planned_for, counts) <= self.tolerance
 
-    def needs_calibration(self, counts: Sequence[Sequence[float]], materialized: Sequence[Sequence[int]],
-                          ranks_per_node: int) -> bool:
-        """Whether a re-plan after the gate can pay: the actual ``counts`` left the tolerance of the loads the
-        prefetched placement was planned for, *and* under that placement they leave the ranks' expert compute
-        imbalanced (max/mean) by more than the tolerance. A balanced step has nothing for calibration to fix; its
-        search would only cost time (about a millisecond per layer on a CPU)."""
-        if self.still_fits(counts):
-            return False
+    @property
+    def predictions_reliable(self) -> bool:
+        """Whether at most half of the recent calls missed their prediction (see the class docstring)."""
+        return 2 * sum(self.misses) <= len(self.misses)
+
+    def after_gate(self, predicted: Optional[Sequence[Sequence[float]]], counts: Sequence[Sequence[float]],
+                   materialized: Sequence[Sequence[int]], ranks_per_node: int) -> bool:
+        """Score this call's prediction and say whether calibration (a re-plan after the gate) can pay.
+
+        Calibration can pay when the actual ``counts`` left the tolerance of the loads the prefetched placement was
+        planned for *and* under that placement they leave the ranks' expert compute imbalanced (max/mean) by more
+        than the tolerance: a balanced step has nothing to fix, and the search would only cost time (about a
+        millisecond per layer on a CPU). ``predicted``: the load window's prediction for this call (None before the
+        first observation: not scored)."""
         per_expert, _, _ = rank_loads(counts, materialized, ranks_per_node)
-        return imbalance([sum(row) for row in per_expert]) > 1.0 + self.tolerance
+        imbalanced = imbalance([sum(row) for row in per_expert]) > 1.0 + self.tolerance
+        if predicted is not None:
+            self.misses.append(imbalanced and load_shift(predicted, counts) > self.tolerance)
+        return imbalanced and not self.still_fits(counts)
 
     def reset(self) -> None:
         self.planned_for, self.placement, self._key = None, None, None
 
     def state_dict(self) -> dict:
         """What a resumed run needs to make the same reuse decisions (bitwise resume)."""
-        if self.placement is None:
-            return {}
-        return {"planned_for": self.planned_for, "placement": [list(r) for r in self.placement],
-                "owners": list(self._key[0])}
+        state: dict = {"misses": [bool(m) for m in self.misses]}
+        if self.placement is not None:
+            state.update(planned_for=self.planned_for, placement=[list(r) for r in self.placement],
+                         owners=list(self._key[0]))
+        return state
 
     def load_state_dict(self, state: dict, costs: StepCostModel, budget_per_rank: int, ranks_per_node: int) -> None:
         """Restore :meth:`state_dict`; the owners come from the state (the schedule may predate a re-sharding, which
         the next call then notices), the rest of the situation from the caller."""
         self.reset()
-        if state:
+        self.misses.clear()
+        self.misses.extend(bool(m) for m in state.get("misses", []))
+        if "placement" in state:
             self.planned_for = [[float(v) for v in row] for row in state["planned_for"]]
             self.placement = tuple(tuple(int(e) for e in r) for r in state["placement"])
             self._key = (tuple(int(o) for o in state["owners"]), costs, budget_per_rank, ranks_per_node)

@@ -474,7 +474,7 @@ class _Hecate(_System):
         self.mode = "rm" if rematerialize else "prefetch"
         self.owners = np.asarray(even_sharding(ctx.model.num_experts, ctx.world))
         self.window = _Window(ctx.hecate.load_window)
-        self.schedule = ScheduleReuse(ctx.hecate.replan_tolerance)   # the runtime's reuse rule
+        self.schedule = ScheduleReuse(ctx.hecate.replan_tolerance, ctx.hecate.load_window)   # the runtime's rule
         self.costs = ctx.step_costs(ctx.world)
         self.timings: Dict[Any, _LayerTime] = {}
         self.budget = replica_budget(ctx.hecate.materialize_budget_mb, ctx.numel * ctx.compute_b,
@@ -500,7 +500,11 @@ class _Hecate(_System):
 
     def step(self, step, counts):
         predicted = self.window.predict()
-        if predicted is None:
+        calibration = self.ctx.hecate.calibration
+        if predicted is None or (calibration and not self.schedule.predictions_reliable):
+            # as LayerBinding.predicted_placement: nothing speculative before a prediction or while it misses
+            if predicted is not None:
+                self.schedule.reset()
             mat = _owner_matrix(self.owners, self.ctx.world)
             if self.start is not None:
                 mat |= _placement_matrix(self.start, self.ctx.model.num_experts)
@@ -512,8 +516,7 @@ class _Hecate(_System):
                 self.cache[placement] = _placement_matrix(placement, self.ctx.model.num_experts)
             mat = self.cache[placement]
         late = None
-        if (self.ctx.hecate.calibration and predicted is not None
-                and self.schedule.needs_calibration(counts, self.frozen(mat), self.ctx.rpn)):
+        if calibration and self.schedule.after_gate(predicted, counts, self.frozen(mat), self.ctx.rpn):
             # as LayerBinding._plan: re-plan with the actual counts, extending the prefetched placement; the
             # added replicas are gathered after the gate
             calibrated = schedule_materialization(counts.tolist(), tuple(int(o) for o in self.owners), self.costs,
