@@ -376,6 +376,14 @@ def large_lines(large: List[Dict[str, Any]]) -> List[str]:
     return out
 
 
+def _load_words(results: Dict[str, Any]) -> str:
+    """How busy the machine was, from the load averages (the simulator itself keeps one core busy)."""
+    loads = [v for v in (results.get("load_before"), results.get("load_after")) if v is not None]
+    if loads and max(loads) > 1.5:
+        return "other jobs shared the CPU, so the wall times are inflated"
+    return "no other job loaded the CPU"
+
+
 def markdown_section(results: Dict[str, Any]) -> str:
     """The generated block, markers included."""
     m, hd = results["machine"], results["hecate_defaults"]
@@ -388,9 +396,8 @@ def markdown_section(results: Dict[str, Any]) -> str:
              f"(`calibration`: {str(hd['calibration']).lower()}, `replan_tolerance`: {hd['replan_tolerance']:g}, "
              f"`load_window`: {hd['load_window']}).", "",
              f"Machine that ran the simulations: {m['cpu']}, {m['vcpus']} vCPUs, {m['memory_gib']} GiB, Python "
-             f"{m['python']}, numpy {m['numpy']}; the shared {m['vcpus']}-vCPU box, which other jobs (a test suite) "
-             f"used at the same time (1-minute load average {results['load_before']} before, "
-             f"{results['load_after']} after), so the wall times are inflated. Every step time is a *model* "
+             f"{m['python']}, numpy {m['numpy']}; 1-minute load average {results['load_before']} before, "
+             f"{results['load_after']} after ({_load_words(results)}). Every step time is a *model* "
              "output; nothing here was measured on GPUs.", ""]
     if grid:
         clusters = list(dict.fromkeys(r["cluster"] for r in grid))
@@ -416,8 +423,8 @@ def markdown_section(results: Dict[str, Any]) -> str:
                   "Equivalent CLI commands:", "", "```bash"] + [r["cli"] for r in large] + ["```", ""]
         walls = [f"{r['wall_s']:.1f} s ({r['model']} {r['label']})" for r in large]
         under = all(r["wall_s"] < MINUTE_S for r in large)
-        lines += [f"Wall time of each `simulate()` call ({results['steps']} steps, imports excluded), on the shared "
-                  f"{m['vcpus']}-vCPU box while a test suite ran: " + ", ".join(walls) + ". "
+        lines += [f"Wall time of each `simulate()` call ({results['steps']} steps, imports excluded), on the "
+                  f"{m['vcpus']}-vCPU box ({_load_words(results)}): " + ", ".join(walls) + ". "
                   + ("All under the one-minute target." if under else "Over the one-minute target: " + ", ".join(
                       f"{r['model']} {r['label']}" for r in large if r["wall_s"] >= MINUTE_S) + "."), ""]
         for mdl in dict.fromkeys(r["model"] for r in large):

@@ -169,3 +169,16 @@ def test_more_ranks_than_experts_and_ring_what_if():
     starved = simulate("h100-128x8", "mixtral-8x7b", "W0", materialize_budget_mb=100.0, **kw)
     assert any("replica budget (0 per layer per rank)" in n for n in starved.notes)
     assert starved.systems["hecate"].imbalance == pytest.approx(8.0)    # only the 8 owners compute
+
+
+def test_a_calibrated_step_does_not_leak_its_exposed_gather_into_later_steps():
+    """Stationary routing: only the first step (no prediction yet) is calibrated; later steps run the prefetched
+    placement, with no gather after the gate, exactly as without calibration."""
+    from ds_hecate.config import HecateConfig
+
+    runs = {on: simulate("v100-4x8", "gpt-moe-s", "W1", systems=["hecate"], steps=5,
+                         hecate=HecateConfig(enabled=True, calibration=on, materialize_budget_mb=3276.8))
+            for on in (True, False)}
+    with_cal, without = runs[True].systems["hecate"].step_times_s, runs[False].systems["hecate"].step_times_s
+    assert with_cal[1:] == without[1:]
+    assert with_cal[0] < without[0]   # the first step: calibration from the owners' placement beats plain EP

@@ -524,8 +524,8 @@ class _Hecate(_System):
                                                   prefetched=self.frozen(mat))
             cal = _placement_matrix(calibrated, self.ctx.model.num_experts)
             late, mat = cal & ~mat, cal
-        timing_key = (mat.tobytes(), counts.tobytes())
-        if late is not None or timing_key not in self.timings:
+        timing_key = (mat.tobytes(), counts.tobytes(), None if late is None else late.tobytes())
+        if timing_key not in self.timings:
             self.timings[timing_key] = layer_time(self.ctx, counts, mat, self.owners, self.mode, late)
         self.window.push(counts)
         return self.timings[timing_key], 0.0
