@@ -900,20 +900,8 @@ def summary_lines(results: dict) -> str:
 
 def write_markdown(path: str, results: dict) -> None:
     """Replace the generated section of ``path`` (between the markers); a new file holds just the section."""
-    section = markdown_section(results)
-    if not os.path.exists(path):
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(section + "\n")
-        return
-    with open(path, "r", encoding="utf-8") as f:
-        text = f.read()
-    if MARK_BEGIN not in text or MARK_END not in text:
-        raise SystemExit(f"{path}: no generated section; add the lines\n{MARK_BEGIN}\n{MARK_END}\nwhere the "
-                         "benchmark table belongs")
-    head, rest = text.split(MARK_BEGIN, 1)
-    _, tail = rest.split(MARK_END, 1)
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(head + section + tail)
+    from benchmarks.markdown import replace_block
+    replace_block(path, markdown_section(results), MARK_BEGIN, MARK_END, "where the benchmark table belongs")
 
 
 def write_plots(directory: str, results: dict) -> List[str]:

@@ -181,8 +181,8 @@ def prepare_load(rt, checkpoint_dir: str, load_optimizer_states: bool = True) ->
         rt.steps_skipped = meta["steps_skipped"]
         rt.reshards = meta["reshards"]
         rt.measured = dict(meta["measured_costs"])
+        same_world = meta["world_size"] == rt.world_size
         for layer, binding in zip(meta["layers"], rt.bindings):   # after owners and costs: same reuse decisions
-            same_world = meta["world_size"] == rt.world_size
             binding.restore_schedule(layer.get("schedule", {}) if same_world else {})
     return install
 

@@ -227,23 +227,7 @@ class LayerBinding:
     def check_saved_schedule(self, state: dict) -> None:
         """Raise if a checkpoint's saved schedule (``ScheduleReuse.state_dict``) cannot belong to this layer."""
         rt = self.runtime
-        if not state:
-            return
-        try:
-            valid = all(isinstance(m, bool) for m in state.get("misses", []))
-            if "placement" in state:
-                placement = [sorted(int(e) for e in r) for r in state["placement"]]
-                loads = [[float(v) for v in row] for row in state["planned_for"]]
-                owners = [int(o) for o in state["owners"]]
-                valid = valid and (
-                    len(placement) == len(loads) == rt.world_size and len(owners) == self.shard.num_experts
-                    and all(0 <= o < rt.world_size for o in owners)
-                    and all(len(row) == len(owners) for row in loads)
-                    and all(0 <= e < len(owners) for r in placement for e in r)
-                    and all(e in placement[o] for e, o in enumerate(owners)))
-        except (AttributeError, KeyError, TypeError, ValueError):
-            valid = False
-        if not valid:
+        if not ScheduleReuse.state_fits(state, rt.world_size, self.shard.num_experts):
             raise HecateError(f"MoE layer '{self.shard.name}': the checkpoint's saved schedule does not fit this "
                               f"model ({rt.world_size} ranks, {self.shard.num_experts} experts); the checkpoint's "
                               "meta.json is damaged")

@@ -131,3 +131,17 @@ def test_predictions_unreliable_while_most_recent_calls_missed():
     restored = ScheduleReuse(0.05, window=5)
     restored.load_state_dict(reuse.state_dict(), COSTS, 8, 2)
     assert list(restored.misses) == list(reuse.misses) and restored.placement is None
+
+
+def test_saved_state_is_checked_against_the_layer():
+    reuse = ScheduleReuse(0.05)
+    reuse.schedule(hot(600), OWNERS, COSTS, 8, 2)
+    reuse.after_gate(hot(600), hot(600), reuse.placement, 2)
+    state = reuse.state_dict()
+    assert ScheduleReuse.state_fits(state, 2, 8) and ScheduleReuse.state_fits({}, 2, 8)
+    assert not ScheduleReuse.state_fits(state, 4, 8)                                  # other world size
+    assert not ScheduleReuse.state_fits(state, 2, 16)                                 # other number of experts
+    assert not ScheduleReuse.state_fits({**state, "placement": [[1, 2, 3], [4, 5, 6, 7]]}, 2, 8)  # owner 0 left out
+    assert not ScheduleReuse.state_fits({**state, "placement": [[0, 1, 2, 3, 99], [4, 5, 6, 7]]}, 2, 8)
+    assert not ScheduleReuse.state_fits({**state, "misses": ["yes"]}, 2, 8)
+    assert not ScheduleReuse.state_fits({"placement": [[0]]}, 2, 8)                   # planned_for missing

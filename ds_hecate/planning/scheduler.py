@@ -452,11 +452,15 @@ class ScheduleReuse:
         than the tolerance: a balanced step has nothing to fix, and the search would only cost time (about a
         millisecond per layer on a CPU). ``predicted``: the load window's prediction for this call (None before the
         first observation: not scored)."""
-        per_expert, _, _ = rank_loads(counts, materialized, ranks_per_node)
-        imbalanced = imbalance([sum(row) for row in per_expert]) > 1.0 + self.tolerance
+        mispredicted = predicted is not None and load_shift(predicted, counts) > self.tolerance
+        off_plan = not self.still_fits(counts)
+        imbalanced = False
+        if mispredicted or off_plan:   # the usual case, a held prediction, needs no dispatch estimate
+            per_expert, _, _ = rank_loads(counts, materialized, ranks_per_node)
+            imbalanced = imbalance([sum(row) for row in per_expert]) > 1.0 + self.tolerance
         if predicted is not None:
-            self.misses.append(imbalanced and load_shift(predicted, counts) > self.tolerance)
-        return imbalanced and not self.still_fits(counts)
+            self.misses.append(mispredicted and imbalanced)
+        return off_plan and imbalanced
 
     def reset(self) -> None:
         self.planned_for, self.placement, self._key = None, None, None
@@ -468,6 +472,27 @@ class ScheduleReuse:
             state.update(planned_for=self.planned_for, placement=[list(r) for r in self.placement],
                          owners=list(self._key[0]))
         return state
+
+    @staticmethod
+    def state_fits(state: dict, world_size: int, num_experts: int) -> bool:
+        """Whether ``state`` (from :meth:`state_dict`, e.g. read back from a checkpoint) can belong to a layer of
+        ``num_experts`` experts on ``world_size`` ranks: shapes, expert and rank ranges, owners inside the
+        placement."""
+        try:
+            if not all(isinstance(m, bool) for m in state.get("misses", [])):
+                return False
+            if "placement" not in state:
+                return True
+            placement = [{int(e) for e in r} for r in state["placement"]]
+            loads = [[float(v) for v in row] for row in state["planned_for"]]
+            owners = [int(o) for o in state["owners"]]
+        except (AttributeError, KeyError, TypeError, ValueError):
+            return False
+        return (len(placement) == len(loads) == world_size and len(owners) == num_experts
+                and all(0 <= o < world_size for o in owners)
+                and all(len(row) == num_experts for row in loads)
+                and all(0 <= e < num_experts for r in placement for e in r)
+                and all(e in placement[o] for e, o in enumerate(owners)))
 
     def load_state_dict(self, state: dict, costs: StepCostModel, budget_per_rank: int, ranks_per_node: int) -> None:
         """Restore :meth:`state_dict`; the owners come from the state (the schedule may predate a re-sharding, which

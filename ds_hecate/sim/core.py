@@ -667,8 +667,8 @@ def simulate(cluster: Union[str, Cluster], model: Union[str, ModelShape], worklo
     and ``model.moe_layers`` layers. What the benchmark calibration passes (benchmarks/calibration.py), so the
     simulator replays exactly the counts a measured run forced, trace rescaling included. ``planner_costs``: the
     measured costs (``compute_s_per_pair``, ``link_gbps``, ``non_moe_time_s``) the planners decide with, when they
-    differ from the cluster's time model: a run's runtime planned with its first-step measurement, and replaying
-    its decisions needs those numbers even where the step time is modelled with other (e.g. warm) unit costs.
+    differ from the cluster's time model: a run's runtime planned with its own measurement, and replaying its
+    decisions needs those numbers even where the step time is modelled with other unit costs.
     """
     start_wall = time.perf_counter()
     cl = resolve_cluster(cluster)
