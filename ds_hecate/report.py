@@ -266,6 +266,8 @@ def plot_rank_compute(histories: List[LayerHistory], path: str, world_size: int)
         before, after = h.compute_before, h.compute_after
         mean = [sum(row) / world_size for row in before]
         if world_size <= 8:
+            ax.fill_between(h.x, [min(row) for row in before], [max(row) for row in before], color="tab:red",
+                            alpha=0.1, label="spread over ranks, before")
             for r in range(world_size):
                 ax.plot(h.x, [row[r] for row in before], color=colors[r % 10], linestyle="--", linewidth=1.2,
                         alpha=0.7)
@@ -396,6 +398,10 @@ def plot_imbalance(run: MonitorRun, path: str) -> Optional[str]:
         xa, after = run.get(layer, "imbalance_after")
         ax.plot(xb, before, color="tab:red", linestyle="--", marker=".", label="before: owners only (plain EP)")
         ax.plot(xa, after, color="tab:blue", linewidth=2, marker=".", label="after: Hecate's plan")
+        if list(xa) == list(xb):   # the imbalance the plan took away, as an area
+            ax.fill_between(xb, after, before, where=[b >= a for a, b in zip(after, before)], interpolate=True,
+                            color="tab:green", alpha=0.25, label="removed by balancing")
+            ax.fill_between(xb, 1.0, after, color="tab:blue", alpha=0.08, label="left after balancing")
         ax.axhline(1.0, color="black", linewidth=0.8, linestyle=":", label="perfect balance")
         mb = sum(before) / len(before)
         ma = sum(after) / len(after) if after else float("nan")
