@@ -173,6 +173,8 @@ def calibrate(results: dict, tolerance: float = TOLERANCE, empty_steps: Optional
     empty = dict(empty_steps) if empty_steps is not None else empty_steps_of(results)
     alpha_beta = "ideal" in empty and any(m in empty for _, _, m, _, _ in ROWS if m != "ideal")
     out: Dict[str, Any] = {}
+    from benchmarks.force_balanced import force_balanced
+    measured_fb = force_balanced(results)   # per workload and system: the measured force-balanced fraction
     for wname, w in workloads.items():
         systems = w.get("systems") or {}
         ds = systems.get("ds_hecate")
@@ -216,7 +218,10 @@ def calibrate(results: dict, tolerance: float = TOLERANCE, empty_steps: Optional
             sims[padded] = simulate(cluster, model, wname, systems=["ep"] if padded else ["hecate", "ep", "ideal"],
                                     steps=steps, warmup=warmup, seed=int(cfg["seed"]), hecate=hecate,
                                     zero_stage=2, precision="fp32", counts=_padded(counts) if padded else counts,
-                                    planner_costs={k: float(measured[k]) for k in REQUIRED_COSTS})
+                                    planner_costs={k: float(measured[k]) for k in REQUIRED_COSTS},
+                                    force_balanced=not padded,   # padding a uniform routing is no counterpart
+                                    # the measured empty step already holds the runtime's host planning
+                                    charge_planning=False)
         rows: Dict[str, Any] = {}
         for row, sim_name, meas_name, padded, acceptance in ROWS:
             sim = sims[padded].systems[sim_name]
@@ -235,9 +240,14 @@ def calibrate(results: dict, tolerance: float = TOLERANCE, empty_steps: Optional
                 if meas_name == "ideal":
                     entry["acceptance"] = False
                     entry["calibration_source"] = True
+            alpha = entry.get("empty_step_s", 0.0)   # the simulator's force-balanced step, with the same alpha
+            entry["predicted_force_balanced_fraction"] = (None if padded else (sim.force_balanced_step_s + alpha)
+                                                          / (sim.step_time_s + alpha))
             if m and m.get("status") == "ok":
                 error = predicted / m["median_step_s"] - 1.0
                 entry.update(measured_s=m["median_step_s"], error=error, within=abs(error) <= tolerance)
+                entry["measured_force_balanced_fraction"] = (
+                    measured_fb[wname]["systems"].get(meas_name, {}).get("force_balanced_fraction"))
                 if meas_name == "ds_hecate":   # does the replayed planner make the run's decisions?
                     entry["measured_replicas_per_layer"] = m.get("replicas_per_layer")
                     entry["measured_imbalance"] = m.get("load_max_over_mean")
@@ -304,6 +314,13 @@ def format_markdown(cal: dict) -> str:
               f"Replayed planner: replicas per layer and compute imbalance equal the run's on "
               f"{replay['same_decisions']}/{replay['compared']} workloads"
               + (f" (different: {', '.join(replay['different'])})" if replay["different"] else "") + "."]
+    fb = [f"{w} {row['measured_system']} {row['predicted_force_balanced_fraction']:.2f} / "
+          f"{row['measured_force_balanced_fraction']:.2f}"
+          for w, v in cal["workloads"].items() for row in v["rows"].values()
+          if row.get("acceptance") and row.get("measured_force_balanced_fraction") is not None
+          and row.get("predicted_force_balanced_fraction") is not None]
+    if fb:
+        lines.append("Fraction of the force-balanced ideal, simulated / measured: " + ", ".join(fb) + ".")
     notes = sorted({n for w in cal["workloads"].values() for n in w["notes"]})
     lines += [f"Note: {n}." for n in notes]
     return "\n".join(lines)

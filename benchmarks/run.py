@@ -623,14 +623,8 @@ def parallel_efficiency(rank: int, world: int, seconds: float = 0.3) -> float:
 def _machine() -> dict:
     import torch
     import deepspeed
-    cpu = platform.processor() or ""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-        cpu = names[0] if names else cpu
-        vcpus = len(names) or os.cpu_count()
-    except OSError:
-        vcpus = os.cpu_count()
+    from benchmarks.machine import cpu_model
+    cpu, vcpus = cpu_model()
     try:
         with open("/proc/meminfo", encoding="utf-8") as f:
             mem_gib = int(next(line for line in f if line.startswith("MemTotal")).split()[1]) / (1 << 20)
@@ -657,7 +651,8 @@ def _route_sources(args, world: int):
     for path in args.trace:
         src = TraceRoutes(path, world, args.experts, args.top_k, args.tokens)
         sources.append((src.name, f"trace {os.path.basename(path)} ({src.num_steps} steps)", src))
-    return sources
+    from benchmarks.force_balanced import uniform_counterparts   # forced-uniform runs W0 does not stand for
+    return sources + uniform_counterparts(sources, args.warmup + args.steps, args.layers)
 
 
 def run(args) -> Optional[dict]:
@@ -798,13 +793,15 @@ def markdown_section(results: dict) -> str:
         lines.append(f"- **{s} skipped**: {v.get('reason')}")
     if skipped:
         lines.append("")
-    lines += ["| workload | system | median step (ms) | vs ds_hecate | of ideal | compute max/mean | "
-              "expert rows/rank (max) | MB sent/step/rank (max) | peak MiB/rank (max) | fwd / bwd / opt (ms) |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+    from benchmarks.force_balanced import report as force_balanced_report
+    fb_cells, fb_note = force_balanced_report(results)
+    lines += [fb_note, "", "| workload | system | median step (ms) | vs ds_hecate | of ideal | of force-balanced | "
+              "compute max/mean | expert rows/rank (max) | MB sent/step/rank (max) | peak MiB/rank (max) | "
+              "fwd / bwd / opt (ms) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for wname, w in results["workloads"].items():
         for s, r in w["systems"].items():
             if r.get("status") != "ok":
-                lines.append(f"| {wname} {w['title']} | {s} | skipped | | | | | | | |")
+                lines.append(f"| {wname} {w['title']} | {s} | skipped | | | | | | | | |")
                 continue
             ph = r["phases_s"]
             phases = " / ".join(f"{1000 * max(p[k] for p in ph):.0f}" for k in ("forward", "backward", "optimizer"))
@@ -812,7 +809,7 @@ def markdown_section(results: dict) -> str:
             ratio = f"{r['ratio_vs_ds_hecate']:.2f}x" if r.get("ratio_vs_ds_hecate") else "n/a"
             frac = f"{r['fraction_of_ideal']:.2f}" if r.get("fraction_of_ideal") else "n/a"
             lines.append(f"| {wname} {w['title']} | {s} | {1000 * r['median_step_s']:.1f} | {ratio} | {frac} | "
-                         f"{r['load_max_over_mean']:.2f} | {max(r['expert_rows_per_rank']):.0f} | "
+                         f"{fb_cells.get((wname, s), 'n/a')} | {r['load_max_over_mean']:.2f} | {max(r['expert_rows_per_rank']):.0f} | "
                          f"{r['bytes_sent_per_step_max'] / 1e6:.2f} | {peak} | {phases} |")
     lines += ["", "ds_hecate's own phases (ms per step, max over ranks; `engine.hecate.stats()`, docs/stats.md):", "",
               "| workload | system | counts | plan | gather | dispatch | compute | combine | reduce_scatter | "
@@ -957,6 +954,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return launch(argv, args.ranks)
     results = run(args)
     if results is not None:
+        from benchmarks.force_balanced import annotate
+        annotate(results)   # per system: its forced-uniform run's step and the fraction (JSON)
         if args.out:
             os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
             with open(args.out, "w", encoding="utf-8") as f:

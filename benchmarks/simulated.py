@@ -108,7 +108,10 @@ def _record(result: Any, case: Dict[str, Any], wall_s: float) -> Dict[str, Any]:
     return {**case, "world_size": result.world_size, "steps": result.steps, "warmup": result.warmup,
             "wall_s": wall_s, "notes": list(result.notes),
             "systems": {name: {"step_time_s": r.step_time_s, "speedup_vs_ep": r.speedup_vs_ep,
-                               "fraction_of_ideal": r.fraction_of_ideal, "peak_memory_bytes": r.peak_memory_bytes,
+                               "fraction_of_ideal": r.fraction_of_ideal,
+                               "force_balanced_step_s": r.force_balanced_step_s,
+                               "force_balanced_fraction": r.force_balanced_fraction,
+                               "peak_memory_bytes": r.peak_memory_bytes,
                                "imbalance": r.imbalance, "replicas_per_layer": r.replicas_per_layer,
                                "breakdown_s": dict(r.breakdown_s),
                                "step_times_s": [round(t, 6) for t in r.step_times_s]}   # microseconds: enough
@@ -117,14 +120,14 @@ def _record(result: Any, case: Dict[str, Any], wall_s: float) -> Dict[str, Any]:
 
 def run_one(cluster: str, model: str, workload: str, *, steps: int, warmup: int, seed: int,
             systems: Optional[Sequence[str]] = None, materialize_budget_mb: Optional[float] = None,
-            spag: str = "p2p") -> Dict[str, Any]:
+            spag: str = "p2p", charge_planning: bool = True) -> Dict[str, Any]:
     """``simulate()`` as ``ds-hecate simulate`` calls it without ``--config`` (hecate defaults, ZeRO-1, bf16)."""
     from ds_hecate.sim.core import SYSTEMS, simulate
 
     chosen = list(systems) if systems is not None else list(SYSTEMS)
     start = time.perf_counter()
     result = simulate(cluster, model, workload, systems=chosen, steps=steps, warmup=warmup, seed=seed,
-                      materialize_budget_mb=materialize_budget_mb, spag=spag)
+                      materialize_budget_mb=materialize_budget_mb, spag=spag, charge_planning=charge_planning)
     wall = time.perf_counter() - start
     return _record(result, {"cluster": cluster, "model": model, "workload": workload,
                             "materialize_budget_mb": materialize_budget_mb, "spag": spag}, wall)
@@ -157,18 +160,20 @@ def _load() -> Optional[float]:
 
 def run_all(clusters: Sequence[str] = GRID_CLUSTERS, models: Sequence[str] = GRID_MODELS,
             workloads: Sequence[str] = GRID_WORKLOADS, steps: Optional[int] = None,
-            large: Sequence[Case] = LARGE_CASES, command: str = "", progress: bool = False) -> Dict[str, Any]:
+            large: Sequence[Case] = LARGE_CASES, command: str = "", progress: bool = False,
+            charge_planning: bool = True) -> Dict[str, Any]:
     """Every simulation, as one JSON-able dict (what :func:`markdown_section` renders)."""
     from ds_hecate.config import HecateConfig
 
     defaults = cli_defaults()
     steps = steps or defaults["steps"]
-    common = {"steps": steps, "warmup": defaults["warmup"], "seed": defaults["seed"]}
+    common = {"steps": steps, "warmup": defaults["warmup"], "seed": defaults["seed"],
+              "charge_planning": charge_planning}
     hc = HecateConfig(enabled=True)
     results: Dict[str, Any] = {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "command": command, "machine": _machine(), "load_before": _load(), "cli_defaults": defaults,
-        "steps": steps, "warmup": defaults["warmup"],
+        "steps": steps, "warmup": defaults["warmup"], "planning_charged": charge_planning,
         "hecate_defaults": {k: getattr(hc, k) for k in ("calibration", "replan_tolerance", "load_window")},
         "grid": [], "large": []}
     grid_start = time.perf_counter()
@@ -228,12 +233,19 @@ def summary_row(rec: Dict[str, Any]) -> List[str]:
             f"{hc['step_time_s'] * 1e3:.0f}", _x(hc["speedup_vs_ep"]), _x(rm["speedup_vs_ep"]),
             f"{bb[0]} {_x(bb[1])}" if bb else "n/a", f"{hc['fraction_of_ideal'] * 100:.1f}%",
             f"{ep['imbalance']:.2f} -> {hc['imbalance']:.2f}",
-            f"{_gib(ep['peak_memory_bytes'])} / {_gib(hc['peak_memory_bytes'])} / {_gib(rm['peak_memory_bytes'])}"]
+            f"{_gib(ep['peak_memory_bytes'])} / {_gib(hc['peak_memory_bytes'])} / {_gib(rm['peak_memory_bytes'])}",
+            f"{_pct(ep.get('force_balanced_fraction'))} / {_pct(hc.get('force_balanced_fraction'))}"]
+
+
+def _pct(v: Optional[float]) -> str:
+    return "n/a" if v is None else f"{v * 100:.1f}%"
 
 
 SUMMARY_HEADER = ("| cluster | model | workload | EP ms | Hecate ms | Hecate vs EP | Hecate-RM vs EP | "
-                  "best baseline vs EP | Hecate of ideal | imbalance EP -> Hecate | memory GiB |")
-LARGE_HEADER = "| case | system | step ms | vs EP | of ideal | peak GiB/rank | imbalance | replicas/layer |"
+                  "best baseline vs EP | Hecate of ideal | imbalance EP -> Hecate | memory GiB | "
+                  "of force-balanced EP / Hecate |")
+LARGE_HEADER = ("| case | system | step ms | vs EP | of ideal | peak GiB/rank | imbalance | replicas/layer | "
+                "of force-balanced |")
 
 
 def _cell(rec: Dict[str, Any]) -> str:
@@ -307,6 +319,17 @@ def grid_lines(grid: List[Dict[str, Any]]) -> List[str]:
     pct = lambda v: f"{v * 100:.0f}%"   # noqa: E731
     out.append(f"- Hecate's fraction of the ideal: {_rng(frac, pct)}; the token all-to-all is "
                f"{_rng(a2a, pct)} of Hecate's step (the ideal has no all-to-all at all).")
+    fb = lambda recs, s: [r["systems"][s]["force_balanced_fraction"] for r in recs]   # noqa: E731
+    has_fb = all("force_balanced_fraction" in r["systems"]["hecate"] for r in grid)   # older results lack it
+    if skewed and has_fb:
+        out.append("- Fraction of the force-balanced ideal (the same system with the routing forced uniform) on the "
+                   f"skewed workloads: EP {_rng(fb(skewed, 'ep'), pct)}, Hecate {_rng(fb(skewed, 'hecate'), pct)}, "
+                   f"Hecate-RM {_rng(fb(skewed, 'hecate-rm'), pct)}.")
+    if has_fb:
+        low = min(grid, key=lambda r: r["systems"]["hecate"]["force_balanced_fraction"])
+        out.append(f"- Hecate's fraction of the force-balanced ideal over the grid: {_rng(fb(grid, 'hecate'), pct)} "
+                   f"(lowest on {_cell(low)}; above 100% where the workload's routing is cheaper than uniform for "
+                   "it).")
     for w in ("W1", "W3"):
         recs = [r for r in grid if r["workload"] == w]
         if recs:
@@ -378,6 +401,27 @@ def large_lines(large: List[Dict[str, Any]]) -> List[str]:
     return out
 
 
+def planning_lines(recs: List[Dict[str, Any]], charged: bool) -> List[str]:
+    """What Hecate's host planning (measured on this machine, charged to its step) costs, and the speedup without it."""
+    if not charged:
+        return ["- Host planning time is not charged in these figures (`--no-planning-charge`)."]
+    out = []
+    for name in ("hecate", "hecate-rm"):
+        cells = [(r, r["systems"][name]) for r in recs if name in r["systems"] and "ep" in r["systems"]]
+        if not cells:
+            continue
+        ms = [s["breakdown_s"].get("host_planning", 0.0) * 1e3 for _, s in cells]
+        share = [s["breakdown_s"].get("host_planning", 0.0) / s["step_time_s"] * 100 for _, s in cells]
+        uncharged = [r["systems"]["ep"]["step_time_s"] / (s["step_time_s"] - s["breakdown_s"].get("host_planning", 0.0))
+                     for r, s in cells]
+        charged_x = [s["speedup_vs_ep"] for _, s in cells]
+        out.append(f"- {name}'s host planning (critical path per layer call plus the search where the non-MoE compute "
+                   f"does not hide it, timed on this machine and charged to its step): "
+                   f"{_rng(ms, lambda v: f'{v:.2f}')} ms per step, {_rng(share, lambda v: f'{v:.1f}')}% of it; speedup "
+                   f"over EP {_rng(charged_x, _x)} with it, {_rng(uncharged, _x)} without.")
+    return out
+
+
 def _load_words(results: Dict[str, Any]) -> str:
     """How busy the machine was, from the load averages (the simulator itself keeps one core busy)."""
     loads = [v for v in (results.get("load_before"), results.get("load_after")) if v is not None]
@@ -416,9 +460,13 @@ def markdown_section(results: Dict[str, Any]) -> str:
                   "Summary (step time in ms; \"best baseline\" is the fastest of the FasterMoE-, SmartMoE- and "
                   "FlexMoE-style systems; \"of ideal\" is ideal step time / Hecate step time; imbalance is max/mean "
                   "expert compute per rank; memory is the model state of the largest rank, EP / Hecate / Hecate-RM, "
-                  "GiB, activations excluded):", "", SUMMARY_HEADER, "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "GiB, activations excluded; \"of force-balanced\" is the same system's step time with the "
+                  "routing forced uniform (same pairs per rank, `ds_hecate.planning.balance.force_uniform`) / its "
+                  "step time on the workload, UltraEP's metric):", "", SUMMARY_HEADER,
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         lines += ["| " + " | ".join(summary_row(r)) + " |" for r in grid]
-        lines += ["", "Reading it (computed from the table's results):"] + grid_lines(grid) + [""]
+        lines += ["", "Reading it (computed from the table's results):"] + grid_lines(grid)
+        lines += planning_lines(grid, results.get("planning_charged", True)) + [""]
     if large:
         world = large[0]["world_size"]
         lines += [f"### {world:,} GPUs ({', '.join(dict.fromkeys(r['cluster'] for r in large))})", "",
@@ -430,15 +478,16 @@ def markdown_section(results: Dict[str, Any]) -> str:
                   + ("All under the one-minute target." if under else "Over the one-minute target: " + ", ".join(
                       f"{r['model']} {r['label']}" for r in large if r["wall_s"] >= MINUTE_S) + "."), ""]
         for mdl in dict.fromkeys(r["model"] for r in large):
-            lines += [f"{mdl}:", "", LARGE_HEADER, "|---|---|---|---|---|---|---|---|"]
+            lines += [f"{mdl}:", "", LARGE_HEADER, "|---|---|---|---|---|---|---|---|---|"]
             for r in (r for r in large if r["model"] == mdl):
                 for name, s in r["systems"].items():
                     lines.append(f"| {r['label']} | {name} | {s['step_time_s'] * 1e3:.0f} | "
                                  f"{_x(s['speedup_vs_ep'])} | {s['fraction_of_ideal'] * 100:.1f}% | "
                                  f"{s['peak_memory_bytes'] / (1 << 30):.1f} | {s['imbalance']:.2f} | "
-                                 f"{s['replicas_per_layer']:.0f} |")
+                                 f"{s['replicas_per_layer']:.0f} | {_pct(s.get('force_balanced_fraction'))} |")
             lines.append("")
-        lines += ["Reading it (computed from the results and the presets):"] + large_lines(large) + [""]
+        lines += ["Reading it (computed from the results and the presets):"] + large_lines(large)
+        lines += planning_lines(large, results.get("planning_charged", True)) + [""]
     lines.append(MARK_END)
     return "\n".join(lines)
 
@@ -468,12 +517,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--workloads", nargs="+", default=list(GRID_WORKLOADS), help="grid workloads (default: W0-W7)")
     p.add_argument("--steps", type=int, default=None, help="simulated steps (default: the CLI's)")
     p.add_argument("--no-large", action="store_true", help="skip the 1,024-GPU cases")
+    p.add_argument("--no-planning-charge", action="store_true",
+                   help="leave Hecate's measured host planning time out (reproducible figures)")
     args = p.parse_args(argv)
     if args.markdown:
         check_markers(args.markdown)   # fail before minutes of simulation, not after
     command = " ".join(["python -m benchmarks.simulated"] + [shlex.quote(a) for a in argv])
     results = run_all(args.clusters, args.models, args.workloads, args.steps,
-                      () if args.no_large else LARGE_CASES, command=command, progress=True)
+                      () if args.no_large else LARGE_CASES, command=command, progress=True,
+                      charge_planning=not args.no_planning_charge)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(results, f, indent=1)

@@ -57,8 +57,9 @@ def save(rt, checkpoint_dir: str) -> None:
         for e in shard.owned:
             master = shard.masters[e]
             state = rt.optimizer.state_of(master) if rt.optimizer is not None else {}
-            _atomic_torch_save({"master": master.detach().clone(),
-                                "state": {k: v.detach().clone() if torch.is_tensor(v) else v
+            # Host copies: the files do not depend on which device (or how many) saved them.
+            _atomic_torch_save({"master": master.detach().cpu().clone(),
+                                "state": {k: v.detach().cpu().clone() if torch.is_tensor(v) else v
                                           for k, v in state.items()}},
                                os.path.join(directory, expert_file(shard.layer_id, e)))
     if rt.rank == 0:
@@ -167,11 +168,14 @@ def prepare_load(rt, checkpoint_dir: str, load_optimizer_states: bool = True) ->
             shard.owners = owners
             shard.masters = {}
             for e, blob in sorted(loaded.get(shard.layer_id, {}).items()):
-                param = nn.Parameter(blob["master"].to(torch.float32).contiguous(), requires_grad=False)
+                master = blob["master"].to(device=rt.device, dtype=torch.float32).contiguous()
+                param = nn.Parameter(master, requires_grad=False)
                 shard.masters[e] = param
+                # Per-element states follow the master to the working device; scalars ('step') stay on the CPU.
+                state = {k: v.to(rt.device) if torch.is_tensor(v) and v.numel() == master.numel() else v
+                         for k, v in blob["state"].items()} if load_optimizer_states else {}
                 if rt.optimizer is not None:
-                    rt.optimizer.add(rt.layer_group[shard.layer_id], param,
-                                     dict(blob["state"]) if load_optimizer_states else {})
+                    rt.optimizer.add(rt.layer_group[shard.layer_id], param, state)
             history = layer["load_history"]
             if meta["world_size"] != rt.world_size:  # per-source counts do not map to new ranks: keep expert totals
                 history = [[[sum(row[e] for row in m) / rt.world_size for e in range(len(m[0]))]] * rt.world_size
@@ -191,7 +195,7 @@ def _read_expert(directory: str, checkpoint_dir: str, shard, expert: int) -> Dic
     path = os.path.join(directory, expert_file(shard.layer_id, expert))
     where = f"{checkpoint_dir}: expert {expert} of MoE layer '{shard.name}'"
     try:
-        blob = torch.load(path, weights_only=True)
+        blob = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unreadable file is reported by layer and expert
         raise HecateError(f"{where} cannot be loaded from {path}: {type(exc).__name__}: {exc}") from None
     master = blob.get("master") if isinstance(blob, dict) else None

@@ -46,6 +46,15 @@ class HecateConfig(BaseModel):
         0.05, ge=0.0, le=1.0,
         description="Re-run the scheduler only when the predicted loads moved by more than this fraction (L1 over all "
                     "token-expert pairs) since its last search; 0: on every change.")
+    plan_budget_us: Optional[float] = Field(
+        None, ge=0, le=1e9,
+        description="Calibration's search budget on the critical path (after the gate), in estimated microseconds "
+                    "counted identically on every rank; the best placement found within it is used (0: keep the "
+                    "prefetched placement; null: 5% of the layer's estimated time, at least 1000).")
+    search_budget_us: float = Field(
+        200000.0, ge=0, le=1e9,
+        description="Budget of the prediction-driven search, which runs off the critical path (after the previous "
+                    "layer, while its kernels run), in estimated microseconds counted identically on every rank.")
     rematerialize: bool = Field(
         False, description="Release materialized experts after forward and gather them again for backward.")
     prefetch: bool = Field(True, description="Issue a layer's SparseAllGather before its gate (after the previous "

@@ -58,7 +58,7 @@ def consolidated_state_dict(checkpoint_dir: str, tag: Optional[str] = None,
         for e in range(layer["num_experts"]):
             path = os.path.join(directory, expert_file(layer_id, e))
             try:
-                master = torch.load(path, weights_only=True)["master"]
+                master = torch.load(path, map_location="cpu", weights_only=True)["master"]
             except Exception as exc:  # noqa: BLE001 - named by layer and expert
                 raise HecateError(f"expert {e} of MoE layer '{layer['name']}' cannot be read from {path}: "
                                   f"{type(exc).__name__}: {exc}") from None

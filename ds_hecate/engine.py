@@ -12,10 +12,14 @@ Hooks, all narrow:
 """
 from __future__ import annotations
 
+import math
 import os
+import sys
+from typing import Any
 
 import torch
 from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
 from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 from deepspeed.runtime.utils import combine_grad_norm_groups
 
@@ -58,6 +62,8 @@ class HecateEngine(DeepSpeedEngine):
                                          load_lr_scheduler_states, load_module_only, custom_load_fn)
         if result[0] is not None:
             install()
+            if load_optimizer_states and not load_module_only and self.hecate.optimizer is not None:
+                self.hecate.optimizer.add_initial_step(None)  # the loaded state already holds DeepSpeed's
             self.hecate.global_steps = self.global_steps  # trace step numbers continue from the checkpoint
         return result
 
@@ -90,7 +96,7 @@ class HecateEngine(DeepSpeedEngine):
         # scale before unscaling, so on a step where the scale grows dense gradients are divided by the new scale;
         # the experts take the same factor, so dense and expert parameters step as in data-parallel training.
         loss_scale = float(getattr(self.optimizer, "loss_scale", 1.0))
-        if runtime.norm_from_optimizer:  # BF16_Optimizer / FP16_UnfusedOptimizer: the joint norm they computed
+        if runtime.norm_from_optimizer:  # BF16_Optimizer: the joint norm it computed
             norm = getattr(self.optimizer, "_global_grad_norm", None)
             runtime.last_total_norm = torch.as_tensor(float(norm)) if norm is not None else None
         runtime.apply_step(self.was_step_applied(), self.dp_world_size, loss_scale, self.gradient_clipping(), hyper)
@@ -99,26 +105,34 @@ class HecateEngine(DeepSpeedEngine):
         return result
 
 
-# Expert-norm sources of the FP16_UnfusedOptimizer steps in progress. Its norm comes from the module function
-# ``get_global_norm``, which is wrapped once to append the experts' norm while one of Hecate's steps runs.
+# (runtime, dp world size) of the ZeRO stage-0 steps in progress (FP16_Optimizer, FP16_UnfusedOptimizer). Both
+# combine their gradient norms with their module's function ``get_global_norm``, wrapped once per module to
+# append the experts' norm while one of Hecate's steps runs.
 _EXTRA_NORMS: list = []
 
 
-def _wrap_unfused_global_norm() -> None:
-    """Once per process: FP16_UnfusedOptimizer's ``get_global_norm`` appends the expert norm of the step in
-    progress (if any)."""
-    import deepspeed.runtime.fp16.unfused_optimizer as unfused
-
-    if getattr(unfused.get_global_norm, "_hecate_wrapped", False):
+def _wrap_global_norm(module: Any) -> None:
+    """Once per process and module: ``module.get_global_norm`` appends the expert norm of the step in progress
+    (if any) and records the joint norm (loss-scaled, as both optimizers' clip and overflow checks use it)."""
+    if getattr(module.get_global_norm, "_hecate_wrapped", False):
         return
-    original = unfused.get_global_norm
+    original = module.get_global_norm
 
     def get_global_norm(norm_list):
-        if _EXTRA_NORMS:
-            norm_list = list(norm_list) + [_EXTRA_NORMS[-1]()]
-        return original(norm_list)
+        if not _EXTRA_NORMS:
+            return original(norm_list)
+        runtime, dp_world_size = _EXTRA_NORMS[-1]
+        expert = float(runtime.expert_grad_norm(dp_world_size))
+        # FP16_Optimizer's norm covers the experts (get_norm_with_moe_layers); FP16_UnfusedOptimizer's leaves them
+        # out (its overflow check alone covers them), so there the experts only enter when non-finite.
+        if module.__name__.endswith("unfused_optimizer") and math.isfinite(expert):
+            total = original(norm_list)
+        else:
+            total = original(list(norm_list) + [expert])
+        runtime.last_total_norm = torch.as_tensor(float(total))
+        return total
     get_global_norm._hecate_wrapped = True
-    unfused.get_global_norm = get_global_norm
+    module.get_global_norm = get_global_norm
 
 
 def install_norm_hook(engine: DeepSpeedEngine, runtime: HecateRuntime) -> None:
@@ -170,18 +184,24 @@ def install_norm_hook(engine: DeepSpeedEngine, runtime: HecateRuntime) -> None:
 
         optimizer.get_grads_for_norm = get_grads_for_norm
         runtime.norm_from_optimizer = True
-    elif isinstance(optimizer, FP16_UnfusedOptimizer):  # bf16 with ZeRO stage 0 (FP16_UnfusedOptimizer, bf16 mode)
-        _wrap_unfused_global_norm()
+    elif isinstance(optimizer, (FP16_Optimizer, FP16_UnfusedOptimizer)):
+        # ZeRO stage 0: fp16 (FP16_Optimizer over FusedAdam, FP16_UnfusedOptimizer over other optimizers) and bf16
+        # (FP16_UnfusedOptimizer in bf16 mode). Their overflow check and clip factor read the joint norm, so an
+        # expert overflow on any rank skips the step (and lowers the loss scale) on every rank.
+        if getattr(optimizer, "fused_adam_legacy", False) or getattr(optimizer, "fused_lamb_legacy", False):
+            raise HecateUnsupportedError(
+                "Hecate cannot hook the gradient norm of DeepSpeed's legacy fused fp16 step (optimizer.legacy_fusion, "
+                "or the Lamb optimizer with ZeRO stage 0); use ZeRO stage 1-3 or another optimizer")
+        _wrap_global_norm(sys.modules[type(optimizer).__module__])
         original_step = optimizer.step
 
         def step(closure=None):
-            _EXTRA_NORMS.append(lambda: float(runtime.expert_grad_norm(dp_world_size)))
+            _EXTRA_NORMS.append((runtime, dp_world_size))
             try:
                 return original_step(closure)
             finally:
                 _EXTRA_NORMS.pop()
         optimizer.step = step
-        runtime.norm_from_optimizer = True
     else:
         raise HecateUnsupportedError(
             f"Hecate cannot hook the gradient norm of {type(optimizer).__name__}; supported: ZeRO stage 1/2 "

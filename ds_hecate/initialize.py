@@ -56,8 +56,10 @@ def _refuse_unsupported(cfg: Dict[str, Any], model: Any, mpu: Any) -> None:
     problems = []
     if stage not in (0, 1, 2, 3):
         problems.append(f"ZeRO stage {stage}")
-    if stage == 0 and enabled("fp16"):
-        problems.append("fp16 with ZeRO stage 0 (DeepSpeed's FP16_Optimizer; use ZeRO stage 1-3 for fp16)")
+    if stage == 0 and enabled("fp16") and isinstance(cfg.get("optimizer"), dict) and cfg["optimizer"].get(
+            "legacy_fusion"):
+        problems.append("fp16 with ZeRO stage 0 and optimizer.legacy_fusion (FP16_Optimizer's legacy fused-Adam "
+                        "step; remove legacy_fusion)")
     if isinstance(zero, dict) and any(zero.get(k) for k in ("offload_optimizer", "offload_param")):
         problems.append("ZeRO-Offload (offload_optimizer / offload_param)")
     if isinstance(zero, dict) and zero.get("zenflow"):
@@ -162,9 +164,20 @@ def build_runtime(hcfg: HecateConfig, ds_config: Dict[str, Any]):
 
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.new_group(ranks=list(range(world)), timeout=timedelta(seconds=hcfg.collective_timeout_s))
-    device = torch.device(get_accelerator().current_device_name())  # where Hecate's tensors live
+    device = working_device(get_accelerator())
     comm = build_communicator(hcfg.comm_backend, group, rank, world, device, timeout_s=hcfg.collective_timeout_s)
     return HecateRuntime(hcfg, comm, _compute_dtype(ds_config), _ranks_per_node(hcfg, world))
+
+
+def working_device(accelerator: Any) -> torch.device:
+    """Where Hecate's tensors live: the accelerator of this rank's ``LOCAL_RANK``, the device DeepSpeed's engine
+    selects later (set now, so every rank of a node gets its own GPU, not the current device, ``cuda:0``)."""
+    name = accelerator.device_name()
+    if name == "cpu":
+        return torch.device("cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    accelerator.set_device(local_rank)
+    return torch.device(accelerator.device_name(local_rank))
 
 
 def attach_engine(engine: Any, runtime: Any, groups: Any) -> None:
@@ -174,10 +187,8 @@ def attach_engine(engine: Any, runtime: Any, groups: Any) -> None:
 
     engine.__class__ = HecateEngine
     engine.hecate = runtime
-    if engine.zero_optimization() or engine.bfloat16_enabled():
-        install_norm_hook(engine, runtime)
-    elif engine.fp16_enabled():
-        raise HecateUnsupportedError("hecate with ZeRO stage 0 supports fp32 and bf16, not fp16")
+    if engine.zero_optimization() or engine.bfloat16_enabled() or engine.fp16_enabled():
+        install_norm_hook(engine, runtime)  # stage 0 fp32 instead clips in HecateEngine.clip_fp32_gradients
 
     basic = engine.basic_optimizer
     dense_groups = basic.param_groups
@@ -211,8 +222,43 @@ def attach_engine(engine: Any, runtime: Any, groups: Any) -> None:
             lr_sources.append(lr_source)
         expert_groups[by_group[key]]["params"].extend(shard.masters[e] for e in shard.owned)
         runtime.layer_group[shard.layer_id] = by_group[key]
-    runtime.optimizer = ExpertOptimizer(type(basic), expert_groups, lr_sources)
+    runtime.optimizer = ExpertOptimizer(type(basic), expert_groups, lr_sources, like=basic)
+    initial = getattr(engine.optimizer, "_hecate_initial_hyperparameters", None)
+    if initial is not None:  # ZeRO stage 0 fp16/bf16: DeepSpeed's wrapper stepped the dense groups once at build
+        runtime.optimizer.add_initial_step(_initial_hyperparameters(lr_sources, dense_groups, initial))
     engine.module.register_forward_pre_hook(lambda module, args: runtime.on_model_forward())
+
+
+def _initial_hyperparameters(lr_sources: Any, dense_groups: Any, initial: Any) -> list:
+    """Per expert group, the hyper-parameters its dense source group had at DeepSpeed's initial step (before
+    any LR scheduler changed them)."""
+    from .expert_optimizer import LrSource
+
+    out = []
+    for source in lr_sources:
+        index = next(i for i, g in enumerate(dense_groups) if g is source.group)
+        out.append(LrSource(initial[index], source.ratio).hyperparameters())
+    return out
+
+
+def _record_initial_optimizer_step() -> None:
+    """DeepSpeed's ZeRO stage-0 wrappers (FP16_Optimizer, FP16_UnfusedOptimizer) step their optimizer once with
+    zero gradients when built; record the group settings of that step, so the experts can take the same step."""
+    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    from .expert_optimizer import group_hyperparameters
+
+    for cls in (FP16_Optimizer, FP16_UnfusedOptimizer):
+        original = cls.initialize_optimizer_states
+        if getattr(original, "_hecate_wrapped", False):
+            continue
+
+        def initialize_optimizer_states(self, _original=original):
+            self._hecate_initial_hyperparameters = [group_hyperparameters(g) for g in self.optimizer.param_groups]
+            return _original(self)
+        initialize_optimizer_states._hecate_wrapped = True
+        cls.initialize_optimizer_states = initialize_optimizer_states
 
 
 def patch_deepspeed() -> None:
@@ -224,6 +270,7 @@ def patch_deepspeed() -> None:
     if _ORIGINAL_INITIALIZE is None:
         _ORIGINAL_INITIALIZE = deepspeed.initialize
         deepspeed.initialize = initialize
+    _record_initial_optimizer_step()
     if not getattr(zero_config.DeepSpeedZeroConfig, "_hecate_aware", False):
         base = zero_config.DeepSpeedZeroConfig
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 from .errors import HecateConfigError
+from .planning.balance import estimated_force_balanced_fraction
 from .planning.scheduler import owner_loads
 from .trace import TraceLayer, TraceWriter
 
@@ -144,6 +145,21 @@ class StepMetrics:
 def _phases() -> Tuple[str, ...]:
     from .runtime import PHASES
     return PHASES
+
+
+def force_balanced_estimate(binding: "LayerBinding", plan: "LayerPlan", counts: List[List[int]]) -> float:
+    """``stats()``'s per-layer ``force_balanced_fraction`` for one executed call: the scheduler's cost-model estimate
+    of the layer with the same pairs per rank forced uniform under the owner placement, over its estimate for
+    ``plan`` on ``counts`` (:func:`~ds_hecate.planning.balance.estimated_force_balanced_fraction`).
+
+    Why an estimate: a measured force-balanced time would need a second, uniform run. Computed only when
+    ``stats()`` asks, never per call. The ``hecate`` placement's replicas count as prefetched (a calibration extra
+    gathered after the gate is then estimated as hidden); other placements gather after the gate, fully exposed.
+    """
+    rt = binding.runtime
+    prefetched = None if rt.config.placement == "hecate" else tuple(() for _ in range(plan.world_size))
+    return estimated_force_balanced_fraction(counts, binding.shard.owners, plan.materialized, rt.step_costs(binding),
+                                             rt.ranks_per_node, prefetched)
 
 
 class TraceRecorder:

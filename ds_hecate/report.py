@@ -129,7 +129,8 @@ class LayerHistory:
 def layer_histories(trace: Trace) -> List[LayerHistory]:
     """Per layer: loads per expert, per-rank compute before (owners only) and after (the executed plan), and
     replicas per expert, per recorded call; recomputed with ds_hecate.planning as the runtime does."""
-    from .planning import LayerPlan, topology_aware_routes
+    from .planning import Placement
+    from .planning.dispatch_plan import DispatchPlan
 
     owners_meta = trace.meta.get("owners")
     rpn = int(trace.meta.get("ranks_per_node") or trace.world_size)
@@ -154,9 +155,7 @@ def layer_histories(trace: Trace) -> List[LayerHistory]:
                         holders[e] += 1
                 if owners is not None:
                     materialized = tuple(tuple(sorted(set(m))) for m in record.materialized)
-                    plan = LayerPlan(world_size=trace.world_size, num_experts=layer.num_experts, owners=owners,
-                                     materialized=materialized,
-                                     routes=topology_aware_routes(record.counts, materialized, rpn))
+                    plan = DispatchPlan.build(record.counts, Placement(tuple(owners), materialized), rpn)
                     after.append(plan.loads())
                     replicas.append([holders[e] - (e in materialized[owners[e]]) for e in range(layer.num_experts)])
                 else:

@@ -14,6 +14,7 @@ from torch import nn
 
 from .errors import HecateError
 from .planning.heterogeneous import heterogeneous_sharding
+from .timing import to_device
 
 StateLayout = Tuple[Tuple[str, ...], Tuple[str, ...]]  # (vector keys, scalar keys)
 
@@ -40,12 +41,14 @@ def agree_state_layout(rt) -> StateLayout:
 
 
 def _pack(param: nn.Parameter, state: Dict, layout: StateLayout) -> torch.Tensor:
+    """``[master | vector states | scalar states]`` on the master's device (torch.optim keeps ``step`` on the CPU)."""
     vectors, scalars = layout
     parts = [param.detach().reshape(-1).float()]
     for key in vectors:
         parts.append(state[key].detach().reshape(-1).float())
-    for key in scalars:
-        parts.append(torch.as_tensor(state[key], dtype=torch.float32).reshape(1))
+    if scalars:
+        host = torch.tensor([float(state[key]) for key in scalars], dtype=torch.float32)
+        parts.append(to_device(host, param.device))
     return torch.cat(parts)
 
 
@@ -56,9 +59,9 @@ def _unpack(chunk: torch.Tensor, numel: int, layout: StateLayout) -> Tuple[nn.Pa
     for key in vectors:
         state[key] = chunk[offset:offset + numel].clone()
         offset += numel
-    for key in scalars:
-        state[key] = chunk[offset].clone()  # 0-d float32, as torch.optim keeps 'step'
-        offset += 1
+    host = chunk[offset:offset + len(scalars)].cpu() if scalars else None
+    for i, key in enumerate(scalars):
+        state[key] = host[i].clone()  # 0-d float32 on the CPU, as torch.optim keeps 'step'
     return param, state
 
 
@@ -88,11 +91,10 @@ def reshard(rt) -> bool:
                 state = rt.optimizer.state_of(param) if rt.optimizer is not None else {}
                 sends.setdefault(new[e], []).append(_pack(param, state, layout) if state else
                                                     torch.cat([param.detach().reshape(-1).float(),
-                                                               torch.zeros(size - numel)]))
+                                                               param.new_zeros(size - numel)]))
             elif new[e] == rt.rank:
                 recvs.setdefault(old[e], []).append(e)
-        received = rt.comm._start_chunk_exchange(sends, recvs, size, torch.float32, torch.device("cpu"), False,
-                                             "re-sharding expert move")()
+        received = rt.comm.exchange_chunks(sends, recvs, size, torch.float32, False, "re-sharding expert move")()
         for e in range(shard.num_experts):
             if old[e] != new[e] and old[e] == rt.rank:
                 param = shard.masters.pop(e)

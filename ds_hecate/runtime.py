@@ -13,10 +13,10 @@ re-materialization, a second SparseAllGather) in the mirror order on every rank.
 """
 from __future__ import annotations
 
-import time
 import weakref
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from .collectives import AllToAllTokens, CommCounters, Communicator, PendingGather
@@ -24,14 +24,18 @@ from .config import HecateConfig
 from .errors import HecateError
 from .expert_optimizer import ExpertOptimizer
 from .logging_utils import logger
-from .planning import CommCostModel, LayerPlan, Placement, POLICIES, topology_aware_routes
+from .planning import CommCostModel, Placement, POLICIES
+from .planning.critical_path import plan_after_gate
+from .expert_compute import Materialize, RematerializedExperts, expand_segments, expert_major_order, run_experts
+from .planning.dispatch_plan import DispatchPlan, rank_tables
 from .planning.placement import STEP_COST_POLICIES
 from .planning.predictor import LoadPredictor
-from .planning.scheduler import (ScheduleReuse, StepCostModel, imbalance, owner_loads,
-                                 schedule_materialization)
+from .planning.schedule_reuse import ScheduleReuse
+from .planning.scheduler import StepCostModel, imbalance, owner_loads
 from .memory_plan import replica_budget, scheduler_costs
 from .profiling import WARM_PROFILE_STEP, expert_work, measure_costs
 from .shard_store import ExpertShardStore, LayerShard
+from .timing import DeviceClock, Intervals, PhaseTimer
 
 PHASES = ("counts", "plan", "gather", "dispatch", "compute", "combine", "reduce_scatter", "reduce_wait", "regather")
 
@@ -40,75 +44,6 @@ def _in_backward_pass() -> bool:
     """True while autograd runs a backward pass (activation-checkpoint recompute happens there)."""
     current = getattr(torch._C, "_current_graph_task_id", None)
     return current is not None and current() != -1
-
-
-def _run_experts(kernel, recv: torch.Tensor, weights: Sequence[torch.Tensor], order: torch.Tensor,
-                 sizes: Sequence[int]) -> torch.Tensor:
-    """Regroup received rows expert-major, run each materialized expert on its rows, restore the received order."""
-    grouped = recv.index_select(0, order)
-    outs, offset = [], 0
-    for weight, size in zip(weights, sizes):
-        outs.append(kernel(weight, grouped.narrow(0, offset, size)))
-        offset += size
-    y_grouped = torch.cat(outs) if outs else grouped
-    return y_grouped.index_select(0, torch.argsort(order))
-
-
-class _Materialize(torch.autograd.Function):
-    """Forward: hands out the gathered experts. Backward: SparseReduceScatter into the owners' accumulators.
-
-    The received token rows pass through unchanged, so this node sits on every rank's backward path (even a rank
-    that materializes nothing or receives no token), and its collective is issued on every rank. ``anchor`` always
-    requires grad, so the node is recorded even when the tokens do not (an empty micro-batch).
-    """
-
-    @staticmethod
-    def forward(ctx, tokens, anchor, binding, plan, flats):
-        ctx.binding, ctx.plan = binding, plan
-        mine = plan.materialized[binding.runtime.rank]
-        return (tokens.view_as(tokens),) + tuple(flats[e] for e in mine)
-
-    @staticmethod
-    def backward(ctx, grad_tokens, *grad_weights):
-        binding, plan = ctx.binding, ctx.plan
-        mine = plan.materialized[binding.runtime.rank]
-        binding.reduce_scatter(plan, dict(zip(mine, grad_weights)))
-        return grad_tokens, None, None, None, None
-
-
-class _RematerializedExperts(torch.autograd.Function):
-    """Re-materialization mode: expert compute that keeps no expert weights between forward and backward.
-
-    Forward runs the experts without recording them and drops the gathered weights; backward gathers the same
-    placement again (second SparseAllGather), recomputes the experts with autograd, and reduce-scatters their
-    gradients. Only the received rows are saved.
-    """
-
-    @staticmethod
-    def forward(ctx, recv, anchor, binding, plan, flats, order, sizes):
-        ctx.binding, ctx.plan, ctx.sizes = binding, plan, sizes
-        ctx.save_for_backward(recv, order)
-        mine = plan.materialized[binding.runtime.rank]
-        with torch.no_grad():
-            return _run_experts(binding.shard.kernel, recv, [flats[e] for e in mine], order, sizes)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        binding, plan = ctx.binding, ctx.plan
-        recv, order = ctx.saved_tensors
-        mine = plan.materialized[binding.runtime.rank]
-        with binding.timed("regather"):
-            flats = binding.gather(plan.placement, async_op=False).wait()[0]
-        leaves = [flats[e].detach().requires_grad_(True) for e in mine]
-        rows = recv.detach().requires_grad_(recv.requires_grad)
-        with torch.enable_grad():
-            y = _run_experts(binding.shard.kernel, rows, leaves, order, ctx.sizes)
-            inputs = leaves + ([rows] if rows.requires_grad else [])
-            grads = torch.autograd.grad(y, inputs, grad_out, allow_unused=True) if inputs else []
-        weight_grads = {e: (g if g is not None else torch.zeros_like(w)) for e, g, w in zip(mine, grads, leaves)}
-        binding.reduce_scatter(plan, weight_grads)
-        grad_rows = grads[len(leaves)] if rows.requires_grad else None
-        return grad_rows, None, None, None, None, None, None
 
 
 class LayerBinding:
@@ -121,18 +56,19 @@ class LayerBinding:
         self.cost = runtime.comm_cost_model(shard, hidden_size)
         self.predictor = LoadPredictor(runtime.config.load_window)
         self.schedule = ScheduleReuse(runtime.config.replan_tolerance, runtime.config.load_window)
-        self.prediction: Optional[List[List[float]]] = None   # the load window's prediction for the next call
+        self.prediction: Optional[np.ndarray] = None   # the load window's prediction for the next call
         self.counters = CommCounters()
         self.phase_s: Dict[str, float] = {p: 0.0 for p in PHASES}
         self.pending: Optional[PendingGather] = None
-        self.forward_cache: List[Tuple[List[List[int]], LayerPlan]] = []
-        self.last_plan: Optional[LayerPlan] = None
-        self.last_counts: Optional[List[List[int]]] = None
+        self.forward_cache: List[Tuple[np.ndarray, DispatchPlan]] = []   # counts and plan of each forward call
+        self.last_plan: Optional[DispatchPlan] = None
+        self.last_counts: Optional[np.ndarray] = None
         self.calls = 0
         self.prefetch_hits = 0
         self.recomputes = 0
         self.pairs_processed = 0
-        self.gaps_s: List[float] = []
+        self.gap_time = Intervals(keep=16)   # device time between the previous MoE layer and this one
+        self.device_time = {"compute": Intervals()}   # device time of phases the cost model reads
         self.cross_node_rows = 0
         self.avoidable_cross_node_rows = 0
         self.peak_replica_bytes = 0
@@ -140,21 +76,8 @@ class LayerBinding:
         self.top_k = 0  # routes per token, seen at the last call (for the trace header)
 
     # -- helpers -----------------------------------------------------------------------------------------------
-    class _Timer:
-        def __init__(self, binding: "LayerBinding", phase: str) -> None:
-            self.binding, self.phase = binding, phase
-
-        def __enter__(self):
-            comm = self.binding.runtime.comm
-            self.previous, comm.activity = comm.activity, f"{self.phase} of MoE layer '{self.binding.shard.name}'"
-            self.start = time.perf_counter()
-
-        def __exit__(self, *exc):
-            self.binding.phase_s[self.phase] += time.perf_counter() - self.start
-            self.binding.runtime.comm.activity = self.previous
-
-    def timed(self, phase: str) -> "_Timer":
-        return LayerBinding._Timer(self, phase)
+    def timed(self, phase: str) -> PhaseTimer:
+        return PhaseTimer(self, phase)
 
     @property
     def expert_bytes(self) -> int:
@@ -189,7 +112,7 @@ class LayerBinding:
             return flats, buffers
         return PendingGather(placement, tracked)
 
-    def reduce_scatter(self, plan: LayerPlan, grads: Dict[int, torch.Tensor]) -> None:
+    def reduce_scatter(self, plan: DispatchPlan, grads: Dict[int, torch.Tensor]) -> None:
         """Issue the layer's SparseReduceScatter asynchronously; the rest of backward runs while it is in flight,
         and :meth:`HecateRuntime.flush_reductions` adds the results to the owners' accumulators."""
         rt = self.runtime
@@ -213,7 +136,7 @@ class LayerBinding:
     def predicted_placement(self) -> Placement:
         """The 'hecate' placement from the load window (owners only before any observation, and while the window
         keeps mispredicting with calibration on: then calibration plans from the actual counts)."""
-        predicted = self.prediction = self.predictor.predict()
+        predicted = self.prediction = self.predictor.predict_array()
         rt = self.runtime
         if predicted is None:
             return self.owner_placement()
@@ -221,7 +144,8 @@ class LayerBinding:
             self.schedule.reset()   # what is prefetched now is no schedule: calibration must not trust one
             return self.owner_placement()
         materialized = self.schedule.schedule(predicted, self.shard.owners, rt.step_costs(self),
-                                              self.replica_budget(), rt.ranks_per_node)
+                                              self.replica_budget(), rt.ranks_per_node,
+                                              budget_us=rt.config.search_budget_us)
         return Placement(self.shard.owners, materialized)
 
     def check_saved_schedule(self, state: dict) -> None:
@@ -235,46 +159,39 @@ class LayerBinding:
     def restore_schedule(self, state: dict) -> None:
         """Adopt a checkpointed schedule (after owners and measured costs are restored): same reuse decisions."""
         rt = self.runtime
-        self.schedule.load_state_dict(state, rt.step_costs(self), self.replica_budget(), rt.ranks_per_node)
+        self.schedule.load_state_dict(state, rt.step_costs(self), self.replica_budget(), rt.ranks_per_node,
+                                      budget_us=rt.config.search_budget_us)
 
     def start_prefetch(self) -> None:
         if self.pending is None and self.runtime.config.placement == "hecate":
             with self.timed("plan"):  # the scheduler's search runs here, after the previous layer
                 placement = self.predicted_placement()
+                # the dispatch tables of this placement, so the call after the gate only divides counts
+                rank_tables(placement, self.runtime.ranks_per_node, self.runtime.rank)
             self.pending = self.gather(placement, async_op=True)
 
-    def _plan(self, counts: List[List[int]]) -> Tuple[LayerPlan, PendingGather, Optional[PendingGather]]:
+    def _plan(self, counts: np.ndarray) -> Tuple[DispatchPlan, PendingGather, Optional[PendingGather]]:
         """Plan this call; returns (plan, gather of the main placement, gather of calibration extras or None)."""
         rt, owners = self.runtime, self.shard.owners
         if rt.config.placement != "hecate":
             policy = rt.config.placement
             cost = rt.step_costs(self) if policy in STEP_COST_POLICIES else self.cost
-            materialized = POLICIES[policy](counts, owners, cost)
-            pending, extra = self.gather(Placement(owners, materialized), async_op=False), None
+            placement = Placement(owners, POLICIES[policy](counts, owners, cost))
+            pending, extra = self.gather(placement, async_op=False), None
         else:
             self.prefetch_hits += self.pending is not None
             pending = self.pending or self.gather(self.predicted_placement(), async_op=False)
             self.pending = None
-            materialized = pending.placement.materialized
-            extra = None
-            # calibration re-plans only when the prediction missed and the step would run imbalanced
-            if rt.config.calibration and self.schedule.after_gate(self.prediction, counts, materialized,
-                                                                   rt.ranks_per_node):
-                calibrated = schedule_materialization(counts, owners, rt.step_costs(self), self.replica_budget(),
-                                                      rt.ranks_per_node, start=materialized, prefetched=materialized)
-                if calibrated != materialized:
-                    added = tuple(tuple(sorted(set(c) - set(m) | {e for e in m if owners[e] == r}))
-                                  for r, (c, m) in enumerate(zip(calibrated, materialized)))
-                    extra = self.gather(Placement(owners, added), async_op=False)
-                    materialized = calibrated
-        routes = topology_aware_routes(counts, materialized, rt.ranks_per_node)
-        plan = LayerPlan(world_size=rt.world_size, num_experts=self.shard.num_experts, owners=owners,
-                         materialized=materialized, routes=routes)
-        return plan, pending, extra
+            after = plan_after_gate(counts, pending.placement, self.prediction, self.schedule, rt.step_costs(self),
+                                    self.replica_budget(), rt.ranks_per_node, rt.rank, rt.config.calibration,
+                                    rt.config.plan_budget_us)
+            extra = None if after.extras is None else self.gather(after.extras, async_op=False)
+            return after.plan, pending, extra
+        return DispatchPlan.build(counts, placement, rt.ranks_per_node), pending, extra
 
-    def _cached_plan(self, counts: List[List[int]]) -> LayerPlan:
+    def _cached_plan(self, counts: np.ndarray) -> DispatchPlan:
         for i, (cached_counts, plan) in enumerate(self.forward_cache):
-            if cached_counts == counts:
+            if np.array_equal(cached_counts, counts):
                 del self.forward_cache[i]
                 return plan
         raise HecateError(
@@ -294,7 +211,7 @@ class LayerBinding:
         recompute = _in_backward_pass()
         rt.note_layer_call(self, recompute)
         if not recompute and rt.last_layer_end is not None:
-            self.gaps_s = (self.gaps_s + [time.perf_counter() - rt.last_layer_end])[-16:]
+            self.gap_time.add(rt.last_layer_end, rt.clock.mark())
         num_tokens = x.shape[0]
         self.top_k = indices.shape[0]
         flat = indices.reshape(-1).long()
@@ -302,10 +219,10 @@ class LayerBinding:
         experts_of_valid = flat.index_select(0, valid_slots)
         with self.timed("counts"):
             local = torch.bincount(experts_of_valid, minlength=num_experts)
-            health = torch.stack([(~torch.isfinite(gates)).any(), torch.tensor(local.numel() > num_experts)])
+            health = torch.stack([(~torch.isfinite(gates)).any(), (experts_of_valid >= num_experts).any()])
             exchanged = rt.comm.exchange_counts(torch.cat([local[:num_experts], health.to(local.dtype)]))
-            counts = [row[:num_experts] for row in exchanged]
-            self._check_health([row[num_experts:] for row in exchanged])
+            counts = exchanged[:, :num_experts]   # [ranks, experts] int64 on the host: the planner's input
+            self._check_health(exchanged[:, num_experts:])
         with self.timed("plan"):
             if recompute:
                 self.recomputes += 1
@@ -324,25 +241,21 @@ class LayerBinding:
         # Send order: by destination, then expert, then slot; the receiver expects (src, expert) segments.
         with self.timed("dispatch"):
             by_expert = valid_slots.index_select(0, torch.argsort(experts_of_valid, stable=True))
-            routes = [route for e in range(num_experts) for route in plan.routes[rank][e]]  # O(experts x ranks)
-            dst_of_sorted = torch.repeat_interleave(torch.tensor([d for d, _ in routes], dtype=torch.long),
-                                                    torch.tensor([n for _, n in routes], dtype=torch.long))
-            dst_of_sorted = dst_of_sorted.to(x.device)
+            mine_dispatch = plan.for_rank(rank)
+            dst_of_sorted = expand_segments(mine_dispatch.send_dst, mine_dispatch.send_rows, x.device)
             send_slots = by_expert.index_select(0, torch.argsort(dst_of_sorted, stable=True))
             send_rows = x.index_select(0, send_slots % max(num_tokens, 1))  # on the graph even when empty
-            send_splits, recv_splits = plan.send_splits(rank), plan.recv_splits(rank)
+            send_splits, recv_splits = mine_dispatch.send_splits, mine_dispatch.recv_splits
             recv = AllToAllTokens.apply(send_rows, rt.comm, send_splits, recv_splits, self.counters,
                                         f"MoE layer '{self.shard.name}'")
 
         with self.timed("compute"):
-            mine = plan.materialized[rank]
-            order, sizes = _expert_major_order(plan, rank, mine)
-            order_t = order.to(x.device)
+            order_t, sizes = expert_major_order(mine_dispatch, x.device), mine_dispatch.sizes
             if rt.config.rematerialize:
-                y_recv = _RematerializedExperts.apply(recv, rt.autograd_anchor, self, plan, flats, order_t, sizes)
+                y_recv = RematerializedExperts.apply(recv, rt.autograd_anchor, self, plan, flats, order_t, sizes)
             else:
-                recv, *weights = _Materialize.apply(recv, rt.autograd_anchor, self, plan, flats)
-                y_recv = _run_experts(shard.kernel, recv, weights, order_t, sizes)
+                recv, *weights = Materialize.apply(recv, rt.autograd_anchor, self, plan, flats)
+                y_recv = run_experts(shard.kernel, recv, weights, order_t, sizes)
             del flats
         with self.timed("combine"):
             y_back = AllToAllTokens.apply(y_recv, rt.comm, recv_splits, send_splits, self.counters,
@@ -350,7 +263,7 @@ class LayerBinding:
             out = y_back.new_zeros(flat.numel(), y_back.shape[-1]).index_copy(0, send_slots, y_back)
         if not recompute and rt.config.prefetch:
             rt.prefetch_after(self)
-        rt.last_layer_end = time.perf_counter()
+        rt.last_layer_end = rt.clock.mark()
         return out
 
     def _check_health(self, flags: List[List[int]]) -> None:
@@ -365,7 +278,7 @@ class LayerBinding:
             raise HecateError(f"MoE layer '{self.shard.name}': " + " and ".join(problems) +
                               "; every rank stops here (check the inputs and the learning rate of this layer)")
 
-    def _record(self, plan: LayerPlan, counts: List[List[int]]) -> None:
+    def _record(self, plan: DispatchPlan, counts: np.ndarray) -> None:
         self.last_plan, self.last_counts = plan, counts
         self.calls += 1
         self.pairs_processed += plan.tokens_processed(self.runtime.rank)
@@ -387,50 +300,20 @@ class LayerBinding:
                "avoidable_cross_node_tokens": self.avoidable_cross_node_rows,
                "time_s": {k: round(v, 6) for k, v in self.phase_s.items()}}
         if plan is not None and counts is not None:
+            from .metrics import force_balanced_estimate   # cost-model estimate, only when stats() asks
             world = self.runtime.world_size
             before = owner_loads(counts, self.shard.owners, world)
             after = plan.loads()
             moved_experts = {e for e, _ in plan.gather_pairs}
             out.update({
-                "tokens_per_expert": [sum(row[e] for row in counts) for e in range(self.shard.num_experts)],
+                "tokens_per_expert": np.asarray(counts).sum(axis=0).tolist(),
                 "compute_per_rank_before": before, "compute_per_rank_after": after,
                 "load_imbalance_before": imbalance(before), "load_imbalance_after": imbalance(after),
                 "replicas": plan.num_moved, "materialized": [list(m) for m in plan.materialized],
                 "lambda": len(moved_experts) / self.shard.num_experts,
+                "force_balanced_fraction": force_balanced_estimate(self, plan, counts),
             })
         return out
-
-
-def _expert_major_order(plan: LayerPlan, rank: int, mine: Sequence[int]):
-    """Permutation from received order (src-major, then expert) to expert-major order, and rows per expert.
-
-    Built from the (src, expert) segment table, O(ranks x experts) in Python; the row indices come from torch.
-    """
-    tm = plan.token_matrix
-    seg_start: Dict[Tuple[int, int], int] = {}
-    offset = 0
-    for src in range(plan.world_size):
-        for e in range(plan.num_experts):
-            seg_start[(src, e)] = offset
-            offset += tm[src][rank][e]
-    starts, lengths, sizes = [], [], []
-    for e in mine:
-        size = 0
-        for src in range(plan.world_size):
-            n = tm[src][rank][e]
-            if n:
-                starts.append(seg_start[(src, e)])
-                lengths.append(n)
-                size += n
-        sizes.append(size)
-    if not lengths:
-        return torch.empty(0, dtype=torch.long), sizes
-    lengths_t = torch.tensor(lengths, dtype=torch.long)
-    # For each output row: its segment's start plus its position inside the segment.
-    seg_of_row = torch.repeat_interleave(torch.arange(len(lengths)), lengths_t)
-    first_row = torch.cumsum(lengths_t, 0) - lengths_t
-    position = torch.arange(int(lengths_t.sum())) - first_row[seg_of_row]
-    return torch.tensor(starts, dtype=torch.long)[seg_of_row] + position, sizes
 
 
 class HecateRuntime:
@@ -445,8 +328,10 @@ class HecateRuntime:
         self.compute_dtype = compute_dtype
         self.reduce_dtype = torch.float32 if config.reduce_dtype == "fp32" else torch.bfloat16
         self.ranks_per_node = ranks_per_node
-        self.store = ExpertShardStore()
-        self.autograd_anchor = torch.empty(0, requires_grad=True)
+        self.device = comm.device   # the rank's working device: every tensor Hecate creates lives there
+        self.clock = DeviceClock(self.device)
+        self.store = ExpertShardStore(self.device)
+        self.autograd_anchor = torch.empty(0, requires_grad=True, device=self.device)
         self.bindings: List[LayerBinding] = []
         self.layer_names: List[str] = []
         self.optimizer: Optional[ExpertOptimizer] = None
@@ -463,12 +348,12 @@ class HecateRuntime:
         self.measured: Dict[str, float] = {}
         self._work_at_profile: Optional[Tuple[int, float]] = None   # expert_work() when costs were last measured
         self.overlaps_compute = torch.cuda.is_available()
-        self.last_layer_end: Optional[float] = None
+        self.last_layer_end: Optional[object] = None   # a DeviceClock mark
         self.peak_replica_bytes = 0
         self.pending_reductions: List[Tuple[LayerBinding, object]] = []
         self.global_steps = 0  # optimizer steps done (engine.global_steps), for the trace's step numbers
         # Called as observe(binding, plan, counts) after each forward call's plan (not recomputes).
-        self.observers: List[Callable[[LayerBinding, LayerPlan, List[List[int]]], None]] = []
+        self.observers: List[Callable[[LayerBinding, DispatchPlan, np.ndarray], None]] = []
         from .metrics import install_recorders
         install_recorders(self)
 
@@ -506,7 +391,7 @@ class HecateRuntime:
         """Start of a model forward (a micro-step): forget stale caches, prefetch the first layer."""
         if _in_backward_pass():
             return
-        self.last_layer_end = time.perf_counter()
+        self.last_layer_end = self.clock.mark()
         for b in self.bindings:
             b.forward_cache.clear()
         if self.call_order:

@@ -53,7 +53,8 @@ class LayerShard:
 class ExpertShardStore:
     """All MoE layers' shards on this rank."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device = torch.device("cpu")) -> None:
+        self.device = device   # the rank's working device
         self.layers: List[LayerShard] = []
 
     def add(self, shard: LayerShard) -> None:
@@ -68,7 +69,7 @@ class ExpertShardStore:
 
     def grad_sq_sum(self) -> torch.Tensor:
         """Sum of squares of this rank's accumulated expert gradients (fp32, raw: before any scaling)."""
-        total = torch.zeros((), dtype=torch.float32)
+        total = torch.zeros((), dtype=torch.float32, device=self.device)  # also on a rank that owns nothing
         for p in self.parameters():
             if p.grad is not None:
                 total = total + p.grad.float().pow(2).sum()

@@ -34,6 +34,9 @@ def tiny_config(kind: str):
         c = dict(common)
         c.pop("output_router_logits")
         c.pop("router_aux_loss_coef")
+        # Multi-head latent attention has one key/value head per query head: transformers 5.24 enforces it
+        # (5.10 ignored a smaller num_key_value_heads).
+        c["num_key_value_heads"] = c["num_attention_heads"]
         return tf.DeepseekV3Config(intermediate_size=24, moe_intermediate_size=12, n_routed_experts=4,
                                    n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
                                    first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=8, qk_rope_head_dim=4,

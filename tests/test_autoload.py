@@ -5,21 +5,21 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from dist_utils import free_port
+from venv_utils import chained_venv
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def venv(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("venv") / "env"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(path)], check=True, timeout=300)
-    python = path / "bin" / "python"
+    # Chained to the interpreter running the tests (a venv's, a conda env's or the base's): DeepSpeed and torch
+    # come from there, ds_hecate is installed into the scratch venv itself.
+    python = chained_venv(tmp_path_factory.mktemp("venv") / "env")
     proc = subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", str(ROOT)], capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -111,7 +111,9 @@ def test_replayed_counts_are_what_the_benchmark_forces(tmp_path):
     steps = cfg["warmup"] + cfg["steps"]
     sources = cal._route_sources(res, 2)
     bench = {n: r for n, _, r in _route_sources(argparse.Namespace(**cfg), 2)}   # what benchmarks/run.py builds
-    assert set(sources) == set(bench) == {"W2", "W6", "trace:t"}
+    # plus the forced-uniform runs no W0 stands for (benchmarks/force_balanced.py): one for W2 and W6, one for the
+    # trace's ragged ranks
+    assert set(sources) == set(bench) == {"W2", "W6", "trace:t", "W2-uniform", "trace:t-uniform"}
     for name in ("W2", "W6"):
         replayed = cal.replayed_counts(sources[name], steps, cfg["layers"])
         for s in range(steps):

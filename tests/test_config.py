@@ -15,11 +15,12 @@ from ds_hecate.config import HecateConfig, parse_hecate_section, split_hecate_se
 from ds_hecate.errors import HecateConfigError, HecateError
 
 KNOWN_KEYS = ("enabled", "placement", "load_window", "materialize_budget_mb", "overlap_degree", "calibration",
-              "replan_tolerance", "rematerialize", "prefetch", "reshard_interval", "compute_s_per_pair", "link_gbps", "inter_node_gbps",
+              "replan_tolerance", "plan_budget_us", "search_budget_us", "rematerialize", "prefetch", "reshard_interval", "compute_s_per_pair", "link_gbps", "inter_node_gbps",
               "non_moe_time_s", "ranks_per_node", "reduce_dtype", "collective_timeout_s", "log_conversion", "monitor",
               "monitor_interval", "trace_file", "comm_backend")
 DEFAULTS = dict(enabled=False, placement="hecate", load_window=5, materialize_budget_mb=1024.0, overlap_degree=None,
-                calibration=True, replan_tolerance=0.05, rematerialize=False, prefetch=True, reshard_interval=100,
+                calibration=True, replan_tolerance=0.05, plan_budget_us=None, search_budget_us=200000.0,
+                rematerialize=False, prefetch=True, reshard_interval=100,
                 compute_s_per_pair=None, link_gbps=None, inter_node_gbps=None, non_moe_time_s=None,
                 ranks_per_node=None, reduce_dtype="fp32", collective_timeout_s=600.0, log_conversion=True,
                 monitor=True, monitor_interval=1, trace_file=None, comm_backend="auto")
@@ -46,7 +47,7 @@ def test_defaults():
 
 def test_full_valid_section():
     raw = dict(enabled=True, placement="local", load_window=3, materialize_budget_mb=12.5, overlap_degree=2,
-               calibration=False, replan_tolerance=0.2, rematerialize=True, prefetch=False, reshard_interval=7,
+               calibration=False, replan_tolerance=0.2, plan_budget_us=250.0, search_budget_us=0.0, rematerialize=True, prefetch=False, reshard_interval=7,
                compute_s_per_pair=1e-6,
                link_gbps=100.0, inter_node_gbps=12.5, non_moe_time_s=0.01, ranks_per_node=8, reduce_dtype="bf16",
                collective_timeout_s=30.5, log_conversion=False, monitor=False, monitor_interval=5,
@@ -109,6 +110,10 @@ def test_where_is_used_in_messages():
     ("replan_tolerance", 1.5),
     ("replan_tolerance", "5%"),
     ("replan_tolerance", float("nan")),
+    ("plan_budget_us", -1.0),
+    ("plan_budget_us", "fast"),
+    ("search_budget_us", -5),
+    ("search_budget_us", None),
     ("ranks_per_node", 0),
     ("ranks_per_node", -4),
     ("ranks_per_node", 2.0),
@@ -331,7 +336,8 @@ _VALID = {
     "placement": st.sampled_from(PLACEMENTS), "reduce_dtype": st.sampled_from(["fp32", "bf16"]),
     "load_window": st.integers(1, 10000), "materialize_budget_mb": st.floats(0, 1e9),
     "overlap_degree": st.one_of(st.none(), st.integers(0, 1 << 20)), "calibration": st.booleans(),
-    "replan_tolerance": st.floats(0.0, 1.0), "rematerialize": st.booleans(), "prefetch": st.booleans(), "reshard_interval": st.integers(0, 1 << 30),
+    "replan_tolerance": st.floats(0.0, 1.0), "plan_budget_us": st.none() | st.floats(0.0, 1e9),
+    "search_budget_us": st.floats(0.0, 1e9), "rematerialize": st.booleans(), "prefetch": st.booleans(), "reshard_interval": st.integers(0, 1 << 30),
     "compute_s_per_pair": st.one_of(st.none(), st.floats(1e-12, 1.0)),
     "link_gbps": st.one_of(st.none(), st.floats(1e-3, 1e6)),
     "inter_node_gbps": st.one_of(st.none(), st.floats(1e-3, 1e6)),

@@ -77,12 +77,11 @@ def _cases(world: int) -> Dict[str, Case]:
             # bf16 with ZeRO stage 1: DeepSpeed's BF16_Optimizer (norm hooked through get_grads_for_norm). Routes
             # are forced in the low-precision cases: learned routes flip now and then under rounding, and one flip
             # moves a step's loss by about 1e-2, which would hide what these cases check.
-            # bf16 with ZeRO stage 0: DeepSpeed's FP16_UnfusedOptimizer keeps and all-reduces gradients in bf16; its
-            # own plain run leaves the fp32 trajectory by 2.6% after one step (measured) and reports a norm without
-            # the experts, so Hecate's stage-0 bf16 run (dense in bf16 as DeepSpeed does, experts reduced in fp32) is
-            # held against fp32 data-parallel training, at 5e-2 (measured worst: 4.6e-2).
+            # bf16 with ZeRO stage 0: DeepSpeed's FP16_UnfusedOptimizer, which steps its optimizer once with zero
+            # gradients when built (the experts take that step too, see docs/design.md) and keeps and all-reduces
+            # gradients in bf16 (Hecate sums expert gradients in fp32). Measured worst: 5.5e-3.
             "bf16-stage0": (replace(BASE, bf16=True, stage=0, gate_bias=HOT, forced_routes=True), SCHEDULER,
-                            {"loss_rtol": 5e-2, "param_atol": 2e-2, "oracle": {"bf16": False}}),
+                            {"loss_rtol": 2e-2, "param_atol": 2e-2}),
             "bf16-stage1": (replace(BASE, bf16=True, stage=1, forced_routes=True), {"placement": "local"},
                             {"loss_rtol": 2e-2, "param_atol": 2e-2}),
             # fp16 with dynamic loss scaling; at step 3 one expert gradient overflows (rank 0 only): DeepSpeed

@@ -86,13 +86,13 @@ def _arm_kill(phase: str, stamp: str, ckpt: str, kill_step: int, rank: int, step
         elif phase == "backward":  # while returning the second layer's gradients (first MoE backward)
             LayerBinding.reduce_scatter = lambda self, *a: _die(stamp)
         elif phase == "sparse-collective":  # about to send its experts in a SparseAllGather
-            exchange = Communicator._start_chunk_exchange
+            exchange = Communicator.exchange_chunks
 
             def dying_exchange(self, *args):
                 if args[-1] == "SparseAllGather":
                     _die(stamp)
                 return exchange(self, *args)
-            Communicator._start_chunk_exchange = dying_exchange
+            Communicator.exchange_chunks = dying_exchange
         else:  # writing its first expert file of the save
             checkpoint._atomic_torch_save = lambda obj, path: _die(stamp)
     if phase == "save":

@@ -47,7 +47,8 @@ def _errors_worker(rank: int, world: int) -> dict:
     stage0 = cfg()
     stage0["zero_optimization"]["stage"] = 0
     stage0["fp16"] = {"enabled": True}
-    out["stage0_fp16"] = _expect_error(moe, stage0, HecateUnsupportedError)
+    stage0["optimizer"] = {"type": "Adam", "legacy_fusion": True, "params": {"lr": 1e-3}}
+    out["stage0_fp16_legacy_fusion"] = _expect_error(moe, stage0, HecateUnsupportedError)
     out["no_moe"] = _expect_error(lambda: nn.Sequential(nn.Linear(4, 4)), cfg(), HecateModelError)
     for case, (key, value) in {
         "offload": ("zero_optimization", {"stage": 2, "offload_optimizer": {"device": "cpu"}}),
@@ -97,7 +98,8 @@ def outcomes():
     ("bad_value", ["zero_optimization.hecate.placement", "everywhere"]),
     ("both_sections", ["both", "zero_optimization.hecate"]),
     ("expert_parallel", ["expert_parallel", "AutoEP"]),
-    ("stage0_fp16", ["fp16 with ZeRO stage 0", "FP16_Optimizer", "use ZeRO stage 1-3 for fp16"]),
+    ("stage0_fp16_legacy_fusion", ["fp16 with ZeRO stage 0", "optimizer.legacy_fusion"]),  # fp16 stage 0 itself
+    # trains (tests/test_fp16_stage0.py); only FP16_Optimizer's legacy fused step is refused
     ("no_moe", ["Sequential", "no MoE layer", "hecate.enabled"]),
     ("offload", ["ZeRO-Offload"]),
     ("hybrid_engine", ["hybrid engine"]),

@@ -20,7 +20,7 @@ from ds_hecate.collectives import CommCounters, Communicator
 from ds_hecate.config import parse_hecate_section
 from ds_hecate.errors import HecateConfigError, HecateError
 from ds_hecate.gpu import reference as ref
-from ds_hecate.gpu.backend import resolve_backend
+from ds_hecate.gpu.backend import agree_backend
 from ds_hecate.gpu.kernels import KERNEL_NAMES, SOURCES, kernel_dir
 from ds_hecate.gpu.layout import gather_layout, owned_materialized, reduce_chunk_lists, reduce_layout
 from ds_hecate.moe_layer import combine_routes
@@ -232,27 +232,32 @@ def test_comm_backend_config_key():
         parse_hecate_section({"comm_backend": "nccl"})
 
 
+def resolve_backend(requested, device):
+    return agree_backend(requested, device, None, 1)
+
+
 def test_backend_resolution_on_cpu():
     assert resolve_backend("torch", torch.device("cpu")) == ("torch", None)
     backend, why = resolve_backend("auto", torch.device("cpu"))
     assert backend == "torch" and "not CUDA" in why
-    with pytest.raises(HecateConfigError, match=r"comm_backend='cupy' but the CuPy\+NCCL backend cannot be used"):
+    with pytest.raises(HecateConfigError, match=r"comm_backend='cupy' but the CuPy\+NCCL transport cannot be used"):
         resolve_backend("cupy", torch.device("cpu"))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU behaviour")
 def test_cuda_device_without_gpu_names_the_reason():
-    """A CUDA device requested where CuPy cannot run: 'auto' falls back with the CuPy reason, 'cupy' refuses."""
+    """A CUDA device where CuPy cannot run: 'auto' uses torch.distributed (CuPy is opt-in until a GPU check has
+    passed), 'cupy' refuses and names the rank and the reason."""
     backend, why = resolve_backend("auto", torch.device("cuda", 0))
-    assert backend == "torch" and "cupy" in why
-    with pytest.raises(HecateConfigError, match="cannot be used: " + re.escape(why)):
+    assert backend == "torch" and "has not passed a GPU check" in why
+    with pytest.raises(HecateConfigError, match="cannot be used \\(rank 0: "):
         resolve_backend("cupy", torch.device("cuda", 0))
 
 
 def test_cupy_backend_refuses_a_cpu_device():
-    from ds_hecate.gpu.nccl_comm import CupyNcclCommunicator
+    from ds_hecate.gpu.nccl_comm import CupyTransport
     with pytest.raises(HecateError, match="needs a CUDA device"):
-        CupyNcclCommunicator(None, 0, 1, torch.device("cpu"))
+        CupyTransport(None, 0, 1, torch.device("cpu"))
 
 
 _BUILD_RUNTIME = """
@@ -264,7 +269,7 @@ from ds_hecate.initialize import build_runtime
 dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
 runtime = build_runtime(parse_hecate_section({"enabled": True}), {})
 assert type(runtime.comm) is Communicator, type(runtime.comm)
-assert runtime.comm.exchange_counts(torch.tensor([3, 4])) == [[3, 4]]
+assert runtime.comm.exchange_counts(torch.tensor([3, 4])).tolist() == [[3, 4]]
 print("OK")
 """
 

@@ -185,9 +185,11 @@ def test_metric_values_match_the_traced_plans(monitored_run):
             sent_as_replica = sum(1 for e, dst in plan.gather_pairs if dst == 0)
             assert got["bytes_allgather"][step] == gathers * sent_as_owner * numel * 4, (layer, step)
             assert got["bytes_reducescatter"][step] == sent_as_replica * numel * 4, (layer, step)
-            # rank 0's token rows to other ranks (calibration may make every one local: then nothing is sent)
+            # rank 0 sends token rows when it dispatches to another rank or returns another rank's rows in the combine
+            # (calibration may make every one local: then nothing is sent)
             rows_out = sum(n for dst, n in enumerate(plan.send_splits(0)) if dst != 0)
-            assert (got["bytes_dispatch"][step] > 0) == (rows_out > 0), (layer, step, rows_out)
+            rows_in = sum(n for src, n in enumerate(plan.recv_splits(0)) if src != 0)
+            assert (got["bytes_dispatch"][step] > 0) == (rows_out + rows_in > 0), (layer, step, rows_out, rows_in)
             assert got["cross_node_tokens"][step] == 0  # one node
         # Deltas, not running totals: they add up to the runtime's cumulative counters.
         for metric in ("bytes_allgather", "bytes_reducescatter", "bytes_dispatch"):

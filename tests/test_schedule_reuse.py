@@ -1,4 +1,4 @@
-"""Reuse of the scheduler's last search (planning.scheduler.ScheduleReuse, hecate.replan_tolerance).
+"""Reuse of the scheduler's last search (planning.schedule_reuse.ScheduleReuse, hecate.replan_tolerance).
 
 Pure planning code: no process group. The runtime wiring (reused schedules in real training, the schedule in
 checkpoints) is covered by tests/test_checkpoint.py's bitwise resume and by the stats check below.
@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from ds_hecate.planning.scheduler import ScheduleReuse, StepCostModel, load_shift, schedule_materialization
+from ds_hecate.planning.schedule_reuse import ScheduleReuse, load_shift
+from ds_hecate.planning.scheduler import StepCostModel, schedule_materialization
 from ds_hecate.routing_workloads import routing_counts
 
 OWNERS = (0, 0, 0, 0, 1, 1, 1, 1)

@@ -45,7 +45,8 @@ def test_32_gpu_skewed_run_reports_speedup_and_fraction_of_ideal():
 
 def test_hecate_without_budget_is_expert_parallelism():
     """Budget 0: the scheduler returns the sharded placement, so Hecate and EP simulate identically."""
-    result = simulate("a100-4x8", "bert-moe", "W2", systems=["ep", "hecate"], steps=3, materialize_budget_mb=0.0)
+    result = simulate("a100-4x8", "bert-moe", "W2", systems=["ep", "hecate"], steps=3, materialize_budget_mb=0.0,
+                      charge_planning=False)
     assert result.systems["hecate"].replicas_per_layer == 0
     assert result.systems["hecate"].step_times_s == result.systems["ep"].step_times_s
     balanced = simulate("a100-4x8", "bert-moe", "W0", systems=["ep", "hecate"], steps=3)
@@ -177,8 +178,22 @@ def test_a_calibrated_step_does_not_leak_its_exposed_gather_into_later_steps():
     from ds_hecate.config import HecateConfig
 
     runs = {on: simulate("v100-4x8", "gpt-moe-s", "W1", systems=["hecate"], steps=5,
-                         hecate=HecateConfig(enabled=True, calibration=on, materialize_budget_mb=3276.8))
+                         hecate=HecateConfig(enabled=True, calibration=on, materialize_budget_mb=3276.8,
+                                             plan_budget_us=1e9),   # not cut short by the default budget
+                         charge_planning=False)
             for on in (True, False)}
     with_cal, without = runs[True].systems["hecate"].step_times_s, runs[False].systems["hecate"].step_times_s
     assert with_cal[1:] == without[1:]
     assert with_cal[0] < without[0]   # the first step: calibration from the owners' placement beats plain EP
+
+
+def test_host_planning_is_charged_to_hecate_only():
+    """The simulator times the runtime's own planning (critical path and exposed search) and adds it to Hecate's
+    step; without the charge the figures are what they were, and the difference is the reported host time."""
+    kw = dict(systems=["ep", "hecate"], steps=4, materialize_budget_mb=0.0)
+    off = simulate("a100-4x8", "bert-moe", "W2", charge_planning=False, **kw)
+    on = simulate("a100-4x8", "bert-moe", "W2", **kw)
+    planning = on.systems["hecate"].breakdown_s["host_planning"]
+    assert planning > 0 and off.systems["hecate"].breakdown_s["host_planning"] == 0
+    assert on.systems["ep"].step_times_s == off.systems["ep"].step_times_s
+    assert on.systems["hecate"].step_time_s == pytest.approx(off.systems["hecate"].step_time_s + planning, rel=1e-9)

@@ -3,7 +3,7 @@
 Sources ship with the package (``ds_hecate/kernels/*.cu`` in an installed copy, ``kernels/`` in a checkout); each
 module is compiled by NVRTC once per process (and by CuPy once per device architecture, cached on disk by CuPy).
 Tensors are handed to CuPy zero-copy through ``__cuda_array_interface__`` (bf16 viewed as int16, since CuPy has
-no bfloat16 dtype); pointer tables (one pointer per expert chunk) are uploaded as small int64 device tensors.
+no bfloat16 dtype); pointer tables (one pointer per expert chunk) are uploaded as small int64 device tensors, pinned and non-blocking.
 
 Every launcher takes torch CUDA tensors and returns/writes torch tensors; the contracts are the functions of the
 same name in :mod:`ds_hecate.gpu.reference`.
@@ -18,6 +18,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from ..errors import HecateError
+from ..timing import to_device
 
 THREADS = 256  # HECATE_THREADS in the .cu files (launch bounds)
 SOURCES = ("sparse_collectives.cu", "token_permute.cu")
@@ -82,7 +83,8 @@ def _cp(t: torch.Tensor):
 
 
 def _ptr_table(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64).to(device)
+    """Chunk pointers as an int64 device table: a pinned, non-blocking upload (never a host stall per launch)."""
+    return to_device(torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64), device)
 
 
 def _launch(source: str, kernel: str, device: torch.device, grid, block, args, shared_mem: int = 0) -> None:
@@ -109,6 +111,11 @@ def _dtype_name(dtype: torch.dtype) -> str:
         return _DTYPE_NAMES[dtype]
     except KeyError:
         raise HecateError(f"the CUDA kernels handle float32 and bfloat16, not {dtype}") from None
+
+
+def supports(dtype: torch.dtype) -> bool:
+    """Whether the kernels handle ``dtype`` (float32 and bfloat16; not float16)."""
+    return dtype in _DTYPE_NAMES
 
 
 def _check(tensors: Sequence[torch.Tensor]) -> None:
@@ -173,8 +180,8 @@ def reduce_chunks(bases: Sequence[torch.Tensor], recv: torch.Tensor, chunks_per_
     pair = f"{_dtype_name(base_dtype)}_{_dtype_name(recv.dtype)}"
     vec = 4 if numel % 4 == 0 and _aligned([recv, *bases, *outs]) else 1
     seg_ptr, idx = chunk_segments(chunks_per_output)
-    seg_t = torch.tensor(seg_ptr, dtype=torch.int64).to(device)
-    idx_t = torch.tensor(idx or [0], dtype=torch.int64).to(device)
+    seg_t = to_device(torch.tensor(seg_ptr, dtype=torch.int64), device)
+    idx_t = to_device(torch.tensor(idx or [0], dtype=torch.int64), device)
     grid = (_blocks(numel // vec, len(bases), device), len(bases))
     _launch("sparse_collectives.cu", f"reduce_{pair}_v{vec}", device, grid, (THREADS,),
             (_cp(_ptr_table(outs, device)), _cp(_ptr_table(bases, device)), _cp(recv), _cp(seg_t), _cp(idx_t),

@@ -57,7 +57,8 @@ for _arch in (
         MoEArchitecture("qwen3_moe", ("Qwen3MoeExperts",), model_types=("qwen3_moe",)),
         MoEArchitecture("qwen2_moe", ("Qwen2MoeExperts",), model_types=("qwen2_moe",)),
         MoEArchitecture("olmoe", ("OlmoeExperts",), model_types=("olmoe",)),
-        MoEArchitecture("deepseek_v3", ("DeepseekV3NaiveMoe",), model_types=("deepseek_v3",)),
+        # transformers 5.10 names the experts class DeepseekV3NaiveMoe; 5.24 renamed it DeepseekV3Experts
+        MoEArchitecture("deepseek_v3", ("DeepseekV3NaiveMoe", "DeepseekV3Experts"), model_types=("deepseek_v3",)),
 ):
     register_architecture(_arch)
 

@@ -1,6 +1,6 @@
 """The plan of one MoE layer call: sharded placement P, materialized placement P', and token routes.
 
-Pure data: no torch, no torch.distributed. Every rank computes the same plan from the same all-gathered counts,
+Pure data: no torch, no torch.distributed (numpy only). Every rank computes the same plan from the same all-gathered counts,
 so every quantity the collectives need (who sends which expert to whom, how many tokens go where) is derived here,
 identically on every rank.
 """
@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Dict, List, Sequence, Tuple
+
+import numpy as np
 
 #: routes[src][expert] = ((dst, n_tokens), ...): where src's token-expert pairs for that expert are processed.
 Routes = Tuple[Tuple[Tuple[Tuple[int, int], ...], ...], ...]
@@ -28,6 +30,14 @@ class Placement:
     @property
     def world_size(self) -> int:
         return len(self.materialized)
+
+    @cached_property
+    def holders(self) -> "np.ndarray":
+        """``[ranks, experts]`` bool matrix of ``materialized``: the vectorised planner's view of P'."""
+        holders = np.zeros((len(self.materialized), len(self.owners)), dtype=bool)
+        for rank, experts in enumerate(self.materialized):
+            holders[rank, list(experts)] = True
+        return holders
 
     @cached_property
     def gather_pairs(self) -> Tuple[Tuple[int, int], ...]:

@@ -16,9 +16,8 @@ input is identical on all ranks and ties break on (expert id, rank), so all rank
 """
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
-from typing import Deque, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -64,11 +63,10 @@ class LayerEstimate:
 
 def owner_loads(counts: Sequence[Sequence[int]], owners: Sequence[int], world_size: int) -> List[int]:
     """Token-expert pairs per rank when every expert runs only on its owner (plain expert parallelism)."""
-    loads = [0] * world_size
-    for row in counts:
-        for e, n in enumerate(row):
-            loads[owners[e]] += n
-    return loads
+    per_expert = np.asarray(counts).reshape(-1, len(owners)).sum(axis=0)
+    loads = np.zeros(world_size, dtype=per_expert.dtype)
+    np.add.at(loads, np.asarray(owners, dtype=np.int64), per_expert)
+    return loads.tolist()
 
 
 def imbalance(loads: Sequence[float]) -> float:
@@ -88,9 +86,7 @@ def rank_loads(counts: Sequence[Sequence[float]], materialized: Sequence[Sequenc
     num_experts = len(counts[0]) if world else 0
     if not world or not num_experts:
         return [[0.0] * num_experts for _ in range(world)], [0.0] * world, [0.0] * world
-    holders = np.zeros((num_experts, world), dtype=bool)
-    for rank, experts in enumerate(materialized):
-        holders[list(experts), rank] = True
+    holders = _as_holders(materialized, world, num_experts).T
     if (~holders.any(axis=1) & (np.asarray(counts, dtype=np.float64).sum(axis=0) != 0)).any():
         # an expert with pairs but no holder: the pure-Python rule cannot route it either
         raise ValueError("rank_loads: an expert with token-expert pairs is materialized nowhere")
@@ -205,6 +201,16 @@ def dispatch_flows(pairs, holders, ranks_per_node: int) -> DispatchFlows:
     return DispatchFlows(processed, sent, received, np.where(remote, n, 0.0), hf * from_remote)
 
 
+def _as_holders(placement, world: int, num_experts: int) -> np.ndarray:
+    """A placement as a ``[ranks, experts]`` bool matrix (given as one, or as per-rank expert lists)."""
+    if isinstance(placement, np.ndarray) and placement.dtype == bool:
+        return placement
+    holders = np.zeros((world, num_experts), dtype=bool)
+    for r, experts in enumerate(placement):
+        holders[r, list(experts)] = True
+    return holders
+
+
 class _Search:
     """State of :func:`schedule_materialization`'s greedy search, vectorised with numpy.
 
@@ -222,14 +228,11 @@ class _Search:
         self.mat = np.zeros((self.world, self.num_experts), dtype=bool)
         self.mat[self.owners, np.arange(self.num_experts)] = True
         if start is not None:
-            for r, experts in enumerate(start):
-                self.mat[r, list(experts)] = True
+            self.mat |= _as_holders(start, self.world, self.num_experts)
         if prefetched is None:
             self.early = np.ones_like(self.mat)
         else:
-            self.early = np.zeros_like(self.mat)
-            for r, experts in enumerate(prefetched):
-                self.early[r, list(experts)] = True
+            self.early = _as_holders(prefetched, self.world, self.num_experts).copy()
         self.owner_mask = np.zeros_like(self.mat)
         self.owner_mask[self.owners, np.arange(self.num_experts)] = True
         flows = dispatch_flows(self.counts.T, self.mat.T, ranks_per_node)
@@ -303,32 +306,113 @@ def _lex_less(a, b) -> bool:
     return bool(diff.size) and bool(a[diff[0]] < b[diff[0]])
 
 
+@dataclass(frozen=True)
+class SearchWork:
+    """How a search budget in microseconds becomes work every rank counts alike.
+
+    Ranks must reach the same placement, so the search cannot stop on a clock: each rank's wall time differs.
+    It counts work instead, in estimated microseconds of this module's numpy search: a setup per
+    (rank, expert) cell, a fixed cost per step, and a cost per evaluated (move, rank) cell; the constants were
+    fitted with ``python -m benchmarks.planner`` on a 2-vCPU EPYC host (a faster host finishes inside the budget
+    sooner; a slower one overruns it by its slowness, never by a different decision).
+    """
+
+    setup_us: float = 60.0
+    setup_us_per_cell: float = 0.06
+    step_us: float = 300.0
+    step_us_per_cell: float = 0.01
+    move_us_per_cell: float = 0.08
+
+    def setup_cost_us(self, world: int, num_experts: int) -> float:
+        """Building the search state: the dispatch columns of every (rank, expert) cell."""
+        return self.setup_us + self.setup_us_per_cell * world * num_experts
+
+    def step_cost_us(self, moves: int, world: int, num_experts: int) -> float:
+        """One step: a fixed part, the refresh of the rank totals, and the batch of ``moves`` x ``world`` cells."""
+        return self.step_us + self.step_us_per_cell * world * num_experts + self.move_us_per_cell * moves * world
+
+    def first_step_us(self, world: int, num_experts: int, candidate_experts: int = 4,
+                      candidate_ranks: int = 64) -> float:
+        """Setup plus a typical first step: below this a budget cannot change the placement, so the search (and
+        the estimate that decides whether to run it) is not worth starting."""
+        moves = candidate_experts * (min(max(world - 1, 1), candidate_ranks) + 2)
+        return self.setup_cost_us(world, num_experts) + self.step_cost_us(moves, world, num_experts)
+
+
+SEARCH_WORK = SearchWork()
+
+
+def _candidate_moves(search: "_Search", best_times, extra, budget_per_rank: int, ranks_per_node: int,
+                     candidate_experts: int, candidate_ranks: int):
+    """Moves for the experts that load the bottleneck rank most: one replica on one open rank, one on every open
+    rank of a node, one on every open rank. With more open ranks than ``candidate_ranks``, single replicas and
+    node groups are tried only on the least-loaded open ranks (and their nodes): beyond a few dozen ranks the
+    full set costs ranks^2 per step for moves that cannot beat the idlest ranks."""
+    bottleneck = int(np.argmax(best_times))   # first (lowest) rank among the slowest
+    load_on_bottleneck = search.proc[:, bottleneck]
+    loaded = np.flatnonzero(load_on_bottleneck > 0)
+    hot = sorted(loaded.tolist(), key=lambda e: (-load_on_bottleneck[e], e))[:candidate_experts]
+    moves = set()
+    for e in hot:
+        open_ranks = np.flatnonzero(~search.mat[:, e] & (extra < budget_per_rank))
+        if open_ranks.size > candidate_ranks:
+            by_time = open_ranks[np.lexsort((open_ranks, _round12(best_times[open_ranks])))]
+            singles = np.sort(by_time[:candidate_ranks])
+            nodes = np.unique(singles // ranks_per_node)
+        else:
+            singles = open_ranks
+            nodes = np.unique(open_ranks // ranks_per_node)
+        moves.update((e, (int(d),)) for d in singles)
+        node_of_open = open_ranks // ranks_per_node
+        for n in nodes.tolist():
+            in_node = tuple(int(d) for d in open_ranks[node_of_open == n])
+            if in_node:
+                moves.add((e, in_node))
+        if open_ranks.size:
+            moves.add((e, tuple(int(d) for d in open_ranks)))
+    return sorted(moves)
+
+
 def schedule_materialization(counts: Sequence[Sequence[float]], owners: Sequence[int], costs: StepCostModel,
                              budget_per_rank: int, ranks_per_node: int,
                              start: Optional[Sequence[Sequence[int]]] = None,
                              prefetched: Optional[Sequence[Sequence[int]]] = None,
-                             candidate_experts: int = 4, min_gain: float = 0.05) -> Placement:
+                             candidate_experts: int = 4, min_gain: float = 0.05,
+                             budget_us: Optional[float] = None, candidate_ranks: int = 64,
+                             work: SearchWork = SEARCH_WORK) -> Placement:
     """Greedy replica placement minimising :func:`estimate_layer` under ``budget_per_rank`` extra experts/rank.
 
     Moves considered for the experts that load the bottleneck rank most: one new replica on one rank, a replica on
-    every rank of one node that lacks the expert, and a replica on every rank that lacks it. Single replicas alone
-    get stuck where local-first dispatch makes each new copy overload its own rank; the group moves are Algorithm
-    1's "replicate on all devices" as one option among others. A move is taken when it lowers the sorted profile
-    of rank times (see :func:`_profile`); ties break on (expert, ranks); the result is the earliest placement on
-    that path with the lowest layer time, kept only if it beats the starting placement by ``min_gain`` (a
-    fraction): predicted loads are noisy, and replicas that promise a few percent cost more than they return
-    when the routing moves. ``start`` is a placement to extend (the prefetched one, for calibration); by default
-    the sharded placement.
+    every rank of one node that lacks the expert, and a replica on every rank that lacks it (see
+    :func:`_candidate_moves`). Single replicas alone get stuck where local-first dispatch makes each new copy
+    overload its own rank; the group moves are Algorithm 1's "replicate on all devices" as one option among
+    others. A move is taken when it lowers the sorted profile of rank times (see :func:`_profile`); ties break on
+    (expert, ranks); the result is the earliest placement on that path with the lowest layer time, kept only if it
+    beats the starting placement by ``min_gain`` (a fraction): predicted loads are noisy, and replicas that promise
+    a few percent cost more than they return when the routing moves. ``start`` is a placement to extend (the
+    prefetched one, for calibration); by default the sharded placement. ``start`` and ``prefetched`` are per-rank
+    expert lists or ``[ranks, experts]`` bool matrices.
+
+    Anytime: with ``budget_us`` the search stops before a step whose estimated cost (:class:`SearchWork`, counted
+    identically on every rank) would exceed the budget and returns the best placement found so far, never one
+    worse than ``start``; a budget below the setup cost returns ``start`` unsearched.
 
     The search is vectorised (numpy): a move changes the holders of one expert, so it is evaluated by swapping
     that expert's dispatch columns (:func:`dispatch_flows`, the same rule as :func:`rank_loads`), all moves of a
     search step in one batch. Rank times are those of :func:`estimate_layer` up to float rounding, which
     :func:`_profile`'s 12-digit rounding absorbs.
     """
+    world, num_experts = len(counts), len(owners)
+    spent = work.setup_cost_us(world, num_experts)
+    if budget_us is not None and work.first_step_us(world, num_experts, candidate_experts,
+                                                    candidate_ranks) > budget_us:
+        holders = np.zeros((world, num_experts), dtype=bool)
+        holders[np.asarray(owners, dtype=np.int64), np.arange(num_experts)] = True
+        if start is not None:
+            holders |= _as_holders(start, world, num_experts)
+        return tuple(tuple(int(e) for e in np.flatnonzero(row)) for row in holders)
     search = _Search(counts, owners, costs, ranks_per_node, start, prefetched)
-    world = search.world
     extra = (search.mat & ~search.owner_mask).sum(axis=1)
-    num_nodes = max(1, world // ranks_per_node)
 
     best_times = search.times
     best_max = float(best_times.max())
@@ -337,23 +421,13 @@ def schedule_materialization(counts: Sequence[Sequence[float]], owners: Sequence
     result_time, result_mat = best_max, search.mat.copy()
     threshold = best_max * (1.0 - min_gain)
     while True:
-        bottleneck = int(np.argmax(best_times))   # first (lowest) rank among the slowest
-        load_on_bottleneck = search.proc[:, bottleneck]
-        loaded = np.flatnonzero(load_on_bottleneck > 0)
-        hot = sorted(loaded.tolist(), key=lambda e: (-load_on_bottleneck[e], e))[:candidate_experts]
-        moves = set()
-        for e in hot:
-            open_ranks = np.flatnonzero(~search.mat[:, e] & (extra < budget_per_rank)).tolist()
-            moves.update((e, (d,)) for d in open_ranks)
-            for n in range(num_nodes):
-                in_node = tuple(d for d in open_ranks if d // ranks_per_node == n)
-                if in_node:
-                    moves.add((e, in_node))
-            if open_ranks:
-                moves.add((e, tuple(open_ranks)))
-        if not moves:
+        ordered = _candidate_moves(search, best_times, extra, budget_per_rank, ranks_per_node, candidate_experts,
+                                   candidate_ranks)
+        if not ordered:
             break
-        ordered = sorted(moves)
+        spent += work.step_cost_us(len(ordered), world, num_experts)
+        if budget_us is not None and spent > budget_us:
+            break
         times = search.evaluate(ordered)
         peaks = _round12(times.max(axis=1))
         tied = np.flatnonzero(peaks == peaks.min())
@@ -370,137 +444,3 @@ def schedule_materialization(counts: Sequence[Sequence[float]], owners: Sequence
         if float(_round12(best_max)) < float(_round12(result_time)) and best_max <= threshold:
             result_time, result_mat = best_max, search.mat.copy()
     return search.frozen(result_mat)
-
-
-def load_shift(before: Sequence[Sequence[float]], after: Sequence[Sequence[float]]) -> float:
-    """How far the (source rank, expert) loads moved: L1 distance over the total of ``before`` (0 = unchanged).
-
-    An empty ``before`` counts as moved entirely unless ``after`` is empty too.
-    """
-    a = np.asarray(before, dtype=np.float64)
-    b = np.asarray(after, dtype=np.float64)
-    if a.shape != b.shape:
-        return float("inf")
-    total = float(a.sum())
-    diff = float(np.abs(b - a).sum())
-    if total <= 0.0:
-        return 0.0 if diff == 0.0 else float("inf")
-    return diff / total
-
-
-class ScheduleReuse:
-    """The last schedule and what it was computed for, so an unchanged situation does not pay for a new search.
-
-    Why: the greedy search costs milliseconds per layer and call, while the predicted loads (a window average) move
-    by about a percent a step once routing settles; re-planning then returns the same placement, or one whose
-    estimate differs by noise. A schedule is reused while the owners, the cost model and the replica budget are
-    unchanged and the loads moved by at most ``tolerance`` (:func:`load_shift`) from the loads it was computed for;
-    ``tolerance`` 0 re-plans on every change. All inputs are identical on every rank, so every rank makes the same
-    choice. ``planned_for`` tells calibration which loads the prefetched placement assumed.
-
-    It also keeps score of the prediction (:meth:`after_gate`): a call *missed* when its actual counts moved more
-    than ``tolerance`` from the predicted loads and would leave the ranks' compute imbalanced under the prefetched
-    placement. While more than half of the last ``window`` calls missed, :attr:`predictions_reliable` is false and
-    the runtime prefetches no speculative replica (calibration plans from the actual counts instead): replicas
-    gathered for loads that do not come cost transfers and leave calibration less room.
-    """
-
-    def __init__(self, tolerance: float, window: int = 5) -> None:
-        if not 0.0 <= tolerance <= 1.0:
-            raise ValueError(f"ScheduleReuse: tolerance must be in [0, 1], got {tolerance}")
-        self.tolerance = tolerance
-        self.planned_for: Optional[List[List[float]]] = None
-        self.placement: Optional[Placement] = None
-        self._key: Optional[tuple] = None
-        self.searches = 0
-        self.reuses = 0
-        self.misses: Deque[bool] = deque(maxlen=max(1, window))
-
-    def schedule(self, counts: Sequence[Sequence[float]], owners: Sequence[int], costs: StepCostModel,
-                 budget_per_rank: int, ranks_per_node: int,
-                 start: Optional[Sequence[Sequence[int]]] = None) -> Placement:
-        """:func:`schedule_materialization` of ``counts``, or the previous result when it still applies."""
-        start_key = None if start is None else tuple(tuple(int(e) for e in r) for r in start)
-        key = (tuple(int(o) for o in owners), costs, budget_per_rank, ranks_per_node) + (
-            (start_key,) if start_key is not None else ())
-        if (self.placement is not None and key == self._key
-                and load_shift(self.planned_for, counts) <= self.tolerance):
-            self.reuses += 1
-            return self.placement
-        self.searches += 1
-        self.placement = schedule_materialization(counts, owners, costs, budget_per_rank, ranks_per_node,
-                                                  start=start)
-        self.planned_for = np.asarray(counts, dtype=np.float64).tolist()
-        self._key = key
-        return self.placement
-
-    def still_fits(self, counts: Sequence[Sequence[float]]) -> bool:
-        """Whether ``counts`` are within the tolerance of the loads the current schedule was computed for."""
-        return self.planned_for is not None and load_shift(self.planned_for, counts) <= self.tolerance
-
-    @property
-    def predictions_reliable(self) -> bool:
-        """Whether at most half of the recent calls missed their prediction (see the class docstring)."""
-        return 2 * sum(self.misses) <= len(self.misses)
-
-    def after_gate(self, predicted: Optional[Sequence[Sequence[float]]], counts: Sequence[Sequence[float]],
-                   materialized: Sequence[Sequence[int]], ranks_per_node: int) -> bool:
-        """Score this call's prediction and say whether calibration (a re-plan after the gate) can pay.
-
-        Calibration can pay when the actual ``counts`` left the tolerance of the loads the prefetched placement was
-        planned for *and* under that placement they leave the ranks' expert compute imbalanced (max/mean) by more
-        than the tolerance: a balanced step has nothing to fix, and the search would only cost time (about a
-        millisecond per layer on a CPU). ``predicted``: the load window's prediction for this call (None before the
-        first observation: not scored)."""
-        mispredicted = predicted is not None and load_shift(predicted, counts) > self.tolerance
-        off_plan = not self.still_fits(counts)
-        imbalanced = False
-        if mispredicted or off_plan:   # the usual case, a held prediction, needs no dispatch estimate
-            per_expert, _, _ = rank_loads(counts, materialized, ranks_per_node)
-            imbalanced = imbalance([sum(row) for row in per_expert]) > 1.0 + self.tolerance
-        if predicted is not None:
-            self.misses.append(mispredicted and imbalanced)
-        return off_plan and imbalanced
-
-    def reset(self) -> None:
-        self.planned_for, self.placement, self._key = None, None, None
-
-    def state_dict(self) -> dict:
-        """What a resumed run needs to make the same reuse decisions (bitwise resume)."""
-        state: dict = {"misses": [bool(m) for m in self.misses]}
-        if self.placement is not None:
-            state.update(planned_for=self.planned_for, placement=[list(r) for r in self.placement],
-                         owners=list(self._key[0]))
-        return state
-
-    @staticmethod
-    def state_fits(state: dict, world_size: int, num_experts: int) -> bool:
-        """Whether ``state`` (from :meth:`state_dict`, e.g. read back from a checkpoint) can belong to a layer of
-        ``num_experts`` experts on ``world_size`` ranks: shapes, expert and rank ranges, owners inside the
-        placement."""
-        try:
-            if not all(isinstance(m, bool) for m in state.get("misses", [])):
-                return False
-            if "placement" not in state:
-                return True
-            placement = [{int(e) for e in r} for r in state["placement"]]
-            loads = [[float(v) for v in row] for row in state["planned_for"]]
-            owners = [int(o) for o in state["owners"]]
-        except (AttributeError, KeyError, TypeError, ValueError):
-            return False
-        return (len(placement) == len(loads) == world_size and len(owners) == num_experts
-                and all(0 <= o < world_size for o in owners)
-                and all(len(row) == num_experts for row in loads)
-                and all(0 <= e < num_experts for r in placement for e in r)
-                and all(e in placement[o] for e, o in enumerate(owners)))
-
-    def load_state_dict(self, state: dict, costs: StepCostModel, budget_per_rank: int, ranks_per_node: int) -> None:
-        """Restore :meth:`state_dict`; the owners come from the state (the schedule may predate a re-sharding, which
-        the next call then notices), the rest of the situation from the caller."""
-        self.reset()
-        self.misses.clear()
-        self.misses.extend(bool(m) for m in state.get("misses", []))
-        if "placement" in state:
-            self.planned_for = [[float(v) for v in row] for row in state["planned_for"]]
-            self.placement = tuple(tuple(int(e) for e in r) for r in state["placement"])
-            self._key = (tuple(int(o) for o in state["owners"]), costs, budget_per_rank, ranks_per_node)

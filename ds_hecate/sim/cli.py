@@ -66,7 +66,8 @@ def run_simulate(args: argparse.Namespace) -> int:
                       seed=args.seed, hecate=hecate if args.config else None,
                       materialize_budget_mb=args.materialize_budget_mb,
                       zero_stage=args.zero_stage if args.zero_stage is not None else stage,
-                      precision=args.precision or precision, spag=args.spag)
+                      precision=args.precision or precision, spag=args.spag,
+                      charge_planning=not args.no_planning_charge)
     print(format_table(result))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:
@@ -125,6 +126,8 @@ def add_parsers(sub: Any) -> None:
                      help="Hecate's sparse collectives: p2p from the owner (as ds_hecate runs them, default) or "
                           "ring broadcast/reduce per expert (what-if)")
     sim.add_argument("--seed", type=int, default=0, help="workload seed (W4, W7)")
+    sim.add_argument("--no-planning-charge", action="store_true",
+                     help="leave Hecate's host planning time (measured on this machine) out of its step")
     sim.add_argument("--json", default=None, help="also write the results as JSON to this file")
     sim.set_defaults(run=run_simulate)
 

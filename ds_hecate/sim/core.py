@@ -30,9 +30,14 @@ import numpy as np
 from ..config import HecateConfig
 from ..errors import HecateError
 from ..memory_plan import OptimizerStateLayout, dense_state_bytes, replica_budget, scheduler_costs
+from ..planning.balance import force_uniform_steps
 from ..planning.placement import POLICIES
 from ..planning.predictor import LoadPredictor
-from ..planning.scheduler import ScheduleReuse, StepCostModel, dispatch_flows, schedule_materialization
+from ..planning.critical_path import plan_after_gate
+from ..planning.dispatch_plan import rank_tables
+from ..planning.plan import Placement
+from ..planning.schedule_reuse import ScheduleReuse
+from ..planning.scheduler import StepCostModel, dispatch_flows
 from ..planning.sharding import even_sharding
 from ..presets import Cluster, ModelShape, resolve_cluster, resolve_model
 from ..routing_workloads import WORKLOADS, routing_counts
@@ -53,6 +58,8 @@ class SystemResult:
     breakdown_s: Dict[str, float]       # per step: compute, all_to_all, exposed_comm, non_moe, rearrange
     speedup_vs_ep: float = float("nan")
     fraction_of_ideal: float = float("nan")
+    force_balanced_step_s: float = float("nan")     # the same system on the routing forced uniform
+    force_balanced_fraction: float = float("nan")   # force_balanced_step_s / step_time_s (UltraEP's metric)
 
 
 @dataclass
@@ -88,6 +95,7 @@ class _Ctx:
     precision: str
     spag: str = "p2p"                   # how Hecate's sparse collectives travel: "p2p" (as collectives.py) or "ring"
     planner_costs: Optional[Dict[str, float]] = None   # what the planners see, when not the time model's costs
+    charge_planning: bool = True        # add Hecate's measured host planning time (critical path, exposed search)
 
     @property
     def numel(self) -> int:
@@ -273,8 +281,7 @@ class _Window:
 
     def predict(self) -> Optional[np.ndarray]:
         if self.key not in self.memo:
-            predicted = self.predictor.predict()
-            self.memo[self.key] = None if predicted is None else np.asarray(predicted, dtype=np.float64)
+            self.memo[self.key] = self.predictor.predict_array()
         return self.memo[self.key]
 
     def expert_loads(self) -> Optional[List[float]]:
@@ -483,6 +490,9 @@ class _Hecate(_System):
         # expert-data-parallel layout (ep = experts), which FSSDP has to materialize anyway.
         self.start = None
         self.note = ""
+        self.charge_planning = ctx.charge_planning
+        self.planning_s = 0.0             # host planning charged to the last step (measured here)
+        self.placements: Dict[bytes, Placement] = {}
         if ctx.world > ctx.model.num_experts:
             ep_owners = even_sharding(ctx.model.num_experts, ctx.ep_size)
             start = tuple(tuple(e for e, o in enumerate(ep_owners) if o == r % ctx.ep_size) for r in range(ctx.world))
@@ -501,6 +511,7 @@ class _Hecate(_System):
     def step(self, step, counts):
         predicted = self.window.predict()
         calibration = self.ctx.hecate.calibration
+        search_s = 0.0
         if predicted is None or (calibration and not self.schedule.predictions_reliable):
             # as LayerBinding.predicted_placement: nothing speculative before a prediction or while it misses
             if predicted is not None:
@@ -510,20 +521,29 @@ class _Hecate(_System):
                 mat |= _placement_matrix(self.start, self.ctx.model.num_experts)
         else:
             # as LayerBinding.predicted_placement: search again only when the loads left replan_tolerance
+            started = time.perf_counter()
             placement = self.schedule.schedule(predicted, self.owners, self.costs, self.budget, self.ctx.rpn,
-                                               start=self.start)
+                                               start=self.start, budget_us=self.ctx.hecate.search_budget_us)
+            search_s = time.perf_counter() - started
             if placement not in self.cache:
                 self.cache[placement] = _placement_matrix(placement, self.ctx.model.num_experts)
             mat = self.cache[placement]
+        # after the gate: the runtime's own critical path (prediction score, calibration, this rank's dispatch)
+        key = mat.tobytes()
+        if key not in self.placements:   # as the runtime: one Placement per schedule, tables built with the prefetch
+            self.placements[key] = Placement(tuple(int(o) for o in self.owners), self.frozen(mat))
+            rank_tables(self.placements[key], self.ctx.rpn, 0)
+        prefetched = self.placements[key]
+        started = time.perf_counter()
+        after = plan_after_gate(counts.astype(np.int64), prefetched, predicted, self.schedule, self.costs,
+                                self.budget, self.ctx.rpn, 0, calibration, self.ctx.hecate.plan_budget_us)
+        critical_s = time.perf_counter() - started
         late = None
-        if calibration and self.schedule.after_gate(predicted, counts, self.frozen(mat), self.ctx.rpn):
-            # as LayerBinding._plan: re-plan with the actual counts, extending the prefetched placement; the
-            # added replicas are gathered after the gate
-            calibrated = schedule_materialization(counts.tolist(), tuple(int(o) for o in self.owners), self.costs,
-                                                  self.budget, self.ctx.rpn, start=self.frozen(mat),
-                                                  prefetched=self.frozen(mat))
-            cal = _placement_matrix(calibrated, self.ctx.model.num_experts)
+        if after.extras is not None:   # calibration's replicas are gathered after the gate
+            cal = after.plan.placement.holders
             late, mat = cal & ~mat, cal
+        # host planning on the critical path, and the search where the preceding non-MoE compute does not hide it
+        self.planning_s = (critical_s + max(0.0, search_s - self.ctx.t_fwd)) if self.charge_planning else 0.0
         timing_key = (mat.tobytes(), counts.tobytes(), None if late is None else late.tobytes())
         if timing_key not in self.timings:
             self.timings[timing_key] = layer_time(self.ctx, counts, mat, self.owners, self.mode, late)
@@ -652,7 +672,8 @@ def simulate(cluster: Union[str, Cluster], model: Union[str, ModelShape], worklo
              hecate: Optional[HecateConfig] = None, materialize_budget_mb: Optional[float] = None,
              zero_stage: int = 1, precision: str = "bf16", optimizer: OptimizerStateLayout = ADAM,
              spag: str = "p2p", counts: Optional[Sequence[Sequence[Any]]] = None,
-             planner_costs: Optional[Dict[str, float]] = None) -> SimResult:
+             planner_costs: Optional[Dict[str, float]] = None, force_balanced: bool = True,
+             charge_planning: bool = True) -> SimResult:
     """Simulate ``steps`` training steps of ``model`` on ``cluster`` under ``workload`` for each of ``systems``.
 
     ``workload``: W0..W7 or a trace file (ds_hecate.trace). ``hecate``: the ``hecate`` config the Hecate systems
@@ -669,6 +690,15 @@ def simulate(cluster: Union[str, Cluster], model: Union[str, ModelShape], worklo
     measured costs (``compute_s_per_pair``, ``link_gbps``, ``non_moe_time_s``) the planners decide with, when they
     differ from the cluster's time model: a run's runtime planned with its own measurement, and replaying its
     decisions needs those numbers even where the step time is modelled with other unit costs.
+
+    ``charge_planning``: Hecate's host planning is timed on this machine as the runtime runs it
+    (:func:`~ds_hecate.planning.critical_path.plan_after_gate` for one rank, and the prediction-driven search) and
+    added to its step: the critical path in full, the search where it outlasts the non-MoE compute that hides it
+    (``host_planning`` in the breakdown). False: leave it out (reproducible figures for tests).
+
+    ``force_balanced``: also simulate every system on the same routing forced uniform
+    (:func:`ds_hecate.planning.balance.force_uniform`: same pairs per rank, spread evenly over the experts) and
+    set ``force_balanced_step_s`` and ``force_balanced_fraction`` (that step time / the system's own).
     """
     start_wall = time.perf_counter()
     cl = resolve_cluster(cluster)
@@ -700,7 +730,8 @@ def simulate(cluster: Union[str, Cluster], model: Union[str, ModelShape], worklo
                t_fwd=(cl.non_moe_time_s if cl.non_moe_time_s is not None
                       else mdl.non_moe_flops_per_layer(tokens) / 3.0 / flops),
                hecate=hecate, optimizer=optimizer, zero_stage=zero_stage, precision=precision, spag=spag,
-               planner_costs=None if planner_costs is None else {k: float(v) for k, v in planner_costs.items()})
+               planner_costs=None if planner_costs is None else {k: float(v) for k, v in planner_costs.items()},
+               charge_planning=charge_planning)
     if counts is None:
         counts, notes = _workload_counts(workload, mdl, world, steps, tokens, seed)
     else:
@@ -721,7 +752,7 @@ def simulate(cluster: Union[str, Cluster], model: Union[str, ModelShape], worklo
     results: Dict[str, SystemResult] = {}
     for system in systems:
         totals = np.zeros(steps)
-        parts = {k: np.zeros(steps) for k in ("compute", "all_to_all", "exposed_comm", "rearrange")}
+        parts = {k: np.zeros(steps) for k in ("compute", "all_to_all", "exposed_comm", "rearrange", "host_planning")}
         imbalance, reps_sum, reps_n = [], 0.0, 0
         replicas_by_layer: List[np.ndarray] = []
         for layers in classes.values():
@@ -733,7 +764,9 @@ def simulate(cluster: Union[str, Cluster], model: Union[str, ModelShape], worklo
             for s in range(steps):
                 lt, rearrange = sim.step(s, counts[s][layers[0]])
                 overhead = cl.layer_overhead_s if system != "ideal" else 0.0
-                totals[s] += weight * (lt.total + rearrange + overhead)
+                planning = getattr(sim, "planning_s", 0.0)
+                totals[s] += weight * (lt.total + rearrange + overhead + planning)
+                parts["host_planning"][s] += weight * planning
                 parts["compute"][s] += weight * lt.compute
                 parts["all_to_all"][s] += weight * lt.a2a
                 parts["exposed_comm"][s] += weight * lt.exposed
@@ -757,6 +790,17 @@ def simulate(cluster: Union[str, Cluster], model: Union[str, ModelShape], worklo
             r.speedup_vs_ep = results["ep"].step_time_s / r.step_time_s
         if "ideal" in results:
             r.fraction_of_ideal = results["ideal"].step_time_s / r.step_time_s
+    if force_balanced:
+        forced = force_uniform_steps(counts)
+        # routing that is already uniform is its own force-balanced run (re-simulating it would only add noise)
+        same = all(np.array_equal(f, c) for fs, cs in zip(forced, counts) for f, c in zip(fs, cs))
+        uniform = None if same else simulate(
+            cl, mdl, workload, systems=systems, steps=steps, tokens_per_rank=tokens, warmup=warmup, seed=seed,
+            hecate=hecate, zero_stage=zero_stage, precision=precision, optimizer=optimizer, spag=spag,
+            counts=forced, planner_costs=planner_costs, force_balanced=False, charge_planning=charge_planning)
+        for name, r in results.items():
+            r.force_balanced_step_s = r.step_time_s if uniform is None else uniform.systems[name].step_time_s
+            r.force_balanced_fraction = r.force_balanced_step_s / r.step_time_s
     return SimResult(cluster=cl, model=mdl, workload=workload, world_size=world, steps=steps, warmup=warmup,
                      systems=results, wall_s=time.perf_counter() - start_wall, notes=notes)
 
@@ -767,13 +811,14 @@ def format_table(result: SimResult) -> str:
     head = (f"cluster {cl.name}: {result.world_size} devices ({cl.nodes} node(s) x {cl.devices_per_node}); model "
             f"{mdl.name}: {mdl.moe_layers} MoE layers x {mdl.num_experts} experts, top-{mdl.top_k}; workload "
             f"{result.workload}; {result.steps} steps ({result.warmup} warm-up not averaged)")
-    cols = ("system", "step ms", "vs EP", "of ideal", "peak GiB/rank", "imbalance", "replicas/layer",
-            "compute ms", "a2a ms", "exposed ms", "rearr ms")
+    cols = ("system", "step ms", "vs EP", "of ideal", "of force-balanced", "peak GiB/rank", "imbalance",
+            "replicas/layer", "compute ms", "a2a ms", "exposed ms", "rearr ms")
     rows = [cols]
     for r in result.systems.values():
         b = r.breakdown_s
         rows.append((r.system, f"{r.step_time_s * 1e3:.2f}", f"{r.speedup_vs_ep:.2f}x",
-                     f"{r.fraction_of_ideal * 100:.1f}%", f"{r.peak_memory_bytes / (1 << 30):.2f}",
+                     f"{r.fraction_of_ideal * 100:.1f}%", f"{r.force_balanced_fraction * 100:.1f}%",
+                     f"{r.peak_memory_bytes / (1 << 30):.2f}",
                      f"{r.imbalance:.2f}", f"{r.replicas_per_layer:.1f}", f"{b['compute'] * 1e3:.2f}",
                      f"{b['all_to_all'] * 1e3:.2f}", f"{b['exposed_comm'] * 1e3:.2f}",
                      f"{b['rearrange'] * 1e3:.2f}"))

@@ -1,10 +1,9 @@
 """The CuPy+NCCL backend against the torch backend on the same inputs.
 
-1. One GPU, several simulated ranks: every rank's CupyNcclCommunicator (kernels, streams, events, layouts) runs with
-   an in-process loopback transport in place of NCCL, and must give bit-for-bit the torch Communicator's results
-   (simulated the same way on the same inputs).
-2. Two processes with real NCCL (needs two GPUs: NCCL refuses two ranks on one device): every collective of the
-   CuPy backend against the torch.distributed (gloo) backend on the same inputs.
+1. One GPU, several simulated ranks: the one Communicator with CUDA tensors over an in-process loopback transport in
+   place of NCCL must give bit-for-bit the CPU Communicator's results (simulated the same way on the same inputs).
+2. Two processes with real NCCL (needs two GPUs: NCCL refuses two ranks on one device): every collective over the
+   CuPy transport against the torch.distributed (gloo) backend on the same inputs.
 """
 import random
 from typing import Dict
@@ -13,40 +12,52 @@ import pytest
 import torch
 
 from ds_hecate.collectives import CommCounters, Communicator
-from ds_hecate.gpu.nccl_comm import CupyNcclCommunicator
+from ds_hecate.gpu.nccl_comm import CupyTransport
 from ds_hecate.planning import Placement
 
 DEV = torch.device("cuda", 0)
 
 
 class Loopback:
-    """Stands in for NCCL in one process: posts are matched by (src, dst, call); :meth:`flush` copies."""
+    """In-process ranks on one GPU for the one Communicator: each rank's transport posts its all-to-all buffers;
+    :meth:`flush` moves the data (in place of NCCL)."""
 
     def __init__(self):
-        self.sends: Dict = {}
-        self.recvs: Dict = {}
-        self.calls: Dict = {}
+        self.posts = {}
 
-    def view(self, rank):
+    def view(self, rank, world):
         shared = self
 
-        class _Rank:
-            def exchange(self, sends, recvs, stream):
-                n = shared.calls[rank] = shared.calls.get(rank, 0) + 1
-                for peer, t in sends:
-                    shared.sends[(rank, peer, n)] = t
-                for peer, t in recvs:
-                    shared.recvs[(peer, rank, n)] = t
-        return _Rank()
+        class _Transport:
+            device, calls = DEV, 0
+
+            def all_to_all(self, recv, send, recv_splits, send_splits, async_op):
+                self.calls += 1
+                shared.posts[(rank, self.calls)] = (recv, send, list(recv_splits), list(send_splits))
+                return None
+        t = _Transport()
+        t.rank, t.world_size = rank, world
+        return t
 
     def flush(self):
+        for (rank, n), (recv, _, recv_splits, _) in self.posts.items():
+            world = len(recv_splits)
+            offset = 0
+            for src in range(world):
+                _, send, _, send_splits = self.posts[(src, n)]
+                start = sum(send_splits[:rank])
+                recv.view(-1).narrow(0, offset * _row(recv), recv_splits[src] * _row(recv)).copy_(
+                    send.reshape(-1).narrow(0, start * _row(send), send_splits[rank] * _row(send)))
+                offset += recv_splits[src]
         torch.cuda.synchronize()
-        for key, dst in self.recvs.items():
-            dst.copy_(self.sends[key])
-        torch.cuda.synchronize()
-        self.sends.clear()
-        self.recvs.clear()
-        self.calls.clear()
+        self.posts.clear()
+
+
+def _row(t):
+    n = 1
+    for d in t.shape[1:]:
+        n *= d
+    return n
 
 
 class TorchLoop(Communicator):
@@ -77,7 +88,7 @@ def torch_world(world, run):
 
 def cupy_world(world, start):
     loop = Loopback()
-    comms = [CupyNcclCommunicator(None, r, world, DEV, transport=loop.view(r)) for r in range(world)]
+    comms = [Communicator(None, r, world, transport=loop.view(r, world)) for r in range(world)]
     finishes = [start(c) for c in comms]
     loop.flush()
     return [f() for f in finishes]
@@ -143,7 +154,8 @@ def _nccl_ranks(rank, world):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.cuda.set_device(rank % torch.cuda.device_count())
     dev = torch.device("cuda", torch.cuda.current_device())
-    cupy_comm = CupyNcclCommunicator(dist.group.WORLD, rank, world, dev)
+    cupy_comm = Communicator(dist.group.WORLD, rank, world,
+                             transport=CupyTransport(dist.group.WORLD, rank, world, dev, timeout_s=120))
     torch_comm = Communicator(dist.group.WORLD, rank, world)
     torch.manual_seed(0)
     num_experts, numel = 8, 20011

@@ -1,0 +1,82 @@
+"""What a layer call plans after its gate: the host work on the critical path, as one pure function.
+
+Between the count exchange and the token all-to-all every rank runs, on the all-gathered counts: the score of the
+load prediction, the decision whether calibration can pay, calibration itself (an anytime search under
+``plan_budget_us``), and its own sends, receives and expert-major order (:mod:`.dispatch_plan`). The runtime calls
+:func:`plan_after_gate` and then gathers the calibration extras; ``python -m benchmarks.planner`` times the same
+call, so the figures in docs/benchmarks.md are the runtime's own code path.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from .dispatch_plan import DispatchPlan, RankDispatch
+from .plan import Placement
+from .schedule_reuse import ScheduleReuse
+from .scheduler import SEARCH_WORK, StepCostModel, estimate_layer, schedule_materialization
+
+#: ``plan_budget_us: null``: calibration may spend this share of the layer's estimated time, within floor and cap
+AUTO_BUDGET_SHARE = 0.05
+AUTO_BUDGET_FLOOR_US = 1000.0
+AUTO_BUDGET_CAP_US = 5000.0
+
+
+@dataclass(frozen=True)
+class AfterGate:
+    """The plan of one call, this rank's part of it, the replicas calibration added (None: none), and whether
+    calibration searched at all (it may search and keep the prefetched placement)."""
+
+    plan: DispatchPlan
+    mine: RankDispatch
+    extras: Optional[Placement]
+    searched: bool = False
+
+
+def calibration_extras(calibrated: Placement, prefetched: np.ndarray) -> Placement:
+    """What calibration gathers after the gate: the replicas the prefetched holders lack (owners listed too, as
+    every placement does)."""
+    extra = calibrated.holders & ~prefetched
+    extra[np.asarray(calibrated.owners, dtype=np.int64), np.arange(len(calibrated.owners))] = True
+    return Placement(calibrated.owners, tuple(tuple(int(e) for e in np.flatnonzero(row)) for row in extra))
+
+
+def auto_plan_budget_us(counts: np.ndarray, prefetched: Placement, costs: StepCostModel,
+                        ranks_per_node: int) -> float:
+    """Calibration's default budget: a share of what the layer is estimated to take under the prefetched placement.
+
+    Why relative: a search step costs about the same host time on any model, while what calibration can save scales
+    with the layer (a millisecond is 1% of a 100 ms layer and all of a 1 ms one). The estimate is computed from the
+    exchanged counts and the agreed cost model, so every rank gets the same budget.
+    """
+    layer_s = estimate_layer(counts, prefetched.owners, prefetched.materialized, costs, ranks_per_node).time_s
+    return min(AUTO_BUDGET_CAP_US, max(AUTO_BUDGET_FLOOR_US, AUTO_BUDGET_SHARE * layer_s * 1e6))
+
+
+def plan_after_gate(counts: np.ndarray, prefetched: Placement, prediction: Optional[np.ndarray],
+                    schedule: ScheduleReuse, costs: StepCostModel, replica_budget: int, ranks_per_node: int,
+                    rank: int, calibration: bool, budget_us: Optional[float]) -> AfterGate:
+    """Plan one call from the exchanged ``counts`` (``[ranks, experts]`` int64) and the prefetched placement.
+
+    Calibration re-plans only when the prediction missed and the step would run imbalanced
+    (:meth:`ScheduleReuse.after_gate`); it extends the prefetched placement within ``budget_us`` (None: the
+    automatic budget, :func:`auto_plan_budget_us`). Where the budget cannot pay the search's setup and a first step
+    (large worlds), calibration is off, as with ``calibration: false``: no scoring, no estimate on the critical path.
+    """
+    placement, extras = prefetched, None
+    affordable = SEARCH_WORK.first_step_us(*counts.shape) <= (AUTO_BUDGET_CAP_US if budget_us is None else budget_us)
+    searched = (calibration and affordable
+                and schedule.after_gate(prediction, counts, prefetched.holders, ranks_per_node))
+    if searched:
+        holders = prefetched.holders
+        if budget_us is None:
+            budget_us = auto_plan_budget_us(counts, prefetched, costs, ranks_per_node)
+        calibrated = schedule_materialization(counts, prefetched.owners, costs, replica_budget, ranks_per_node,
+                                              start=holders, prefetched=holders, budget_us=budget_us)
+        if calibrated != prefetched.materialized:
+            placement = Placement(prefetched.owners, calibrated)
+            extras = calibration_extras(placement, holders)
+    plan = DispatchPlan.build(counts, placement, ranks_per_node)
+    return AfterGate(plan, plan.for_rank(rank), extras, searched)

@@ -1,0 +1,186 @@
+"""Reuse of the last schedule, and the score of the load prediction after each gate.
+
+Why a module of its own: the search (:mod:`.scheduler`) is what runs; this decides *whether* it runs: before the
+gate (is the last placement still good for the predicted loads?) and after it (did the prediction hold; can
+calibration pay?). Everything here is a deterministic function of loads every rank holds alike.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Deque, Optional, Sequence
+
+import numpy as np
+
+from .scheduler import Placement, StepCostModel, imbalance, rank_loads, schedule_materialization
+
+
+def load_shift(before: Sequence[Sequence[float]], after: Sequence[Sequence[float]]) -> float:
+    """How far the (source rank, expert) loads moved: L1 distance over the total of ``before`` (0 = unchanged).
+
+    An empty ``before`` counts as moved entirely unless ``after`` is empty too. Arrays are used as they are (no
+    copy): this runs on every layer call, over ranks x experts numbers.
+    """
+    a = before if isinstance(before, np.ndarray) else np.asarray(before, dtype=np.float64)
+    b = after if isinstance(after, np.ndarray) else np.asarray(after, dtype=np.float64)
+    if a.shape != b.shape:
+        return float("inf")
+    total = float(a.sum())
+    moved = np.subtract(b, a, dtype=np.float64)
+    diff = float(np.abs(moved, out=moved).sum())
+    if total <= 0.0:
+        return 0.0 if diff == 0.0 else float("inf")
+    return diff / total
+
+
+#: A call misses its prediction only beyond this multiple of the sampling noise a correct prediction still has.
+NOISE_FACTOR = 1.5
+
+
+def sampling_noise(loads) -> float:
+    """Expected L1 shift (over the total) of fresh counts drawn around ``loads``: cells are multinomial draws, so
+    even a perfect prediction misses each by about sqrt(2 * load / pi). With many ranks and experts and few pairs per
+    cell (1,024 ranks x 256 experts, top-2: 64 pairs a cell, 10% noise) this alone exceeds ``replan_tolerance``;
+    without it calibration would fire, and cost the critical path, on every call for nothing."""
+    a = np.asarray(loads, dtype=np.float64)
+    total = float(a.sum())
+    return float(np.sqrt(a * (2.0 / np.pi)).sum()) / total if total > 0 else 0.0
+
+
+class ScheduleReuse:
+    """The last schedule and what it was computed for, so an unchanged situation does not pay for a new search.
+
+    Why: the greedy search costs milliseconds per layer and call, while the predicted loads (a window average) move
+    by about a percent a step once routing settles; re-planning then returns the same placement, or one whose
+    estimate differs by noise. A schedule is reused while the owners, the cost model and the replica budget are
+    unchanged and the loads moved by at most ``tolerance`` (:func:`load_shift`) from the loads it was computed for;
+    ``tolerance`` 0 re-plans on every change. All inputs are identical on every rank, so every rank makes the same
+    choice. ``planned_for`` tells calibration which loads the prefetched placement assumed.
+
+    It also keeps score of the prediction (:meth:`after_gate`): a call *missed* when its actual counts moved more
+    than ``tolerance`` from the predicted loads and would leave the ranks' compute imbalanced under the prefetched
+    placement. While more than half of the last ``window`` calls missed, :attr:`predictions_reliable` is false and
+    the runtime prefetches no speculative replica (calibration plans from the actual counts instead): replicas
+    gathered for loads that do not come cost transfers and leave calibration less room.
+    """
+
+    def __init__(self, tolerance: float, window: int = 5) -> None:
+        if not 0.0 <= tolerance <= 1.0:
+            raise ValueError(f"ScheduleReuse: tolerance must be in [0, 1], got {tolerance}")
+        self.tolerance = tolerance
+        self.planned_for: Optional[np.ndarray] = None
+        self.placement: Optional[Placement] = None
+        self._key: Optional[tuple] = None
+        self.searches = 0
+        self.reuses = 0
+        self.misses: Deque[bool] = deque(maxlen=max(1, window))
+        self._noise: Optional[float] = None   # sampling_noise(planned_for), computed with the search
+
+    def schedule(self, counts: Sequence[Sequence[float]], owners: Sequence[int], costs: StepCostModel,
+                 budget_per_rank: int, ranks_per_node: int,
+                 start: Optional[Sequence[Sequence[int]]] = None, budget_us: Optional[float] = None) -> Placement:
+        """:func:`schedule_materialization` of ``counts``, or the previous result when it still applies."""
+        key = self._situation(owners, costs, budget_per_rank, ranks_per_node, start, budget_us)
+        if (self.placement is not None and key == self._key
+                and load_shift(self.planned_for, counts) <= self.tolerance):
+            self.reuses += 1
+            return self.placement
+        self.searches += 1
+        self.placement = schedule_materialization(counts, owners, costs, budget_per_rank, ranks_per_node,
+                                                  start=start, budget_us=budget_us)
+        self.planned_for = counts if isinstance(counts, np.ndarray) else np.array(counts, dtype=np.float64)
+        self._noise = None
+        self._key = key
+        return self.placement
+
+    @staticmethod
+    def _situation(owners, costs, budget_per_rank, ranks_per_node, start=None, budget_us=None) -> tuple:
+        """What a schedule was computed for besides the loads: reused only while all of it is unchanged."""
+        start_key = None if start is None else tuple(tuple(int(e) for e in r) for r in start)
+        return (tuple(int(o) for o in owners), costs, budget_per_rank, ranks_per_node, start_key, budget_us)
+
+    def miss_threshold(self, predicted: Optional[Sequence[Sequence[float]]] = None) -> float:
+        """How far actual counts may move from the loads a placement was planned for (or from ``predicted``) and
+        still count as predicted: ``tolerance``, or :data:`NOISE_FACTOR` times the sampling noise if larger."""
+        if self.planned_for is not None:
+            if self._noise is None:
+                self._noise = sampling_noise(self.planned_for)
+            noise = self._noise
+        else:
+            noise = sampling_noise(predicted) if predicted is not None else 0.0
+        return max(self.tolerance, NOISE_FACTOR * noise)
+
+    def still_fits(self, counts: Sequence[Sequence[float]]) -> bool:
+        """Whether ``counts`` are within :meth:`miss_threshold` of the loads the current schedule was computed for."""
+        return self.planned_for is not None and load_shift(self.planned_for, counts) <= self.miss_threshold()
+
+    @property
+    def predictions_reliable(self) -> bool:
+        """Whether at most half of the recent calls missed their prediction (see the class docstring)."""
+        return 2 * sum(self.misses) <= len(self.misses)
+
+    def after_gate(self, predicted: Optional[Sequence[Sequence[float]]], counts: Sequence[Sequence[float]],
+                   materialized: Sequence[Sequence[int]], ranks_per_node: int) -> bool:
+        """Score this call's prediction and say whether calibration (a re-plan after the gate) can pay.
+
+        Calibration can pay when the actual ``counts`` left :meth:`miss_threshold` of the loads the prefetched
+        placement was planned for (the tolerance, or the sampling noise a correct prediction still has) *and* under
+        that placement they leave the ranks' expert compute imbalanced (max/mean) by more
+        than the tolerance: a balanced step has nothing to fix, and the search would only cost time (about a
+        millisecond per layer on a CPU). ``predicted``: the load window's prediction for this call (None before the
+        first observation: not scored)."""
+        mispredicted = predicted is not None and load_shift(predicted, counts) > self.miss_threshold(predicted)
+        # the usual case after a search: the prefetched placement was planned for this very prediction
+        same = predicted is not None and predicted is self.planned_for
+        off_plan = mispredicted if same else not self.still_fits(counts)
+        imbalanced = False
+        if mispredicted or off_plan:   # the usual case, a held prediction, needs no dispatch estimate
+            per_expert, _, _ = rank_loads(counts, materialized, ranks_per_node)
+            imbalanced = imbalance([sum(row) for row in per_expert]) > 1.0 + self.tolerance
+        if predicted is not None:
+            self.misses.append(mispredicted and imbalanced)
+        return off_plan and imbalanced
+
+    def reset(self) -> None:
+        self.planned_for, self.placement, self._key, self._noise = None, None, None, None
+
+    def state_dict(self) -> dict:
+        """What a resumed run needs to make the same reuse decisions (bitwise resume)."""
+        state: dict = {"misses": [bool(m) for m in self.misses]}
+        if self.placement is not None:
+            state.update(planned_for=np.asarray(self.planned_for).tolist(),
+                         placement=[list(r) for r in self.placement],
+                         owners=list(self._key[0]))
+        return state
+
+    @staticmethod
+    def state_fits(state: dict, world_size: int, num_experts: int) -> bool:
+        """Whether ``state`` (from :meth:`state_dict`, e.g. read back from a checkpoint) can belong to a layer of
+        ``num_experts`` experts on ``world_size`` ranks: shapes, expert and rank ranges, owners inside the
+        placement."""
+        try:
+            if not all(isinstance(m, bool) for m in state.get("misses", [])):
+                return False
+            if "placement" not in state:
+                return True
+            placement = [{int(e) for e in r} for r in state["placement"]]
+            loads = [[float(v) for v in row] for row in state["planned_for"]]
+            owners = [int(o) for o in state["owners"]]
+        except (AttributeError, KeyError, TypeError, ValueError):
+            return False
+        return (len(placement) == len(loads) == world_size and len(owners) == num_experts
+                and all(0 <= o < world_size for o in owners)
+                and all(len(row) == num_experts for row in loads)
+                and all(0 <= e < num_experts for r in placement for e in r)
+                and all(e in placement[o] for e, o in enumerate(owners)))
+
+    def load_state_dict(self, state: dict, costs: StepCostModel, budget_per_rank: int, ranks_per_node: int,
+                        budget_us: Optional[float] = None) -> None:
+        """Restore :meth:`state_dict`; the owners come from the state (the schedule may predate a re-sharding, which
+        the next call then notices), the rest of the situation from the caller."""
+        self.reset()
+        self.misses.clear()
+        self.misses.extend(bool(m) for m in state.get("misses", []))
+        if "placement" in state:
+            self.planned_for = np.array(state["planned_for"], dtype=np.float64)
+            self.placement = tuple(tuple(int(e) for e in r) for r in state["placement"])
+            self._key = self._situation(state["owners"], costs, budget_per_rank, ranks_per_node, budget_us=budget_us)

@@ -1,0 +1,209 @@
+"""A CPU stand-in for a CUDA device, for tests: tensors that say ``cuda:0`` but compute on the CPU.
+
+Inside :func:`cuda_shim`, factories with ``device="cuda"`` and ``.to("cuda")`` give :class:`ShimTensor` (real CPU
+values; ``.device`` is ``cuda:0``), every op that mixes a shim tensor with a CPU tensor raises (as CUDA would, with
+no CPU-scalar exception), and every host-to-device copy is recorded (``shim.copies``: non_blocking, pinned).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import List, Tuple
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+CUDA = torch.device("cuda", 0)
+_COPIES = (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default)
+#: Ops CUDA runs only on tensors of one device, CPU scalars included (not TensorIterator ops).
+_STRICT = {"cat", "stack", "index_select", "index_copy", "index_copy_", "index_put_", "index_add_", "index",
+           "gather", "scatter", "scatter_", "mm", "bmm", "addmm", "repeat_interleave", "bincount", "argsort", "sort"}
+
+
+class ShimTensor(torch.Tensor):
+    """A CPU tensor that reports ``cuda:0`` (autograd sees a meta tensor)."""
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor):
+        r = torch.Tensor._make_wrapper_subclass(cls, inner.size(), strides=inner.stride(),
+                                                storage_offset=inner.storage_offset(), dtype=inner.dtype,
+                                                device=torch.device("meta"), requires_grad=inner.requires_grad)
+        r.inner = inner
+        return r
+
+    @property
+    def device(self):
+        return CUDA
+
+    @property
+    def is_cuda(self):
+        return True
+
+    def __repr__(self):
+        return f"ShimTensor(cuda:0, {self.inner!r})"
+
+    def data_ptr(self):
+        return self.inner.data_ptr()
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return _dispatch(func, args, kwargs)
+
+
+def _device(x):
+    return CUDA if isinstance(x, ShimTensor) else x.device
+
+
+def _unwrap(x):
+    return x.inner if isinstance(x, ShimTensor) else x
+
+
+def _wrap(x):
+    return ShimTensor(x) if isinstance(x, torch.Tensor) and not isinstance(x, ShimTensor) else x
+
+
+class _Dispatch(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return _dispatch(func, args, kwargs)
+
+
+def _dispatch(func, args, kwargs):
+    kwargs = dict(kwargs or {})
+    tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+    devices = {_device(t) for t in tensors}
+    if len(devices) > 1 and func.__name__.split(".")[0] not in _STRICT:  # CUDA's CPU-scalar exception
+        devices = {_device(t) for t in tensors if isinstance(t, ShimTensor) or t.dim() > 0}
+    if len(devices) > 1 and func not in _COPIES:
+        raise RuntimeError(f"device shim: {func} mixes tensors on {sorted(map(str, devices))} "
+                           "(CUDA would refuse this)")
+    target = kwargs.get("device")
+    if target is not None:
+        wrap = torch.device(target).type in ("cuda", "meta")   # meta: C++ code using a shim tensor's options
+        if wrap:
+            kwargs["device"] = torch.device("cpu")
+    else:
+        wrap = CUDA in devices
+    out = func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
+    if func._schema.name.endswith("_") and args and isinstance(args[0], ShimTensor):
+        return args[0]  # in place
+    if "out" in kwargs and isinstance(kwargs["out"], ShimTensor):
+        return kwargs["out"]
+    return tree_map(_wrap, out) if wrap else out
+
+
+class _Function(TorchFunctionMode):
+    def __init__(self, copies: List[Tuple[bool, bool]]):
+        super().__init__()
+        self.copies = copies
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.to or func is torch.Tensor.cuda:
+            self_t = args[0]
+            if func is torch.Tensor.cuda:
+                device, dtype, non_blocking = CUDA, None, kwargs.get("non_blocking", False)
+            else:
+                device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args[1:], **kwargs)
+            if device is not None and device.type == "cuda":
+                if not isinstance(self_t, ShimTensor):
+                    self.copies.append((bool(non_blocking), getattr(self_t, "_shim_pinned", False)))
+                with torch._C.DisableTorchFunctionSubclass():
+                    inner = _unwrap(self_t)
+                    moved = inner.to(dtype) if dtype is not None else inner
+                    if moved is inner and not isinstance(self_t, ShimTensor):
+                        moved = inner.clone()
+                return self_t if moved is inner and isinstance(self_t, ShimTensor) else ShimTensor(moved)
+        if func in (torch.tensor, torch.as_tensor) and kwargs.get("device") is not None \
+                and torch.device(kwargs["device"]).type == "cuda":
+            with torch._C.DisableTorchFunctionSubclass():
+                host = func(*args, **{**kwargs, "device": "cpu"})
+            return ShimTensor(host)
+        if func is torch.Tensor.tolist and isinstance(args[0], ShimTensor):
+            return args[0].inner.tolist()
+        if func is torch.Tensor.pin_memory:
+            out = args[0].clone()
+            out._shim_pinned = True
+            return out
+        if func is torch.Tensor.is_pinned:
+            return getattr(args[0], "_shim_pinned", False)
+        return func(*args, **kwargs)
+
+
+class FakeEvent:
+    """torch.cuda.Event stand-in: records the host time (the shim runs every kernel synchronously)."""
+
+    created = 0
+
+    def __init__(self, enable_timing: bool = False, **kwargs) -> None:
+        FakeEvent.created += 1
+        self.enable_timing, self.t = enable_timing, None
+
+    def record(self, stream=None) -> None:
+        import time
+        self.t = time.perf_counter()
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def elapsed_time(self, end: "FakeEvent") -> float:
+        assert self.enable_timing and end.enable_timing, "elapsed_time needs enable_timing=True on both events"
+        return (end.t - self.t) * 1e3
+
+
+class Shim:
+    """Handle of an active shim: ``copies`` lists (non_blocking, pinned) of every host-to-device copy,
+    ``collectives`` the name of every torch.distributed call that moved tensors."""
+
+    def __init__(self) -> None:
+        self.copies: List[Tuple[bool, bool]] = []
+        self.collectives: List[str] = []
+
+
+_COLLECTIVES = ("all_to_all_single", "all_gather_into_tensor", "all_reduce", "broadcast", "reduce_scatter_tensor",
+                "all_gather")
+
+
+def _checked_collective(shim: Shim, name: str, original):
+    def call(*args, **kwargs):
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        wrong = sorted({str(t.device) for t in tensors if not isinstance(t, ShimTensor)})
+        if wrong:
+            raise AssertionError(f"device shim: torch.distributed.{name} got tensors on {wrong}, not on the "
+                                 "working device cuda:0 (NCCL would reject them)")
+        shim.collectives.append(name)
+        return original(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
+    return call
+
+
+@contextlib.contextmanager
+def cuda_shim():
+    """Run the block with ``cuda`` tensors computed on the CPU (see the module docstring); torch.distributed's
+    tensor collectives accept only tensors on the working device (and run them over gloo on the CPU values)."""
+    import torch.distributed as dist
+
+    shim = Shim()
+    saved = {"_lazy_init": torch.cuda._lazy_init, "Event": torch.cuda.Event,
+             "current_stream": torch.cuda.current_stream}
+    torch.cuda._lazy_init = lambda: None
+    torch.cuda.Event = FakeEvent
+    torch.cuda.current_stream = lambda device=None: None
+    originals = {name: getattr(dist, name) for name in _COLLECTIVES}
+    for name, fn in originals.items():
+        setattr(dist, name, _checked_collective(shim, name, fn))
+    try:
+        with _Function(shim.copies), _Dispatch():
+            yield shim
+    finally:
+        for name, value in saved.items():
+            setattr(torch.cuda, name, value)
+        for name, fn in originals.items():
+            setattr(dist, name, fn)

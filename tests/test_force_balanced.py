@@ -1,0 +1,163 @@
+"""Fraction of the force-balanced ideal (UltraEP's metric) in the simulator, the benchmark report and stats().
+
+The forced-uniform routing (ds_hecate.planning.balance.force_uniform) keeps every rank's pairs and spreads them
+evenly; the simulator's fraction is exactly 1 on the balanced workload and far below 1 for expert parallelism on a
+hot-rank one; the benchmark report finds W0 as the forced-uniform run from the routing (not the name) and says n/a
+where no run qualifies; stats() carries the cost-model estimate per layer.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from benchmarks import run as bench  # noqa: E402
+from benchmarks.force_balanced import SUFFIX, force_balanced, uniform_counterparts  # noqa: E402
+from ds_hecate.planning.balance import force_uniform, is_uniform  # noqa: E402
+from ds_hecate.routing_workloads import routing_counts  # noqa: E402
+from ds_hecate.sim.core import SYSTEMS, format_table, simulate  # noqa: E402
+
+
+# -- the forcing function -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("counts", [
+    [[40, 0, 0, 0, 0, 0, 0, 0], [5, 5, 5, 5, 5, 5, 5, 5]],          # one hot expert vs already uniform
+    [[7, 0, 1], [0, 0, 13], [2, 2, 2], [0, 0, 0]],                      # remainders, an idle rank
+    routing_counts("W4", 3, 4, 6, 101, 2),                              # ragged sources, odd totals
+    np.random.default_rng(0).integers(0, 50, size=(16, 12)),
+])
+def test_force_uniform_keeps_totals_and_equalises(counts):
+    arr = np.asarray(counts)
+    out = force_uniform(counts)
+    assert out.shape == arr.shape and out.dtype == np.int64
+    assert (out.sum(axis=1) == arr.sum(axis=1)).all()                   # same pairs per rank
+    assert (out.max(axis=1) - out.min(axis=1) <= 1).all()               # each rank uniform up to rounding
+    assert out.sum(axis=0).max() - out.sum(axis=0).min() <= 1           # and the experts' totals too
+    assert is_uniform(out)
+
+
+def test_force_uniform_of_equal_tokens_is_w0_and_rejects_fractions():
+    w0 = routing_counts("W0", 0, 4, 8, 64, 2)
+    for name in ("W1", "W2", "W3", "W5", "W7"):
+        assert force_uniform(routing_counts(name, 9, 4, 8, 64, 2)).tolist() == w0, name
+    assert not is_uniform(routing_counts("W1", 0, 4, 8, 64, 2))
+    with pytest.raises(ValueError):
+        force_uniform([[1.5, 2.5]])
+
+
+# -- simulator ------------------------------------------------------------------------------------------------------
+def test_simulator_fraction_is_one_on_w0_and_low_for_skewed_ep():
+    w0 = simulate("v100-4x8", "gpt-moe-s", "W0", steps=4, charge_planning=False)
+    for name, r in w0.systems.items():
+        assert r.force_balanced_fraction == pytest.approx(1.0, abs=1e-12), name
+        assert r.force_balanced_step_s == pytest.approx(r.step_time_s, rel=1e-12)
+    w2 = simulate("v100-4x8", "gpt-moe-s", "W2", steps=4, charge_planning=False)
+    ep = w2.systems["ep"]
+    assert ep.force_balanced_fraction < 0.5                             # the hot rank's compute and receive side
+    # forced uniform of W2 with equal tokens per rank is W0's routing: the same system's W0 step
+    assert ep.force_balanced_step_s == pytest.approx(w0.systems["ep"].step_time_s, rel=1e-12)
+    assert ep.force_balanced_fraction == pytest.approx(w0.systems["ep"].step_time_s / ep.step_time_s, rel=1e-12)
+    assert w2.systems["ideal"].force_balanced_fraction == pytest.approx(1.0)
+    assert "of force-balanced" in format_table(w2)
+    off = simulate("v100-4x8", "gpt-moe-s", "W2", steps=4, systems=["ep"], force_balanced=False)
+    assert np.isnan(off.systems["ep"].force_balanced_fraction)
+    assert off.systems["ep"].step_time_s == pytest.approx(ep.step_time_s, rel=1e-12)
+
+
+def test_simulated_report_carries_the_fraction():
+    from benchmarks import simulated as gen
+    results = gen.run_all(["v100-4x8"], ["gpt-moe-s"], ["W2"], steps=4, large=[], command="test")
+    rec = results["grid"][0]["systems"]
+    assert set(rec) == set(SYSTEMS)
+    text = gen.markdown_section(results)
+    row = next(line for line in text.splitlines() if line.startswith("| v100-4x8 | gpt-moe-s | W2 |"))
+    assert row.rstrip(" |").endswith(f"{rec['ep']['force_balanced_fraction'] * 100:.1f}% / "
+                                     f"{rec['hecate']['force_balanced_fraction'] * 100:.1f}%")
+
+
+# -- benchmark report -----------------------------------------------------------------------------------------------
+def _system(median: float) -> dict:
+    return {"status": "ok", "median_step_s": median, "step_s": [median] * 3, "load_max_over_mean": 1.0,
+            "expert_rows_per_rank": [128, 128], "bytes_sent_per_step_max": 1e5, "fraction_of_ideal": 0.5,
+            "ratio_vs_ds_hecate": 1.0, "phases_s": [{"forward": 0.01, "backward": 0.02, "optimizer": 0.003}] * 2}
+
+
+def _fixture(workloads) -> dict:
+    medians = {"W0": (0.100, 0.110), "W1": (0.125, 0.200), "W4": (0.130, 0.150), "W4" + SUFFIX: (0.120, 0.125)}
+    cfg = {"ranks": 2, "steps": 3, "warmup": 1, "hidden": 16, "ffn": 32, "experts": 4, "layers": 2, "tokens": 32,
+           "top_k": 2, "workloads": ",".join(w for w in workloads if not w.endswith(SUFFIX)), "trace": [],
+           "systems": "ds_hecate,autoep", "seed": 0, "no_memory": True}
+    return {"schema": bench.SCHEMA, "date": "2026-01-01T00:00:00", "command": "fixture", "world_size": 2,
+            "machine": {"cpu": "cpu", "vcpus": 2, "memory_gib": 1, "gpu": False, "python": "3", "torch": "t",
+                        "deepspeed": "d", "transformers": "x", "backend": "gloo", "omp_num_threads": "1"},
+            "config": cfg, "model": {"layers": 2, "hidden": 16, "expert": "SwiGLU 16x32", "experts": 4, "top_k": 2,
+                                     "tokens_per_rank": 32, "dtype": "fp32", "zero_stage": 2},
+            "systems": {"ds_hecate": {"status": "ok"}, "autoep": {"status": "ok"}},
+            "workloads": {w: {"title": w, "systems": {"ds_hecate": _system(medians[w][0]),
+                                                      "autoep": _system(medians[w][1])}} for w in workloads}}
+
+
+def _cell(text: str, workload: str, system: str) -> str:
+    row = next(line for line in text.splitlines() if line.startswith(f"| {workload} {workload} | {system} |"))
+    header = next(line for line in text.splitlines() if line.startswith("| workload | system | median step"))
+    return row.split("|")[header.split("|").index(" of force-balanced ")].strip()
+
+
+def test_benchmark_report_renders_the_column(tmp_path):
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(_fixture(["W0", "W1", "W4"])))
+    doc = tmp_path / "bench.md"
+    assert bench.main(["--report-only", "--out", str(path), "--markdown", str(doc)]) == 0
+    text = doc.read_text()
+    assert _cell(text, "W0", "ds_hecate") == "1.00"
+    assert _cell(text, "W1", "ds_hecate") == f"{0.100 / 0.125:.2f}"     # W0 is W1's forced-uniform routing
+    assert _cell(text, "W1", "autoep") == f"{0.110 / 0.200:.2f}"
+    assert _cell(text, "W4", "ds_hecate") == "n/a"                     # ragged tokens: W0 is no counterpart
+    assert "Forced-uniform run used: W0 for W0, W1; n/a for W4" in text
+    # with W4's forced-uniform run in the results, W4 gets its fraction from it
+    res = _fixture(["W0", "W1", "W4", "W4" + SUFFIX])
+    fb = force_balanced(res)
+    assert fb["W4"]["counterpart"] == "W4" + SUFFIX and fb["W1"]["counterpart"] == "W0"
+    assert fb["W4"]["systems"]["autoep"]["force_balanced_fraction"] == pytest.approx(0.125 / 0.150)
+
+
+def test_benchmark_adds_uniform_runs_only_where_w0_does_not_serve():
+    args = bench.parse_args(["--workloads", "W0,W1,W4", "--experts", "4", "--tokens", "32", "--steps", "3",
+                             "--warmup", "1"])
+    names = [n for n, _, _ in bench._route_sources(args, 2)]
+    assert names == ["W0", "W1", "W4", "W4" + SUFFIX]
+    routes = dict((n, r) for n, _, r in bench._route_sources(args, 2))
+    forced = routes["W4" + SUFFIX]
+    for step in range(4):
+        assert forced.counts(step, 0) == force_uniform(routes["W4"].counts(step, 0)).tolist()
+        assert [forced.tokens(step, r) for r in range(2)] == [routes["W4"].tokens(step, r) for r in range(2)]
+    from ds_hecate.workloads import WorkloadRoutes
+    no_w0 = [(w, w, WorkloadRoutes(w, 2, 4, 2, 32)) for w in ("W1", "W2")]
+    assert [n for n, _, _ in uniform_counterparts(no_w0, 4, 2)] == ["W1" + SUFFIX]   # one run serves both
+
+
+# -- engine.hecate.stats() ------------------------------------------------------------------------------------------
+def _train_stats(rank, world):
+    from moe_training import Spec, train
+    out = {}
+    for placement in ("owner", "hecate"):
+        spec = Spec(hecate={"enabled": True, "placement": placement}, native=True, steps=2, k=1,
+                    gate_bias=(6.0, 6.0) + (0.0,) * 6, aux_coef=0.0)
+        out[placement] = train(rank, world, spec)["hecate_stats"]
+    return out
+
+
+def test_stats_reports_an_estimated_force_balanced_fraction():
+    from dist_utils import run_ranks
+    for rank_stats in run_ranks(2, _train_stats):
+        for placement, stats in rank_stats.items():
+            for layer in stats["layers"]:
+                f = layer["force_balanced_fraction"]
+                assert 0.0 < f <= 1.5, (placement, layer)
+                if placement == "owner":   # hot experts of rank 0 under plain expert parallelism: far from balanced
+                    assert f < 0.9, layer
