@@ -134,13 +134,9 @@ def run_one(cluster: str, model: str, workload: str, *, steps: int, warmup: int,
 
 
 def _machine() -> Dict[str, Any]:
-    cpu, vcpus, mem = platform.processor() or "unknown CPU", os.cpu_count(), None
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-        cpu, vcpus = (names[0] if names else cpu), (len(names) or vcpus)
-    except OSError:
-        pass
+    from benchmarks.machine import cpu_model
+    cpu, vcpus = cpu_model()
+    cpu, mem = cpu or "unknown CPU", None
     try:
         with open("/proc/meminfo", encoding="utf-8") as f:
             mem = round(int(next(l for l in f if l.startswith("MemTotal")).split()[1]) / (1 << 20), 1)

@@ -16,6 +16,16 @@ import numpy as np
 Routes = Tuple[Tuple[Tuple[Tuple[int, int], ...], ...], ...]
 
 
+def holders_matrix(placement, world: int, num_experts: int) -> np.ndarray:
+    """A placement as a ``[ranks, experts]`` bool matrix (given as one, or as per-rank expert lists)."""
+    if isinstance(placement, np.ndarray) and placement.dtype == bool:
+        return placement
+    holders = np.zeros((world, num_experts), dtype=bool)
+    for r, experts in enumerate(placement):
+        holders[r, list(experts)] = True
+    return holders
+
+
 @dataclass(frozen=True)
 class Placement:
     """Sharded placement P (``owners``) and materialized placement P' (``materialized``) of one layer call.
@@ -34,10 +44,7 @@ class Placement:
     @cached_property
     def holders(self) -> "np.ndarray":
         """``[ranks, experts]`` bool matrix of ``materialized``: the vectorised planner's view of P'."""
-        holders = np.zeros((len(self.materialized), len(self.owners)), dtype=bool)
-        for rank, experts in enumerate(self.materialized):
-            holders[rank, list(experts)] = True
-        return holders
+        return holders_matrix(self.materialized, len(self.materialized), len(self.owners))
 
     @cached_property
     def gather_pairs(self) -> Tuple[Tuple[int, int], ...]:

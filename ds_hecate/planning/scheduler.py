@@ -21,6 +21,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .plan import holders_matrix
+
 Placement = Tuple[Tuple[int, ...], ...]
 
 
@@ -86,7 +88,7 @@ def rank_loads(counts: Sequence[Sequence[float]], materialized: Sequence[Sequenc
     num_experts = len(counts[0]) if world else 0
     if not world or not num_experts:
         return [[0.0] * num_experts for _ in range(world)], [0.0] * world, [0.0] * world
-    holders = _as_holders(materialized, world, num_experts).T
+    holders = holders_matrix(materialized, world, num_experts).T
     if (~holders.any(axis=1) & (np.asarray(counts, dtype=np.float64).sum(axis=0) != 0)).any():
         # an expert with pairs but no holder: the pure-Python rule cannot route it either
         raise ValueError("rank_loads: an expert with token-expert pairs is materialized nowhere")
@@ -201,16 +203,6 @@ def dispatch_flows(pairs, holders, ranks_per_node: int) -> DispatchFlows:
     return DispatchFlows(processed, sent, received, np.where(remote, n, 0.0), hf * from_remote)
 
 
-def _as_holders(placement, world: int, num_experts: int) -> np.ndarray:
-    """A placement as a ``[ranks, experts]`` bool matrix (given as one, or as per-rank expert lists)."""
-    if isinstance(placement, np.ndarray) and placement.dtype == bool:
-        return placement
-    holders = np.zeros((world, num_experts), dtype=bool)
-    for r, experts in enumerate(placement):
-        holders[r, list(experts)] = True
-    return holders
-
-
 class _Search:
     """State of :func:`schedule_materialization`'s greedy search, vectorised with numpy.
 
@@ -228,11 +220,11 @@ class _Search:
         self.mat = np.zeros((self.world, self.num_experts), dtype=bool)
         self.mat[self.owners, np.arange(self.num_experts)] = True
         if start is not None:
-            self.mat |= _as_holders(start, self.world, self.num_experts)
+            self.mat |= holders_matrix(start, self.world, self.num_experts)
         if prefetched is None:
             self.early = np.ones_like(self.mat)
         else:
-            self.early = _as_holders(prefetched, self.world, self.num_experts).copy()
+            self.early = holders_matrix(prefetched, self.world, self.num_experts).copy()
         self.owner_mask = np.zeros_like(self.mat)
         self.owner_mask[self.owners, np.arange(self.num_experts)] = True
         flows = dispatch_flows(self.counts.T, self.mat.T, ranks_per_node)
@@ -409,7 +401,7 @@ def schedule_materialization(counts: Sequence[Sequence[float]], owners: Sequence
         holders = np.zeros((world, num_experts), dtype=bool)
         holders[np.asarray(owners, dtype=np.int64), np.arange(num_experts)] = True
         if start is not None:
-            holders |= _as_holders(start, world, num_experts)
+            holders |= holders_matrix(start, world, num_experts)
         return tuple(tuple(int(e) for e in np.flatnonzero(row)) for row in holders)
     search = _Search(counts, owners, costs, ranks_per_node, start, prefetched)
     extra = (search.mat & ~search.owner_mask).sum(axis=1)

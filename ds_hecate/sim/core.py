@@ -35,7 +35,7 @@ from ..planning.placement import POLICIES
 from ..planning.predictor import LoadPredictor
 from ..planning.critical_path import plan_after_gate
 from ..planning.dispatch_plan import rank_tables
-from ..planning.plan import Placement
+from ..planning.plan import Placement, holders_matrix
 from ..planning.schedule_reuse import ScheduleReuse
 from ..planning.scheduler import StepCostModel, dispatch_flows
 from ..planning.sharding import even_sharding
@@ -227,10 +227,7 @@ def layer_time(ctx: _Ctx, counts: np.ndarray, mat: np.ndarray, owners: np.ndarra
 
 
 def _placement_matrix(placement: Sequence[Sequence[int]], num_experts: int) -> np.ndarray:
-    mat = np.zeros((len(placement), num_experts), dtype=bool)
-    for r, experts in enumerate(placement):
-        mat[r, list(experts)] = True
-    return mat
+    return holders_matrix(placement, len(placement), num_experts)
 
 
 def _owner_matrix(owners: Sequence[int], world: int) -> np.ndarray:
