@@ -13,6 +13,7 @@ Launch (DeepSpeed inserts ``--local_rank=N`` before the user arguments)::
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -284,8 +285,11 @@ def main() -> None:
 if __name__ == "__main__":
     main()
     # Tear the process groups down before interpreter exit: left to finalizers, gloo's worker threads can outlive
-    # them (seen as "terminate called without an active exception"). The barrier first, so that no rank tears its
-    # groups down while a peer still talks to it.
+    # them (seen as "terminate called without an active exception"). The engine is cyclic garbage once main()
+    # returns; collect it first, so its tensors and work handles die while the interpreter and the groups are
+    # alive rather than during finalization (torch's gloo threads then take the GIL of a dying interpreter and
+    # abort). The barrier next, so that no rank tears its groups down while a peer still talks to it.
+    gc.collect()
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
