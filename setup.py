@@ -17,7 +17,7 @@ class BuildWithAutoload(build_py):
         super().run()
         shutil.copy(AUTOLOAD_PTH, os.path.join(self.build_lib, AUTOLOAD_PTH))
         # The CUDA kernel sources (kernels/*.cu) ship inside the package: ds_hecate/kernels/, where
-        # ds_hecate.gpu.kernels compiles them at run time with CuPy.
+        # ds_hecate.comm.gpu.kernels compiles them at run time with CuPy.
         os.makedirs(os.path.join(self.build_lib, "ds_hecate", "kernels"), exist_ok=True)
         for name in KERNEL_SOURCES:
             shutil.copy(os.path.join("kernels", name), os.path.join(self.build_lib, "ds_hecate", "kernels", name))
@@ -35,7 +35,7 @@ setup(
     packages=find_packages(include=["ds_hecate", "ds_hecate.*"]),
     py_modules=["ds_hecate_autoload"],
     python_requires=">=3.9",
-    entry_points={"console_scripts": ["ds-hecate=ds_hecate.cli:main"]},
+    entry_points={"console_scripts": ["ds-hecate=ds_hecate.tools.cli:main"]},
     cmdclass={"build_py": BuildWithAutoload},
     # Lower bounds only: the oldest releases we know work (docs/install.md lists what CI tests). No upper bound
     # unless a named release is known to break us; none is today. The comparison baselines' pins (AutoEP needs

@@ -70,8 +70,8 @@ def nominal_bandwidth_gbs() -> float:
 def micro_benchmarks(quick: bool) -> list:
     import torch
 
-    from ds_hecate.gpu import kernels as K
-    from ds_hecate.gpu import reference as ref
+    from ds_hecate.comm.gpu import kernels as K
+    from ds_hecate.comm.gpu import reference as ref
 
     dev = torch.device("cuda", 0)
     repeat = 5 if quick else 20
@@ -132,8 +132,8 @@ def _nccl_worker(rank: int, world: int, port: int, numel: int, q) -> None:
         import torch
         import torch.distributed as dist
 
-        from ds_hecate.collectives import CommCounters
-        from ds_hecate.gpu.nccl_comm import CupyNcclCommunicator
+        from ds_hecate.comm.collectives import CommCounters
+        from ds_hecate.comm.gpu.nccl_comm import CupyNcclCommunicator
         from ds_hecate.planning import Placement
         dist.init_process_group("gloo", rank=rank, world_size=world)
         torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -205,10 +205,10 @@ def demo_losses(device: str, steps: int) -> list:
 
     import ds_hecate
     from ds_hecate.config import parse_hecate_section
-    from ds_hecate.convert import convert_model
-    from ds_hecate.expert_optimizer import ExpertOptimizer, LrSource
-    from ds_hecate.gpu import build_communicator
-    from ds_hecate.runtime import HecateRuntime
+    from ds_hecate.deepspeed_glue.convert import convert_model
+    from ds_hecate.deepspeed_glue.expert_optimizer import ExpertOptimizer, LrSource
+    from ds_hecate.comm.gpu import build_communicator
+    from ds_hecate.runtime.hecate import HecateRuntime
 
     torch.manual_seed(0)
     hidden = 64
@@ -253,8 +253,8 @@ def nccl_round_trips() -> dict:
     import torch
     import torch.distributed as dist
 
-    from ds_hecate.gpu.nccl_comm import CupyTransport
-    from ds_hecate.transport import TorchTransport
+    from ds_hecate.comm.gpu.nccl_comm import CupyTransport
+    from ds_hecate.comm.transport import TorchTransport
     dev = torch.device("cuda", 0)
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -287,7 +287,7 @@ def stream_ordering(ablate: bool) -> bool:
     behind a long sleep. Returns whether the received data is right (``ablate`` removes the event wait)."""
     import torch
 
-    from ds_hecate.gpu import nccl_comm
+    from ds_hecate.comm.gpu import nccl_comm
     dev = torch.device("cuda", 0)
     transport = nccl_comm.CupyTransport(None, 0, 1, dev, timeout_s=60)
     if ablate:
@@ -322,7 +322,7 @@ def dry_run(out: str) -> None:
             sys.exit(f"gpu_check --dry-run: {path} is missing")
     for fn in (run_tests, compare_training, nccl_round_trips, stream_ordering, memcheck, micro_benchmarks):
         assert callable(fn)
-    from ds_hecate.gpu.nccl_comm import CupyTransport  # noqa: F401  (imports without CuPy or a GPU)
+    from ds_hecate.comm.gpu.nccl_comm import CupyTransport  # noqa: F401  (imports without CuPy or a GPU)
     losses = demo_losses("cpu", 2)
     report = {"dry_run": True, "cpu_losses": losses, "steps": ["tests/gpu", "training cuda vs cpu (20 steps)",
               "1-rank NCCL round trips", "stream ordering (+ablation)", "compute-sanitizer memcheck",
@@ -344,7 +344,7 @@ def main() -> None:
     t0 = time.perf_counter()
     import torch
     report = {"torch": torch.__version__, "cuda_available": torch.cuda.is_available()}
-    from ds_hecate.gpu import cupy_status
+    from ds_hecate.comm.gpu import cupy_status
     report["cupy"] = cupy_status()[1]
     if not torch.cuda.is_available() or not cupy_status()[0]:
         print(json.dumps(report, indent=1))
@@ -369,7 +369,7 @@ def main() -> None:
     step("stream_ordering", stream_ordering, False)
     step("stream_ordering_ablated", stream_ordering, True)
     step("memcheck", memcheck, 150)
-    from ds_hecate.gpu.kernels import compile_all
+    from ds_hecate.comm.gpu.kernels import compile_all
     compile_all(0)
     report["micro"] = micro_benchmarks(True)
     report["seconds"] = round(time.perf_counter() - t0, 1)

@@ -15,3 +15,24 @@ def cpu_model() -> Tuple[str, int]:
         return (names[0] if names else cpu), (len(names) or os.cpu_count() or 0)
     except OSError:
         return cpu, os.cpu_count() or 0
+
+
+def describe_machine() -> dict:
+    """The benchmark run's machine and software versions, for its results JSON (benchmarks/run.py)."""
+    import torch
+    import deepspeed
+    cpu, vcpus = cpu_model()
+    try:
+        with open("/proc/meminfo", encoding="utf-8") as f:
+            mem_gib = int(next(line for line in f if line.startswith("MemTotal")).split()[1]) / (1 << 20)
+    except (OSError, StopIteration):
+        mem_gib = None
+    try:
+        import transformers
+        tf = transformers.__version__
+    except Exception as exc:  # any import failure: report it
+        tf = f"not importable ({type(exc).__name__})"
+    return {"cpu": cpu, "vcpus": vcpus, "memory_gib": round(mem_gib, 1) if mem_gib else None,
+            "gpu": torch.cuda.is_available(), "python": platform.python_version(), "torch": torch.__version__,
+            "deepspeed": deepspeed.__version__, "transformers": tf, "backend": "gloo",
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}

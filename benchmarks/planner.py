@@ -39,7 +39,8 @@ from ds_hecate.planning.dispatch_plan import rank_tables
 from ds_hecate.planning.plan import LayerPlan, Placement
 from ds_hecate.planning.predictor import LoadPredictor
 from ds_hecate.planning.schedule_reuse import ScheduleReuse
-from ds_hecate.planning.scheduler import StepCostModel, schedule_materialization
+from ds_hecate.planning.cost_model import StepCostModel
+from ds_hecate.planning.scheduler import schedule_materialization
 from ds_hecate.planning.sharding import even_sharding
 
 from .machine import cpu_model

@@ -7,7 +7,7 @@ sharded experts, while everything else stays with DeepSpeed.
 from .config import HecateConfig, parse_hecate_section, split_hecate_section
 from .errors import HecateConfigError, HecateError, HecateModelError, HecateUnsupportedError
 from .experts import SwiGLUExpert
-from .initialize import initialize, patch_deepspeed
+from .deepspeed_glue.initialize import initialize, patch_deepspeed
 from .moe_layer import MoE, num_parameters
 
 __version__ = "0.1.0"

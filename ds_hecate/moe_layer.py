@@ -95,7 +95,7 @@ class MoE(nn.Module):
         if use_residual:
             self.mlp = expert
             self.coefficient = nn.Linear(hidden_size, 2)
-        self.binding = None  # set by Hecate when it takes the layer over (ds_hecate.runtime.LayerBinding)
+        self.binding = None  # set by Hecate when it takes the layer over (ds_hecate.runtime.hecate.LayerBinding)
         self.l_aux: Optional[torch.Tensor] = None
         self.exp_counts: Optional[torch.Tensor] = None
 

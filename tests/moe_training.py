@@ -13,7 +13,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from ds_hecate.workloads import bias_gate
+from ds_hecate.testing.workloads import bias_gate
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,7 @@ class Block(nn.Module):
         for p in experts.parameters():
             nn.init.normal_(p, std=0.3)
         if spec.forced_routes:
-            from ds_hecate.workloads import route_gate
+            from ds_hecate.testing.workloads import route_gate
             self.router = route_gate(self.moe)
         elif spec.gate_bias is not None:
             bias_gate(self.moe, spec.gate_bias)

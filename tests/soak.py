@@ -36,7 +36,7 @@ def _rss_bytes() -> int:
 
 def _set_routing_bias(model: torch.nn.Module, step: int, world_size: int, num_experts: int) -> None:
     """Bias every gate with the log-probabilities of W6 at ``step`` (the same on every rank)."""
-    from ds_hecate.routing_workloads import expert_distribution
+    from ds_hecate.sim.workloads import expert_distribution
 
     probs = expert_distribution("W6", step, world_size, num_experts, period=PERIOD)[0]
     bias = torch.tensor([math.log(p) for p in probs], dtype=torch.float32)

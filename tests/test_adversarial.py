@@ -55,9 +55,9 @@ def _random_routing_worker(rank: int, world: int, seeds: int) -> dict:
 
     import ds_hecate
     from ds_hecate.config import HecateConfig
-    from ds_hecate.convert import take_over_layer
-    from ds_hecate.initialize import build_runtime
-    from ds_hecate.workloads import BiasedTopKGate
+    from ds_hecate.deepspeed_glue.convert import take_over_layer
+    from ds_hecate.deepspeed_glue.initialize import build_runtime
+    from ds_hecate.testing.workloads import BiasedTopKGate
 
     dist.init_process_group("gloo")
     checked = {"seeds": 0, "empty_rank_cases": 0, "moved_experts": 0}

@@ -15,8 +15,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from benchmarks import run as bench  # noqa: E402
-from ds_hecate.trace import TraceLayer, TraceWriter  # noqa: E402
-from ds_hecate.workloads import TraceRoutes, WorkloadRoutes, assign_routes  # noqa: E402
+from ds_hecate.tools.trace import TraceLayer, TraceWriter  # noqa: E402
+from ds_hecate.testing.workloads import TraceRoutes, WorkloadRoutes, assign_routes  # noqa: E402
 
 
 def test_assign_routes_exact_counts_and_distinct_experts():
@@ -31,7 +31,7 @@ def test_assign_routes_exact_counts_and_distinct_experts():
 
 
 def test_workload_routes_follow_routing_counts():
-    from ds_hecate.routing_workloads import routing_counts
+    from ds_hecate.sim.workloads import routing_counts
     routes = WorkloadRoutes("W4", 2, 8, 2, 64)
     expected = routing_counts("W4", 5, 2, 8, 64, 2)
     for rank in range(2):
@@ -115,7 +115,7 @@ def test_benchmark_smoke(tmp_path):
 
 def test_shadow_and_all_placements():
     from ds_hecate.planning.placement import all_placement, plan_layer, shadow_placement
-    from ds_hecate.planning.scheduler import StepCostModel
+    from ds_hecate.planning.cost_model import StepCostModel
     owners = [0, 0, 0, 0, 1, 1, 1, 1]
     hot = [[600, 500, 10, 10, 20, 20, 20, 20]] * 2   # experts 0, 1 (rank 0) draw most pairs from both ranks
     cheap_moves = StepCostModel(compute_s_per_pair=2e-5, token_transfer_s=1e-6, expert_transfer_s=2e-4)

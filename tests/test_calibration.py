@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from benchmarks import calibration as cal
-from benchmarks.run import _route_sources
-from ds_hecate.routing_workloads import routing_counts
-from ds_hecate.trace import TraceLayer, TraceWriter
-from ds_hecate.workloads import TraceRoutes
+from benchmarks.routes import route_sources
+from ds_hecate.sim.workloads import routing_counts
+from ds_hecate.tools.trace import TraceLayer, TraceWriter
+from ds_hecate.testing.workloads import TraceRoutes
 
 COSTS = {"compute_s_per_pair": 2e-5, "link_gbps": 0.6, "non_moe_time_s": 0.0005}
 
@@ -110,7 +110,7 @@ def test_replayed_counts_are_what_the_benchmark_forces(tmp_path):
     cfg = res["config"]
     steps = cfg["warmup"] + cfg["steps"]
     sources = cal._route_sources(res, 2)
-    bench = {n: r for n, _, r in _route_sources(argparse.Namespace(**cfg), 2)}   # what benchmarks/run.py builds
+    bench = {n: r for n, _, r in route_sources(argparse.Namespace(**cfg), 2)}   # what benchmarks/run.py builds
     # plus the forced-uniform runs no W0 stands for (benchmarks/force_balanced.py): one for W2 and W6, one for the
     # trace's ragged ranks
     assert set(sources) == set(bench) == {"W2", "W6", "trace:t", "W2-uniform", "trace:t-uniform"}

@@ -122,7 +122,7 @@ def test_consolidated_fp32_state_dict_equals_the_live_model(tmp_path):
     outputs = {}
     for layout in ("hecate", "deepspeed"):
         out = str(tmp_path / f"{layout}.pt")
-        proc = subprocess.run([sys.executable, "-m", "ds_hecate.cli", "consolidate", ckpt, "--layout", layout,
+        proc = subprocess.run([sys.executable, "-m", "ds_hecate.tools.cli", "consolidate", ckpt, "--layout", layout,
                                "-o", out], capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert "64 expert tensors" in proc.stdout, proc.stdout  # 2 layers x 8 experts x 4 tensors

@@ -47,12 +47,13 @@ def _train(rank: int, world: int, device: str, kind: str, dtype_name: str, resha
 
     from device_shim import cuda_shim
     import ds_hecate  # noqa: F401  (patches deepspeed)
-    from ds_hecate import checkpoint, resharding
+    from ds_hecate.deepspeed_glue import checkpoint
+    from ds_hecate.runtime import resharding
     from ds_hecate.config import parse_hecate_section
-    from ds_hecate.convert import convert_model
-    from ds_hecate.expert_optimizer import ExpertOptimizer, LrSource
-    from ds_hecate.gpu import build_communicator
-    from ds_hecate.runtime import HecateRuntime
+    from ds_hecate.deepspeed_glue.convert import convert_model
+    from ds_hecate.deepspeed_glue.expert_optimizer import ExpertOptimizer, LrSource
+    from ds_hecate.comm.gpu import build_communicator
+    from ds_hecate.runtime.hecate import HecateRuntime
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     dtype = DTYPES[dtype_name]
@@ -156,8 +157,8 @@ def _one_expert_norm(rank, world):
     import torch.distributed as dist
 
     from device_shim import cuda_shim
-    from ds_hecate.gpu import build_communicator
-    from ds_hecate.shard_store import ExpertShardStore
+    from ds_hecate.comm.gpu import build_communicator
+    from ds_hecate.runtime.shard_store import ExpertShardStore
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     with cuda_shim():
@@ -178,8 +179,8 @@ def _measure(rank, world):
 
     from device_shim import cuda_shim
     from ds_hecate.config import parse_hecate_section
-    from ds_hecate.gpu import build_communicator
-    from ds_hecate.runtime import HecateRuntime
+    from ds_hecate.comm.gpu import build_communicator
+    from ds_hecate.runtime.hecate import HecateRuntime
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     with cuda_shim() as shim:

@@ -11,10 +11,10 @@ from ds_hecate.planning.dispatch import topology_aware_routes
 from ds_hecate.planning.dispatch_plan import DispatchPlan
 from ds_hecate.planning.plan import LayerPlan, Placement
 from ds_hecate.planning.schedule_reuse import ScheduleReuse
-from ds_hecate.planning.scheduler import (SEARCH_WORK, StepCostModel, estimate_layer,
-                                          schedule_materialization)
+from ds_hecate.planning.scheduler import SEARCH_WORK, schedule_materialization
+from ds_hecate.planning.cost_model import StepCostModel, estimate_layer
 from ds_hecate.planning.sharding import even_sharding
-from ds_hecate.expert_compute import expand_segments, expert_major_order
+from ds_hecate.runtime.expert_compute import expand_segments, expert_major_order
 
 
 def _random_case(rng):

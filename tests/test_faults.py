@@ -26,9 +26,9 @@ def _bad_numbers_worker(rank: int, world: int, fault: str) -> str:
 
     import ds_hecate
     from ds_hecate.config import HecateConfig
-    from ds_hecate.convert import take_over_layer
+    from ds_hecate.deepspeed_glue.convert import take_over_layer
     from ds_hecate.errors import HecateError
-    from ds_hecate.initialize import build_runtime
+    from ds_hecate.deepspeed_glue.initialize import build_runtime
 
     dist.init_process_group("gloo")
     runtime = build_runtime(HecateConfig(enabled=True, placement="hecate"), {})
@@ -76,9 +76,9 @@ def _arm_kill(phase: str, stamp: str, ckpt: str, kill_step: int, rank: int, step
     if step != kill_step:
         return
     if rank == 1:
-        import ds_hecate.checkpoint as checkpoint
-        from ds_hecate.collectives import Communicator
-        from ds_hecate.runtime import LayerBinding
+        import ds_hecate.deepspeed_glue.checkpoint as checkpoint
+        from ds_hecate.comm.collectives import Communicator
+        from ds_hecate.runtime.layer import LayerBinding
 
         if phase == "forward":  # on entering the second MoE layer
             run = LayerBinding.run

@@ -18,9 +18,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from benchmarks import run as bench  # noqa: E402
-from benchmarks.force_balanced import SUFFIX, force_balanced, uniform_counterparts  # noqa: E402
+from benchmarks.routes import route_sources  # noqa: E402
+from benchmarks.force_balanced import force_balanced  # noqa: E402
+from benchmarks.uniform_routes import SUFFIX, uniform_counterparts  # noqa: E402
 from ds_hecate.planning.balance import force_uniform, is_uniform  # noqa: E402
-from ds_hecate.routing_workloads import routing_counts  # noqa: E402
+from ds_hecate.sim.workloads import routing_counts  # noqa: E402
 from ds_hecate.sim.core import SYSTEMS, format_table, simulate  # noqa: E402
 
 
@@ -129,14 +131,14 @@ def test_benchmark_report_renders_the_column(tmp_path):
 def test_benchmark_adds_uniform_runs_only_where_w0_does_not_serve():
     args = bench.parse_args(["--workloads", "W0,W1,W4", "--experts", "4", "--tokens", "32", "--steps", "3",
                              "--warmup", "1"])
-    names = [n for n, _, _ in bench._route_sources(args, 2)]
+    names = [n for n, _, _ in route_sources(args, 2)]
     assert names == ["W0", "W1", "W4", "W4" + SUFFIX]
-    routes = dict((n, r) for n, _, r in bench._route_sources(args, 2))
+    routes = dict((n, r) for n, _, r in route_sources(args, 2))
     forced = routes["W4" + SUFFIX]
     for step in range(4):
         assert forced.counts(step, 0) == force_uniform(routes["W4"].counts(step, 0)).tolist()
         assert [forced.tokens(step, r) for r in range(2)] == [routes["W4"].tokens(step, r) for r in range(2)]
-    from ds_hecate.workloads import WorkloadRoutes
+    from ds_hecate.testing.workloads import WorkloadRoutes
     no_w0 = [(w, w, WorkloadRoutes(w, 2, 4, 2, 32)) for w in ("W1", "W2")]
     assert [n for n, _, _ in uniform_counterparts(no_w0, 4, 2)] == ["W1" + SUFFIX]   # one run serves both
 

@@ -102,7 +102,7 @@ def test_save_model_reloads_with_every_expert(runs, name):
 
 @pytest.mark.parametrize("name", ["mixtral_z2", "mixtral_z3"])
 def test_export_hf_from_trainer_checkpoint(runs, name, tmp_path, capsys):
-    from ds_hecate.cli import main
+    from ds_hecate.tools.cli import main
 
     results, workdir = runs
     result = results[f"{name}_hecate"]

@@ -16,13 +16,13 @@ from typing import Dict, List
 import pytest
 import torch
 
-from ds_hecate.collectives import CommCounters, Communicator
+from ds_hecate.comm.collectives import CommCounters, Communicator
 from ds_hecate.config import parse_hecate_section
 from ds_hecate.errors import HecateConfigError, HecateError
-from ds_hecate.gpu import reference as ref
-from ds_hecate.gpu.backend import agree_backend
-from ds_hecate.gpu.kernels import KERNEL_NAMES, SOURCES, kernel_dir
-from ds_hecate.gpu.layout import gather_layout, owned_materialized, reduce_chunk_lists, reduce_layout
+from ds_hecate.comm.gpu import reference as ref
+from ds_hecate.comm.gpu.backend import agree_backend
+from ds_hecate.comm.gpu.kernels import KERNEL_NAMES, SOURCES, kernel_dir
+from ds_hecate.comm.gpu.layout import gather_layout, owned_materialized, reduce_chunk_lists, reduce_layout
 from ds_hecate.moe_layer import combine_routes
 from ds_hecate.planning import Placement
 
@@ -60,7 +60,7 @@ def test_kernels_ship_with_the_package(tmp_path):
     assert proc.returncode == 0, proc.stderr
     shipped = sorted(p.name for p in (tmp_path / "ds_hecate" / "kernels").glob("*.cu"))
     assert shipped == sorted(SOURCES)
-    probe = "from ds_hecate.gpu.kernels import kernel_dir; print(kernel_dir())"
+    probe = "from ds_hecate.comm.gpu.kernels import kernel_dir; print(kernel_dir())"
     found = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True,
                            timeout=120, env={**os.environ, "PYTHONPATH": str(tmp_path)})
     assert found.returncode == 0, found.stderr
@@ -255,7 +255,7 @@ def test_cuda_device_without_gpu_names_the_reason():
 
 
 def test_cupy_backend_refuses_a_cpu_device():
-    from ds_hecate.gpu.nccl_comm import CupyTransport
+    from ds_hecate.comm.gpu.nccl_comm import CupyTransport
     with pytest.raises(HecateError, match="needs a CUDA device"):
         CupyTransport(None, 0, 1, torch.device("cpu"))
 
@@ -263,9 +263,9 @@ def test_cupy_backend_refuses_a_cpu_device():
 _BUILD_RUNTIME = """
 import os, tempfile, torch, torch.distributed as dist
 import ds_hecate
-from ds_hecate.collectives import Communicator
+from ds_hecate.comm.collectives import Communicator
 from ds_hecate.config import parse_hecate_section
-from ds_hecate.initialize import build_runtime
+from ds_hecate.deepspeed_glue.initialize import build_runtime
 dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
 runtime = build_runtime(parse_hecate_section({"enabled": True}), {})
 assert type(runtime.comm) is Communicator, type(runtime.comm)
@@ -291,8 +291,8 @@ def test_cupy_backend_imports_without_gpu():
     """CuPy installed, no GPU: the GPU modules import and the probe explains itself instead of failing."""
     if importlib.util.find_spec("cupy") is None:
         pytest.skip("cupy is not installed")
-    probe = ("import ds_hecate.gpu.kernels, ds_hecate.gpu.nccl_comm\n"
-             "from ds_hecate.gpu import cupy_status\n"
+    probe = ("import ds_hecate.comm.gpu.kernels, ds_hecate.comm.gpu.nccl_comm\n"
+             "from ds_hecate.comm.gpu import cupy_status\n"
              "usable, why = cupy_status(); print(usable); print(why)")
     proc = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

@@ -18,11 +18,11 @@ from moe_training import Spec, train
 
 from ds_hecate.config import parse_hecate_section
 from ds_hecate.errors import HecateConfigError
-from ds_hecate.metrics import LOAD_METRICS, TRAFFIC_METRICS
-from ds_hecate.planning.scheduler import owner_loads
+from ds_hecate.runtime.metrics import LOAD_METRICS, TRAFFIC_METRICS
+from ds_hecate.planning.cost_model import owner_loads
 from ds_hecate.planning import LayerPlan, topology_aware_routes
-from ds_hecate.runtime import PHASES
-from ds_hecate.trace import read_trace
+from ds_hecate.runtime.layer import PHASES
+from ds_hecate.tools.trace import read_trace
 
 STEPS = 8
 LAYERS = 2
@@ -36,13 +36,13 @@ def _train_capturing_gate(rank: int, world_size: int, specs, unwritable) -> list
     return each rank's error (every rank must raise, not only rank 0, which alone writes)."""
     import torch
 
-    from ds_hecate import runtime as rt
+    from ds_hecate.runtime import layer as rt
 
     seen = []
     original = rt.LayerBinding.run
 
     def run(self, x, indices, gates):
-        if not rt._in_backward_pass():
+        if not rt.in_backward_pass():
             flat = indices.reshape(-1)
             seen.append((self.runtime.bindings.index(self),
                          torch.bincount(flat[flat >= 0].long(), minlength=self.shard.num_experts).tolist()))
@@ -215,6 +215,6 @@ def test_trace_file_config_is_validated(tmp_path):
         parse_hecate_section({"enabled": True, "trace_file": ""})
     with pytest.raises(HecateConfigError, match="trace_file"):
         parse_hecate_section({"enabled": True, "trace_file": 3})
-    from ds_hecate.metrics import TraceRecorder
+    from ds_hecate.runtime.metrics import TraceRecorder
     with pytest.raises(HecateConfigError, match="is a directory"):
         TraceRecorder(None, str(tmp_path))

@@ -39,8 +39,8 @@ def test_plan_matches_shard_store_to_the_byte():
     import torch
 
     from ds_hecate.config import HecateConfig
-    from ds_hecate.memory_plan import optimizer_layout_from_ds_config, plan_memory, probe_optimizer_state
-    from ds_hecate.presets import ModelShape
+    from ds_hecate.tools.memory_plan import optimizer_layout_from_ds_config, plan_memory, probe_optimizer_state
+    from ds_hecate.tools.presets import ModelShape
 
     results = run_ranks(2, _memory_worker, SPEC)
     model = ModelShape(name="tiny", moe_layers=SPEC.layers, hidden_size=SPEC.hidden, ffn_size=SPEC.ffn,
@@ -64,7 +64,7 @@ def test_plan_matches_shard_store_to_the_byte():
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ds_hecate.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "ds_hecate.tools.cli", *args], capture_output=True, text=True,
                           timeout=120)
 
 

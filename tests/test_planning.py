@@ -25,8 +25,8 @@ PLANNING_DIR = REPO / "ds_hecate" / "planning"
 
 # Modules of ds_hecate that use torch.distributed (directly or through the runtime); the planner must not pull
 # them in.
-DISTRIBUTED_MODULES = ("ds_hecate.collectives", "ds_hecate.runtime", "ds_hecate.convert", "ds_hecate.engine",
-                       "ds_hecate.shard_store")
+DISTRIBUTED_MODULES = ("ds_hecate.comm.collectives", "ds_hecate.runtime.hecate", "ds_hecate.deepspeed_glue.convert", "ds_hecate.deepspeed_glue.engine",
+                       "ds_hecate.runtime.shard_store")
 
 
 def _fresh_import_report() -> dict:

@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 
 from ds_hecate.planning.schedule_reuse import ScheduleReuse, load_shift
-from ds_hecate.planning.scheduler import StepCostModel, schedule_materialization
-from ds_hecate.routing_workloads import routing_counts
+from ds_hecate.planning.cost_model import StepCostModel
+from ds_hecate.planning.scheduler import schedule_materialization
+from ds_hecate.sim.workloads import routing_counts
 
 OWNERS = (0, 0, 0, 0, 1, 1, 1, 1)
 COSTS = StepCostModel(compute_s_per_pair=3e-5, token_transfer_s=1e-6, expert_transfer_s=2e-3)

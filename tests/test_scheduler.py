@@ -1,6 +1,6 @@
 """Tests of the Hecate scheduler's pure planning modules (no torch.distributed).
 
-ds_hecate.planning.predictor (LoadPredictor), ds_hecate.planning.scheduler (StepCostModel, rank_loads,
+ds_hecate.planning.scheduler (StepCostModel, rank_loads,
 estimate_layer, schedule_materialization) and ds_hecate.planning.heterogeneous (heterogeneous_sharding, the paper's
 Algorithm 2). The balance acceptance criterion checks the compute load per rank through the integer dispatch
 (topology_aware_routes + LayerPlan), i.e. exactly what the runtime executes.
@@ -25,8 +25,9 @@ from ds_hecate.planning import LayerPlan, even_sharding, topology_aware_routes
 from ds_hecate.planning.heterogeneous import heterogeneous_sharding, slots_per_rank
 from ds_hecate.planning.plan import check_routes_cover
 from ds_hecate.planning.predictor import LoadPredictor
-from ds_hecate.planning.scheduler import (LayerEstimate, StepCostModel, estimate_layer, rank_loads,
-                                          schedule_materialization)
+from ds_hecate.planning.cost_model import LayerEstimate, StepCostModel, estimate_layer
+from ds_hecate.planning.dispatch import rank_loads
+from ds_hecate.planning.scheduler import schedule_materialization
 
 REPO = Path(__file__).resolve().parents[1]
 PLANNING_DIR = REPO / "ds_hecate" / "planning"
@@ -77,101 +78,6 @@ def hot_workload(world: int, num_experts: int, hot: Tuple[float, float], per_ran
     row = [h0, h1] + [rest // cold + (1 if i < rest % cold else 0) for i in range(cold)]
     assert sum(row) == per_rank and min(row) > 0
     return [list(row) for _ in range(world)]
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# 1. LoadPredictor
-# ---------------------------------------------------------------------------------------------------------------
-def test_predictor_empty():
-    p = LoadPredictor(5)
-    assert len(p) == 0
-    assert p.predict() is None
-    assert p.expert_loads() is None
-
-
-@pytest.mark.parametrize("window", [0, -1, -5])
-def test_predictor_rejects_window_below_one(window):
-    with pytest.raises(ValueError, match="window"):
-        LoadPredictor(window)
-
-
-def test_predictor_window_average_hand_computed():
-    p = LoadPredictor(3)
-    p.push([[3, 0], [1, 4]])
-    assert p.predict() == [[3.0, 0.0], [1.0, 4.0]]
-    p.push([[5, 2], [1, 0]])
-    assert p.predict() == [[4.0, 1.0], [1.0, 2.0]]
-    p.push([[1, 1], [4, 2]])
-    assert p.predict() == [[3.0, 1.0], [2.0, 2.0]]
-    # the fourth push evicts the first: average of pushes 2..4
-    p.push([[0, 6], [7, 1]])
-    assert len(p) == 3
-    assert p.predict() == [[2.0, 3.0], [4.0, 1.0]]
-    # one more: pushes 3..5
-    p.push([[2, 2], [1, 0]])
-    assert p.predict() == [[1.0, 3.0], [4.0, 1.0]]
-    assert p.expert_loads() == [5.0, 4.0]
-
-
-def test_predictor_window_one_is_last_push():
-    p = LoadPredictor(1)
-    for m in ([[1, 2]], [[7, 0]], [[3, 9]]):
-        p.push(m)
-        assert p.predict() == [[float(x) for x in m[0]]]
-    assert len(p) == 1
-
-
-@settings(max_examples=100, deadline=None)
-@given(window=st.integers(1, 6), world=st.integers(1, 4), experts=st.integers(1, 5), data=st.data())
-def test_predictor_window_average_property(window, world, experts, data):
-    pushes = data.draw(st.lists(st.lists(st.lists(st.integers(0, 1000), min_size=experts, max_size=experts),
-                                         min_size=world, max_size=world), min_size=1, max_size=12))
-    p = LoadPredictor(window)
-    for i, m in enumerate(pushes):
-        p.push(m)
-        last = pushes[max(0, i + 1 - window):i + 1]
-        assert len(p) == len(last)
-        pred = p.predict()
-        for r in range(world):
-            for e in range(experts):
-                assert pred[r][e] == pytest.approx(sum(h[r][e] for h in last) / len(last), rel=1e-12)
-        loads = p.expert_loads()
-        for e in range(experts):
-            assert loads[e] == pytest.approx(sum(pred[r][e] for r in range(world)), rel=1e-12)
-            assert loads[e] == pytest.approx(sum(h[r][e] for h in last for r in range(world)) / len(last),
-                                             rel=1e-12)
-
-
-def test_predictor_state_dict_round_trip():
-    p = LoadPredictor(2)
-    for m in ([[1, 2], [3, 4]], [[5, 6], [7, 8]], [[9, 10], [11, 12]]):
-        p.push(m)
-    state = p.state_dict()
-    assert state["window"] == 2
-    assert state["history"] == [[[5, 6], [7, 8]], [[9, 10], [11, 12]]]
-    q = LoadPredictor(2)
-    q.load_state_dict(state)
-    assert len(q) == 2
-    assert q.predict() == p.predict() == [[7.0, 8.0], [9.0, 10.0]]
-    assert q.expert_loads() == p.expert_loads()
-    # the restored window keeps sliding with the same length
-    p.push([[1, 1], [1, 1]])
-    q.push([[1, 1], [1, 1]])
-    assert len(q) == 2
-    assert q.predict() == p.predict() == [[5.0, 5.5], [6.0, 6.5]]
-    # the snapshot taken before is unaffected by later pushes
-    assert state["history"] == [[[5, 6], [7, 8]], [[9, 10], [11, 12]]]
-    # restoring into a fresh predictor, then mutating the state, does not alter the predictor
-    r = LoadPredictor(2)
-    r.load_state_dict(state)
-    state["history"][0][0][0] = 1000
-    assert r.predict() == [[7.0, 8.0], [9.0, 10.0]]
-
-
-def test_predictor_state_dict_of_empty_predictor():
-    q = LoadPredictor(3)
-    q.load_state_dict(LoadPredictor(3).state_dict())
-    assert q.predict() is None and len(q) == 0
 
 
 # ---------------------------------------------------------------------------------------------------------------

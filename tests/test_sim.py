@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from ds_hecate.errors import HecateError
-from ds_hecate.presets import CLUSTERS, MODELS, Cluster, ModelShape
+from ds_hecate.tools.presets import CLUSTERS, MODELS, Cluster, ModelShape
 from ds_hecate.sim import SYSTEMS, simulate
-from ds_hecate.trace import TraceLayer, TraceWriter
+from ds_hecate.tools.trace import TraceLayer, TraceWriter
 
 TINY = ModelShape(name="tiny", moe_layers=2, hidden_size=64, ffn_size=128, num_experts=4, top_k=2, vocab_size=0,
                   seq_len=256, expert_bias=True)
@@ -98,7 +98,7 @@ def test_trace_replay_and_cli(tmp_path):
                                                                 "num_experts", "top_k", "vocab_size", "seq_len",
                                                                 "expert_bias")}))
     out = tmp_path / "sim.json"
-    proc = subprocess.run([sys.executable, "-m", "ds_hecate.cli", "simulate", "--cluster", "cpu-2", "--model",
+    proc = subprocess.run([sys.executable, "-m", "ds_hecate.tools.cli", "simulate", "--cluster", "cpu-2", "--model",
                            str(model), "--workload", str(trace), "--steps", "4", "--json", str(out)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -119,7 +119,7 @@ def test_dispatch_flows_follow_the_dispatch_rule():
     import random
 
     from ds_hecate.planning.dispatch import eligible_ranks, node_of
-    from ds_hecate.planning.scheduler import dispatch_flows
+    from ds_hecate.planning.dispatch import dispatch_flows
 
     rng = random.Random(3)
     for _ in range(200):

@@ -20,9 +20,9 @@ def test_build_runtime_takes_the_device_of_the_local_rank(monkeypatch):
     import deepspeed.accelerator
     import torch.distributed as dist
 
-    import ds_hecate.gpu
+    import ds_hecate.comm.gpu
     from ds_hecate.config import parse_hecate_section
-    from ds_hecate.initialize import build_runtime
+    from ds_hecate.deepspeed_glue.initialize import build_runtime
 
     class FakeAccelerator:
         current = 0
@@ -47,7 +47,7 @@ def test_build_runtime_takes_the_device_of_the_local_rank(monkeypatch):
     monkeypatch.setattr(dist, "get_rank", lambda *a: 1)
     monkeypatch.setattr(dist, "get_world_size", lambda *a: 2)
     monkeypatch.setattr(dist, "new_group", lambda *a, **k: None)
-    monkeypatch.setattr(ds_hecate.gpu, "build_communicator", capture)
+    monkeypatch.setattr(ds_hecate.comm.gpu, "build_communicator", capture)
     with pytest.raises(KeyboardInterrupt):
         build_runtime(parse_hecate_section({"enabled": True}), {})
     assert seen["device"] == torch.device("cuda", 1)
@@ -69,7 +69,7 @@ def _train_counting_events(rank, world):
     device_shim.FakeEvent.created = 0
     out = _train(rank, world, "cuda", "hecate", "fp32", None)
     out["events"] = device_shim.FakeEvent.created
-    import ds_hecate.timing as timing
+    import ds_hecate.runtime.timing as timing
     out["timing_events"] = "torch.cuda.Event(enable_timing=True)" in inspect.getsource(timing)
     return out
 
@@ -77,7 +77,7 @@ def _train_counting_events(rank, world):
 # -- host-to-device tables of the kernels ---------------------------------------------------------------------
 def test_kernel_pointer_tables_are_pinned_and_non_blocking():
     from device_shim import cuda_shim
-    from ds_hecate.gpu import kernels
+    from ds_hecate.comm.gpu import kernels
     chunks = [torch.zeros(4) for _ in range(3)]
     with cuda_shim() as shim:
         table = kernels._ptr_table(chunks, torch.device("cuda", 0))
@@ -87,15 +87,15 @@ def test_kernel_pointer_tables_are_pinned_and_non_blocking():
 
 # -- one implementation of the collectives -----------------------------------------------------------------------
 def test_cupy_module_holds_only_the_transport():
-    import ds_hecate.gpu.nccl_comm as nccl_comm
-    from ds_hecate.collectives import Communicator
+    import ds_hecate.comm.gpu.nccl_comm as nccl_comm
+    from ds_hecate.comm.collectives import Communicator
     source = inspect.getsource(nccl_comm)
     for name in ("start_sparse_all_gather", "start_sparse_reduce_scatter", "move_experts", "exchange_counts",
                  "pack_chunks", "reduce_chunks"):
-        assert name not in source, f"ds_hecate/gpu/nccl_comm.py re-implements {name}"
+        assert name not in source, f"ds_hecate/comm/gpu/nccl_comm.py re-implements {name}"
     assert not any(issubclass(obj, Communicator) for obj in vars(nccl_comm).values() if inspect.isclass(obj))
-    import ds_hecate.profiling as profiling
-    import ds_hecate.resharding as resharding
+    import ds_hecate.runtime.profiling as profiling
+    import ds_hecate.runtime.resharding as resharding
     for module in (profiling, resharding):
         src = inspect.getsource(module)
         assert "comm._" not in src and "dist.broadcast" not in src, f"{module.__name__} bypasses the interface"
@@ -152,9 +152,9 @@ def test_cupy_transport_timeout_aborts_and_names_the_collective(dtype):
     """A collective that does not complete within collective_timeout_s aborts the NCCL communicator and raises
     HecateCollectiveError naming the collective, the layer and the phase (fp16 included: no kernel restriction)."""
     from device_shim import cuda_shim
-    from ds_hecate.collectives import Communicator
+    from ds_hecate.comm.collectives import Communicator
     from ds_hecate.errors import HecateCollectiveError
-    from ds_hecate.gpu.nccl_comm import CupyTransport
+    from ds_hecate.comm.gpu.nccl_comm import CupyTransport
 
     comm_nccl = StallingComm()
     result = {}
@@ -183,7 +183,7 @@ def test_cupy_transport_timeout_aborts_and_names_the_collective(dtype):
 def _agree(rank, world, requested):
     import torch.distributed as dist
 
-    import ds_hecate.gpu.backend as backend
+    import ds_hecate.comm.gpu.backend as backend
     from ds_hecate.errors import HecateConfigError
     dist.init_process_group("gloo", rank=rank, world_size=world)
     # rank 0 could use CuPy, rank 1 cannot (e.g. libnccl missing on that node)
@@ -210,8 +210,8 @@ def test_auto_falls_back_on_every_rank_when_one_rank_cannot_use_cupy():
 
 
 def test_auto_uses_torch_distributed_on_cuda_until_a_gpu_check_passed(monkeypatch):
-    import ds_hecate.gpu.backend as backend
+    import ds_hecate.comm.gpu.backend as backend
     monkeypatch.setattr(backend, "cupy_status", lambda: (True, "cupy 13, 1 GPU(s), NCCL available"))
-    from ds_hecate.gpu import build_communicator
+    from ds_hecate.comm.gpu import build_communicator
     comm = build_communicator("auto", None, 0, 1, torch.device("cuda", 0))
     assert type(getattr(comm, "transport", comm)).__name__ == "TorchTransport"

@@ -1,6 +1,6 @@
 """Export a Hecate checkpoint of a Hugging Face MoE model as a normal HF checkpoint directory (safetensors).
 
-Dense weights come from DeepSpeed's ``zero_to_fp32``, experts from ``<tag>/hecate`` (``ds_hecate.consolidate``);
+Dense weights come from DeepSpeed's ``zero_to_fp32``, experts from ``<tag>/hecate`` (``ds_hecate.deepspeed_glue.consolidate``);
 each experts module's per-expert vectors are stacked back into HF's fused ``gate_up_proj`` / ``down_proj``. The
 model is rebuilt from its config, loaded strictly (every weight must be present, nothing extra), and written with
 ``save_pretrained``, so ``from_pretrained(output_dir)`` gives the trained model, every expert included.
@@ -13,8 +13,8 @@ from typing import Dict, Optional
 
 import torch
 
-from ..consolidate import consolidated_state_dict, resolve_tag
-from ..checkpoint import SUBDIR
+from ..deepspeed_glue.consolidate import consolidated_state_dict, resolve_tag
+from ..deepspeed_glue.checkpoint import SUBDIR
 from ..errors import HecateError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -1,6 +1,6 @@
 """Taking over a Hugging Face MoE model's routed experts, and keeping HF's save/count paths whole.
 
-:func:`convert_hf_model` runs inside ``deepspeed.initialize`` (``ds_hecate.convert.convert_model`` calls it for a
+:func:`convert_hf_model` runs inside ``deepspeed.initialize`` (``ds_hecate.deepspeed_glue.convert.convert_model`` calls it for a
 ``transformers.PreTrainedModel`` without native MoE layers). For every experts module of a registered
 architecture it shards the experts into Hecate (whole experts: expert ``e`` is ``gate_up_proj[e]`` then
 ``down_proj[e]`` as one flat vector), removes the 3-D parameters from the module (DeepSpeed and ZeRO never see
@@ -27,7 +27,7 @@ from torch import nn
 
 from ..errors import HecateModelError
 from ..planning import even_sharding
-from ..shard_store import LayerShard
+from ..runtime.shard_store import LayerShard
 from .experts import IMPLEMENTATION, fused_expert_kernel, register_experts_implementation
 from .registry import ARCHITECTURES, DOCS, MoEArchitecture, architecture_of
 
@@ -163,7 +163,7 @@ class HFTakeover:
     def layer_experts(self, layer_id: int) -> Dict[str, torch.Tensor]:
         """One experts module's fused tensors on every rank (compute dtype): a SparseAllGather to "every rank
         holds every expert" of that layer only. Collective."""
-        from ..collectives import CommCounters
+        from ..comm.collectives import CommCounters
         from ..planning import Placement
 
         rt = self.runtime

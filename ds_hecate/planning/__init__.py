@@ -1,5 +1,5 @@
 """Pure planning code (no torch.distributed): sharding, placement, dispatch and the cost model."""
-from .cost import CommCostModel
+from .cost_model import CommCostModel
 from .dispatch import topology_aware_routes
 from .placement import POLICIES, plan_layer
 from .plan import LayerPlan, Placement

@@ -17,7 +17,8 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from .scheduler import StepCostModel, estimate_layer
+from .cost_model import StepCostModel, estimate_layer
+from .plan import owned_experts
 
 
 def force_uniform(counts: Any) -> np.ndarray:
@@ -75,9 +76,7 @@ def estimated_force_balanced_fraction(counts: Sequence[Sequence[int]], owners: S
     executed placement ``materialized`` (``prefetched``: its replicas gathered ahead of the gate, as in
     :func:`estimate_layer`). 1.0 when the estimate has no work at all.
     """
-    owned: List[List[int]] = [[] for _ in range(len(counts))]
-    for e, o in enumerate(owners):
-        owned[o].append(e)
+    owned = owned_experts(owners, len(counts))
     uniform = estimate_layer(force_uniform(counts).tolist(), owners, owned, costs, ranks_per_node).time_s
     actual = estimate_layer(counts, owners, materialized, costs, ranks_per_node, prefetched).time_s
     return uniform / actual if actual > 0 else 1.0

@@ -16,7 +16,8 @@ import numpy as np
 from .dispatch_plan import DispatchPlan, RankDispatch
 from .plan import Placement
 from .schedule_reuse import ScheduleReuse
-from .scheduler import SEARCH_WORK, StepCostModel, estimate_layer, schedule_materialization
+from .scheduler import SEARCH_WORK, schedule_materialization
+from .cost_model import StepCostModel, estimate_layer
 
 #: ``plan_budget_us: null``: calibration may spend this share of the layer's estimated time, within floor and cap
 AUTO_BUDGET_SHARE = 0.05

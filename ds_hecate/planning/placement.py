@@ -1,12 +1,12 @@
-"""Materialized placement P' for one layer call, and the planner entry point that pairs it with dispatch.
+"""The stateless placement policies: materialized placement P' from one call's counts alone.
 
-Policies (config key ``hecate.placement``):
+Policies (config key ``hecate.placement``; the default ``hecate``, which predicts and prefetches, is the stateful
+one and lives in :mod:`.layer_planner`, which runs these too):
 
 - ``owner``: each rank materializes only what it owns: plain expert parallelism, the baseline Hecate improves on.
 - ``local``: each rank also materializes every expert its local tokens route to, so no token leaves its rank.
 - ``cost``: each rank also materializes an expert its local tokens route to when the cost model says gathering
-  the expert moves fewer bytes than moving those tokens away and back (the default of the engine issue; the
-  load-aware scheduler plugs in here as another policy).
+  the expert moves fewer bytes than moving those tokens away and back.
 - ``shadow``: FasterMoE-style expert shadowing (PPoPP'22), a baseline: after the gate, the hottest experts are
   broadcast to every rank, as many as FasterMoE's greedy rule says shorten the layer (compute + token traffic +
   broadcasts on the critical path, estimated with the scheduler's cost model); everything else stays with its owner.
@@ -18,37 +18,33 @@ bandwidth) rather than the byte-only :class:`CommCostModel`; callers look this u
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Optional, Sequence, Union
 
-from .cost import CommCostModel
+from .cost_model import CommCostModel, StepCostModel, estimate_layer
 from .dispatch import topology_aware_routes
-from .plan import LayerPlan, check_routes_cover
-from .scheduler import StepCostModel, estimate_layer
+from .plan import LayerPlan, Materialized, check_routes_cover, owned_experts
 
-Placement = Tuple[Tuple[int, ...], ...]
 PlacementPolicy = Callable[[Sequence[Sequence[int]], Sequence[int], Optional[Union[CommCostModel, StepCostModel]]],
-                           Placement]
+                           Materialized]
 
 
 def _owned(owners: Sequence[int], world: int):
-    sets = [set() for _ in range(world)]
-    for e, o in enumerate(owners):
-        sets[o].add(e)
-    return sets
+    """The owner placement as mutable per-rank sets, for the policies that add replicas to it."""
+    return [set(experts) for experts in owned_experts(owners, world)]
 
 
-def owner_placement(counts, owners, cost=None) -> Placement:
-    return tuple(tuple(sorted(s)) for s in _owned(owners, len(counts)))
+def owner_placement(counts, owners, cost=None) -> Materialized:
+    return owned_experts(owners, len(counts))
 
 
-def local_placement(counts, owners, cost=None) -> Placement:
+def local_placement(counts, owners, cost=None) -> Materialized:
     sets = _owned(owners, len(counts))
     for r, row in enumerate(counts):
         sets[r].update(e for e, n in enumerate(row) if n > 0)
     return tuple(tuple(sorted(s)) for s in sets)
 
 
-def cost_placement(counts, owners, cost: Optional[CommCostModel] = None) -> Placement:
+def cost_placement(counts, owners, cost: Optional[CommCostModel] = None) -> Materialized:
     if cost is None:
         raise ValueError("placement 'cost' needs a CommCostModel")
     sets = _owned(owners, len(counts))
@@ -57,13 +53,13 @@ def cost_placement(counts, owners, cost: Optional[CommCostModel] = None) -> Plac
     return tuple(tuple(sorted(s)) for s in sets)
 
 
-def all_placement(counts, owners, cost=None) -> Placement:
+def all_placement(counts, owners, cost=None) -> Materialized:
     """Every expert on every rank: the gather-all baseline (what ZeRO-3/FSDP does to an MoE layer)."""
     everything = tuple(range(len(owners)))
     return tuple(everything for _ in range(len(counts)))
 
 
-def shadow_placement(counts, owners, cost: Optional[StepCostModel] = None) -> Placement:
+def shadow_placement(counts, owners, cost: Optional[StepCostModel] = None) -> Materialized:
     """FasterMoE's shadowing policy: shadow the top-n experts by load on every rank, owners keep the rest.
 
     FasterMoE grows n one expert at a time, hottest first, while its latency model falls, and stops at the first
@@ -81,7 +77,7 @@ def shadow_placement(counts, owners, cost: Optional[StepCostModel] = None) -> Pl
     load = [sum(row[e] for row in counts) for e in range(num_experts)]
     hottest = [e for e in sorted(range(num_experts), key=lambda e: (-load[e], e)) if load[e] > 0]
 
-    def with_shadows(n: int) -> Placement:
+    def with_shadows(n: int) -> Materialized:
         sets = [set(s) for s in base]
         for s in sets:
             s.update(hottest[:n])

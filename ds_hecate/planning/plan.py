@@ -14,6 +14,8 @@ import numpy as np
 
 #: routes[src][expert] = ((dst, n_tokens), ...): where src's token-expert pairs for that expert are processed.
 Routes = Tuple[Tuple[Tuple[Tuple[int, int], ...], ...], ...]
+#: materialized[rank] = experts that rank holds for the call (owned or replicated): a :class:`Placement`'s P'.
+Materialized = Tuple[Tuple[int, ...], ...]
 
 
 def holders_matrix(placement, world: int, num_experts: int) -> np.ndarray:
@@ -24,6 +26,14 @@ def holders_matrix(placement, world: int, num_experts: int) -> np.ndarray:
     for r, experts in enumerate(placement):
         holders[r, list(experts)] = True
     return holders
+
+
+def owned_experts(owners: Sequence[int], world: int) -> Materialized:
+    """The sharded placement P as per-rank expert lists: each expert on its owner only (plain expert parallelism)."""
+    owned: List[List[int]] = [[] for _ in range(world)]
+    for e, o in enumerate(owners):
+        owned[int(o)].append(e)
+    return tuple(tuple(x) for x in owned)
 
 
 @dataclass(frozen=True)

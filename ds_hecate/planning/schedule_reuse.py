@@ -11,7 +11,10 @@ from typing import Deque, Optional, Sequence
 
 import numpy as np
 
-from .scheduler import Placement, StepCostModel, imbalance, rank_loads, schedule_materialization
+from .plan import Materialized
+from .cost_model import StepCostModel, imbalance
+from .dispatch import rank_loads
+from .scheduler import schedule_materialization
 
 
 def load_shift(before: Sequence[Sequence[float]], after: Sequence[Sequence[float]]) -> float:
@@ -68,7 +71,7 @@ class ScheduleReuse:
             raise ValueError(f"ScheduleReuse: tolerance must be in [0, 1], got {tolerance}")
         self.tolerance = tolerance
         self.planned_for: Optional[np.ndarray] = None
-        self.placement: Optional[Placement] = None
+        self.placement: Optional[Materialized] = None
         self._key: Optional[tuple] = None
         self.searches = 0
         self.reuses = 0
@@ -77,7 +80,7 @@ class ScheduleReuse:
 
     def schedule(self, counts: Sequence[Sequence[float]], owners: Sequence[int], costs: StepCostModel,
                  budget_per_rank: int, ranks_per_node: int,
-                 start: Optional[Sequence[Sequence[int]]] = None, budget_us: Optional[float] = None) -> Placement:
+                 start: Optional[Sequence[Sequence[int]]] = None, budget_us: Optional[float] = None) -> Materialized:
         """:func:`schedule_materialization` of ``counts``, or the previous result when it still applies."""
         key = self._situation(owners, costs, budget_per_rank, ranks_per_node, start, budget_us)
         if (self.placement is not None and key == self._key

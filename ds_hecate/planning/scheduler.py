@@ -17,120 +17,13 @@ input is identical on all ranks and ties break on (expert id, rank), so all rank
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import numpy as np
 
-from .plan import holders_matrix
-
-Placement = Tuple[Tuple[int, ...], ...]
-
-
-@dataclass(frozen=True)
-class StepCostModel:
-    """Seconds per unit of work; profiled or configured, identical on every rank.
-
-    compute_s_per_pair: one token through one expert, forward + backward.
-    token_transfer_s: one token row leaving (or entering) a rank, all four all-to-all passes together.
-    expert_transfer_s: one expert through SparseAllGather + SparseReduceScatter on one rank's link.
-    overlap_s: communication time hidden behind the non-MoE compute before the layer (T_nonMoE).
-    """
-
-    compute_s_per_pair: float
-    token_transfer_s: float
-    expert_transfer_s: float
-    overlap_s: float = 0.0
-
-    @property
-    def overlap_degree(self) -> int:
-        """t in the paper: experts a rank can move while the preceding non-MoE compute runs."""
-        if self.expert_transfer_s <= 0:
-            return 1 << 30
-        return int(self.overlap_s / self.expert_transfer_s)
-
-
-@dataclass(frozen=True)
-class LayerEstimate:
-    time_s: float
-    compute_pairs: Tuple[float, ...]   # token-expert pairs processed per rank
-    rank_time_s: Tuple[float, ...]
-
-    @property
-    def imbalance(self) -> float:
-        """max/mean of per-rank expert compute (1.0 = perfectly balanced)."""
-        loads = self.compute_pairs
-        mean = sum(loads) / len(loads)
-        return max(loads) / mean if mean > 0 else 1.0
-
-
-def owner_loads(counts: Sequence[Sequence[int]], owners: Sequence[int], world_size: int) -> List[int]:
-    """Token-expert pairs per rank when every expert runs only on its owner (plain expert parallelism)."""
-    per_expert = np.asarray(counts).reshape(-1, len(owners)).sum(axis=0)
-    loads = np.zeros(world_size, dtype=per_expert.dtype)
-    np.add.at(loads, np.asarray(owners, dtype=np.int64), per_expert)
-    return loads.tolist()
-
-
-def imbalance(loads: Sequence[float]) -> float:
-    """max/mean of per-rank loads (1.0 when there is no load at all)."""
-    mean = sum(loads) / len(loads)
-    return max(loads) / mean if mean > 0 else 1.0
-
-
-def rank_loads(counts: Sequence[Sequence[float]], materialized: Sequence[Sequence[int]], ranks_per_node: int):
-    """Fractional version of the topology-aware dispatch.
-
-    Returns (pairs processed per rank and expert ``[world][experts]``, rows sent per rank, rows received per rank).
-    Computed by :func:`dispatch_flows` (numpy, all experts at once); the rule is
-    :func:`~ds_hecate.planning.dispatch.eligible_ranks`.
-    """
-    world = len(counts)
-    num_experts = len(counts[0]) if world else 0
-    if not world or not num_experts:
-        return [[0.0] * num_experts for _ in range(world)], [0.0] * world, [0.0] * world
-    holders = holders_matrix(materialized, world, num_experts).T
-    if (~holders.any(axis=1) & (np.asarray(counts, dtype=np.float64).sum(axis=0) != 0)).any():
-        # an expert with pairs but no holder: the pure-Python rule cannot route it either
-        raise ValueError("rank_loads: an expert with token-expert pairs is materialized nowhere")
-    flows = dispatch_flows(np.asarray(counts, dtype=np.float64).T, holders, ranks_per_node)
-    return flows.processed.T.tolist(), flows.sent.sum(axis=0).tolist(), flows.received.sum(axis=0).tolist()
-
-
-def estimate_layer(counts: Sequence[Sequence[float]], owners: Sequence[int], materialized: Sequence[Sequence[int]],
-                   costs: StepCostModel, ranks_per_node: int,
-                   prefetched: Optional[Sequence[Sequence[int]]] = None) -> LayerEstimate:
-    """Estimated time of one layer under a placement.
-
-    Replicas listed in ``prefetched`` were gathered ahead of time (hidden up to ``overlap_s``); others are gathered
-    on the critical path (calibration), fully exposed.
-    """
-    world = len(counts)
-    per_expert, sent, received = rank_loads(counts, materialized, ranks_per_node)
-    processed = [sum(row) for row in per_expert]
-    moved_in = [0] * world
-    moved_out = [0] * world
-    exposed_in = [0] * world
-    exposed_out = [0] * world
-    for r, experts in enumerate(materialized):
-        early = set(prefetched[r]) if prefetched is not None else None
-        for e in experts:
-            o = owners[e]
-            if o == r:
-                continue
-            if early is None or e in early:
-                moved_in[r] += 1
-                moved_out[o] += 1
-            else:
-                exposed_in[r] += 1
-                exposed_out[o] += 1
-    times = []
-    for r in range(world):
-        hidden_comm = max(moved_in[r], moved_out[r]) * costs.expert_transfer_s
-        exposed = max(0.0, hidden_comm - costs.overlap_s)
-        exposed += max(exposed_in[r], exposed_out[r]) * costs.expert_transfer_s
-        tokens = max(sent[r], received[r]) * costs.token_transfer_s
-        times.append(processed[r] * costs.compute_s_per_pair + tokens + exposed)
-    return LayerEstimate(max(times), tuple(processed), tuple(times))
+from .cost_model import LayerEstimate, StepCostModel
+from .dispatch import dispatch_flows
+from .plan import Materialized, holders_matrix
 
 
 def _round12(values):
@@ -155,52 +48,6 @@ def _profile(est: LayerEstimate) -> Tuple[float, ...]:
     """Rank times sorted from slowest, rounded so that float noise never decides: the search compares these
     lexicographically, so a move that lowers one of several tied maxima counts as progress."""
     return tuple(float(t) for t in -np.sort(-_round12(est.rank_time_s)))
-
-
-@dataclass(frozen=True)
-class DispatchFlows:
-    """Fractional topology-aware dispatch as arrays (numpy), per expert column: what :func:`rank_loads` computes,
-    plus the part of the traffic that crosses nodes (for the simulator's link model).
-
-    Arrays are ``[K, world]`` for K candidate holder sets of one expert, or ``[experts, world]`` when evaluated for
-    all experts of a placement at once.
-    """
-
-    processed: "np.ndarray"
-    sent: "np.ndarray"
-    received: "np.ndarray"
-    sent_inter: "np.ndarray"
-    received_inter: "np.ndarray"
-
-
-def dispatch_flows(pairs, holders, ranks_per_node: int) -> DispatchFlows:
-    """Vectorised :func:`rank_loads` (the same rule: :func:`~ds_hecate.planning.dispatch.eligible_ranks`).
-
-    ``pairs``: ``[K, world]`` (or ``[world]``, broadcast) token-expert pairs each source rank has for the expert;
-    ``holders``: ``[K, world]`` bool, ranks that materialize it. A source holding the expert keeps its pairs;
-    otherwise they split evenly over the holders on its node, or over all holders when its node has none.
-    """
-    holders = np.asarray(holders, dtype=bool)
-    k, world = holders.shape
-    n = np.broadcast_to(np.asarray(pairs, dtype=np.float64), (k, world))
-    starts = np.arange(0, world, ranks_per_node)
-    node_idx = np.arange(world) // ranks_per_node
-    hf = holders.astype(np.float64)
-    node_cnt = np.add.reduceat(hf, starts, axis=1)
-    node_has = (node_cnt > 0)[:, node_idx]
-    positive = n > 0
-    outsider = positive & ~holders
-    same = outsider & node_has
-    remote = outsider & ~node_has
-    node_mass = np.add.reduceat(np.where(same, n, 0.0), starts, axis=1)
-    remote_mass = np.where(remote, n, 0.0).sum(axis=1)
-    total_holders = np.maximum(hf.sum(axis=1), 1.0)
-    from_node = (node_mass / np.maximum(node_cnt, 1.0))[:, node_idx]
-    from_remote = (remote_mass / total_holders)[:, None]
-    received = hf * (from_node + from_remote)
-    processed = np.where(holders, n, 0.0) + received
-    sent = np.where(outsider, n, 0.0)
-    return DispatchFlows(processed, sent, received, np.where(remote, n, 0.0), hf * from_remote)
 
 
 class _Search:
@@ -277,7 +124,7 @@ class _Search:
         self.proc[e], self.sent[e], self.recv[e] = flows.processed[0], flows.sent[0], flows.received[0]
         self.refresh()
 
-    def frozen(self, mat=None) -> Placement:
+    def frozen(self, mat=None) -> Materialized:
         mat = self.mat if mat is None else mat
         return tuple(tuple(int(e) for e in np.flatnonzero(row)) for row in mat)
 
@@ -371,7 +218,7 @@ def schedule_materialization(counts: Sequence[Sequence[float]], owners: Sequence
                              prefetched: Optional[Sequence[Sequence[int]]] = None,
                              candidate_experts: int = 4, min_gain: float = 0.05,
                              budget_us: Optional[float] = None, candidate_ranks: int = 64,
-                             work: SearchWork = SEARCH_WORK) -> Placement:
+                             work: SearchWork = SEARCH_WORK) -> Materialized:
     """Greedy replica placement minimising :func:`estimate_layer` under ``budget_per_rank`` extra experts/rank.
 
     Moves considered for the experts that load the bottleneck rank most: one new replica on one rank, a replica on

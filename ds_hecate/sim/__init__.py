@@ -3,7 +3,7 @@ parallelism, FasterMoE-, SmartMoE- and FlexMoE-style rearrangement, Hecate, Heca
 ideal bound. Pure Python + numpy, no torch.distributed.
 
 The placements come from the real planner (ds_hecate.planning: even_sharding, POLICIES, LoadPredictor,
-schedule_materialization with the runtime's own budget and cost formulas from ds_hecate.memory_plan), and token
+schedule_materialization with the runtime's own budget and cost formulas from ds_hecate.tools.memory_plan), and token
 routing from the planner's topology-aware dispatch rule (``dispatch_flows``); the simulator only adds a time model
 of the links and devices. See docs/simulator.md.
 """

@@ -1,5 +1,5 @@
 """``ds-hecate simulate`` and ``ds-hecate plan``: argument parsing and printing (the work is in
-:mod:`ds_hecate.sim.core` and :mod:`ds_hecate.memory_plan`)."""
+:mod:`ds_hecate.sim.core` and :mod:`ds_hecate.tools.memory_plan`)."""
 from __future__ import annotations
 
 import argparse
@@ -50,7 +50,7 @@ def _zero_and_precision(ds: Dict[str, Any]) -> Tuple[int, str]:
 
 
 def run_simulate(args: argparse.Namespace) -> int:
-    from ..presets import Cluster, resolve_cluster
+    from ..tools.presets import Cluster, resolve_cluster
     from .core import SYSTEMS, format_table, simulate
 
     systems = [s for part in args.systems for s in part.split(",") if s] if args.systems else list(SYSTEMS)
@@ -78,8 +78,8 @@ def run_simulate(args: argparse.Namespace) -> int:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from ..memory_plan import format_plan, optimizer_layout_from_ds_config, plan_memory
-    from ..presets import resolve_cluster, resolve_model
+    from ..tools.memory_plan import format_plan, optimizer_layout_from_ds_config, plan_memory
+    from ..tools.presets import resolve_cluster, resolve_model
 
     hecate, ds = _hecate_from_ds_config(args.config)
     model = resolve_model(args.model)
@@ -98,8 +98,8 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def add_parsers(sub: Any) -> None:
     """Register ``simulate`` and ``plan`` on the ``ds-hecate`` sub-parsers."""
-    from ..presets import CLUSTERS, MODELS
-    from ..routing_workloads import WORKLOADS
+    from ..tools.presets import CLUSTERS, MODELS
+    from .workloads import WORKLOADS
     from .core import SYSTEMS
 
     sim = sub.add_parser("simulate", help="replay routing on a modelled cluster for Hecate and the baselines")

@@ -11,7 +11,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 def gpu_skip_reason():
     if not torch.cuda.is_available():
         return "no CUDA device visible to torch (GPU-only test)"
-    from ds_hecate.gpu import cupy_status
+    from ds_hecate.comm.gpu import cupy_status
     usable, why = cupy_status()
     return None if usable else f"CuPy cannot run here: {why}"
 

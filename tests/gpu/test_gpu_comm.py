@@ -11,8 +11,8 @@ from typing import Dict
 import pytest
 import torch
 
-from ds_hecate.collectives import CommCounters, Communicator
-from ds_hecate.gpu.nccl_comm import CupyTransport
+from ds_hecate.comm.collectives import CommCounters, Communicator
+from ds_hecate.comm.gpu.nccl_comm import CupyTransport
 from ds_hecate.planning import Placement
 
 DEV = torch.device("cuda", 0)

@@ -1,10 +1,10 @@
-"""Every CUDA kernel against its torch reference (ds_hecate.gpu.reference) on the same inputs, both vectorised
+"""Every CUDA kernel against its torch reference (ds_hecate.comm.gpu.reference) on the same inputs, both vectorised
 and scalar variants (aligned / unaligned, divisible / odd sizes)."""
 import pytest
 import torch
 
-from ds_hecate.gpu import kernels as K
-from ds_hecate.gpu import reference as ref
+from ds_hecate.comm.gpu import kernels as K
+from ds_hecate.comm.gpu import reference as ref
 
 DEV = "cuda"
 PAIRS = [(torch.float32, torch.float32), (torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16),

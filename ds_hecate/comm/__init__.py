@@ -1,0 +1,1 @@
+"""Communication: transports and the sparse collectives (SparseAllGather, SparseReduceScatter)."""

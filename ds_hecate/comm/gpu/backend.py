@@ -1,0 +1,107 @@
+"""Choice of the communication backend: CuPy+NCCL on CUDA, torch.distributed otherwise.
+
+``hecate.comm_backend``: ``"torch"`` always uses torch.distributed (NCCL on CUDA). ``"cupy"`` insists on the CuPy+NCCL
+transport: every rank raises, naming the rank and the missing piece, if any rank cannot use it. ``"auto"`` picks
+CuPy+NCCL only once it has passed a GPU check (:data:`CUPY_VERIFIED`; none has yet) and every rank can use it, and
+otherwise torch.distributed, saying why in one log line. The choice is agreed by all ranks in one collective.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import warnings
+from typing import Optional, Tuple
+
+import torch
+
+from ...errors import HecateConfigError
+from ...logging_utils import log_rank0
+
+BACKENDS = ("auto", "torch", "cupy")
+
+
+@functools.lru_cache(maxsize=None)
+def cupy_status() -> Tuple[bool, str]:
+    """(usable, reason): whether CuPy can run Hecate's kernels and NCCL here, and if not, why. Cached."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # CuPy warns on import when libnccl is missing; we report it below
+            import cupy
+            from cupy.cuda import nccl
+    except Exception as exc:  # ImportError, or a broken CUDA install raising at import
+        return False, f"cupy is not importable ({type(exc).__name__}: {exc}); install it with pip install " \
+                      "'ds_hecate[gpu]'"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # cupy_backends CUDARuntimeError: no driver / insufficient driver
+        return False, f"cupy {cupy.__version__} is installed but sees no usable GPU ({exc})"
+    if count == 0:
+        return False, f"cupy {cupy.__version__} is installed but sees no GPU"
+    if not getattr(nccl, "available", False):
+        return False, f"cupy {cupy.__version__} is installed but cannot load NCCL (libnccl.so.2); install it with " \
+                      "pip install nvidia-nccl-cu12"
+    try:
+        from .kernels import kernel_dir
+        kernel_dir()
+    except Exception as exc:
+        return False, str(exc)
+    return True, f"cupy {cupy.__version__}, {count} GPU(s), NCCL available"
+
+
+#: Whether the CuPy+NCCL transport has passed ``make gpu-check`` on a GPU (results in docs/benchmarks.md). Until it
+#: has, ``auto`` uses torch.distributed on CUDA too and the CuPy transport is opt-in (``comm_backend: "cupy"``).
+CUPY_VERIFIED = False
+
+
+def local_status(device: torch.device) -> Tuple[bool, str]:
+    """(usable, reason) of the CuPy transport on this rank, for Hecate's working ``device``."""
+    if device.type != "cuda":
+        # No CuPy probe here: importing cupy costs ~0.5 s per process and cannot change the answer.
+        installed = importlib.util.find_spec("cupy") is not None
+        return False, (f"Hecate's tensors are on '{device.type}', not CUDA (cupy is "
+                       f"{'installed' if installed else 'not installed'})")
+    return cupy_status()
+
+
+def agree_backend(requested: str, device: torch.device, group, world_size: int) -> Tuple[str, Optional[str]]:
+    """("cupy" | "torch", why CuPy is not used or None), the same on every rank: when CuPy is a candidate, every
+    rank's probe result is exchanged in one collective and one unusable rank makes all fall back (``auto``) or all
+    raise HecateConfigError (``cupy``). Collective over ``group`` unless the answer needs no probe."""
+    if requested not in BACKENDS:
+        raise HecateConfigError(f"hecate.comm_backend={requested!r} is not one of {', '.join(BACKENDS)}")
+    if requested == "torch":
+        return "torch", None
+    if requested == "auto" and not (CUPY_VERIFIED and device.type == "cuda"):
+        return "torch", ("the CuPy+NCCL transport has not passed a GPU check yet (make gpu-check); set "
+                         "comm_backend: 'cupy' to opt in" if device.type == "cuda" else local_status(device)[1])
+    status = local_status(device)
+    statuses = [status]
+    if world_size > 1:
+        import torch.distributed as dist
+        statuses = [None] * world_size
+        dist.all_gather_object(statuses, status, group=group)
+    bad = [(r, why) for r, (ok, why) in enumerate(statuses) if not ok]
+    if not bad:
+        return "cupy", None
+    why = "; ".join(f"rank {r}: {reason}" for r, reason in bad[:4]) + (" ..." if len(bad) > 4 else "")
+    if requested == "cupy":
+        raise HecateConfigError(f"hecate.comm_backend='cupy' but the CuPy+NCCL transport cannot be used ({why}); "
+                                "set comm_backend to 'auto' or 'torch', or run on CUDA devices with "
+                                "pip install 'ds_hecate[gpu]'")
+    return "torch", why
+
+
+def build_communicator(requested: str, group, rank: int, world_size: int, device: torch.device,
+                       timeout_s: Optional[float] = None):
+    """The Communicator over the transport all ranks agreed on (see :func:`agree_backend`); logs it once."""
+    from ..collectives import Communicator
+
+    backend, why = agree_backend(requested, device, group, world_size)
+    if backend == "cupy":
+        from .nccl_comm import CupyTransport
+        transport = CupyTransport(group, rank, world_size, device, timeout_s=timeout_s)
+        log_rank0(f"communication backend: CuPy+NCCL on {device} ({cupy_status()[1]})")
+        return Communicator(group, rank, world_size, timeout_s=timeout_s, transport=transport)
+    if why is not None:
+        log_rank0(f"communication backend: torch.distributed; CuPy+NCCL not used: {why}")
+    return Communicator(group, rank, world_size, timeout_s=timeout_s, device=device)

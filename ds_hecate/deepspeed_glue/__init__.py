@@ -1,0 +1,1 @@
+"""DeepSpeed glue: initialize, engine wrapper, model conversion, expert optimizer, checkpoints."""

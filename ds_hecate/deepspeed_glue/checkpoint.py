@@ -1,0 +1,207 @@
+"""Hecate's part of a DeepSpeed checkpoint: every expert, stored as a logical expert, never a per-rank blob.
+
+Layout, next to DeepSpeed's own files in ``<save_dir>/<tag>/``::
+
+    hecate/meta.json                      layers (names, parameter layout, sharding), scheduler state, format
+    hecate/layer000_expert00003.pt        {"master": fp32 vector, "state": {optimizer state tensors}}
+
+Each owner writes its experts (write to a temporary name, then rename); all ranks meet at a barrier before
+DeepSpeed writes its files and, last, ``latest``, so ``latest`` never names a checkpoint with experts missing.
+Materialized replicas are never saved. Loading reads the files of the experts a rank owns, whatever world size
+saved them (with the saved sharding when the world size is the same, else an even one), validates the model
+against ``meta.json`` and refuses to load partially: any missing, truncated or mismatched file fails on every rank
+with a message naming the layer and expert. Files are read with ``torch.load(weights_only=True)``.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+from torch import nn
+
+from ..errors import HecateError
+from ..planning import even_sharding
+
+FORMAT = "ds_hecate/1"
+SUBDIR = "hecate"
+
+
+def expert_file(layer_id: int, expert: int) -> str:
+    return f"layer{layer_id:03d}_expert{expert:05d}.pt"
+
+
+def _atomic_torch_save(obj: Any, path: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def _layer_meta(rt) -> List[Dict[str, Any]]:
+    return [{"name": name, "num_experts": b.shard.num_experts, "numel": b.shard.kernel.numel,
+             "param_names": b.shard.kernel.names, "param_shapes": [list(s) for s in b.shard.kernel.shapes],
+             "owners": list(b.shard.owners), "load_history": b.predictor.state_dict()["history"],
+             "schedule": b.schedule.state_dict()}
+            for name, b in zip(rt.layer_names, rt.bindings)]
+
+
+def save(rt, checkpoint_dir: str) -> None:
+    """Write this rank's experts and (rank 0) the metadata into ``checkpoint_dir/hecate``. Collective."""
+    rt.drop_pending()
+    rt.flush_reductions()
+    directory = os.path.join(checkpoint_dir, SUBDIR)
+    os.makedirs(directory, exist_ok=True)
+    for binding in rt.bindings:
+        shard = binding.shard
+        for e in shard.owned:
+            master = shard.masters[e]
+            state = rt.optimizer.state_of(master) if rt.optimizer is not None else {}
+            # Host copies: the files do not depend on which device (or how many) saved them.
+            _atomic_torch_save({"master": master.detach().cpu().clone(),
+                                "state": {k: v.detach().cpu().clone() if torch.is_tensor(v) else v
+                                          for k, v in state.items()}},
+                               os.path.join(directory, expert_file(shard.layer_id, e)))
+    if rt.rank == 0:
+        meta = {"format": FORMAT, "world_size": rt.world_size, "layers": _layer_meta(rt),
+                "steps_applied": rt.steps_applied, "steps_skipped": rt.steps_skipped, "reshards": rt.reshards,
+                "measured_costs": rt.measured}
+        tmp = os.path.join(directory, "meta.json.tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(meta, f)
+        os.replace(tmp, os.path.join(directory, "meta.json"))
+    rt.comm.barrier("checkpoint-save barrier")
+
+
+CLIENT_STATE_KEY = "ds_hecate"
+
+
+def expert_checkpoint_dir(load_dir: str, tag: str, universal: bool) -> str:
+    """The checkpoint directory whose ``hecate/`` holds the experts for DeepSpeed checkpoint ``load_dir/tag``.
+
+    Normally ``load_dir/tag`` itself. A universal checkpoint made by ``ds_to_universal`` has no ``hecate/``; its
+    copy of DeepSpeed's model-state file names the tag the experts were saved with (Hecate's experts are stored
+    as logical experts, so they load at any world size as they are). That file is a pickle, read here exactly as
+    DeepSpeed reads it right after (``weights_only=False``), memory-mapped so no tensor is loaded.
+    """
+    direct = os.path.join(load_dir, tag)
+    if not universal or os.path.isfile(os.path.join(direct, SUBDIR, "meta.json")):
+        return direct
+    import glob
+
+    for path in sorted(glob.glob(os.path.join(direct, "mp_rank_*_model_states.pt")))[:1]:
+        state = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+        source = (state.get(CLIENT_STATE_KEY) or {}).get("expert_tag") if isinstance(state, dict) else None
+        if source is not None:
+            return os.path.join(load_dir, str(source))
+    return direct
+
+
+def read_meta(meta_path: str) -> Dict[str, Any]:
+    """The checkpoint's meta.json: plain JSON (never unpickled), or an error saying it is damaged."""
+    try:
+        with open(meta_path, "rb") as f:
+            meta = json.loads(f.read().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise HecateError(f"{meta_path} is not a Hecate checkpoint index (not valid UTF-8 JSON: "
+                          f"{type(exc).__name__}: {exc}); the checkpoint is damaged or was replaced") from None
+    if not isinstance(meta, dict):
+        raise HecateError(f"{meta_path} is not a Hecate checkpoint index (a JSON object was expected)")
+    return meta
+
+
+def _check_meta(rt, meta: Dict[str, Any], where: str) -> None:
+    if meta.get("format") != FORMAT:
+        raise HecateError(f"{where}: unknown Hecate checkpoint format {meta.get('format')!r} (expected {FORMAT})")
+    saved = meta["layers"]
+    if len(saved) != len(rt.bindings):
+        raise HecateError(f"{where}: checkpoint has {len(saved)} MoE layers, the model has {len(rt.bindings)}")
+    for layer, name, binding in zip(saved, rt.layer_names, rt.bindings):
+        kernel = binding.shard.kernel
+        mine = {"name": name, "num_experts": binding.shard.num_experts, "param_names": kernel.names,
+                "param_shapes": [list(s) for s in kernel.shapes]}
+        for key, value in mine.items():
+            if layer[key] != value:
+                raise HecateError(f"{where}: MoE layer '{name}' differs from the checkpoint in {key}: "
+                                  f"checkpoint {layer[key]!r}, model {value!r}")
+
+
+def prepare_load(rt, checkpoint_dir: str, load_optimizer_states: bool = True) -> Callable[[], None]:
+    """Read and validate every expert this rank will own from ``checkpoint_dir/hecate``; return the function that
+    installs them. Collective: if any rank finds a problem, every rank raises and nothing has been modified, so
+    the caller can check the expert state before DeepSpeed loads the dense state."""
+    rt.drop_pending()
+    directory = os.path.join(checkpoint_dir, SUBDIR)
+    meta_path = os.path.join(directory, "meta.json")
+    error: Optional[str] = None
+    loaded: Dict[int, Dict[int, Dict[str, Any]]] = {}
+    owners_per_layer: List[tuple] = []
+    meta: Dict[str, Any] = {}
+    try:
+        if not os.path.isfile(meta_path):
+            raise HecateError(f"{checkpoint_dir} has no Hecate expert state ({meta_path} is missing); it was not "
+                              "saved by a Hecate engine, or the save did not complete")
+        meta = read_meta(meta_path)
+        _check_meta(rt, meta, checkpoint_dir)
+        same_world = meta["world_size"] == rt.world_size
+        for layer, binding in zip(meta["layers"], rt.bindings):
+            shard = binding.shard
+            owners = tuple(layer["owners"]) if same_world else even_sharding(shard.num_experts, rt.world_size)
+            owners_per_layer.append(owners)
+            if same_world:
+                binding.check_saved_schedule(layer.get("schedule", {}))
+            for e, owner in enumerate(owners):
+                if owner == rt.rank:
+                    loaded.setdefault(shard.layer_id, {})[e] = _read_expert(directory, checkpoint_dir, shard, e)
+    except HecateError as exc:
+        error = str(exc)
+    errors = [m for m in rt.comm.all_gather_object(error, "checkpoint-load validation") if m]
+    if errors:
+        raise HecateError(errors[0])
+
+    def install() -> None:
+        for binding, owners, layer in zip(rt.bindings, owners_per_layer, meta["layers"]):
+            shard = binding.shard
+            for param in shard.masters.values():
+                if rt.optimizer is not None:
+                    rt.optimizer.remove(param)
+            shard.owners = owners
+            shard.masters = {}
+            for e, blob in sorted(loaded.get(shard.layer_id, {}).items()):
+                master = blob["master"].to(device=rt.device, dtype=torch.float32).contiguous()
+                param = nn.Parameter(master, requires_grad=False)
+                shard.masters[e] = param
+                # Per-element states follow the master to the working device; scalars ('step') stay on the CPU.
+                state = {k: v.to(rt.device) if torch.is_tensor(v) and v.numel() == master.numel() else v
+                         for k, v in blob["state"].items()} if load_optimizer_states else {}
+                if rt.optimizer is not None:
+                    rt.optimizer.add(rt.layer_group[shard.layer_id], param, state)
+            history = layer["load_history"]
+            if meta["world_size"] != rt.world_size:  # per-source counts do not map to new ranks: keep expert totals
+                history = [[[sum(row[e] for row in m) / rt.world_size for e in range(len(m[0]))]] * rt.world_size
+                           for m in history]
+            binding.predictor.load_state_dict({"history": history})
+        rt.steps_applied = meta["steps_applied"]
+        rt.steps_skipped = meta["steps_skipped"]
+        rt.reshards = meta["reshards"]
+        rt.measured = dict(meta["measured_costs"])
+        same_world = meta["world_size"] == rt.world_size
+        for layer, binding in zip(meta["layers"], rt.bindings):   # after owners and costs: same reuse decisions
+            binding.restore_schedule(layer.get("schedule", {}) if same_world else {})
+    return install
+
+
+def _read_expert(directory: str, checkpoint_dir: str, shard, expert: int) -> Dict[str, Any]:
+    path = os.path.join(directory, expert_file(shard.layer_id, expert))
+    where = f"{checkpoint_dir}: expert {expert} of MoE layer '{shard.name}'"
+    try:
+        blob = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is reported by layer and expert
+        raise HecateError(f"{where} cannot be loaded from {path}: {type(exc).__name__}: {exc}") from None
+    master = blob.get("master") if isinstance(blob, dict) else None
+    if not torch.is_tensor(master) or tuple(master.shape) != (shard.kernel.numel,):
+        raise HecateError(f"{where} in {path} has master weights of shape {getattr(master, 'shape', None)}, "
+                          f"expected ({shard.kernel.numel},)")
+    if not isinstance(blob.get("state"), dict):
+        raise HecateError(f"{where} in {path} has no optimizer state dict")
+    return blob

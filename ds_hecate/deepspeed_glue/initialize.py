@@ -1,0 +1,288 @@
+"""``ds_hecate.initialize``: ``deepspeed.initialize`` with Hecate taking over the experts.
+
+Same signature and return value as ``deepspeed.initialize``. Without an enabled ``hecate`` section it is a pure
+pass-through. With one: validate, refuse unsupported combinations, convert the MoE layers (experts leave the
+model and go to the shard store), prune expert parameters from the optimizer inputs, call DeepSpeed with the
+section removed, then swap the engine class to :class:`HecateEngine` and finish the expert-side setup.
+
+:func:`patch_deepspeed` (run by ``import ds_hecate``) rebinds ``deepspeed.initialize`` to this function and lets
+DeepSpeed's ZeRO config model accept the nested ``zero_optimization.hecate`` key (so HF's ``zero.Init`` and other
+places that build a DeepSpeed config do not reject it).
+"""
+from __future__ import annotations
+
+import copy
+import os
+from datetime import timedelta
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ..config import HecateConfig, split_hecate_section
+from ..errors import HecateConfigError, HecateUnsupportedError
+from ..logging_utils import log_rank0
+
+_ORIGINAL_INITIALIZE = None
+
+
+def _load_config(args: Any, config: Any, config_params: Any) -> Tuple[Optional[Dict[str, Any]], str]:
+    """Resolve the DeepSpeed config the way deepspeed.initialize does; returns (dict or None, where)."""
+    from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
+
+    if config is None and config_params is not None:
+        config = config_params
+    where = "config"
+    if config is None and getattr(args, "deepspeed_config", None) is not None:
+        config, where = args.deepspeed_config, "args.deepspeed_config"
+    if config is None:
+        return None, where
+    return (config if isinstance(config, dict) else load_ds_config(config)), where
+
+
+def _refuse_unsupported(cfg: Dict[str, Any], model: Any, mpu: Any) -> None:
+    """Fail fast on DeepSpeed modes Hecate does not support yet, never train them wrongly."""
+    from deepspeed.runtime.pipe.module import PipelineModule
+
+    def enabled(section: str) -> bool:
+        value = cfg.get(section)
+        return isinstance(value, dict) and bool(value.get("enabled", False))
+
+    if enabled("expert_parallel"):
+        raise HecateConfigError("hecate cannot be combined with DeepSpeed's expert_parallel (AutoEP): both would own "
+                                "the experts; set expert_parallel.enabled to false or remove the hecate section")
+    zero = cfg.get("zero_optimization") or {}
+    stage = int(zero.get("stage", 0)) if isinstance(zero, dict) else 0
+    problems = []
+    if stage not in (0, 1, 2, 3):
+        problems.append(f"ZeRO stage {stage}")
+    if stage == 0 and enabled("fp16") and isinstance(cfg.get("optimizer"), dict) and cfg["optimizer"].get(
+            "legacy_fusion"):
+        problems.append("fp16 with ZeRO stage 0 and optimizer.legacy_fusion (FP16_Optimizer's legacy fused-Adam "
+                        "step; remove legacy_fusion)")
+    if isinstance(zero, dict) and any(zero.get(k) for k in ("offload_optimizer", "offload_param")):
+        problems.append("ZeRO-Offload (offload_optimizer / offload_param)")
+    if isinstance(zero, dict) and zero.get("zenflow"):
+        problems.append("ZenFlow")
+    if enabled("hybrid_engine"):
+        problems.append("the hybrid engine")
+    if isinstance(cfg.get("compile"), dict) and cfg["compile"].get("deepcompile"):
+        problems.append("DeepCompile (compile.deepcompile)")
+    if enabled("torch_autocast"):
+        problems.append("torch_autocast")
+    if (cfg.get("tensor_parallel") or {}).get("autotp_size", 0) not in (0, 1, None):
+        problems.append("AutoTP (tensor_parallel.autotp_size > 1)")
+    if cfg.get("sequence_parallel_size", 1) not in (1, None):
+        problems.append("sequence parallelism (sequence_parallel_size > 1)")
+    if isinstance(model, PipelineModule):
+        problems.append("the pipeline engine (PipelineModule)")
+    if mpu is not None:
+        problems.append("a model-parallel unit (mpu)")
+    if problems:
+        raise HecateUnsupportedError("hecate does not support " + "; ".join(problems) + " yet")
+
+
+def _compute_dtype(cfg: Dict[str, Any]) -> torch.dtype:
+    """The dtype DeepSpeed runs the model in, which Hecate materializes experts in (masters stay fp32)."""
+    bf16 = cfg.get("bf16") or cfg.get("bfloat16") or {}
+    if isinstance(bf16, dict) and bf16.get("enabled"):
+        return torch.bfloat16
+    fp16 = cfg.get("fp16") or {}
+    return torch.float16 if isinstance(fp16, dict) and fp16.get("enabled") else torch.float32
+
+
+def _ranks_per_node(hcfg: HecateConfig, world_size: int) -> int:
+    if hcfg.ranks_per_node is not None:
+        if world_size % hcfg.ranks_per_node:
+            raise HecateConfigError(f"hecate.ranks_per_node={hcfg.ranks_per_node} does not divide the world size "
+                                    f"{world_size}")
+        return hcfg.ranks_per_node
+    # The deepspeed launcher, torchrun, Open MPI and MPICH (hydra) each name it differently. LOCAL_SIZE first:
+    # under the deepspeed launcher accelerate (HF Trainer) sets LOCAL_WORLD_SIZE=1 on CPU when it finds none of
+    # the variables it knows.
+    for key in ("LOCAL_SIZE", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"):
+        local = os.environ.get(key)
+        if local and local.isdigit() and int(local) > 0 and world_size % int(local) == 0:
+            return int(local)
+    return world_size
+
+
+def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimizer: Any = None,
+               model_parameters: Any = None, training_data: Any = None, lr_scheduler: Any = None,
+               distributed_port: int = 29500, mpu: Any = None, dist_init_required: Optional[bool] = None,
+               collate_fn: Any = None, config: Any = None, mesh_param: Any = None, config_params: Any = None):
+    """Drop-in for ``deepspeed.initialize`` that lets Hecate own the experts when the config enables it."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    original = _ORIGINAL_INITIALIZE or deepspeed.initialize
+    passthrough = dict(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+                       training_data=training_data, lr_scheduler=lr_scheduler, distributed_port=distributed_port,
+                       mpu=mpu, dist_init_required=dist_init_required, collate_fn=collate_fn, config=config,
+                       mesh_param=mesh_param, config_params=config_params)
+    ds_config, where = _load_config(args, config, config_params)
+    if ds_config is None:
+        return original(**passthrough)
+    hcfg, stripped = split_hecate_section(ds_config)
+    if hcfg is None:
+        return original(**passthrough)
+    if where == "args.deepspeed_config":
+        args = copy.copy(args)
+        args.deepspeed_config = None
+    call = dict(passthrough, args=args, config=stripped, config_params=None)
+    if not hcfg.enabled:
+        return original(**call)
+
+    _refuse_unsupported(stripped, model, mpu)
+    if model is None:
+        raise HecateConfigError("deepspeed.initialize requires a model")
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
+                               distributed_port=distributed_port, dist_init_required=dist_init_required)
+    runtime = build_runtime(hcfg, stripped)
+    from .convert import convert_model, prune_expert_params
+    layer_param_ids = convert_model(model, runtime)
+    names = dict(enumerate(runtime.layer_names))
+    model_parameters, groups = prune_expert_params(optimizer, model_parameters, layer_param_ids, names)
+    call.update(model_parameters=model_parameters)
+
+    engine, engine_optimizer, dataloader, scheduler = original(**call)
+    attach_engine(engine, runtime, groups)
+    hf_takeover = model.__dict__.get("_hecate_hf")  # HF model: keep save_model / state_dict / counts whole
+    if hf_takeover is not None:
+        hf_takeover.attach(engine)
+    if hcfg.log_conversion:
+        log_rank0(runtime.summary())
+    return engine, engine_optimizer, dataloader, scheduler
+
+
+def build_runtime(hcfg: HecateConfig, ds_config: Dict[str, Any]):
+    """Hecate's process group (its own communicator, with its own timeout) and an empty runtime with its observers
+    (step metrics, routing trace) installed."""
+    from deepspeed.accelerator import get_accelerator
+
+    from ..comm.gpu import build_communicator
+    from ..runtime.hecate import HecateRuntime
+    from ..runtime.metrics import install_recorders
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.new_group(ranks=list(range(world)), timeout=timedelta(seconds=hcfg.collective_timeout_s))
+    device = working_device(get_accelerator())
+    comm = build_communicator(hcfg.comm_backend, group, rank, world, device, timeout_s=hcfg.collective_timeout_s)
+    runtime = HecateRuntime(hcfg, comm, _compute_dtype(ds_config), _ranks_per_node(hcfg, world))
+    install_recorders(runtime)
+    return runtime
+
+
+def working_device(accelerator: Any) -> torch.device:
+    """Where Hecate's tensors live: the accelerator of this rank's ``LOCAL_RANK``, the device DeepSpeed's engine
+    selects later (set now, so every rank of a node gets its own GPU, not the current device, ``cuda:0``)."""
+    name = accelerator.device_name()
+    if name == "cpu":
+        return torch.device("cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    accelerator.set_device(local_rank)
+    return torch.device(accelerator.device_name(local_rank))
+
+
+def attach_engine(engine: Any, runtime: Any, groups: Any) -> None:
+    """Swap in HecateEngine, hook the gradient norm, and build the expert optimizer."""
+    from .engine import HecateEngine, install_norm_hook
+    from .expert_optimizer import ExpertOptimizer, LrSource, group_hyperparameters
+
+    engine.__class__ = HecateEngine
+    engine.hecate = runtime
+    if engine.zero_optimization() or engine.bfloat16_enabled() or engine.fp16_enabled():
+        install_norm_hook(engine, runtime)  # stage 0 fp32 instead clips in HecateEngine.clip_fp32_gradients
+
+    basic = engine.basic_optimizer
+    dense_groups = basic.param_groups
+    if not dense_groups:
+        raise HecateUnsupportedError("the DeepSpeed optimizer has no dense parameter group to follow")
+    expert_groups, lr_sources = [], []
+    by_group: Dict[int, int] = {}
+    for shard in runtime.store.layers:
+        source = groups.source_group.get(shard.layer_id)
+        live = next((g for g in dense_groups if g is source), None)
+        key = id(source) if source is not None else 0
+        if key not in by_group:
+            if live is not None:
+                lr_source = LrSource(live)
+            else:
+                first = dense_groups[0]
+                ratio = 1.0
+                mine, theirs = groups.initial_lrs.get(id(source)), groups.initial_lrs.get(id(first))
+                if source is not None and mine is not None and theirs is not None:
+                    if theirs == 0:
+                        raise HecateUnsupportedError(
+                            f"cannot derive the learning rate of the experts of '{shard.name}': their param group "
+                            "was emptied by pruning and the first dense group has lr 0")
+                    ratio = float(mine) / float(theirs)
+                lr_source = LrSource(first, ratio)
+            hyper = group_hyperparameters(source if source is not None else dense_groups[0])
+            hyper.pop("name", None)
+            hyper.pop("moe", None)
+            by_group[key] = len(expert_groups)
+            expert_groups.append({**hyper, "params": []})
+            lr_sources.append(lr_source)
+        expert_groups[by_group[key]]["params"].extend(shard.masters[e] for e in shard.owned)
+        runtime.layer_group[shard.layer_id] = by_group[key]
+    runtime.optimizer = ExpertOptimizer(type(basic), expert_groups, lr_sources, like=basic)
+    initial = getattr(engine.optimizer, "_hecate_initial_hyperparameters", None)
+    if initial is not None:  # ZeRO stage 0 fp16/bf16: DeepSpeed's wrapper stepped the dense groups once at build
+        runtime.optimizer.add_initial_step(_initial_hyperparameters(lr_sources, dense_groups, initial))
+    engine.module.register_forward_pre_hook(lambda module, args: runtime.on_model_forward())
+
+
+def _initial_hyperparameters(lr_sources: Any, dense_groups: Any, initial: Any) -> list:
+    """Per expert group, the hyper-parameters its dense source group had at DeepSpeed's initial step (before
+    any LR scheduler changed them)."""
+    from .expert_optimizer import LrSource
+
+    out = []
+    for source in lr_sources:
+        index = next(i for i, g in enumerate(dense_groups) if g is source.group)
+        out.append(LrSource(initial[index], source.ratio).hyperparameters())
+    return out
+
+
+def _record_initial_optimizer_step() -> None:
+    """DeepSpeed's ZeRO stage-0 wrappers (FP16_Optimizer, FP16_UnfusedOptimizer) step their optimizer once with
+    zero gradients when built; record the group settings of that step, so the experts can take the same step."""
+    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    from .expert_optimizer import group_hyperparameters
+
+    for cls in (FP16_Optimizer, FP16_UnfusedOptimizer):
+        original = cls.initialize_optimizer_states
+        if getattr(original, "_hecate_wrapped", False):
+            continue
+
+        def initialize_optimizer_states(self, _original=original):
+            self._hecate_initial_hyperparameters = [group_hyperparameters(g) for g in self.optimizer.param_groups]
+            return _original(self)
+        initialize_optimizer_states._hecate_wrapped = True
+        cls.initialize_optimizer_states = initialize_optimizer_states
+
+
+def patch_deepspeed() -> None:
+    """Route ``deepspeed.initialize`` through Hecate and accept ``zero_optimization.hecate``. Idempotent."""
+    global _ORIGINAL_INITIALIZE
+    import deepspeed
+    import deepspeed.runtime.zero.config as zero_config
+
+    if _ORIGINAL_INITIALIZE is None:
+        _ORIGINAL_INITIALIZE = deepspeed.initialize
+        deepspeed.initialize = initialize
+    _record_initial_optimizer_step()
+    if not getattr(zero_config.DeepSpeedZeroConfig, "_hecate_aware", False):
+        base = zero_config.DeepSpeedZeroConfig
+
+        class HecateAwareZeroConfig(base):  # type: ignore[misc, valid-type]
+            """DeepSpeed's ZeRO config plus an opaque ``hecate`` section (validated by ds_hecate itself)."""
+
+            hecate: Optional[Dict[str, Any]] = None
+            _hecate_aware = True
+
+        HecateAwareZeroConfig.__name__ = base.__name__
+        zero_config.DeepSpeedZeroConfig = HecateAwareZeroConfig

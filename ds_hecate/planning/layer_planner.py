@@ -1,0 +1,141 @@
+"""The per-layer planning loop, one implementation for the runtime and the simulator.
+
+Each MoE layer call is planned in two halves, every rank computing the same thing from the same inputs:
+
+- **before the gate** (:meth:`LayerPlanner.prefetch_placement`): the load window's prediction, the scheduler's search
+  (re-used while the loads hold), the start layout when there are more ranks than experts; the runtime gathers the
+  result ahead of time (SparseAllGather overlapped with the preceding layers);
+- **after the gate** (:meth:`LayerPlanner.plan_call`): the exchanged counts score the prediction, calibration may
+  extend the prefetched placement (:mod:`.critical_path`), and the dispatch plan is built.
+
+``hecate`` is one placement policy among ``owner``, ``local``, ``cost``, ``shadow`` and ``all``: those need no
+prediction, prefetch nothing and place from the exchanged counts alone. The runtime
+(:class:`ds_hecate.runtime.layer.LayerBinding`) and the simulator (``ds_hecate.sim.systems``) both hold one
+:class:`LayerPlanner` per layer, so the simulator's Hecate figures come from the code the runtime runs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from .cost_model import CommCostModel, StepCostModel
+from .critical_path import AfterGate, plan_after_gate
+from .dispatch_plan import DispatchPlan
+from .placement import POLICIES, STEP_COST_POLICIES
+from .plan import Materialized, Placement, owned_experts
+from .predictor import LoadPredictor
+from .schedule_reuse import ScheduleReuse
+from .sharding import even_sharding
+
+#: every value of ``hecate.placement``
+PLACEMENT_POLICIES = ("hecate",) + tuple(POLICIES)
+
+
+@dataclass(frozen=True)
+class PlannerSettings:
+    """The ``hecate`` config keys the planner reads, and the machine's node size."""
+
+    policy: str = "hecate"
+    calibration: bool = True
+    replan_tolerance: float = 0.05
+    load_window: int = 5
+    search_budget_us: Optional[float] = None
+    plan_budget_us: Optional[float] = None
+    ranks_per_node: int = 1
+
+    @classmethod
+    def from_config(cls, config: Any, ranks_per_node: int) -> "PlannerSettings":
+        return cls(policy=config.placement, calibration=config.calibration,
+                   replan_tolerance=config.replan_tolerance, load_window=config.load_window,
+                   search_budget_us=config.search_budget_us, plan_budget_us=config.plan_budget_us,
+                   ranks_per_node=ranks_per_node)
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """What may change between calls: owners (re-sharding), measured costs (profiling), the replica budget."""
+
+    owners: Sequence[int]
+    costs: StepCostModel
+    replica_budget: int
+    comm_cost: Optional[CommCostModel] = None
+
+
+def expert_data_parallel_start(num_experts: int, world: int, replica_budget: int,
+                               owners: Sequence[int]) -> Optional[Materialized]:
+    """With more ranks than experts, the layout the search starts from: expert-parallel groups of ``num_experts``
+    ranks, replicated over the data-parallel dimension (what expert parallelism would hold, which FSSDP has to
+    materialize anyway since only ``num_experts`` ranks own one). None when ranks <= experts or when the replica
+    budget (a hard cap) cannot hold it."""
+    if world <= num_experts:
+        return None
+    ep_owners = even_sharding(num_experts, num_experts)
+    start = tuple(tuple(e for e, o in enumerate(ep_owners) if o == r % num_experts) for r in range(world))
+    needed = max(sum(1 for e in experts if owners[e] != r) for r, experts in enumerate(start))
+    return start if replica_budget >= needed else None
+
+
+class LayerPlanner:
+    """One layer's planning state across calls: load window, schedule re-use, the last prediction."""
+
+    def __init__(self, settings: PlannerSettings, world: int, num_experts: int) -> None:
+        if settings.policy not in PLACEMENT_POLICIES:
+            raise ValueError(f"unknown placement policy {settings.policy!r}; known: {list(PLACEMENT_POLICIES)}")
+        self.settings = settings
+        self.world = world
+        self.num_experts = num_experts
+        self.predictor = LoadPredictor(settings.load_window)
+        self.schedule = ScheduleReuse(settings.replan_tolerance, settings.load_window)
+        self.prediction: Optional[np.ndarray] = None   # the load window's prediction for the next call
+
+    @property
+    def prefetches(self) -> bool:
+        """Whether this policy places before the gate (only ``hecate``: the others need the call's counts)."""
+        return self.settings.policy == "hecate"
+
+    def owner_placement(self, owners: Sequence[int]) -> Placement:
+        return Placement(tuple(owners), owned_experts(owners, self.world))
+
+    def start_layout(self, inputs: PlanInputs) -> Optional[Materialized]:
+        return expert_data_parallel_start(self.num_experts, self.world, inputs.replica_budget, inputs.owners)
+
+    def prefetch_placement(self, inputs: PlanInputs) -> Placement:
+        """The ``hecate`` placement for the next call, from the load window. Before any observation, and while the
+        window keeps mispredicting with calibration on (calibration then plans from the actual counts), nothing
+        speculative: the owners, plus the start layout with more ranks than experts."""
+        s = self.settings
+        predicted = self.prediction = self.predictor.predict_array()
+        start = self.start_layout(inputs)
+        if predicted is None or (s.calibration and not self.schedule.predictions_reliable):
+            if predicted is not None:
+                self.schedule.reset()   # what is prefetched now is no schedule: calibration must not trust one
+            if start is None:
+                return self.owner_placement(inputs.owners)
+            owned = owned_experts(inputs.owners, self.world)
+            return Placement(tuple(inputs.owners),
+                             tuple(tuple(sorted(set(a) | set(b))) for a, b in zip(owned, start)))
+        materialized = self.schedule.schedule(predicted, inputs.owners, inputs.costs, inputs.replica_budget,
+                                              s.ranks_per_node, start=start, budget_us=s.search_budget_us)
+        return Placement(tuple(inputs.owners), materialized)
+
+    def plan_call(self, counts: np.ndarray, inputs: PlanInputs, prefetched: Optional[Placement],
+                  rank: int) -> AfterGate:
+        """Plan one call from the exchanged ``counts`` (``[ranks, experts]`` int64). ``prefetched``: what
+        :meth:`prefetch_placement` returned and was gathered (``hecate`` only). For the other policies the whole
+        placement is new (the runtime gathers ``plan.placement`` after this call)."""
+        s = self.settings
+        if not self.prefetches:
+            cost = inputs.costs if s.policy in STEP_COST_POLICIES else inputs.comm_cost
+            placement = Placement(tuple(inputs.owners), POLICIES[s.policy](counts, inputs.owners, cost))
+            plan = DispatchPlan.build(counts, placement, s.ranks_per_node)
+            return AfterGate(plan, plan.for_rank(rank), None, False)
+        if prefetched is None:
+            raise ValueError("plan_call: the 'hecate' policy plans over the prefetched placement; pass it")
+        return plan_after_gate(counts, prefetched, self.prediction, self.schedule, inputs.costs,
+                               inputs.replica_budget, s.ranks_per_node, rank, s.calibration, s.plan_budget_us)
+
+    def observe(self, counts: np.ndarray) -> None:
+        """Feed a forward call's counts to the load window (not recomputes: they repeat a call)."""
+        self.predictor.push(counts)

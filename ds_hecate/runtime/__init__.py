@@ -1,0 +1,1 @@
+"""Per-layer execution and the per-step expert update (internal)."""

@@ -1,0 +1,267 @@
+"""The Hecate runtime of one rank: its layers, the call order and prefetch, the expert update and statistics.
+
+A layer call is :class:`~ds_hecate.runtime.layer.LayerBinding`'s; this module holds what spans layers and steps:
+prefetch order, gradient norm and the expert optimizer step, cost profiling and re-shard triggers, consolidation.
+Observers (step metrics, routing trace) are registered by whoever builds the runtime
+(:func:`ds_hecate.deepspeed_glue.initialize.build_runtime`), not imported here.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from ..comm.collectives import CommCounters, Communicator
+from ..config import HecateConfig
+from ..deepspeed_glue.expert_optimizer import ExpertOptimizer
+from ..logging_utils import logger
+from ..planning import CommCostModel, Placement
+from ..planning.cost_model import StepCostModel, scheduler_costs
+from ..planning.dispatch_plan import DispatchPlan
+from .layer import LayerBinding, in_backward_pass
+from .phases import PHASES
+from .profiling import WARM_PROFILE_STEP, expert_work, measure_costs
+from .shard_store import ExpertShardStore, LayerShard
+from .timing import DeviceClock
+
+__all__ = ["HecateRuntime", "LayerBinding", "PHASES"]
+
+
+class HecateRuntime:
+    """Everything Hecate holds on one rank: process group, shards, plans, expert optimizer and statistics."""
+
+    def __init__(self, config: HecateConfig, comm: Communicator, compute_dtype: torch.dtype,
+                 ranks_per_node: int) -> None:
+        self.config = config
+        self.comm = comm
+        self.rank = comm.rank
+        self.world_size = comm.world_size
+        self.compute_dtype = compute_dtype
+        self.reduce_dtype = torch.float32 if config.reduce_dtype == "fp32" else torch.bfloat16
+        self.ranks_per_node = ranks_per_node
+        self.device = comm.device   # the rank's working device: every tensor Hecate creates lives there
+        self.clock = DeviceClock(self.device)
+        self.store = ExpertShardStore(self.device)
+        self.autograd_anchor = torch.empty(0, requires_grad=True, device=self.device)
+        self.bindings: List[LayerBinding] = []
+        self.layer_names: List[str] = []
+        self.optimizer: Optional[ExpertOptimizer] = None
+        self.layer_group: Dict[int, int] = {}  # layer id -> expert optimizer param group
+        self.last_total_norm: Optional[torch.Tensor] = None
+        self.steps_applied = 0
+        self.steps_skipped = 0
+        self.nonfinite_grad_steps = 0
+        self.norm_from_optimizer = False  # set by the norm hook when DeepSpeed's optimizer computes the joint norm
+        self.last_nonfinite_grads: Optional[dict] = None
+        self.reshards = 0
+        self.call_order: List[int] = []
+        self._order_fixed = False
+        self.measured: Dict[str, float] = {}
+        self._work_at_profile: Optional[Tuple[int, float]] = None   # expert_work() when costs were last measured
+        self.overlaps_compute = torch.cuda.is_available()
+        self.last_layer_end: Optional[object] = None   # a DeviceClock mark
+        self.peak_replica_bytes = 0
+        self.pending_reductions: List[Tuple[LayerBinding, object]] = []
+        self.global_steps = 0  # optimizer steps done (engine.global_steps), for the trace's step numbers
+        # Called as observe(binding, plan, counts) after each forward call's plan (not recomputes).
+        self.observers: List[Callable[[LayerBinding, DispatchPlan, np.ndarray], None]] = []
+        self.metrics = None   # ds_hecate.runtime.metrics.StepMetrics, when the builder installs it
+        self.trace = None     # ds_hecate.runtime.metrics.TraceRecorder (rank 0, hecate.trace_file)
+
+    # -- setup --------------------------------------------------------------------------------------------------
+    def add_layer(self, name: str, shard: LayerShard, hidden_size: int) -> LayerBinding:
+        self.store.add(shard)
+        binding = LayerBinding(self, shard, hidden_size)
+        self.bindings.append(binding)
+        self.layer_names.append(name)
+        return binding
+
+    def comm_cost_model(self, shard: LayerShard, hidden_size: int) -> CommCostModel:
+        act = torch.empty((), dtype=self.compute_dtype).element_size()
+        grad = torch.empty((), dtype=self.reduce_dtype).element_size()
+        return CommCostModel(hidden_size=hidden_size, expert_numel=shard.kernel.numel, activation_bytes=act,
+                             param_bytes=act, grad_bytes=grad)
+
+    def step_costs(self, binding: LayerBinding) -> StepCostModel:
+        """Cost model for the scheduler: configured values, else measured ones (identical on all ranks)."""
+        # One formula for the runtime, ``ds-hecate plan`` and the simulator (ds_hecate.planning.cost_model).
+        return scheduler_costs(self.config, self.measured, self.world_size, self.ranks_per_node,
+                               binding.cost.expert_bytes, binding.cost.token_bytes(1), self.overlaps_compute)
+
+    # -- call sequence and prefetch ---------------------------------------------------------------------------
+    def note_layer_call(self, binding: LayerBinding, recompute: bool) -> None:
+        if recompute or self._order_fixed:
+            return
+        index = self.bindings.index(binding)
+        if index in self.call_order:
+            self._order_fixed = True  # a layer called twice: the order of one pass is known
+        else:
+            self.call_order.append(index)
+
+    def on_model_forward(self) -> None:
+        """Start of a model forward (a micro-step): forget stale caches, prefetch the first layer."""
+        if in_backward_pass():
+            return
+        self.last_layer_end = self.clock.mark()
+        for b in self.bindings:
+            b.forward_cache.clear()
+        if self.call_order:
+            self._order_fixed = True
+            if self.config.prefetch:
+                self.bindings[self.call_order[0]].start_prefetch()
+
+    def prefetch_after(self, binding: LayerBinding) -> None:
+        index = self.bindings.index(binding)
+        if index in self.call_order:
+            pos = self.call_order.index(index)
+            if pos + 1 < len(self.call_order):
+                self.bindings[self.call_order[pos + 1]].start_prefetch()
+
+    def drop_pending(self) -> None:
+        """Complete and discard prefetches (before weights change); every rank holds the same pending set."""
+        for b in self.bindings:
+            if b.pending is not None:
+                b.pending.wait()
+                b.pending = None
+
+    def note_replica_bytes(self) -> None:
+        live = sum(b.replica_bytes_alive() for b in self.bindings)
+        self.peak_replica_bytes = max(self.peak_replica_bytes, live)
+
+    # -- gradient norm and step -------------------------------------------------------------------------------
+    def flush_reductions(self) -> None:
+        """Wait for every SparseReduceScatter issued in backward (in issue order) and accumulate the results."""
+        pending, self.pending_reductions = self.pending_reductions, []
+        for binding, finish in pending:
+            with binding.timed("reduce_wait"):
+                binding.shard.accumulate(finish())
+
+    def expert_grad_norm(self, grad_divisor: float) -> torch.Tensor:
+        """L2 norm over all ranks of the (averaged, still loss-scaled) expert gradients. Collective."""
+        self.flush_reductions()
+        sq = self.store.grad_sq_sum() / (grad_divisor * grad_divisor)
+        return self.comm.all_reduce(sq.reshape(1), collective="expert gradient-norm all-reduce").reshape(()).sqrt()
+
+    def apply_step(self, applied: bool, dp_world_size: int, loss_scale: float, clip: float,
+                   hyperparameters: Sequence[dict]) -> None:
+        """Update expert masters after DeepSpeed's step decided (overflow) and computed the global norm.
+
+        ``loss_scale`` is the factor DeepSpeed unscaled the dense gradients by in this step; ``hyperparameters``
+        (scheduled lr/betas per expert group) are the values from before
+        DeepSpeed's step, the ones that applied to it.
+        """
+        self.flush_reductions()
+        try:
+            self._note_nonfinite_grads()
+            if not applied:
+                self.steps_skipped += 1
+                return
+            combined = float(loss_scale)
+            if clip > 0 and self.last_total_norm is not None:
+                total = float(self.last_total_norm)
+                if total == total and total != float("inf"):
+                    combined *= max(1.0, (total / loss_scale + 1e-6) / clip)
+            if self.optimizer is not None:
+                self.optimizer.step(1.0 / (dp_world_size * combined), hyperparameters)
+            self.steps_applied += 1
+        finally:
+            self.store.zero_grads()
+            self.last_total_norm = None
+
+    def _note_nonfinite_grads(self) -> None:
+        """NaN/Inf in this rank's expert gradients: counted and named in the statistics, and logged. Whether the
+        step is applied is DeepSpeed's decision (its overflow check sees them through the global norm, which
+        includes the experts). Skipped when this step's joint norm is known and finite; otherwise one host sync
+        for all experts."""
+        total = self.last_total_norm
+        if total is not None and 0 <= float(total) < float("inf"):
+            return
+        names, checks = [], []
+        for binding in self.bindings:
+            for e, param in binding.shard.masters.items():
+                if param.grad is not None:
+                    names.append(f"{binding.shard.name} expert {e}")
+                    checks.append(torch.isfinite(param.grad).all())
+        if not checks:
+            return
+        bad = [name for name, ok in zip(names, torch.stack(checks).tolist()) if not ok]
+        if bad:
+            self.nonfinite_grad_steps += 1
+            self.last_nonfinite_grads = {"step": self.steps_applied + self.steps_skipped + 1, "experts": bad}
+            logger.warning(f"rank {self.rank}: non-finite (NaN/Inf) gradients in {len(bad)} expert(s) "
+                           f"at optimizer step {self.last_nonfinite_grads['step']}: {', '.join(bad[:8])}"
+                           f"{' ...' if len(bad) > 8 else ''}")
+
+    def after_step(self, global_steps: int) -> None:
+        """Step-boundary work, identical on every rank: cost profiling once, periodic re-sharding."""
+        self.global_steps = global_steps
+        self.drop_pending()
+        if global_steps == 1 and not self.measured:
+            self.measure_costs()
+        elif (global_steps == WARM_PROFILE_STEP and self._work_at_profile is not None
+              and self.measured.get("profiled_at_step", 0.0) < WARM_PROFILE_STEP):
+            self.measure_costs(since=self._work_at_profile)   # steady-state figures replace the cold first step's
+        interval = self.config.reshard_interval
+        if interval and global_steps % interval == 0 and self.config.placement == "hecate":
+            from .resharding import reshard
+            if reshard(self):
+                self.reshards += 1
+
+    def measure_costs(self, since: Optional[Tuple[int, float]] = None) -> None:
+        """Profile link bandwidth, expert compute per pair and T_nonMoE; agree on rank 0's numbers."""
+        self.measured = measure_costs(self, since)
+        self._work_at_profile = expert_work(self)
+
+    # -- consolidation ------------------------------------------------------------------------------------------
+    def full_expert_weights(self) -> Dict[str, torch.Tensor]:
+        """Every expert of every layer as fp32 ``[num_experts, numel]`` on every rank. Collective.
+
+        A SparseAllGather to the placement 'every rank has every expert'; for export, checks and tests, not for
+        training (it materializes everything). Not counted as training traffic.
+        """
+        out = {}
+        for name, binding in zip(self.layer_names, self.bindings):
+            shard = binding.shard
+            everything = tuple(range(shard.num_experts))
+            placement = Placement(shard.owners, (everything,) * self.world_size)
+            flats, _ = self.comm.start_sparse_all_gather(placement, shard.masters, shard.kernel.numel,
+                                                         torch.float32, CommCounters(), async_op=False).wait()
+            out[name] = torch.stack([flats[e].clone() for e in everything])
+        return out
+
+    # -- introspection ----------------------------------------------------------------------------------------
+    def materialized_bytes(self) -> int:
+        return sum(b.replica_bytes_alive() for b in self.bindings)
+
+    def memory_bytes(self) -> Dict[str, int]:
+        return {"expert_master": self.store.master_bytes(),
+                "expert_optimizer_state": self.optimizer.state_bytes() if self.optimizer else 0,
+                "expert_grad": self.store.grad_bytes(),
+                "materialized": self.materialized_bytes(),
+                "peak_materialized": self.peak_replica_bytes,
+                "materialize_budget": int(self.config.materialize_budget_mb * (1 << 20))}
+
+    def stats(self) -> dict:
+        """JSON-serialisable statistics; see docs/stats.md."""
+        total = CommCounters()
+        for b in self.bindings:
+            total.add(b.counters)
+        return {"world_size": self.world_size, "ranks_per_node": self.ranks_per_node,
+                "nodes": self.world_size // self.ranks_per_node, "placement": self.config.placement,
+                "layers": [b.stats() for b in self.bindings], "comm": total.as_dict(),
+                "memory": self.memory_bytes(), "steps_applied": self.steps_applied,
+                "steps_skipped": self.steps_skipped, "reshards": self.reshards,
+                "nonfinite_grad_steps": self.nonfinite_grad_steps, "last_nonfinite_grads": self.last_nonfinite_grads,
+                "measured_costs": dict(self.measured)}
+
+    def summary(self) -> str:
+        experts = sum(s.num_experts for s in self.store.layers)
+        params = sum(s.num_experts * s.kernel.numel for s in self.store.layers)
+        nodes = self.world_size // self.ranks_per_node
+        return (f"Hecate took over {len(self.bindings)} MoE layer(s) with {experts} experts "
+                f"({params:,} expert parameters) on {self.world_size} rank(s) in {nodes} node(s); "
+                f"placement={self.config.placement}, compute dtype={str(self.compute_dtype).replace('torch.', '')}")
+
+    def __str__(self) -> str:
+        return self.summary()

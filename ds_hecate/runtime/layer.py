@@ -1,0 +1,308 @@
+"""One MoE layer call on every rank, whatever its tokens (:meth:`LayerBinding.run`).
+
+1. (ahead of time, when prefetching) SparseAllGather of the placement the planner predicts from the load window;
+2. exchange per-expert token counts (all-gather); the planner may calibrate the placement (extra gather);
+3. route tokens (topology-aware dispatch) and send them to the ranks that process them (ragged all-to-all);
+4. run each materialized expert on its rows; send results back (ragged all-to-all) and combine;
+5. prefetch the next layer's placement.
+
+The gather/compute pair is an autograd function (:mod:`.expert_compute`), so backward issues SparseReduceScatter
+(and, with re-materialization, a second SparseAllGather) in the mirror order on every rank. All planning is
+:class:`~ds_hecate.planning.layer_planner.LayerPlanner`'s, the code the simulator runs too.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from ..comm.collectives import AllToAllTokens, CommCounters, PendingGather
+from ..errors import HecateError
+from ..planning import Placement
+from ..planning.balance import estimated_force_balanced_fraction
+from ..planning.cost_model import imbalance, owner_loads, replica_budget
+from ..planning.dispatch_plan import DispatchPlan, rank_tables
+from ..planning.layer_planner import LayerPlanner, PlanInputs, PlannerSettings
+from ..planning.schedule_reuse import ScheduleReuse
+from .phases import PHASES
+from .expert_compute import Materialize, RematerializedExperts, expand_segments, expert_major_order, run_experts
+from .shard_store import LayerShard
+from .timing import Intervals, PhaseTimer
+
+if TYPE_CHECKING:
+    from .hecate import HecateRuntime
+
+
+
+def in_backward_pass() -> bool:
+    """True while autograd runs a backward pass (activation-checkpoint recompute happens there)."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return current is not None and current() != -1
+
+
+class LayerBinding:
+    """Connects one ``ds_hecate.MoE`` module to the runtime and to its shard."""
+
+    def __init__(self, runtime: "HecateRuntime", shard: LayerShard, hidden_size: int) -> None:
+        self.runtime = runtime
+        self.shard = shard
+        self.hidden_size = hidden_size
+        self.cost = runtime.comm_cost_model(shard, hidden_size)
+        self.planner = LayerPlanner(PlannerSettings.from_config(runtime.config, runtime.ranks_per_node),
+                                    runtime.world_size, shard.num_experts)
+        self.counters = CommCounters()
+        self.phase_s: Dict[str, float] = {p: 0.0 for p in PHASES}
+        self.pending: Optional[PendingGather] = None
+        self.forward_cache: List[Tuple[np.ndarray, DispatchPlan]] = []   # counts and plan of each forward call
+        self.last_plan: Optional[DispatchPlan] = None
+        self.last_counts: Optional[np.ndarray] = None
+        self.calls = 0
+        self.prefetch_hits = 0
+        self.recomputes = 0
+        self.pairs_processed = 0
+        self.gap_time = Intervals(keep=16)   # device time between the previous MoE layer and this one
+        self.device_time = {"compute": Intervals()}   # device time of phases the cost model reads
+        self.cross_node_rows = 0
+        self.avoidable_cross_node_rows = 0
+        self.peak_replica_bytes = 0
+        self._live_buffers: List[weakref.ref] = []
+        self.top_k = 0  # routes per token, seen at the last call (for the trace header)
+
+    # -- helpers -----------------------------------------------------------------------------------------------
+    def timed(self, phase: str) -> PhaseTimer:
+        return PhaseTimer(self, phase)
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes of one materialized expert in the compute dtype."""
+        return self.shard.kernel.numel * torch.empty((), dtype=self.runtime.compute_dtype).element_size()
+
+    def replica_budget(self) -> int:
+        """Replicas this layer may hold per rank within ``materialize_budget_mb``."""
+        rt = self.runtime
+        return replica_budget(rt.config.materialize_budget_mb, self.expert_bytes, len(rt.bindings),
+                              rt.config.rematerialize)
+
+    @property
+    def predictor(self):
+        """The layer's load window (checkpoints and re-sharding read it)."""
+        return self.planner.predictor
+
+    @property
+    def schedule(self):
+        """The layer's schedule re-use state (checkpoints and statistics read it)."""
+        return self.planner.schedule
+
+    def plan_inputs(self) -> PlanInputs:
+        """What the planner reads that may change between calls: owners, measured costs, the replica budget."""
+        return PlanInputs(self.shard.owners, self.runtime.step_costs(self), self.replica_budget(), self.cost)
+
+    # -- collectives ---------------------------------------------------------------------------------------------
+    def gather(self, placement: Placement, async_op: bool) -> PendingGather:
+        rt = self.runtime
+        pending = rt.comm.start_sparse_all_gather(placement, self.shard.masters, self.shard.kernel.numel,
+                                                  rt.compute_dtype, self.counters, async_op=async_op)
+        finish = pending.wait
+
+        def tracked():
+            flats, buffers = finish()
+            self._live_buffers.extend(weakref.ref(t) for t in buffers)
+            live = self.replica_bytes_alive()
+            self.peak_replica_bytes = max(self.peak_replica_bytes, live)
+            rt.note_replica_bytes()
+            return flats, buffers
+        return PendingGather(placement, tracked)
+
+    def reduce_scatter(self, plan: DispatchPlan, grads: Dict[int, torch.Tensor]) -> None:
+        """Issue the layer's SparseReduceScatter asynchronously; the rest of backward runs while it is in flight,
+        and :meth:`HecateRuntime.flush_reductions` adds the results to the owners' accumulators."""
+        rt = self.runtime
+        with self.timed("reduce_scatter"):
+            finish = rt.comm.start_sparse_reduce_scatter(plan.placement, grads, self.shard.kernel.numel,
+                                                         rt.reduce_dtype, self.counters)
+        rt.pending_reductions.append((self, finish))
+
+    def replica_bytes_alive(self) -> int:
+        """Bytes of this layer's materialized replicas (experts of other ranks) still alive."""
+        total, alive = 0, []
+        for ref in self._live_buffers:
+            t = ref()
+            if t is not None:
+                total += t.numel() * t.element_size()
+                alive.append(ref)
+        self._live_buffers = alive
+        return total
+
+    # -- planning -----------------------------------------------------------------------------------------------
+    def check_saved_schedule(self, state: dict) -> None:
+        """Raise if a checkpoint's saved schedule (``ScheduleReuse.state_dict``) cannot belong to this layer."""
+        rt = self.runtime
+        if not ScheduleReuse.state_fits(state, rt.world_size, self.shard.num_experts):
+            raise HecateError(f"MoE layer '{self.shard.name}': the checkpoint's saved schedule does not fit this "
+                              f"model ({rt.world_size} ranks, {self.shard.num_experts} experts); the checkpoint's "
+                              "meta.json is damaged")
+
+    def restore_schedule(self, state: dict) -> None:
+        """Adopt a checkpointed schedule (after owners and measured costs are restored): same reuse decisions."""
+        rt = self.runtime
+        self.schedule.load_state_dict(state, rt.step_costs(self), self.replica_budget(), rt.ranks_per_node,
+                                      budget_us=rt.config.search_budget_us)
+
+    def start_prefetch(self) -> None:
+        if self.pending is None and self.planner.prefetches:
+            with self.timed("plan"):  # the scheduler's search runs here, after the previous layer
+                placement = self.planner.prefetch_placement(self.plan_inputs())
+                # the dispatch tables of this placement, so the call after the gate only divides counts
+                rank_tables(placement, self.runtime.ranks_per_node, self.runtime.rank)
+            self.pending = self.gather(placement, async_op=True)
+
+    def _plan(self, counts: np.ndarray) -> Tuple[DispatchPlan, PendingGather, Optional[PendingGather]]:
+        """Plan this call; returns (plan, gather of the main placement, gather of calibration extras or None)."""
+        inputs, rank = self.plan_inputs(), self.runtime.rank
+        if not self.planner.prefetches:
+            after = self.planner.plan_call(counts, inputs, None, rank)
+            return after.plan, self.gather(after.plan.placement, async_op=False), None
+        self.prefetch_hits += self.pending is not None
+        pending = self.pending or self.gather(self.planner.prefetch_placement(inputs), async_op=False)
+        self.pending = None
+        after = self.planner.plan_call(counts, inputs, pending.placement, rank)
+        extra = None if after.extras is None else self.gather(after.extras, async_op=False)
+        return after.plan, pending, extra
+
+    def _cached_plan(self, counts: np.ndarray) -> DispatchPlan:
+        for i, (cached_counts, plan) in enumerate(self.forward_cache):
+            if np.array_equal(cached_counts, counts):
+                del self.forward_cache[i]
+                return plan
+        raise HecateError(
+            f"MoE layer '{self.shard.name}': activation-checkpoint recompute routed tokens differently from the "
+            "forward pass; recompute must reproduce the gate (keep torch.utils.checkpoint's preserve_rng_state=True "
+            "and do not change the model between forward and backward)")
+
+    # -- one layer call ---------------------------------------------------------------------------------------
+    def run(self, x: torch.Tensor, indices: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+        """Expert outputs for every (route, token) slot of ``indices`` ([k, S], -1 = dropped); zeros if dropped.
+
+        ``gates`` only feeds the health check: non-finite gate values or expert ids out of range travel with the
+        count exchange, so every rank learns of a bad rank at the same collective and all raise together.
+        """
+        rt, shard = self.runtime, self.shard
+        rank, num_experts = rt.rank, shard.num_experts
+        recompute = in_backward_pass()
+        rt.note_layer_call(self, recompute)
+        if not recompute and rt.last_layer_end is not None:
+            self.gap_time.add(rt.last_layer_end, rt.clock.mark())
+        num_tokens = x.shape[0]
+        self.top_k = indices.shape[0]
+        flat = indices.reshape(-1).long()
+        valid_slots = torch.nonzero(flat >= 0).squeeze(1)
+        experts_of_valid = flat.index_select(0, valid_slots)
+        with self.timed("counts"):
+            local = torch.bincount(experts_of_valid, minlength=num_experts)
+            health = torch.stack([(~torch.isfinite(gates)).any(), (experts_of_valid >= num_experts).any()])
+            exchanged = rt.comm.exchange_counts(torch.cat([local[:num_experts], health.to(local.dtype)]))
+            counts = exchanged[:, :num_experts]   # [ranks, experts] int64 on the host: the planner's input
+            self._check_health(exchanged[:, num_experts:])
+        with self.timed("plan"):
+            if recompute:
+                self.recomputes += 1
+                plan = self._cached_plan(counts)
+                pending, extra = self.gather(plan.placement, async_op=False), None
+            else:
+                plan, pending, extra = self._plan(counts)
+                self.planner.observe(counts)
+                self.forward_cache.append((counts, plan))
+                self._record(plan, counts)
+        with self.timed("gather"):
+            flats = dict(pending.wait()[0])
+            if extra is not None:
+                flats.update(extra.wait()[0])
+
+        # Send order: by destination, then expert, then slot; the receiver expects (src, expert) segments.
+        with self.timed("dispatch"):
+            by_expert = valid_slots.index_select(0, torch.argsort(experts_of_valid, stable=True))
+            mine_dispatch = plan.for_rank(rank)
+            dst_of_sorted = expand_segments(mine_dispatch.send_dst, mine_dispatch.send_rows, x.device)
+            send_slots = by_expert.index_select(0, torch.argsort(dst_of_sorted, stable=True))
+            send_rows = x.index_select(0, send_slots % max(num_tokens, 1))  # on the graph even when empty
+            send_splits, recv_splits = mine_dispatch.send_splits, mine_dispatch.recv_splits
+            recv = AllToAllTokens.apply(send_rows, rt.comm, send_splits, recv_splits, self.counters,
+                                        f"MoE layer '{self.shard.name}'")
+
+        with self.timed("compute"):
+            order_t, sizes = expert_major_order(mine_dispatch, x.device), mine_dispatch.sizes
+            if rt.config.rematerialize:
+                y_recv = RematerializedExperts.apply(recv, rt.autograd_anchor, self, plan, flats, order_t, sizes)
+            else:
+                recv, *weights = Materialize.apply(recv, rt.autograd_anchor, self, plan, flats)
+                y_recv = run_experts(shard.kernel, recv, weights, order_t, sizes)
+            del flats
+        with self.timed("combine"):
+            y_back = AllToAllTokens.apply(y_recv, rt.comm, recv_splits, send_splits, self.counters,
+                                          f"MoE layer '{self.shard.name}'")
+            out = y_back.new_zeros(flat.numel(), y_back.shape[-1]).index_copy(0, send_slots, y_back)
+        if not recompute and rt.config.prefetch:
+            rt.prefetch_after(self)
+        rt.last_layer_end = rt.clock.mark()
+        return out
+
+    def _check_health(self, flags: List[List[int]]) -> None:
+        nonfinite = [r for r, f in enumerate(flags) if f[0]]
+        out_of_range = [r for r, f in enumerate(flags) if f[1]]
+        if nonfinite or out_of_range:
+            problems = []
+            if nonfinite:
+                problems.append(f"non-finite gate values (NaN/Inf) on rank(s) {nonfinite}")
+            if out_of_range:
+                problems.append(f"expert indices outside [0, {self.shard.num_experts}) on rank(s) {out_of_range}")
+            raise HecateError(f"MoE layer '{self.shard.name}': " + " and ".join(problems) +
+                              "; every rank stops here (check the inputs and the learning rate of this layer)")
+
+    def _record(self, plan: DispatchPlan, counts: np.ndarray) -> None:
+        self.last_plan, self.last_counts = plan, counts
+        self.calls += 1
+        self.pairs_processed += plan.tokens_processed(self.runtime.rank)
+        crossing, avoidable = plan.node_traffic(self.runtime.ranks_per_node)
+        self.cross_node_rows += crossing
+        self.avoidable_cross_node_rows += avoidable
+        for observe in self.runtime.observers:  # ds_hecate.runtime.metrics: step metrics, routing trace
+            observe(self, plan, counts)
+
+    # -- statistics ----------------------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        plan, counts = self.last_plan, self.last_counts
+        out = {"name": self.shard.name, "num_experts": self.shard.num_experts, "owners": list(self.shard.owners),
+               "owned_experts": self.shard.owned, "forward_calls": self.calls, "prefetch_hits": self.prefetch_hits,
+               "recomputes": self.recomputes, "replica_budget": self.replica_budget(),
+               "schedule_searches": self.schedule.searches, "schedule_reuses": self.schedule.reuses,
+               "peak_replica_bytes": self.peak_replica_bytes, **self.counters.as_dict(),
+               "cross_node_tokens": self.cross_node_rows,
+               "avoidable_cross_node_tokens": self.avoidable_cross_node_rows,
+               "time_s": {k: round(v, 6) for k, v in self.phase_s.items()}}
+        if plan is not None and counts is not None:
+            world = self.runtime.world_size
+            before = owner_loads(counts, self.shard.owners, world)
+            after = plan.loads()
+            moved_experts = {e for e, _ in plan.gather_pairs}
+            out.update({
+                "tokens_per_expert": np.asarray(counts).sum(axis=0).tolist(),
+                "compute_per_rank_before": before, "compute_per_rank_after": after,
+                "load_imbalance_before": imbalance(before), "load_imbalance_after": imbalance(after),
+                "replicas": plan.num_moved, "materialized": [list(m) for m in plan.materialized],
+                "lambda": len(moved_experts) / self.shard.num_experts,
+                "force_balanced_fraction": self.force_balanced_estimate(plan, counts),
+            })
+        return out
+
+    def force_balanced_estimate(self, plan: DispatchPlan, counts: np.ndarray) -> float:
+        """``stats()``'s ``force_balanced_fraction`` of one executed call: the cost model's estimate of the layer with
+        the same pairs per rank forced uniform under the owner placement, over its estimate for ``plan``
+        (:func:`~ds_hecate.planning.balance.estimated_force_balanced_fraction`). An estimate because a measured one
+        would need a second, uniform run; computed only when ``stats()`` asks. The ``hecate`` placement's replicas
+        count as prefetched; other placements gather after the gate, fully exposed."""
+        rt = self.runtime
+        prefetched = None if self.planner.prefetches else tuple(() for _ in range(plan.world_size))
+        return estimated_force_balanced_fraction(counts, self.shard.owners, plan.materialized, rt.step_costs(self),
+                                                 rt.ranks_per_node, prefetched)

@@ -1,0 +1,146 @@
+"""The simulator's machine: link and compute time of one MoE layer call under a placement.
+
+Time of one MoE layer (forward + backward), with ``x_r`` per rank and ``max`` over ranks because every all-to-all
+is a collective:
+
+    max exposed gather (forward)  +  4 x max all-to-all pass  +  max expert compute  +  max exposed reduce (backward)
+
+The dispatch of the step's counts is the planner's own rule (:func:`~ds_hecate.planning.dispatch.dispatch_flows`);
+only the time each transfer and each pair takes is modelled here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ..planning.cost_model import imbalance
+from ..planning.dispatch import dispatch_flows
+from ..planning.plan import holders_matrix, owned_experts
+from .context import SimContext
+
+
+def link_time(ctx: SimContext, world: int, intra_in, intra_out, node_in, node_out, nbytes: float):
+    """Per-rank time of one communication phase moving the given per-rank units of ``nbytes``."""
+    rpn = ctx.rpn
+    node_idx = np.arange(world) // rpn
+    c = ctx.cluster
+    t_intra = np.maximum(intra_in, intra_out) * nbytes / (c.intra_node_gbps * 1e9)
+    t_inter = (np.maximum(node_in, node_out) * nbytes / (c.inter_node_gbps * 1e9))[node_idx]
+    busy = (np.maximum(intra_in, intra_out) + np.maximum(node_in, node_out)[node_idx]) > 0
+    latency = c.inter_latency_s if world > rpn else c.intra_latency_s
+    return np.maximum(t_intra, t_inter) + np.where(busy, latency, 0.0)
+
+
+def node_sum(values, world: int, rpn: int):
+    return np.add.reduceat(values, np.arange(0, world, rpn))
+
+
+@dataclass
+class LayerTime:
+    total: float
+    compute: float
+    a2a: float
+    exposed: float
+    imbalance: float
+    replicas: np.ndarray                # per rank
+
+
+def layer_time(ctx: SimContext, counts: np.ndarray, mat: np.ndarray, owners: np.ndarray, mode: str,
+               late: Optional[np.ndarray] = None) -> LayerTime:
+    """Time of one layer call: ``counts`` [world, experts] routed over placement ``mat`` [world, experts] (bool)
+    with sharded placement ``owners``. ``mode`` says how replicas travel: ``prefetch`` (Hecate: SparseAllGather
+    before the gate, hidden behind T_nonMoE; SparseReduceScatter behind the backward non-MoE compute), ``rm``
+    (the same plus a second gather in backward), ``critical`` (FasterMoE: broadcast after the gate and reduce, both
+    exposed), ``persistent`` (FlexMoE: replicas stay; their gradients are all-reduced in backward). ``late``: replicas
+    (a subset of ``mat``) gathered after the gate (Hecate's calibration), on the critical path."""
+    world, num_experts = counts.shape
+    rpn = min(ctx.rpn, world)
+    flows = dispatch_flows(counts.T, mat.T, rpn)
+    processed = flows.processed.sum(axis=0)
+    sent, recv = flows.sent.sum(axis=0), flows.received.sum(axis=0)
+    s_inter, r_inter = flows.sent_inter.sum(axis=0), flows.received_inter.sum(axis=0)
+    compute = processed * ctx.s_per_pair
+    a2a_pass = link_time(ctx, world, recv - r_inter, sent - s_inter, node_sum(r_inter, world, rpn),
+                      node_sum(s_inter, world, rpn), ctx.row_bytes)
+    owner_mask = np.zeros_like(mat)
+    owner_mask[owners, np.arange(num_experts)] = True
+    replicas = mat & ~owner_mask
+    node_idx = np.arange(world) // rpn
+    same_node = node_idx[:, None] == node_idx[owners][None, :]
+
+    def phase(rep: np.ndarray, nbytes: int) -> np.ndarray:
+        if ctx.spag == "ring":
+            # what-if: each replicated expert travels as a pipelined ring broadcast (reduce) over its holders:
+            # every holder receives and forwards it once; the ring enters and leaves each node holding it once
+            moved = rep.any(axis=0)
+            hold = mat[:, moved]
+            on_node = np.add.reduceat(hold.astype(float), np.arange(0, world, rpn), axis=0) > 0
+            crossing = (on_node & (on_node.sum(axis=0) > 1)).sum(axis=1).astype(float)
+            return link_time(ctx, world, rep.sum(axis=1).astype(float), hold.sum(axis=1).astype(float), crossing,
+                          crossing, nbytes)
+        i_intra = (rep & same_node).sum(axis=1).astype(float)
+        i_inter = (rep & ~same_node).sum(axis=1).astype(float)
+        o_intra = np.bincount(owners, weights=(rep & same_node).sum(axis=0), minlength=world)
+        o_inter = np.bincount(owners, weights=(rep & ~same_node).sum(axis=0), minlength=world)
+        return link_time(ctx, world, i_intra, o_intra, node_sum(i_inter, world, rpn), node_sum(o_inter, world, rpn),
+                      nbytes)
+
+    early = replicas if late is None else replicas & ~late
+    gather = phase(early, ctx.numel * ctx.compute_b)
+    reduce = phase(replicas, ctx.numel * ctx.grad_b)
+    late_gather = phase(late & replicas, ctx.numel * ctx.compute_b) if late is not None else np.zeros(world)
+    if mode == "broadcast":
+        # NCCL ring broadcast / reduce of each shadowed expert: every rank receives and forwards it once, and
+        # the ring crosses each node boundary once.
+        shadowed = float((replicas.sum(axis=0) > 0).sum())
+        ones = np.full(world, shadowed)
+        per_node = np.full(-(-world // rpn), shadowed if world > rpn else 0.0)
+        gather = link_time(ctx, world, ones, ones, per_node, per_node, ctx.numel * ctx.compute_b)
+        reduce = link_time(ctx, world, ones, ones, per_node, per_node, ctx.numel * ctx.grad_b)
+    hide = ctx.cluster.overlaps_compute
+    t_f, t_b = (ctx.t_fwd, 2 * ctx.t_fwd) if hide else (0.0, 0.0)
+    if mode in ("critical", "broadcast"):
+        exp_f, exp_b = gather, reduce
+    elif mode == "persistent":
+        exp_f, exp_b = np.zeros(world), np.maximum(0.0, 2 * reduce - t_b)
+    elif mode == "rm":
+        regather = gather if late is None else phase(replicas, ctx.numel * ctx.compute_b)
+        exp_f, exp_b = np.maximum(0.0, gather - t_f), np.maximum(0.0, reduce + regather - t_b)
+    elif mode == "prefetch":
+        exp_f, exp_b = np.maximum(0.0, gather - t_f), np.maximum(0.0, reduce - t_b)
+    else:
+        raise ValueError(f"layer_time: unknown mode {mode!r}")
+    exp_f = exp_f + late_gather
+    c_max, a_max = float(compute.max()), 4 * float(a2a_pass.max())
+    exposed = float(exp_f.max()) + float(exp_b.max())
+    return LayerTime(c_max + a_max + exposed, c_max, a_max, exposed,
+                      float(imbalance(processed)), replicas.sum(axis=1))
+
+
+def placement_matrix(placement: Sequence[Sequence[int]], num_experts: int) -> np.ndarray:
+    return holders_matrix(placement, len(placement), num_experts)
+
+
+def owner_matrix(owners: Sequence[int], world: int) -> np.ndarray:
+    return holders_matrix(owned_experts(owners, world), world, len(owners))
+
+
+def migration_time(ctx: SimContext, world: int, moves: List[Tuple[int, int]]) -> float:
+    """Seconds to move whole experts (weights + gradient buffer + optimizer state) ``(src, dst)``, exposed."""
+    if not moves:
+        return 0.0
+    rpn = min(ctx.rpn, world)
+    node = lambda r: r // rpn   # noqa: E731
+    in_intra, out_intra, in_inter, out_inter = (np.zeros(world) for _ in range(4))
+    for src, dst in moves:
+        if node(src) == node(dst):
+            in_intra[dst] += 1
+            out_intra[src] += 1
+        else:
+            in_inter[dst] += 1
+            out_inter[src] += 1
+    t = link_time(ctx, world, in_intra, out_intra, node_sum(in_inter, world, rpn), node_sum(out_inter, world, rpn),
+               ctx.numel * (ctx.compute_b + ctx.state_bytes_per_param))
+    return float(t.max())

@@ -1,0 +1,1 @@
+"""User tools: the ds-hecate CLI, reports, the memory plan, routing traces, model presets."""

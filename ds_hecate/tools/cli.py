@@ -1,0 +1,79 @@
+"""``ds-hecate`` command line."""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List, Optional
+
+
+def _consolidate(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..deepspeed_glue.consolidate import consolidated_state_dict
+
+    state = consolidated_state_dict(args.checkpoint_dir, args.tag, args.layout)
+    torch.save(state, args.output)
+    experts = sum(1 for k in state if ".experts." in k)
+    print(f"wrote {len(state)} tensors ({experts} expert tensors, "
+          f"{sum(v.numel() for v in state.values()):,} parameters, fp32) to {args.output}")
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from .report import report
+
+    written = report(args.run_dir, args.output_dir)
+    print(f"wrote {len(written)} plot(s):")
+    for path in written:
+        print(f"  {path}")
+    return 0
+
+
+def _export_hf(args: argparse.Namespace) -> int:
+    from ..hf.export import export_hf
+
+    counts = export_hf(args.checkpoint_dir, args.output, args.model_config, args.tag, args.dtype)
+    print(f"wrote an HF checkpoint ({counts['tensors']} tensors, {counts['parameters']:,} parameters of which "
+          f"{counts['expert_parameters']:,} in experts, {args.dtype}) to {args.output}")
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="ds-hecate", description="ds_hecate tools")
+    sub = parser.add_subparsers(dest="command", required=True)
+    consolidate = sub.add_parser("consolidate", help="one fp32 state dict (dense + every expert) from a checkpoint")
+    consolidate.add_argument("checkpoint_dir", help="the save_dir given to engine.save_checkpoint")
+    consolidate.add_argument("--tag", default=None, help="checkpoint tag (default: the one in 'latest')")
+    consolidate.add_argument("--layout", choices=("hecate", "deepspeed"), default="hecate",
+                             help="parameter names of ds_hecate.MoE (default) or deepspeed.moe.layer.MoE")
+    consolidate.add_argument("--output", "-o", required=True, help="output file (torch.save)")
+    consolidate.set_defaults(run=_consolidate)
+    report = sub.add_parser("report", help="PNG plots (expert load, per-rank compute, replicas, communication) "
+                                           "from a run's trace and CSV monitor files")
+    report.add_argument("run_dir", help="directory holding the trace (hecate.trace_file) and/or DeepSpeed's "
+                                        "csv_monitor output, e.g. the example's --monitor-dir")
+    report.add_argument("--output-dir", "-o", default=None, help="where the PNGs go (default: RUN_DIR/report)")
+    report.set_defaults(run=_report)
+    export_hf = sub.add_parser("export-hf", help="a Hugging Face checkpoint directory (safetensors, every expert) "
+                                                 "from a Hecate checkpoint of an HF MoE model")
+    export_hf.add_argument("checkpoint_dir", help="the save_dir given to engine.save_checkpoint (for the HF Trainer: "
+                                                  "OUTPUT_DIR/checkpoint-N)")
+    export_hf.add_argument("--model-config", default=None, help="HF config.json, or its directory (default: "
+                                                                 "CHECKPOINT_DIR/config.json)")
+    export_hf.add_argument("--tag", default=None, help="checkpoint tag (default: the one in 'latest')")
+    export_hf.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="weights dtype")
+    export_hf.add_argument("--output", "-o", required=True, help="output directory (from_pretrained loads it)")
+    export_hf.set_defaults(run=_export_hf)
+    from ..sim.cli import add_parsers as add_sim_parsers
+    add_sim_parsers(sub)   # simulate, plan
+    args = parser.parse_args(argv)
+    from ..errors import HecateError
+    try:
+        return args.run(args)
+    except HecateError as exc:
+        print(f"ds-hecate: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
