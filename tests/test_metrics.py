@@ -18,7 +18,7 @@ from moe_training import Spec, train
 
 from ds_hecate.config import parse_hecate_section
 from ds_hecate.errors import HecateConfigError
-from ds_hecate.runtime.metrics import LOAD_METRICS, TRAFFIC_METRICS
+from ds_hecate.deepspeed_glue.monitor import LOAD_METRICS, TRAFFIC_METRICS
 from ds_hecate.planning.cost_model import owner_loads
 from ds_hecate.planning import LayerPlan, topology_aware_routes
 from ds_hecate.runtime.layer import PHASES
@@ -215,6 +215,6 @@ def test_trace_file_config_is_validated(tmp_path):
         parse_hecate_section({"enabled": True, "trace_file": ""})
     with pytest.raises(HecateConfigError, match="trace_file"):
         parse_hecate_section({"enabled": True, "trace_file": 3})
-    from ds_hecate.runtime.metrics import TraceRecorder
+    from ds_hecate.deepspeed_glue.monitor import TraceRecorder
     with pytest.raises(HecateConfigError, match="is a directory"):
         TraceRecorder(None, str(tmp_path))

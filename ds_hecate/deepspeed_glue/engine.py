@@ -6,7 +6,7 @@ Hooks, all narrow:
 - ``backward``: completes the SparseReduceScatters issued asynchronously during backward.
 - ``step``: after DeepSpeed's own step (which decides overflow, computes the global norm and advances the LR
   schedule) the expert optimizer steps the owned shards with the same unscale/clip factor and the LR that applied;
-  then the step's per-layer metrics go to DeepSpeed's monitor (``ds_hecate.runtime.metrics``).
+  then the step's per-layer metrics go to DeepSpeed's monitor (``ds_hecate.deepspeed_glue.monitor``).
 - the ZeRO optimizer's ``scaled_global_norm`` / ``_get_norm_groups`` (on the instance): adds the expert gradients
   to the global norm, so clipping, overflow detection and ``get_global_grad_norm()`` cover every parameter.
 """
@@ -24,7 +24,7 @@ from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 from deepspeed.runtime.utils import combine_grad_norm_groups
 
 from . import checkpoint
-from ..runtime import metrics
+from . import monitor
 from ..errors import HecateUnsupportedError
 from ..runtime.hecate import HecateRuntime
 
@@ -102,7 +102,7 @@ class HecateEngine(DeepSpeedEngine):
             runtime.last_total_norm = torch.as_tensor(float(norm)) if norm is not None else None
         runtime.apply_step(self.was_step_applied(), self.dp_world_size, loss_scale, self.gradient_clipping(), hyper)
         runtime.after_step(self.global_steps)
-        metrics.end_step(self)  # per-layer events to DeepSpeed's monitor (rank 0, when one is configured)
+        monitor.end_step(self)  # per-layer events to DeepSpeed's monitor (rank 0, when one is configured)
         return result
 
 

@@ -162,7 +162,7 @@ def build_runtime(hcfg: HecateConfig, ds_config: Dict[str, Any]):
 
     from ..comm.gpu import build_communicator
     from ..runtime.hecate import HecateRuntime
-    from ..runtime.metrics import install_recorders
+    from .monitor import install_recorders
 
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.new_group(ranks=list(range(world)), timeout=timedelta(seconds=hcfg.collective_timeout_s))

@@ -136,6 +136,15 @@ class LayerPlanner:
         return plan_after_gate(counts, prefetched, self.prediction, self.schedule, inputs.costs,
                                inputs.replica_budget, s.ranks_per_node, rank, s.calibration, s.plan_budget_us)
 
+    def restore_schedule(self, state: dict, inputs: PlanInputs) -> None:
+        """Adopt a checkpointed schedule (``ScheduleReuse.state_dict``) so that a resumed run makes the same re-use
+        decisions: the situation it was computed in is rebuilt as :meth:`prefetch_placement` builds it, with the
+        owners the schedule was made for."""
+        owners = state.get("owners", inputs.owners)
+        start = expert_data_parallel_start(self.num_experts, self.world, inputs.replica_budget, owners)
+        self.schedule.load_state_dict(state, inputs.costs, inputs.replica_budget, self.settings.ranks_per_node,
+                                      budget_us=self.settings.search_budget_us, start=start)
+
     def observe(self, counts: np.ndarray) -> None:
         """Feed a forward call's counts to the load window (not recomputes: they repeat a call)."""
         self.predictor.push(counts)

@@ -177,13 +177,14 @@ class ScheduleReuse:
                 and all(e in placement[o] for e, o in enumerate(owners)))
 
     def load_state_dict(self, state: dict, costs: StepCostModel, budget_per_rank: int, ranks_per_node: int,
-                        budget_us: Optional[float] = None) -> None:
+                        budget_us: Optional[float] = None,
+                        start: Optional[Sequence[Sequence[int]]] = None) -> None:
         """Restore :meth:`state_dict`; the owners come from the state (the schedule may predate a re-sharding, which
-        the next call then notices), the rest of the situation from the caller."""
+        the next call then notices), the rest of the situation (``start`` included) from the caller."""
         self.reset()
         self.misses.clear()
         self.misses.extend(bool(m) for m in state.get("misses", []))
         if "placement" in state:
             self.planned_for = np.array(state["planned_for"], dtype=np.float64)
             self.placement = tuple(tuple(int(e) for e in r) for r in state["placement"])
-            self._key = self._situation(state["owners"], costs, budget_per_rank, ranks_per_node, budget_us=budget_us)
+            self._key = self._situation(state["owners"], costs, budget_per_rank, ranks_per_node, start, budget_us)

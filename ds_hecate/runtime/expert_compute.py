@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from ..planning.dispatch_plan import RankDispatch
-from .timing import to_device
+from ..comm.device import to_device
 
 
 def run_experts(kernel, recv: torch.Tensor, weights: Sequence[torch.Tensor], order: torch.Tensor,

@@ -7,14 +7,13 @@ Observers (step metrics, routing trace) are registered by whoever builds the run
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from ..comm.collectives import CommCounters, Communicator
 from ..config import HecateConfig
-from ..deepspeed_glue.expert_optimizer import ExpertOptimizer
 from ..logging_utils import logger
 from ..planning import CommCostModel, Placement
 from ..planning.cost_model import StepCostModel, scheduler_costs
@@ -24,6 +23,9 @@ from .phases import PHASES
 from .profiling import WARM_PROFILE_STEP, expert_work, measure_costs
 from .shard_store import ExpertShardStore, LayerShard
 from .timing import DeviceClock
+
+if TYPE_CHECKING:   # installed by the DeepSpeed glue (initialize); the runtime only calls its step
+    from ..deepspeed_glue.expert_optimizer import ExpertOptimizer
 
 __all__ = ["HecateRuntime", "LayerBinding", "PHASES"]
 
@@ -46,7 +48,7 @@ class HecateRuntime:
         self.autograd_anchor = torch.empty(0, requires_grad=True, device=self.device)
         self.bindings: List[LayerBinding] = []
         self.layer_names: List[str] = []
-        self.optimizer: Optional[ExpertOptimizer] = None
+        self.optimizer: Optional["ExpertOptimizer"] = None
         self.layer_group: Dict[int, int] = {}  # layer id -> expert optimizer param group
         self.last_total_norm: Optional[torch.Tensor] = None
         self.steps_applied = 0
@@ -66,8 +68,8 @@ class HecateRuntime:
         self.global_steps = 0  # optimizer steps done (engine.global_steps), for the trace's step numbers
         # Called as observe(binding, plan, counts) after each forward call's plan (not recomputes).
         self.observers: List[Callable[[LayerBinding, DispatchPlan, np.ndarray], None]] = []
-        self.metrics = None   # ds_hecate.runtime.metrics.StepMetrics, when the builder installs it
-        self.trace = None     # ds_hecate.runtime.metrics.TraceRecorder (rank 0, hecate.trace_file)
+        self.metrics = None   # ds_hecate.deepspeed_glue.monitor.StepMetrics, when the builder installs it
+        self.trace = None     # ds_hecate.deepspeed_glue.monitor.TraceRecorder (rank 0, hecate.trace_file)
 
     # -- setup --------------------------------------------------------------------------------------------------
     def add_layer(self, name: str, shard: LayerShard, hidden_size: int) -> LayerBinding:

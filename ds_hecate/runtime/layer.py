@@ -146,9 +146,7 @@ class LayerBinding:
 
     def restore_schedule(self, state: dict) -> None:
         """Adopt a checkpointed schedule (after owners and measured costs are restored): same reuse decisions."""
-        rt = self.runtime
-        self.schedule.load_state_dict(state, rt.step_costs(self), self.replica_budget(), rt.ranks_per_node,
-                                      budget_us=rt.config.search_budget_us)
+        self.planner.restore_schedule(state, self.plan_inputs())
 
     def start_prefetch(self) -> None:
         if self.pending is None and self.planner.prefetches:
@@ -267,7 +265,7 @@ class LayerBinding:
         crossing, avoidable = plan.node_traffic(self.runtime.ranks_per_node)
         self.cross_node_rows += crossing
         self.avoidable_cross_node_rows += avoidable
-        for observe in self.runtime.observers:  # ds_hecate.runtime.metrics: step metrics, routing trace
+        for observe in self.runtime.observers:  # ds_hecate.deepspeed_glue.monitor: step metrics, routing trace
             observe(self, plan, counts)
 
     # -- statistics ----------------------------------------------------------------------------------------------

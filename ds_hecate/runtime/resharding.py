@@ -14,7 +14,7 @@ from torch import nn
 
 from ..errors import HecateError
 from ..planning.heterogeneous import heterogeneous_sharding
-from .timing import to_device
+from ..comm.device import to_device
 
 StateLayout = Tuple[Tuple[str, ...], Tuple[str, ...]]  # (vector keys, scalar keys)
 

@@ -1,4 +1,4 @@
-"""Timing on the working device, and host-to-device copies that do not block.
+"""Timing on the working device.
 
 On CUDA, kernels run asynchronously: a host clock around a launch measures the launch, not the work. The cost model
 (expert compute per pair, the non-MoE time that hides a prefetch) therefore reads CUDA event pairs, resolved lazily
@@ -13,14 +13,6 @@ from typing import Any, List, Optional, Tuple
 import torch
 
 RESOLVE_EVERY = 256  # pending event pairs kept before resolving the oldest (bounds memory; they are long done)
-
-
-def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Copy a small host tensor to ``device`` without blocking the host: pinned and ``non_blocking`` on CUDA (the
-    caching host allocator keeps the pinned buffer alive until the copy has run)."""
-    if device.type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
 
 
 class DeviceClock:

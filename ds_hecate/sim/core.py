@@ -201,16 +201,7 @@ def simulate(cluster: Union[str, Cluster], model: Union[str, ModelShape], worklo
     mdl = resolve_model(model)
     if world_size is not None:
         cl = cl.with_world_size(world_size)
-    unknown = [s for s in systems if s not in SYSTEMS]
-    if unknown:
-        raise HecateError(f"unknown system(s) {unknown}; choose from {', '.join(SYSTEMS)}")
-    if steps <= warmup:
-        raise HecateError(f"simulate: steps ({steps}) must exceed warm-up steps ({warmup})")
-    if spag not in ("p2p", "ring"):
-        raise HecateError(f"simulate: spag must be 'p2p' or 'ring', got {spag!r}")
-    if precision not in ("bf16", "fp16", "fp32"):
-        raise HecateError(f"simulate: precision must be bf16, fp16 or fp32, got {precision!r}")
-    world = cl.world_size
+    _check_arguments(systems, steps, warmup, spag, precision)
     tokens = tokens_per_rank or mdl.tokens_per_rank
     budget = (materialize_budget_mb if materialize_budget_mb is not None
               else 0.1 * cl.device_memory_gb * 1024.0)
@@ -218,69 +209,19 @@ def simulate(cluster: Union[str, Cluster], model: Union[str, ModelShape], worklo
         hecate = HecateConfig(enabled=True, materialize_budget_mb=float(budget))
     elif materialize_budget_mb is not None:
         hecate = hecate.model_copy(update={"materialize_budget_mb": float(materialize_budget_mb)})
-    compute_b = 4 if precision == "fp32" else 2
-    flops = cl.device_tflops * 1e12
-    ctx = SimContext(cluster=cl, model=mdl, world=world, rpn=cl.devices_per_node, tokens=tokens, compute_b=compute_b,
-               grad_b=4 if hecate.reduce_dtype == "fp32" else 2,
-               s_per_pair=cl.compute_s_per_pair or 6.0 * mdl.expert_params / flops,
-               t_fwd=(cl.non_moe_time_s if cl.non_moe_time_s is not None
-                      else mdl.non_moe_flops_per_layer(tokens) / 3.0 / flops),
-               hecate=hecate, optimizer=optimizer, zero_stage=zero_stage, precision=precision, spag=spag,
-               planner_costs=None if planner_costs is None else {k: float(v) for k, v in planner_costs.items()},
-               charge_planning=charge_planning)
+    ctx = _context(cl, mdl, tokens, hecate, zero_stage, precision, optimizer, spag, planner_costs, charge_planning)
     if counts is None:
-        counts, notes = _workload_counts(workload, mdl, world, steps, tokens, seed)
+        counts, notes = _workload_counts(workload, mdl, cl.world_size, steps, tokens, seed)
     else:
-        counts, notes = _explicit_counts(counts, mdl, world, steps), []
+        counts, notes = _explicit_counts(counts, mdl, cl.world_size, steps), []
     # Layers whose routing is identical at every step behave identically (the planner is deterministic):
     # simulate one of each class and weight it by the class size.
     classes: Dict[Tuple[int, ...], List[int]] = {}
     for layer in range(mdl.moe_layers):   # layers sharing the same count arrays at every step
         classes.setdefault(tuple(id(counts[s][layer]) for s in range(steps)), []).append(layer)
-    fixed = (3 * ctx.t_fwd * mdl.moe_layers
-             + (6.0 * (mdl.attention_params_per_layer + 3 * mdl.hidden_size * mdl.dense_ffn_size) * tokens
-                + 12.0 * mdl.seq_len * mdl.hidden_size * tokens) * mdl.dense_layers / flops
-             + 6.0 * mdl.vocab_size * mdl.hidden_size * tokens / flops
-             + cl.fixed_step_s)
-    if cl.non_moe_time_s is not None and cl.compute_s_per_pair is not None:
-        # calibrated: the measured T_nonMoE already holds everything between MoE layers
-        fixed = 3 * ctx.t_fwd * mdl.moe_layers + cl.fixed_step_s
-    results: Dict[str, SystemResult] = {}
-    for system in systems:
-        totals = np.zeros(steps)
-        parts = {k: np.zeros(steps) for k in ("compute", "all_to_all", "exposed_comm", "rearrange", "host_planning")}
-        imbalance, reps_sum, reps_n = [], 0.0, 0
-        replicas_by_layer: List[np.ndarray] = []
-        for layers in classes.values():
-            sim = make_system(system, ctx)
-            if getattr(sim, "note", "") and sim.note not in notes:
-                notes.append(sim.note)
-            weight = len(layers)
-            peak_reps = np.zeros(world)
-            for s in range(steps):
-                lt, rearrange = sim.step(s, counts[s][layers[0]])
-                overhead = cl.layer_overhead_s if system != "ideal" else 0.0
-                planning = getattr(sim, "planning_s", 0.0)
-                totals[s] += weight * (lt.total + rearrange + overhead + planning)
-                parts["host_planning"][s] += weight * planning
-                parts["compute"][s] += weight * lt.compute
-                parts["all_to_all"][s] += weight * lt.a2a
-                parts["exposed_comm"][s] += weight * lt.exposed
-                parts["rearrange"][s] += weight * rearrange
-                if s >= warmup:
-                    imbalance.append(lt.imbalance)
-                    reps_sum += float(lt.replicas.sum()) * weight
-                    reps_n += weight
-                    peak_reps = np.maximum(peak_reps, lt.replicas)
-            replicas_by_layer.extend([peak_reps] * weight)
-        totals += fixed
-        measured = totals[warmup:]
-        results[system] = SystemResult(
-            system=system, step_times_s=[float(t) for t in totals], step_time_s=float(measured.mean()),
-            peak_memory_bytes=_memory(system, ctx, replicas_by_layer, max(1, mdl.num_experts // ctx.ep_size)),
-            imbalance=float(np.mean(imbalance)) if imbalance else 1.0,
-            replicas_per_layer=reps_sum / reps_n if reps_n else 0.0,
-            breakdown_s={**{k: float(v[warmup:].mean()) for k, v in parts.items()}, "non_moe": fixed})
+    fixed = _fixed_step_s(ctx)
+    results = {system: _simulate_system(system, ctx, counts, list(classes.values()), steps, warmup, fixed, notes)
+               for system in systems}
     for r in results.values():
         if "ep" in results:
             r.speedup_vs_ep = results["ep"].step_time_s / r.step_time_s
@@ -297,8 +238,90 @@ def simulate(cluster: Union[str, Cluster], model: Union[str, ModelShape], worklo
         for name, r in results.items():
             r.force_balanced_step_s = r.step_time_s if uniform is None else uniform.systems[name].step_time_s
             r.force_balanced_fraction = r.force_balanced_step_s / r.step_time_s
-    return SimResult(cluster=cl, model=mdl, workload=workload, world_size=world, steps=steps, warmup=warmup,
+    return SimResult(cluster=cl, model=mdl, workload=workload, world_size=cl.world_size, steps=steps, warmup=warmup,
                      systems=results, wall_s=time.perf_counter() - start_wall, notes=notes)
+
+
+def _check_arguments(systems: Sequence[str], steps: int, warmup: int, spag: str, precision: str) -> None:
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown:
+        raise HecateError(f"unknown system(s) {unknown}; choose from {', '.join(SYSTEMS)}")
+    if steps <= warmup:
+        raise HecateError(f"simulate: steps ({steps}) must exceed warm-up steps ({warmup})")
+    if spag not in ("p2p", "ring"):
+        raise HecateError(f"simulate: spag must be 'p2p' or 'ring', got {spag!r}")
+    if precision not in ("bf16", "fp16", "fp32"):
+        raise HecateError(f"simulate: precision must be bf16, fp16 or fp32, got {precision!r}")
+
+
+def _context(cl: Cluster, mdl: ModelShape, tokens: int, hecate: HecateConfig, zero_stage: int, precision: str,
+             optimizer: OptimizerStateLayout, spag: str, planner_costs: Optional[Dict[str, float]],
+             charge_planning: bool) -> SimContext:
+    """The simulated setting: unit costs from the cluster's FLOP rate unless it carries measured ones."""
+    flops = cl.device_tflops * 1e12
+    return SimContext(cluster=cl, model=mdl, world=cl.world_size, rpn=cl.devices_per_node, tokens=tokens,
+                      compute_b=4 if precision == "fp32" else 2, grad_b=4 if hecate.reduce_dtype == "fp32" else 2,
+                      s_per_pair=cl.compute_s_per_pair or 6.0 * mdl.expert_params / flops,
+                      t_fwd=(cl.non_moe_time_s if cl.non_moe_time_s is not None
+                             else mdl.non_moe_flops_per_layer(tokens) / 3.0 / flops),
+                      hecate=hecate, optimizer=optimizer, zero_stage=zero_stage, precision=precision, spag=spag,
+                      planner_costs=None if planner_costs is None else {k: float(v) for k, v in planner_costs.items()},
+                      charge_planning=charge_planning)
+
+
+def _fixed_step_s(ctx: SimContext) -> float:
+    """Per-step time outside the MoE layers' expert work: non-MoE compute of every block, dense blocks,
+    embeddings and the cluster's fixed time (identical for every system)."""
+    cl, mdl, tokens = ctx.cluster, ctx.model, ctx.tokens
+    flops = cl.device_tflops * 1e12
+    if cl.non_moe_time_s is not None and cl.compute_s_per_pair is not None:
+        # calibrated: the measured T_nonMoE already holds everything between MoE layers
+        return 3 * ctx.t_fwd * mdl.moe_layers + cl.fixed_step_s
+    return (3 * ctx.t_fwd * mdl.moe_layers
+            + (6.0 * (mdl.attention_params_per_layer + 3 * mdl.hidden_size * mdl.dense_ffn_size) * tokens
+               + 12.0 * mdl.seq_len * mdl.hidden_size * tokens) * mdl.dense_layers / flops
+            + 6.0 * mdl.vocab_size * mdl.hidden_size * tokens / flops
+            + cl.fixed_step_s)
+
+
+def _simulate_system(system: str, ctx: SimContext, counts, classes: List[List[int]], steps: int, warmup: int,
+                     fixed: float, notes: List[str]) -> SystemResult:
+    """One system through every step, one simulated layer per class of identically routed layers."""
+    world, mdl = ctx.world, ctx.model
+    totals = np.zeros(steps)
+    parts = {k: np.zeros(steps) for k in ("compute", "all_to_all", "exposed_comm", "rearrange", "host_planning")}
+    imbalance, reps_sum, reps_n = [], 0.0, 0
+    replicas_by_layer: List[np.ndarray] = []
+    for layers in classes:
+        sim = make_system(system, ctx)
+        if getattr(sim, "note", "") and sim.note not in notes:
+            notes.append(sim.note)
+        weight = len(layers)
+        peak_reps = np.zeros(world)
+        for s in range(steps):
+            lt, rearrange = sim.step(s, counts[s][layers[0]])
+            overhead = ctx.cluster.layer_overhead_s if system != "ideal" else 0.0
+            planning = getattr(sim, "planning_s", 0.0)
+            totals[s] += weight * (lt.total + rearrange + overhead + planning)
+            parts["host_planning"][s] += weight * planning
+            parts["compute"][s] += weight * lt.compute
+            parts["all_to_all"][s] += weight * lt.a2a
+            parts["exposed_comm"][s] += weight * lt.exposed
+            parts["rearrange"][s] += weight * rearrange
+            if s >= warmup:
+                imbalance.append(lt.imbalance)
+                reps_sum += float(lt.replicas.sum()) * weight
+                reps_n += weight
+                peak_reps = np.maximum(peak_reps, lt.replicas)
+        replicas_by_layer.extend([peak_reps] * weight)
+    totals += fixed
+    measured = totals[warmup:]
+    return SystemResult(
+        system=system, step_times_s=[float(t) for t in totals], step_time_s=float(measured.mean()),
+        peak_memory_bytes=_memory(system, ctx, replicas_by_layer, max(1, mdl.num_experts // ctx.ep_size)),
+        imbalance=float(np.mean(imbalance)) if imbalance else 1.0,
+        replicas_per_layer=reps_sum / reps_n if reps_n else 0.0,
+        breakdown_s={**{k: float(v[warmup:].mean()) for k, v in parts.items()}, "non_moe": fixed})
 
 
 def format_table(result: SimResult) -> str:

@@ -18,7 +18,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from ...errors import HecateError
-from ...runtime.timing import to_device
+from ..device import to_device
 
 THREADS = 256  # HECATE_THREADS in the .cu files (launch bounds)
 SOURCES = ("sparse_collectives.cu", "token_permute.cu")

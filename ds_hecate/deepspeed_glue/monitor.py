@@ -31,11 +31,11 @@ from ..errors import HecateConfigError
 from ..planning.cost_model import owner_loads
 from ..tools.trace import TraceLayer, TraceWriter
 
-from .phases import PHASES
+from ..runtime.phases import PHASES
 
 if TYPE_CHECKING:  # the builder of the runtime installs these observers (install_recorders)
     from ..planning import LayerPlan
-    from .hecate import HecateRuntime, LayerBinding
+    from ..runtime.hecate import HecateRuntime, LayerBinding
 
 EVENT_PREFIX = "Hecate"
 #: Per-layer metrics in the order they are written.

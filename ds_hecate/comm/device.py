@@ -1,0 +1,12 @@
+"""Host-to-device copies of the small tables the collectives and the layer call need, without blocking the host."""
+from __future__ import annotations
+
+import torch
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy a small host tensor to ``device`` without blocking the host: pinned and ``non_blocking`` on CUDA (the
+    caching host allocator keeps the pinned buffer alive until the copy has run)."""
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)

@@ -1,0 +1,91 @@
+"""The per-layer planner (ds_hecate.planning.layer_planner), pure: policies, the start layout, resume."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ds_hecate.planning.cost_model import StepCostModel
+from ds_hecate.planning.layer_planner import (PLACEMENT_POLICIES, LayerPlanner, PlanInputs, PlannerSettings,
+                                              expert_data_parallel_start)
+from ds_hecate.planning.placement import plan_layer
+from ds_hecate.planning.sharding import even_sharding
+
+COSTS = StepCostModel(compute_s_per_pair=1e-3, token_transfer_s=1e-6, expert_transfer_s=1e-4)
+
+
+def _inputs(world: int, experts: int, budget: int = 8) -> PlanInputs:
+    return PlanInputs(tuple(even_sharding(experts, world)), COSTS, budget)
+
+
+def _hot(world: int, experts: int, hot: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    weights = np.ones(experts)
+    weights[hot] = 8.0
+    return np.stack([rng.multinomial(64, weights / weights.sum()) for _ in range(world)]).astype(np.int64)
+
+
+@pytest.mark.parametrize("policy", [p for p in PLACEMENT_POLICIES if p != "hecate"])
+def test_stateless_policies_place_as_plan_layer(policy):
+    world, experts = 4, 8
+    planner = LayerPlanner(PlannerSettings(policy=policy, ranks_per_node=2), world, experts)
+    counts = _hot(world, experts, 3, 0)
+    inputs = _inputs(world, experts)
+    cost = inputs.costs if policy == "shadow" else None
+    if policy == "cost":
+        from ds_hecate.planning.cost_model import CommCostModel
+        cost = CommCostModel(hidden_size=8, expert_numel=100)
+        inputs = PlanInputs(inputs.owners, inputs.costs, inputs.replica_budget, cost)
+    after = planner.plan_call(counts, inputs, None, rank=1)
+    reference = plan_layer(counts.tolist(), inputs.owners, policy, cost, ranks_per_node=2)
+    assert after.plan.placement.materialized == reference.materialized
+    assert after.extras is None and not planner.prefetches
+
+
+def test_unknown_policy_and_missing_prefetch_are_refused():
+    with pytest.raises(ValueError, match="unknown placement policy 'nope'"):
+        LayerPlanner(PlannerSettings(policy="nope"), 2, 4)
+    planner = LayerPlanner(PlannerSettings(), 2, 4)
+    with pytest.raises(ValueError, match="prefetched placement"):
+        planner.plan_call(_hot(2, 4, 0, 0), _inputs(2, 4), None, rank=0)
+
+
+def test_more_ranks_than_experts_start_from_the_expert_data_parallel_layout():
+    world, experts = 8, 2
+    planner = LayerPlanner(PlannerSettings(ranks_per_node=4), world, experts)
+    first = planner.prefetch_placement(_inputs(world, experts))   # no prediction yet: owners plus the start layout
+    assert all(len(m) == 1 for m in first.materialized)
+    assert [m[0] for m in first.materialized] == [r % experts for r in range(world)]
+    # a budget below what the layout needs (one replica per rank without an expert) keeps the owners only
+    assert expert_data_parallel_start(experts, world, 0, even_sharding(experts, world)) is None
+    tight = LayerPlanner(PlannerSettings(ranks_per_node=4), world, experts)
+    owners_only = tight.prefetch_placement(_inputs(world, experts, budget=0))
+    assert sum(len(m) for m in owners_only.materialized) == experts
+
+
+@pytest.mark.parametrize("world,experts", [(2, 8), (8, 2)])
+def test_restored_schedule_makes_the_same_reuse_decisions(world, experts):
+    """A planner restored from another's schedule state re-uses exactly when the original does (resume)."""
+    inputs = _inputs(world, experts)
+    original = LayerPlanner(PlannerSettings(ranks_per_node=2), world, experts)
+    sequence = [_hot(world, experts, 1, s) for s in range(8)]
+    for counts in sequence[:4]:
+        prefetched = original.prefetch_placement(inputs)
+        original.plan_call(counts, inputs, prefetched, 0)
+        original.observe(counts)
+    resumed = LayerPlanner(PlannerSettings(ranks_per_node=2), world, experts)
+    for counts in original.predictor.state_dict()["history"]:
+        resumed.observe(np.asarray(counts, dtype=np.int64))
+    resumed.restore_schedule(original.schedule.state_dict(), inputs)
+    assert original.schedule.placement is not None
+    for counts in sequence[4:]:
+        before = (original.schedule.searches, original.schedule.reuses)
+        a = original.prefetch_placement(inputs)
+        b = resumed.prefetch_placement(inputs)
+        assert a == b
+        assert (original.schedule.searches - before[0], original.schedule.reuses - before[1]) == \
+            (resumed.schedule.searches, resumed.schedule.reuses)
+        resumed.schedule.searches = resumed.schedule.reuses = 0
+        for planner in (original, resumed):
+            planner.plan_call(counts, inputs, a, 0)
+            planner.observe(counts)
+    assert original.schedule.reuses > 0, "the sequence should re-use a schedule at least once"
