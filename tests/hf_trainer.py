@@ -103,9 +103,14 @@ def trainer_run(case: Dict[str, Any], workdir: str) -> Dict[str, Any]:
     model = tf.AutoModelForCausalLM.from_config(tiny_config(kind), dtype=torch.float32)
     n = 2 * 2 * case.get("gas", 1) * case.get("steps", 10)
     trainer = tf.Trainer(model=model, args=args, train_dataset=TokenData(n))
-    trainer.train()
+    # resume_from: (case name, step): continue from that case's Trainer checkpoint, as `--resume_from_checkpoint`
+    resume = case.get("resume_from")
+    trainer.train(resume_from_checkpoint=os.path.join(workdir, resume[0], f"checkpoint-{resume[1]}")
+                  if resume else None)
     logs = [e for e in trainer.state.log_history if "loss" in e]
     result: Dict[str, Any] = {"loss": [e["loss"] for e in logs], "grad_norm": [e.get("grad_norm") for e in logs],
+                              "learning_rate": [e.get("learning_rate") for e in logs],
+                              "steps": [e.get("step") for e in logs],
                               "num_parameters": trainer.model.num_parameters(),
                               "ds_hecate_num_parameters": None,
                               # what the Trainer logs as "Number of trainable parameters"
@@ -117,6 +122,11 @@ def trainer_run(case: Dict[str, Any], workdir: str) -> Dict[str, Any]:
         takeover = hecate_of(trainer.model)
         result["ds_hecate_num_parameters"] = num_parameters(trainer.model)
         result["hecate_layers"] = list(takeover.runtime.layer_names) if takeover else []
+    if case.get("final_state"):  # fp32 weights after the last step: dense (ZeRO-1/2) and Hecate's expert masters
+        from ds_hecate.hf import hecate_of
+        result["dense"] = {n: p.detach().float().clone() for n, p in trainer.model_wrapped.module.named_parameters()}
+        takeover = hecate_of(trainer.model)
+        result["expert_masters"] = dict(takeover.runtime.full_expert_weights()) if takeover else {}
     if case.get("save"):
         save_dir = os.path.join(out_dir, "saved")
         trainer.save_model(save_dir)

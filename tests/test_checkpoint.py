@@ -86,7 +86,7 @@ def saved_checkpoint(tmp_path_factory):
     return os.path.join(ckpt, "global_step2", "hecate")
 
 
-@pytest.mark.parametrize("damage", ["missing", "truncated", "pickle-payload", "wrong-shape"])
+@pytest.mark.parametrize("damage", ["missing", "truncated", "pickle-payload", "wrong-shape", "no-optimizer-state"])
 def test_damaged_expert_file_fails_everywhere_naming_it(saved_checkpoint, tmp_path, damage):
     import shutil
     ckpt = str(tmp_path / "run")
@@ -101,11 +101,16 @@ def test_damaged_expert_file_fails_everywhere_naming_it(saved_checkpoint, tmp_pa
     elif damage == "pickle-payload":
         with open(target, "wb") as f:
             pickle.dump({"master": _Payload(marker), "state": {}}, f)
-    else:
+    elif damage == "wrong-shape":
         torch.save({"master": torch.zeros(3), "state": {}}, target)
+    else:  # its weights intact, its Adam moments and step gone: loading would silently restart them
+        blob = torch.load(target, weights_only=True)
+        torch.save({"master": blob["master"], "state": {}}, target)
     results = run_ranks(2, _load_broken, ckpt)
     for r in results:
         assert "expert 5 of MoE layer 'blocks.1.moe'" in r["message"], r["message"]
+        if damage == "no-optimizer-state":
+            assert "no optimizer state ['exp_avg', 'exp_avg_sq', 'step']" in r["message"], r["message"]
         assert r["unchanged"], "a failed load must not change any weight"
     assert not os.path.exists(marker), "loading executed code from a checkpoint file"
 

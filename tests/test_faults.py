@@ -58,7 +58,12 @@ def test_bad_numbers_stop_every_rank_with_the_layer_named(fault, rank_text):
 
 # -- a rank killed (kill -9) in each phase ---------------------------------------------------------------------------
 TIMEOUT_S = 20.0
-KILL_PHASES = ("forward", "backward", "sparse-collective", "save")
+KILL_PHASES = ("forward", "backward", "sparse-collective", "save-experts", "save-deepspeed", "reshard")
+SAVED_STEP = 2    # every killed run saved global_step2 (complete) before its rank 1 died
+KILL_STEP = {"save-experts": 3, "save-deepspeed": 3}   # a save of the NEW tag global_step3; others: step 2
+# Costs pinned (configured values win over measured ones): every run schedules alike, so a run resumed from a
+# killed run's checkpoint can be compared bit for bit with a run that was never interrupted.
+PINNED = {"compute_s_per_pair": 5e-5, "link_gbps": 0.5}
 
 
 def _die(stamp: str) -> None:
@@ -85,39 +90,57 @@ def _arm_kill(phase: str, stamp: str, ckpt: str, kill_step: int, rank: int, step
             LayerBinding.run = lambda self, *a: _die(stamp) if self.shard.layer_id == 1 else run(self, *a)
         elif phase == "backward":  # while returning the second layer's gradients (first MoE backward)
             LayerBinding.reduce_scatter = lambda self, *a: _die(stamp)
-        elif phase == "sparse-collective":  # about to send its experts in a SparseAllGather
+        elif phase in ("sparse-collective", "reshard"):  # about to send experts (a re-sharding moves them with
+            label = "SparseAllGather" if phase == "sparse-collective" else "re-sharding expert move"  # their state)
             exchange = Communicator.exchange_chunks
 
             def dying_exchange(self, *args):
-                if args[-1] == "SparseAllGather":
+                if args[-1] == label:
                     _die(stamp)
                 return exchange(self, *args)
             Communicator.exchange_chunks = dying_exchange
-        else:  # writing its first expert file of the save
-            checkpoint._atomic_torch_save = lambda obj, path: _die(stamp)
-    if phase == "save":
+        elif phase == "save-experts":  # its first expert file written, while writing the second
+            write, written = checkpoint._atomic_torch_save, []
+
+            def dying_write(obj, path):
+                if written:
+                    _die(stamp)
+                write(obj, path)
+                written.append(path)
+            checkpoint._atomic_torch_save = dying_write
+        else:  # save-deepspeed: every expert file written, while DeepSpeed writes this rank's optimizer state
+            save = engine.checkpoint_engine.save
+            engine.checkpoint_engine.save = lambda state, path: (_die(stamp) if "optim_states" in path
+                                                                 else save(state, path))
+    if phase.startswith("save"):
         engine.save_checkpoint(ckpt)
+
+
+def _fault_spec(**kw):
+    from dataclasses import replace
+
+    from test_checkpoint import SCHEDULED
+    return replace(SCHEDULED, hecate={**SCHEDULED.hecate, **PINNED, "collective_timeout_s": TIMEOUT_S}, **kw)
 
 
 @pytest.fixture(scope="module")
 def killed_runs(tmp_path_factory):
-    """One 2-rank run per phase: checkpoint after 2 steps, rank 1 killed in step 3."""
+    """One 2-rank run per phase: checkpoint after 2 steps, then rank 1 killed in step 3 (for 'reshard': in the
+    re-sharding that ends step 3; for the saves: saving the new tag global_step3 before step 4)."""
     import functools
-    from dataclasses import replace
+    import os
 
     from dist_utils import run_ranks_until_exit
     from moe_training import train
-    from test_checkpoint import SCHEDULED
 
     out = {}
     for phase in KILL_PHASES:
         base = tmp_path_factory.mktemp(phase.replace("-", "_"))
         ckpt, stamp = str(base / "ckpt"), str(base / "killed_at")
-        spec = replace(SCHEDULED, steps=4, save_after=2, ckpt_dir=ckpt,
-                       hecate={**SCHEDULED.hecate, "collective_timeout_s": TIMEOUT_S},
-                       step_hook=functools.partial(_arm_kill, phase, stamp, ckpt, 2))
+        spec = _fault_spec(steps=5, save_after=SAVED_STEP, ckpt_dir=ckpt,
+                           step_hook=functools.partial(_arm_kill, phase, stamp, ckpt, KILL_STEP.get(phase, 2)))
         ranks = run_ranks_until_exit(2, train, spec, timeout=TIMEOUT_S + 120)
-        killed_at = float(open(stamp).read()) if __import__("os").path.exists(stamp) else None
+        killed_at = float(open(stamp).read()) if os.path.exists(stamp) else None
         out[phase] = {"ranks": ranks, "killed_at": killed_at, "ckpt": ckpt}
     return out
 
@@ -132,31 +155,50 @@ def test_survivor_exits_within_the_timeout_naming_the_collective(killed_runs, ph
     assert waited <= TIMEOUT_S + 30, f"survivor took {waited:.1f} s to exit"
     last = [line for line in (survivor["payload"] or "").splitlines() if line.strip()][-1:]
     print(f"\n[{phase}] survivor exit code {survivor['exitcode']} after {waited:.1f} s: {last}")
-    if phase != "save":  # the survivor is inside one of Hecate's collectives when its peer goes
-        assert "HecateCollectiveError: Hecate collective '" in survivor["payload"], survivor["payload"]
-        assert "Another rank probably died" in survivor["payload"]
+    if phase == "save-deepspeed":  # the survivor waits in DeepSpeed's own barrier at the end of its save, which
+        # fails as soon as gloo sees the peer's socket close; nothing names the new checkpoint before it
+        assert "save_checkpoint" in survivor["payload"] and "latest" not in last[0], survivor["payload"]
+        return
+    # the survivor is inside one of Hecate's collectives when its peer goes (saving the experts: the barrier that
+    # every rank's expert files are written)
+    assert "HecateCollectiveError: Hecate collective '" in survivor["payload"], survivor["payload"]
+    assert "Another rank probably died" in survivor["payload"]
 
 
-def test_previous_checkpoint_loads_after_each_kill(killed_runs):
+def test_a_save_killed_midway_leaves_latest_on_the_last_complete_checkpoint(killed_runs):
+    """The dying saves wrote a NEW tag partly: ``latest`` still names the previous, complete one."""
     import os
-    from dataclasses import replace
-
-    import torch
-
-    from moe_training import run_specs
-    from test_checkpoint import SCHEDULED
 
     for phase, run in killed_runs.items():
-        assert open(os.path.join(run["ckpt"], "latest")).read().strip() == "global_step2", phase
-    clean = replace(SCHEDULED, steps=2)
-    loads = [replace(SCHEDULED, steps=2, resume_from=killed_runs[p]["ckpt"]) for p in KILL_PHASES]
+        latest = open(os.path.join(run["ckpt"], "latest")).read().strip()
+        assert latest == f"global_step{SAVED_STEP}", (phase, latest)
+    experts = os.path.join(killed_runs["save-experts"]["ckpt"], "global_step3", "hecate")
+    written = [f for f in os.listdir(experts) if f.endswith(".pt")]
+    assert 0 < len(written) < 2 * 8, f"the kill did not interrupt the expert files: {written}"
+    tag = os.path.join(killed_runs["save-deepspeed"]["ckpt"], "global_step3")
+    assert sum(f.endswith(".pt") for f in os.listdir(os.path.join(tag, "hecate"))) == 2 * 8
+    assert not os.path.exists(os.path.join(tag, "zero_pp_rank_1_mp_rank_00_optim_states.pt"))
+
+
+def test_last_complete_checkpoint_continues_exactly_after_each_kill(killed_runs, tmp_path):
+    """Restarted from ``latest`` after each kill (one in a re-sharding among them), every expert is back with its
+    optimizer state and training continues exactly as a run that was never interrupted."""
+    import functools
+    import os
+
+    from moe_training import run_specs
+    from resume_checks import assert_loaded_every_expert, assert_resumes_exactly, dump_expert_state
+
+    clean = _fault_spec(steps=5, per_step_state=True)
+    dumps = {p: str(tmp_path / p) for p in KILL_PHASES}
+    loads = [_fault_spec(steps=5, per_step_state=True, resume_from=killed_runs[p]["ckpt"],
+                         step_hook=functools.partial(dump_expert_state, dumps[p])) for p in KILL_PHASES]
     results = run_specs(2, [clean] + loads)
+    assert results[0][0]["hecate_stats"]["reshards"] >= 1   # the continuation re-shards too
     for phase, loaded in zip(KILL_PHASES, results[1:]):
-        for rank in range(2):
-            for name, value in results[0][rank]["experts"].items():
-                assert torch.equal(value, loaded[rank]["experts"][name]), (phase, name)
-            for name, value in results[0][rank]["dense"].items():
-                assert torch.equal(value, loaded[rank]["dense"][name]), (phase, name)
+        assert_resumes_exactly(results[0], loaded, SAVED_STEP, phase)
+        tag_dir = os.path.join(killed_runs[phase]["ckpt"], f"global_step{SAVED_STEP}")
+        assert_loaded_every_expert(dumps[phase], 2, tag_dir, phase)
 
 
 def _poison_expert(rank: int, step: int, engine) -> None:

@@ -15,7 +15,8 @@ from typing import Dict, List, Tuple
 
 import pytest
 
-from moe_training import Spec, assert_same_trajectory, run_specs
+from moe_training import Spec, run_specs
+from trajectory_checks import assert_same_trajectory
 
 HOT = (3.0, 3.0) + (0.0,) * 6
 SCHEDULER = {"placement": "hecate", "overlap_degree": 1, "reshard_interval": 3}

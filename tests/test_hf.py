@@ -17,7 +17,7 @@ from dist_utils import run_ranks  # noqa: E402
 from hf_trainer import run_cases  # noqa: E402
 
 PAIRS = [  # (name, model, stage, options): each runs with plain DeepSpeed and with Hecate
-    ("mixtral_z2", "mixtral", 2, dict(gas=2, save_steps=10)),
+    ("mixtral_z2", "mixtral", 2, dict(gas=2, save_steps=5)),
     ("mixtral_z3", "mixtral", 3, dict(gas=2, grad_ckpt=True, save_steps=10)),
     ("qwen3_z2", "qwen3_moe", 2, dict(ds_optimizer=False)),
     ("qwen3_z3", "qwen3_moe", 3, dict(grad_ckpt=True)),
@@ -37,6 +37,12 @@ def _cases():
             if hecate and name in SAVED:
                 case["save"] = True
             cases.append(case)
+    # Resumed from the Trainer checkpoint the Hecate run wrote at step 5 (`resume_from_checkpoint`).
+    for case in cases:
+        if case["name"] == "mixtral_z2_hecate":
+            case["final_state"] = True
+            cases.append(dict(case, name="mixtral_z2_resumed", resume_from=("mixtral_z2_hecate", 5), save=False))
+            break
     cases.append(dict(name="llama_error", model="llama", stage=2, hecate=True, steps=1, expect_error=True))
     return cases
 
@@ -120,6 +126,25 @@ def test_export_hf_from_trainer_checkpoint(runs, name, tmp_path, capsys):
     assert main(["export-hf", broken, "-o", str(tmp_path / "hf2")]) == 2
     err = capsys.readouterr().err
     assert "expert 2 of MoE layer 'model.layers.1.mlp.experts'" in err
+
+
+def test_trainer_resume_from_checkpoint_is_exact(runs):
+    """`Trainer.train(resume_from_checkpoint=...checkpoint-5)` on a Hecate run continues exactly as the run that
+    never stopped: the same loss, grad-norm and learning-rate log for steps 6-10, the same final weights (dense and
+    every expert's fp32 master), bit for bit. (The checkpoint comes after Hecate's last cost profiling, at step 4,
+    so both runs plan with the same measured costs.)"""
+    results, _ = runs
+    straight, resumed = results["mixtral_z2_hecate"], results["mixtral_z2_resumed"]
+    # the resumed log starts with the checkpoint's history of steps 1-5 (trainer_state.json)
+    assert straight["steps"] == resumed["steps"] == list(range(1, 11)), resumed["steps"]
+    for key in ("loss", "grad_norm", "learning_rate"):
+        assert resumed[key][5:] == straight[key][5:], (key, resumed[key], straight[key])
+    assert resumed["dense"].keys() == straight["dense"].keys()
+    for name, value in straight["dense"].items():
+        assert torch.equal(value, resumed["dense"][name]), name
+    assert straight["expert_masters"] and resumed["expert_masters"].keys() == straight["expert_masters"].keys()
+    for name, value in straight["expert_masters"].items():
+        assert torch.equal(value, resumed["expert_masters"][name]), name
 
 
 def test_model_without_moe_block_fails_with_docs_pointer(runs):

@@ -134,3 +134,63 @@ def test_engine_exposes_runtime_statistics(outcomes):
 def test_parameter_count_still_counts_the_experts(outcomes):
     counted, reference = outcomes["num_parameters"]
     assert counted == reference
+
+
+# -- node discovery: ranks per node from the launcher's environment ------------------------------------------------
+NODE_KEYS = ("LOCAL_SIZE", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
+
+
+@pytest.mark.parametrize("env,world,expected", [
+    ({}, 8, 8),                                               # nothing set: one node
+    ({"LOCAL_SIZE": "4"}, 8, 4),                              # the deepspeed launcher
+    ({"LOCAL_WORLD_SIZE": "2"}, 8, 2),                        # torchrun
+    ({"OMPI_COMM_WORLD_LOCAL_SIZE": "4"}, 8, 4),              # Open MPI
+    ({"MPI_LOCALNRANKS": "2"}, 8, 2),                         # MPICH (hydra)
+    # LOCAL_SIZE wins: under the deepspeed launcher accelerate sets LOCAL_WORLD_SIZE=1 on CPU
+    ({"LOCAL_SIZE": "4", "LOCAL_WORLD_SIZE": "1"}, 8, 4),
+    ({"LOCAL_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_SIZE": "4", "MPI_LOCALNRANKS": "8"}, 8, 2),
+    ({"OMPI_COMM_WORLD_LOCAL_SIZE": "4", "MPI_LOCALNRANKS": "2"}, 8, 4),
+    # unusable values are skipped: not a divisor of the world size, zero, not a number, empty
+    ({"LOCAL_SIZE": "3", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}, 8, 2),
+    ({"LOCAL_SIZE": "0", "MPI_LOCALNRANKS": "4"}, 8, 4),
+    ({"LOCAL_SIZE": "four", "LOCAL_WORLD_SIZE": "-2", "OMPI_COMM_WORLD_LOCAL_SIZE": "", "MPI_LOCALNRANKS": "2"}, 8, 2),
+    ({"MPI_LOCALNRANKS": "16"}, 8, 8),
+])
+def test_ranks_per_node_from_the_launcher_environment(monkeypatch, env, world, expected):
+    from ds_hecate.config import HecateConfig
+    from ds_hecate.deepspeed_glue.initialize import _ranks_per_node
+
+    for key in NODE_KEYS:
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert _ranks_per_node(HecateConfig(enabled=True), world) == expected
+    # the config wins over every variable
+    assert _ranks_per_node(HecateConfig(enabled=True, ranks_per_node=1), world) == 1
+
+
+def _nodes_worker(rank: int, world: int, settings: list) -> list:
+    """Hecate's runtime built under each launcher environment (the variables torchrun would set removed)."""
+    import os
+
+    import torch.distributed as dist
+
+    from ds_hecate.config import HecateConfig
+    from ds_hecate.deepspeed_glue.initialize import build_runtime
+
+    dist.init_process_group("gloo")
+    out = []
+    for env in settings:
+        for key in NODE_KEYS:
+            os.environ.pop(key, None)
+        os.environ.update(env)
+        stats = build_runtime(HecateConfig(enabled=True, log_conversion=False), {}).stats()
+        out.append((stats["ranks_per_node"], stats["nodes"]))
+    return out
+
+
+def test_runtime_finds_the_nodes_under_mpi_launchers():
+    settings = [{"OMPI_COMM_WORLD_LOCAL_SIZE": "1"}, {"MPI_LOCALNRANKS": "1"}, {"LOCAL_SIZE": "1"},
+                {"MPI_LOCALNRANKS": "2"}, {}]
+    for result in run_ranks(2, _nodes_worker, settings, timeout=120):
+        assert result == [(1, 2), (1, 2), (1, 2), (2, 1), (2, 1)], result

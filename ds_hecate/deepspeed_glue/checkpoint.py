@@ -73,6 +73,17 @@ def save(rt, checkpoint_dir: str) -> None:
     rt.comm.barrier("checkpoint-save barrier")
 
 
+def write_latest(rt, save_dir: str, tag: str, writer: bool) -> None:
+    """Point ``save_dir/latest`` at ``tag`` (atomically, on the ``writer`` rank) once every rank's files of ``tag``
+    are written; every rank returns after it is. Collective."""
+    if writer:
+        tmp = os.path.join(save_dir, f"latest.tmp{os.getpid()}")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(tag)
+        os.replace(tmp, os.path.join(save_dir, "latest"))
+    rt.comm.barrier("checkpoint latest barrier")
+
+
 CLIENT_STATE_KEY = "ds_hecate"
 
 
@@ -155,7 +166,21 @@ def prepare_load(rt, checkpoint_dir: str, load_optimizer_states: bool = True) ->
                     loaded.setdefault(shard.layer_id, {})[e] = _read_expert(directory, checkpoint_dir, shard, e)
     except HecateError as exc:
         error = str(exc)
-    errors = [m for m in rt.comm.all_gather_object(error, "checkpoint-load validation") if m]
+    names = dict(zip((b.shard.layer_id for b in rt.bindings), rt.layer_names))
+    state_keys: Dict[tuple, str] = {}   # (layer, optimizer-state keys) -> one expert whose file holds exactly those
+    for layer_id, blobs in sorted(loaded.items()):
+        for e, blob in sorted(blobs.items()):
+            state_keys.setdefault((layer_id, tuple(sorted(map(str, blob["state"])))),
+                                  f"expert {e} of MoE layer '{names[layer_id]}'")
+    gathered = rt.comm.all_gather_object((error, state_keys), "checkpoint-load validation")
+    errors = [m for m, _ in gathered if m]
+    if not errors and load_optimizer_states:  # a layer's experts all step together: the same optimizer state keys
+        every = {k: where for _, keys in gathered for k, where in keys.items()}
+        for (layer_id, keys), where in sorted(every.items()):
+            union = {name for (other, k) in every if other == layer_id for name in k}
+            if set(keys) != union:
+                errors.append(f"{checkpoint_dir}: {where} has no optimizer state {sorted(union - set(keys))} in its "
+                              "file, which the layer's other experts have; the checkpoint is damaged")
     if errors:
         raise HecateError(errors[0])
 

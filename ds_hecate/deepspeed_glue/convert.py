@@ -78,6 +78,10 @@ def _take_over_gathered(name: str, layer: MoE, experts: List[nn.Module], runtime
                                    "Hecate needs identical experts within a layer")
     expert_param_ids = {id(p) for expert in experts for p in expert.parameters()}
     local = {e: kernel.flatten(expert) for e, expert in zip(layer.local_expert_ids, experts)}
+    if runtime.compute_dtype != torch.float32:
+        # DeepSpeed casts the model to fp16/bf16 before its optimizer copies the fp32 masters from it: the experts'
+        # masters start from the same rounded values as every dense parameter's (and as the oracle's experts).
+        local = {e: flat.to(runtime.compute_dtype).to(torch.float32) for e, flat in local.items()}
     sources = _expert_sources(layer, runtime.world_size)
     owners = even_sharding(layer.num_experts, runtime.world_size)
     masters = runtime.comm.move_experts(sources, owners, local, kernel.numel)

@@ -37,13 +37,22 @@ class HecateEngine(DeepSpeedEngine):
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,
                         exclude_frozen_parameters=False):
         """DeepSpeed's checkpoint plus every expert (``<tag>/hecate``), written before DeepSpeed's files and
-        ``latest``, so ``latest`` never points at a checkpoint whose experts are incomplete."""
+        ``latest``, so ``latest`` never points at a checkpoint whose experts are incomplete.
+
+        ``latest`` is written here, once every rank has written its DeepSpeed files too: DeepSpeed's rank 0 writes
+        it as soon as its own files are written, so a rank dying while it writes its optimizer state would leave
+        ``latest`` naming a checkpoint that cannot be loaded."""
         tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
         checkpoint.save(self.hecate, os.path.join(save_dir, tag))
         # DeepSpeed's model-state file records where the experts are: ds_to_universal copies that file into the
         # universal checkpoint, so a universal load finds them with no extra step.
         client_state = {**client_state, checkpoint.CLIENT_STATE_KEY: {"expert_tag": tag}}
-        return super().save_checkpoint(save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+        commit_here = save_latest and not self.checkpoint_engine.is_decoupled()
+        result = super().save_checkpoint(save_dir, tag, client_state, save_latest and not commit_here,
+                                         exclude_frozen_parameters)  # ends with a barrier: every rank's files are in
+        if commit_here:
+            checkpoint.write_latest(self.hecate, save_dir, tag, self.global_rank == 0)
+        return result
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
@@ -59,8 +68,11 @@ class HecateEngine(DeepSpeedEngine):
         expert_dir = checkpoint.expert_checkpoint_dir(load_dir, str(tag), self.load_universal_checkpoint())
         install = checkpoint.prepare_load(self.hecate, expert_dir,
                                           load_optimizer_states and not load_module_only)
+        dense_groups = list(self.basic_optimizer.param_groups) if self.hecate.optimizer is not None else []
         result = super().load_checkpoint(load_dir, tag, load_module_strict, load_optimizer_states,
                                          load_lr_scheduler_states, load_module_only, custom_load_fn)
+        if self.hecate.optimizer is not None:  # the LR schedule now drives the loaded groups: experts follow them
+            self.hecate.optimizer.follow_replaced_groups(dense_groups, self.basic_optimizer.param_groups)
         if result[0] is not None:
             install()
             if load_optimizer_states and not load_module_only and self.hecate.optimizer is not None:

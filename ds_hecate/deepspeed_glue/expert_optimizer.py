@@ -98,6 +98,15 @@ class ExpertOptimizer:
             for group, hyper in zip(self.optimizer.param_groups, saved_hyper):
                 group.update(hyper)
 
+    def follow_replaced_groups(self, before: Sequence[Dict[str, Any]], after: Sequence[Dict[str, Any]]) -> None:
+        """Loading a checkpoint replaces the dense optimizer's param-group dicts (``torch.optim``'s
+        ``load_state_dict`` builds new ones, which LR schedules drive from then on): each expert group follows the
+        new dict at its source's position."""
+        for source in self.lr_sources:
+            index = next((i for i, g in enumerate(before) if g is source.group), None)
+            if index is not None and index < len(after):
+                source.group = after[index]
+
     def current_hyperparameters(self) -> List[Dict[str, Any]]:
         """What each expert group gets now (read before DeepSpeed's step advances the schedule)."""
         return [source.hyperparameters() for source in self.lr_sources]

@@ -236,7 +236,9 @@ class LayerBinding:
             else:
                 recv, *weights = Materialize.apply(recv, rt.autograd_anchor, self, plan, flats)
                 y_recv = run_experts(shard.kernel, recv, weights, order_t, sizes)
-            del flats
+            # The gathers' last references in this call: with re-materialization the replicas are freed here,
+            # before the next layer's prefetch allocates its own (only one layer's replicas are in the budget).
+            del flats, pending, extra
         with self.timed("combine"):
             y_back = AllToAllTokens.apply(y_recv, rt.comm, recv_splits, send_splits, self.counters,
                                           f"MoE layer '{self.shard.name}'")

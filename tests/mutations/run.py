@@ -1,0 +1,410 @@
+#!/usr/bin/env python
+"""Proof by mutation: each mutation plants one known bug in a copy of the repository and runs the tests that are
+supposed to catch it. A mutation the tests do not catch (they pass) *survives*, and this script exits non-zero.
+
+    python tests/mutations/run.py                  # every mutation, each against its tests in TESTS_FOR
+    python tests/mutations/run.py --only NAME      # one mutation (repeat --only for several)
+    python tests/mutations/run.py --list           # the mutations, their files and their tests
+    python tests/mutations/run.py --tests-from-map # the default: each mutation's tests come from TESTS_FOR
+    python tests/mutations/run.py --only NAME --tests tests/test_x.py::test_y   # other tests, same mutation
+
+For each mutation: the working tree (without .git and build outputs) is copied to a temporary directory, the
+mutation's exact text replacements are applied to one source file of the copy (a snippet that is not found exactly
+once is a *stale* mutation and fails loudly: update it to the code), and ``python -m pytest -x`` runs the named node
+ids with the copy as working directory and first on PYTHONPATH (checked: the copy's ``ds_hecate`` is the one
+imported), OMP_NUM_THREADS=1, DS_ACCELERATOR=cpu. First the same tests run once on an unmutated copy (the baseline:
+they must pass, or a "kill" would mean nothing; ``--no-baseline`` skips it). Results: a Markdown table mutation ->
+failing tests -> killed/survived and the time of each run.
+
+The expected killers live in one dict, :data:`TESTS_FOR`; update it as tests are added.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+#: Not copied: version control, build outputs and caches (the copy needs sources, tests, docs and configs only).
+IGNORE = shutil.ignore_patterns(".git", "build", "*.egg-info", "__pycache__", ".pytest_cache", ".hypothesis",
+                                ".benchmarks", "*.pyc")
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    file: str                          # relative to the repository root
+    edits: Tuple[Tuple[str, str], ...]  # (exact old text, new text), each old text must occur exactly once
+    what: str                          # the bug, in words
+    env: Dict[str, str] = field(default_factory=dict)   # extra environment (e.g. a shorter hang watchdog)
+
+
+# A hang is a kill too; dist_utils' watchdog (DS_HECATE_TEST_TIMEOUT, 300 s by default) turns it into a failure.
+SHORT_WATCHDOG = {"DS_HECATE_TEST_TIMEOUT": "120"}
+
+MUTATIONS: List[Mutation] = [
+    Mutation(
+        "srs-skips-last-rank", "ds_hecate/comm/collectives.py",
+        (("            for src in range(self.world_size):\n"
+          "                for e, chunk in zip(recv_lists.get(src, ()), received.get(src, ())):\n",
+          "            for src in range(self.world_size - 1):  # MUTATION: the last rank's contribution is dropped\n"
+          "                for e, chunk in zip(recv_lists.get(src, ()), received.get(src, ())):\n"),),
+        "SparseReduceScatter sums every source's replica gradient onto the owner except the last rank's"),
+    Mutation(
+        "latest-before-experts", "ds_hecate/deepspeed_glue/engine.py",
+        (("        checkpoint.save(self.hecate, os.path.join(save_dir, tag))\n",
+          "        if self.global_rank == 0:  # MUTATION: 'latest' names the new tag before any expert file exists\n"
+          "            os.makedirs(save_dir, exist_ok=True)\n"
+          "            with open(os.path.join(save_dir, \"latest\"), \"w\", encoding=\"utf-8\") as f:\n"
+          "                f.write(tag)\n"
+          "        checkpoint.save(self.hecate, os.path.join(save_dir, tag))\n"),),
+        "`latest` is written before the expert files (a crash in between leaves `latest` naming a checkpoint "
+        "without experts); the ordering lives in engine.py (HecateEngine.save_checkpoint), not checkpoint.py"),
+    Mutation(
+        "replica-gradient-dropped", "ds_hecate/runtime/expert_compute.py",
+        (("        binding.reduce_scatter(plan, dict(zip(mine, grad_weights)))\n",
+          "        grads = dict(zip(mine, grad_weights))\n"
+          "        replicas = [e for e in mine if plan.owners[e] != binding.runtime.rank]\n"
+          "        if replicas:  # MUTATION: the first replica's gradient never reaches its owner\n"
+          "            grads[replicas[0]] = torch.zeros_like(grads[replicas[0]])\n"
+          "        binding.reduce_scatter(plan, grads)\n"),),
+        "a replica's weight gradient is replaced by zeros before SparseReduceScatter"),
+    Mutation(
+        "token-to-rank-without-expert", "ds_hecate/planning/dispatch_plan.py",
+        (("    send_splits = np.bincount(tables.send_dst, weights=sent, minlength=world).astype(np.int64)\n",
+          "    send_splits = np.bincount(tables.send_dst, weights=sent, minlength=world).astype(np.int64)\n"
+          "    away = [d for d in range(world) if d != tables.rank and send_splits[d] > 0]\n"
+          "    if away:  # MUTATION: one token bound for a holder goes to the next rank (2 ranks: the sender, which\n"
+          "        send_splits[away[0]] -= 1  # lacks the expert), and no receiver expects it\n"
+          "        send_splits[(away[0] + 1) % world] += 1\n"),),
+        "one token-expert pair is sent to a rank that does not hold its expert"),
+    Mutation(
+        "fp16-one-expert-not-unscaled", "ds_hecate/runtime/hecate.py",
+        (("            if self.optimizer is not None:\n"
+          "                self.optimizer.step(1.0 / (dp_world_size * combined), hyperparameters)\n",
+          "            if self.optimizer is not None:\n"
+          "                first = next((p for p in self.store.parameters() if p.grad is not None), None)\n"
+          "                if first is not None:  # MUTATION: this expert keeps the loss scale (a no-op in fp32)\n"
+          "                    first.grad.mul_(float(loss_scale))\n"
+          "                self.optimizer.step(1.0 / (dp_world_size * combined), hyperparameters)\n"),),
+        "fp16: the first owned expert's gradient is not unscaled by the loss scale"),
+    Mutation(
+        "reshard-drops-adam-moments", "ds_hecate/runtime/resharding.py",
+        (("    for key in vectors:\n"
+          "        state[key] = chunk[offset:offset + numel].clone()\n",
+          "    for key in vectors:  # MUTATION: moved experts arrive with zeroed Adam moments (step count kept)\n"
+          "        state[key] = torch.zeros_like(chunk[offset:offset + numel])\n"),),
+        "re-sharding moves master weights but not Adam's exp_avg / exp_avg_sq"),
+    Mutation(
+        "empty-rank-skips-layer", "ds_hecate/runtime/layer.py",
+        (("        num_tokens = x.shape[0]\n"
+          "        self.top_k = indices.shape[0]\n",
+          "        num_tokens = x.shape[0]\n"
+          "        if num_tokens == 0:  # MUTATION: a rank without tokens returns before the layer's collectives\n"
+          "            return x.new_zeros(indices.numel(), x.shape[-1])\n"
+          "        self.top_k = indices.shape[0]\n"),),
+        "a rank with no tokens skips the count exchange, gathers and all-to-alls (the others wait: a hang)",
+        env=SHORT_WATCHDOG),
+    Mutation(
+        "calibration-extras-not-gathered", "ds_hecate/runtime/layer.py",
+        (("        extra = None if after.extras is None else self.gather(after.extras, async_op=False)\n",
+          "        extra = None  # MUTATION: calibration's extra replicas are planned but never gathered\n"),),
+        "after the gate, calibration adds replicas to the plan but their SparseAllGather is never issued",
+        env=SHORT_WATCHDOG),
+    Mutation(
+        "shard-store-experts-rotated", "ds_hecate/runtime/shard_store.py",
+        (("        self.masters = {e: nn.Parameter(flats[e].to(torch.float32).contiguous(), requires_grad=False)\n"
+          "                        for e in expected}\n",
+          "        # MUTATION: each owned expert id holds the next owned expert's weights\n"
+          "        self.masters = {e: nn.Parameter(flats[expected[(i + 1) % len(expected)]].to(torch.float32)\n"
+          "                                        .contiguous(), requires_grad=False)\n"
+          "                        for i, e in enumerate(expected)}\n"),),
+        "the shard store files an owned expert's master under the wrong expert id"),
+    Mutation(
+        "budget-ignored", "ds_hecate/runtime/layer.py",
+        (("        return replica_budget(rt.config.materialize_budget_mb, self.expert_bytes, len(rt.bindings),\n"
+          "                              rt.config.rematerialize)\n",
+          "        return 1 << 30  # MUTATION: materialize_budget_mb is ignored\n"),),
+        "the runtime's replica budget is huge whatever materialize_budget_mb says"),
+    Mutation(
+        "budget-ignored-self-report-hidden", "ds_hecate/runtime/layer.py",
+        (("        return PlanInputs(self.shard.owners, self.runtime.step_costs(self), self.replica_budget(), self.cost)\n",
+          "        return PlanInputs(self.shard.owners, self.runtime.step_costs(self), 1 << 30, self.cost)  # MUTATION\n"),
+         ("                alive.append(ref)\n"
+          "        self._live_buffers = alive\n"
+          "        return total\n",
+          "                alive.append(ref)\n"
+          "        self._live_buffers = alive\n"
+          "        return 0  # MUTATION: Hecate's own replica-bytes figure sees nothing\n")),
+        "the planner ignores the budget while the statistics still report the configured budget and no replica "
+        "bytes: only a measurement from outside Hecate can see it"),
+    Mutation(
+        "rematerialize-replicas-outlive-layer", "ds_hecate/runtime/layer.py",
+        (("            del flats, pending, extra\n",
+          "            del flats  # MUTATION: the gathers stay referenced until the layer call returns\n"),),
+        "with re-materialization, a layer's replicas are still alive when the next layer's prefetch allocates its "
+        "own (two layers resident, the budget holds one; the bug fixed on 2026-11-30)"),
+]
+
+_EXACT2 = "tests/test_exactness.py::test_trajectories_match_data_parallel[2rank]"
+_RANDOM2 = "tests/test_adversarial.py::test_random_routing_200_seeds[2]"
+_MEMORY = "tests/test_memory_budget.py::test_replica_memory_within_budget_measured_by_the_cpu_allocator"
+_ORACLE2 = "tests/test_oracle.py::test_follows_deepspeed_step_by_step[2-%s]"   # the module runs every 2-rank case
+
+#: mutation -> pytest node ids expected to kill it, cheapest first (``-x`` stops at the first failure). The one
+#: place to update when tests are added (tests/test_oracle.py, tests/test_resume.py, the adversarial campaign).
+TESTS_FOR: Dict[str, List[str]] = {
+    "srs-skips-last-rank": [_RANDOM2, _ORACLE2 % "zero2", _EXACT2],
+    "latest-before-experts": [
+        "tests/test_faults.py::test_a_save_killed_midway_leaves_latest_on_the_last_complete_checkpoint"],
+    "replica-gradient-dropped": [_RANDOM2, _ORACLE2 % "zero2-default-skewed", _EXACT2],
+    "token-to-rank-without-expert": ["tests/test_dispatch_plan.py::test_dispatch_plan_matches_explicit_routes",
+                                     _RANDOM2],
+    # SGD is not scale-invariant: a gradient left loss-scaled shows at once (Adam would all but hide it).
+    "fp16-one-expert-not-unscaled": [_ORACLE2 % "fp16-sgd-clip", _ORACLE2 % "fp16-zero0-sgd-clip",
+                                     "tests/test_fp16_stage0.py::test_fp16_stage0_follows_data_parallel", _EXACT2],
+    "reshard-drops-adam-moments": [
+        "tests/test_resume.py::test_resharding_carries_the_optimizer_state_into_the_checkpoint", _EXACT2],
+    "empty-rank-skips-layer": [_RANDOM2, "tests/test_adversarial.py::test_forced_routing_matches_data_parallel[2]"],
+    "calibration-extras-not-gathered": [_RANDOM2, _ORACLE2 % "zero2-default-skewed", _EXACT2],
+    "shard-store-experts-rotated": [_RANDOM2, _EXACT2],
+    "budget-ignored": [_MEMORY, _EXACT2],
+    # Hecate's own statistics say nothing is wrong (budget as configured, no replica bytes): test_exactness's budget
+    # check passes; only the allocator's view catches it.
+    "budget-ignored-self-report-hidden": [_MEMORY],
+    "rematerialize-replicas-outlive-layer": [_MEMORY],
+}
+
+
+# -- mechanics ---------------------------------------------------------------------------------------------------
+class StaleMutation(RuntimeError):
+    pass
+
+
+def apply(mutation: Mutation, root: str) -> None:
+    """Apply ``mutation`` to the copy at ``root``; raise :class:`StaleMutation` unless every snippet is found once."""
+    path = os.path.join(root, mutation.file)
+    if not os.path.isfile(path):
+        raise StaleMutation(f"{mutation.name}: {mutation.file} does not exist")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    for i, (old, new) in enumerate(mutation.edits):
+        found = text.count(old)
+        if found != 1:
+            raise StaleMutation(f"{mutation.name}: snippet {i + 1} occurs {found} times in {mutation.file} (must be "
+                                f"exactly once); the code changed, update the mutation:\n{old}")
+        text = text.replace(old, new)
+    compile(text, path, "exec")  # a mutation that does not parse would 'kill' every test: refuse it
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+
+
+def copy_tree(prefix: str) -> str:
+    root = tempfile.mkdtemp(prefix=f"hecate-mutation-{prefix}-")
+    dst = os.path.join(root, "repo")
+    shutil.copytree(REPO, dst, ignore=IGNORE, symlinks=True)
+    return dst
+
+
+def environment(root: str, extra: Dict[str, str]) -> Dict[str, str]:
+    env = dict(os.environ)
+    env.update({"PYTHONPATH": os.pathsep.join([root, os.path.join(root, "tests")] +
+                                              ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])),
+                "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONDONTWRITEBYTECODE": "1"})
+    env.update(extra)
+    return env
+
+
+def check_imports_copy(root: str, env: Dict[str, str]) -> None:
+    """The copy's ds_hecate must be the one imported (an editable install of the original must not win)."""
+    out = subprocess.run([sys.executable, "-c", "import ds_hecate, os; print(os.path.realpath(ds_hecate.__file__))"],
+                         cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    where = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else out.stderr[-2000:]
+    if not where.startswith(os.path.realpath(root)):
+        raise RuntimeError(f"the copy at {root} imports ds_hecate from {where}, not from the copy")
+
+
+@dataclass
+class Outcome:
+    name: str
+    tests: List[str]
+    failing: List[str]
+    verdict: str          # killed / survived / killed (timeout) / ERROR: ...
+    seconds: float
+    tail: str = ""
+    reason: str = ""      # the first assertion line (``E ...``) pytest printed: why the tests failed
+
+
+def _failing_from_junit(path: str) -> List[str]:
+    if not os.path.isfile(path):
+        return []
+    failing = []
+    for case in ET.parse(path).getroot().iter("testcase"):
+        if case.find("failure") is not None or case.find("error") is not None:
+            module = case.get("classname", "").replace(".", "/")
+            failing.append(f"{module}.py::{case.get('name')}")
+    return failing
+
+
+def run_tests(root: str, tests: Sequence[str], env: Dict[str, str], timeout_s: float, label: str) -> Outcome:
+    junit = os.path.join(os.path.dirname(root), "junit.xml")
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *tests]
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)   # pytest and the ranks it spawned (its own session)
+        out, _ = proc.communicate()
+        timed_out = True
+    seconds = time.monotonic() - start
+    failing = _failing_from_junit(junit)
+    tail = "\n".join((out or "").strip().splitlines()[-15:])
+    if timed_out:
+        verdict = "killed (suite timeout)"
+    elif proc.returncode == 0:
+        verdict = "survived"
+    elif proc.returncode == 1:
+        verdict = "killed"
+    else:  # 2 interrupted / collection error, 4 usage error, 5 no tests collected: the selection is wrong
+        verdict = f"ERROR: pytest exit code {proc.returncode}"
+    if verdict == "killed" and any(line.startswith("E ") and "did not finish within" in line
+                                   for line in (out or "").splitlines()):   # dist_utils' watchdog message
+        verdict = "killed (hang caught by the watchdog)"
+    # The first error line of the failure, skipping run_ranks' "rank N failed:" header (the rank's own traceback
+    # follows it).
+    lines = [line[1:].strip() for line in (out or "").splitlines() if line.startswith("E ") and line[1:].strip()]
+    errors = [line for line in lines if ("Error" in line or "assert" in line or "Exception" in line)
+              and not re.search(r"rank \d+ failed:$", line) and not line.startswith(("File ", "Traceback"))]
+    reason = (errors or lines or [""])[0]
+    return Outcome(label, list(tests), failing, verdict, seconds, tail, reason[:160])
+
+
+def run_mutation(mutation: Mutation, tests: Sequence[str], timeout_s: float, keep: bool) -> Outcome:
+    root = copy_tree(mutation.name)
+    try:
+        try:
+            apply(mutation, root)
+        except StaleMutation as exc:
+            return Outcome(mutation.name, list(tests), [], f"ERROR: stale mutation ({exc})", 0.0)
+        env = environment(root, mutation.env)
+        check_imports_copy(root, env)
+        return run_tests(root, tests, env, timeout_s, mutation.name)
+    finally:
+        if keep:
+            print(f"  (copy kept at {root})", flush=True)
+        else:
+            shutil.rmtree(os.path.dirname(root), ignore_errors=True)
+
+
+def baseline(tests: Sequence[str], timeout_s: float) -> Outcome:
+    """The selected tests on an unmutated copy: they must pass for any kill to mean something."""
+    root = copy_tree("baseline")
+    try:
+        env = environment(root, {})
+        check_imports_copy(root, env)
+        return run_tests(root, tests, env, timeout_s, "(baseline, no mutation)")
+    finally:
+        shutil.rmtree(os.path.dirname(root), ignore_errors=True)
+
+
+def table(outcomes: Sequence[Outcome]) -> str:
+    lines = ["| mutation | file | tests run | failing tests | result | time | first failure line |",
+             "|---|---|---|---|---|---|---|"]
+    files = {m.name: m.file for m in MUTATIONS}
+    for o in outcomes:
+        tests = "<br>".join(t.replace("tests/", "") for t in o.tests)
+        failing = "<br>".join(t.replace("tests/", "") for t in o.failing) or "-"
+        reason = o.reason.replace("|", "\\|").replace("`", "'") or "-"
+        lines.append(f"| {o.name} | {files.get(o.name, '-')} | {tests} | {failing} | {o.verdict} | {o.seconds:.0f} s "
+                     f"| `{reason}` |")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", action="append", default=[], metavar="NAME",
+                        help="run only this mutation (repeatable, or comma-separated)")
+    parser.add_argument("--list", action="store_true", help="list the mutations and their tests, run nothing")
+    parser.add_argument("--tests-from-map", action="store_true",
+                        help="each mutation runs its node ids from TESTS_FOR (the default; --tests overrides it)")
+    parser.add_argument("--tests", nargs="+", metavar="NODEID",
+                        help="run these node ids against every selected mutation instead of TESTS_FOR's")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the unmutated run of the selected tests")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per pytest run (default 3600)")
+    parser.add_argument("--keep", action="store_true", help="keep the mutated copies (printed) for debugging")
+    args = parser.parse_args(argv)
+
+    names = [n for item in args.only for n in item.split(",") if n]
+    known = {m.name: m for m in MUTATIONS}
+    missing_map = sorted(set(known) ^ set(TESTS_FOR))
+    if missing_map:
+        print(f"MUTATIONS and TESTS_FOR disagree on: {missing_map}", file=sys.stderr)
+        return 2
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        print(f"unknown mutation(s) {unknown}; known: {sorted(known)}", file=sys.stderr)
+        return 2
+    selected = [known[n] for n in names] if names else list(MUTATIONS)
+    tests_of = {m.name: (list(args.tests) if args.tests else list(TESTS_FOR[m.name])) for m in selected}
+
+    if args.list:
+        for m in selected:
+            print(f"{m.name}  ({m.file}{', env ' + str(m.env) if m.env else ''})\n    {m.what}")
+            for t in tests_of[m.name]:
+                print(f"    - {t}")
+        return 0
+
+    # Stale snippets fail before anything runs.
+    stale = []
+    for m in selected:
+        with open(os.path.join(REPO, m.file), encoding="utf-8") as f:
+            text = f.read()
+        stale += [f"{m.name}: snippet {i + 1} found {text.count(old)} times in {m.file}"
+                  for i, (old, _) in enumerate(m.edits) if text.count(old) != 1]
+    if stale:
+        print("STALE MUTATIONS (update them to the code):\n  " + "\n  ".join(stale), file=sys.stderr)
+        return 2
+
+    outcomes: List[Outcome] = []
+    if not args.no_baseline:
+        union = list(dict.fromkeys(t for m in selected for t in tests_of[m.name]))
+        print(f"baseline: {len(union)} test id(s) on an unmutated copy ...", flush=True)
+        base = baseline(union, args.timeout)
+        print(f"  {base.verdict.replace('survived', 'passed')} in {base.seconds:.0f} s", flush=True)
+        if base.verdict != "survived":
+            print(f"the selected tests do not pass without a mutation; fix them first:\n{base.tail}", file=sys.stderr)
+            return 2
+    for m in selected:
+        print(f"{m.name}: {m.file} -> {len(tests_of[m.name])} test id(s) ...", flush=True)
+        outcome = run_mutation(m, tests_of[m.name], args.timeout, args.keep)
+        print(f"  {outcome.verdict} in {outcome.seconds:.0f} s; failing: {outcome.failing or '-'}"
+              f"{'; ' + outcome.reason if outcome.reason else ''}", flush=True)
+        if outcome.verdict.startswith("ERROR") or outcome.verdict == "survived":
+            print("  " + outcome.tail.replace("\n", "\n  "), flush=True)
+        outcomes.append(outcome)
+    print()
+    print(table(outcomes))
+    bad = [o.name for o in outcomes if o.verdict == "survived" or o.verdict.startswith("ERROR")]
+    if bad:
+        print(f"\n{len(bad)} mutation(s) not killed: {', '.join(bad)}")
+        return 1
+    print(f"\nall {len(outcomes)} mutation(s) killed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
