@@ -166,21 +166,10 @@ def prepare_load(rt, checkpoint_dir: str, load_optimizer_states: bool = True) ->
                     loaded.setdefault(shard.layer_id, {})[e] = _read_expert(directory, checkpoint_dir, shard, e)
     except HecateError as exc:
         error = str(exc)
-    names = dict(zip((b.shard.layer_id for b in rt.bindings), rt.layer_names))
-    state_keys: Dict[tuple, str] = {}   # (layer, optimizer-state keys) -> one expert whose file holds exactly those
-    for layer_id, blobs in sorted(loaded.items()):
-        for e, blob in sorted(blobs.items()):
-            state_keys.setdefault((layer_id, tuple(sorted(map(str, blob["state"])))),
-                                  f"expert {e} of MoE layer '{names[layer_id]}'")
-    gathered = rt.comm.all_gather_object((error, state_keys), "checkpoint-load validation")
+    gathered = rt.comm.all_gather_object((error, _state_keys(rt, loaded)), "checkpoint-load validation")
     errors = [m for m, _ in gathered if m]
-    if not errors and load_optimizer_states:  # a layer's experts all step together: the same optimizer state keys
-        every = {k: where for _, keys in gathered for k, where in keys.items()}
-        for (layer_id, keys), where in sorted(every.items()):
-            union = {name for (other, k) in every if other == layer_id for name in k}
-            if set(keys) != union:
-                errors.append(f"{checkpoint_dir}: {where} has no optimizer state {sorted(union - set(keys))} in its "
-                              "file, which the layer's other experts have; the checkpoint is damaged")
+    if not errors and load_optimizer_states:
+        errors = _missing_state(gathered, checkpoint_dir)
     if errors:
         raise HecateError(errors[0])
 
@@ -214,6 +203,30 @@ def prepare_load(rt, checkpoint_dir: str, load_optimizer_states: bool = True) ->
         for layer, binding in zip(meta["layers"], rt.bindings):   # after owners and costs: same reuse decisions
             binding.restore_schedule(layer.get("schedule", {}) if same_world else {})
     return install
+
+
+def _state_keys(rt, loaded: Dict[int, Dict[int, Dict[str, Any]]]) -> Dict[tuple, str]:
+    """(layer, optimizer-state keys) -> one expert of this rank whose file holds exactly those keys."""
+    names = dict(zip((b.shard.layer_id for b in rt.bindings), rt.layer_names))
+    keys: Dict[tuple, str] = {}
+    for layer_id, blobs in sorted(loaded.items()):
+        for e, blob in sorted(blobs.items()):
+            keys.setdefault((layer_id, tuple(sorted(map(str, blob["state"])))),
+                            f"expert {e} of MoE layer '{names[layer_id]}'")
+    return keys
+
+
+def _missing_state(gathered: List[tuple], checkpoint_dir: str) -> List[str]:
+    """A layer's experts all step together, so every expert file of a layer holds the same optimizer-state keys; one
+    with fewer lost its state (every rank computes the same answer from the gathered keys)."""
+    every = {k: where for _, keys in gathered for k, where in keys.items()}
+    errors = []
+    for (layer_id, keys), where in sorted(every.items()):
+        union = {name for (other, k) in every if other == layer_id for name in k}
+        if set(keys) != union:
+            errors.append(f"{checkpoint_dir}: {where} has no optimizer state {sorted(union - set(keys))} in its "
+                          "file, which the layer's other experts have; the checkpoint is damaged")
+    return errors
 
 
 def _read_expert(directory: str, checkpoint_dir: str, shard, expert: int) -> Dict[str, Any]:
