@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from deepspeed.moe.sharded_moe import TopKGate, multiplicative_jitter, top1gating, top2gating
 
 from moe_training import Spec
-from trajectory_checks import assert_same_steps, assert_same_trajectory, full_experts_of_oracle
+from trajectory_checks import assert_same_steps, assert_same_trajectory, oracle_experts_at
 
 PLACEMENTS = ("hecate", "owner", "local", "cost", "shadow", "all")
 BIG = 50.0
@@ -387,14 +387,6 @@ def tolerances(spec: Spec) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-def oracle_experts_at(oracle: List[dict], step: int) -> Dict[str, torch.Tensor]:
-    """The oracle's ``[E, numel]`` expert weights after ``step`` (fp32 masters where recorded), as
-    ``assert_same_steps`` assembles them."""
-    states = [r["states"][step] for r in oracle]
-    key = "local_experts_fp32" if all("local_experts_fp32" in s for s in states) else "local_experts"
-    return full_experts_of_oracle([{"local_experts": s[key]} for s in states])
-
-
 def compare(oracle: List[dict], mine: List[dict], spec: Spec, label: str = "") -> None:
     """Hecate's run follows the oracle after every optimizer step (``assert_same_steps``: micro-step losses, grad
     norms, loss scales, skipped steps, dense weights and every expert's weights; the first divergence is named),

@@ -47,7 +47,7 @@ def assert_same_trajectory(oracle: List[dict], mine: List[dict], loss_rtol: floa
             assert diff <= param_atol, f"{label} rank {rank}: experts of '{name}' differ by {diff:.3e}"
 
 
-def _oracle_experts_at(oracle: List[dict], step: int) -> Dict[str, torch.Tensor]:
+def oracle_experts_at(oracle: List[dict], step: int) -> Dict[str, torch.Tensor]:
     """The oracle's ``[E, numel]`` expert weights after ``step`` (from every rank's ``states``; the fp32 masters
     where recorded), as :func:`full_experts_of_oracle` assembles the final ones."""
     states = [r["states"][step] for r in oracle]
@@ -124,7 +124,7 @@ def assert_same_steps(oracle: List[dict], mine: List[dict], loss_rtol: float = 1
             for name in od:
                 diff = (od[name] - md[name]).abs().max().item() if od[name].numel() else 0.0
                 assert diff <= param_atol, f"{where}: dense '{name}' ({key}) differs by {diff:.3e} > {param_atol}"
-        full = _oracle_experts_at(oracle, step)
+        full = oracle_experts_at(oracle, step)
         expert_names = expert_names or sorted(full)
         for rank, m in enumerate(mine):
             experts = m["states"][step]["experts"]

@@ -16,7 +16,7 @@ from ..experts import ExpertKernel
 from ..moe_layer import MoE
 from ..planning import even_sharding
 from ..runtime.hecate import HecateRuntime
-from ..runtime.shard_store import LayerShard
+from ..runtime.shard_store import LayerShard, initial_master
 
 
 def _replace_child(model: nn.Module, qualified_name: str, new: nn.Module) -> None:
@@ -78,10 +78,7 @@ def _take_over_gathered(name: str, layer: MoE, experts: List[nn.Module], runtime
                                    "Hecate needs identical experts within a layer")
     expert_param_ids = {id(p) for expert in experts for p in expert.parameters()}
     local = {e: kernel.flatten(expert) for e, expert in zip(layer.local_expert_ids, experts)}
-    if runtime.compute_dtype != torch.float32:
-        # DeepSpeed casts the model to fp16/bf16 before its optimizer copies the fp32 masters from it: the experts'
-        # masters start from the same rounded values as every dense parameter's (and as the oracle's experts).
-        local = {e: flat.to(runtime.compute_dtype).to(torch.float32) for e, flat in local.items()}
+    local = {e: initial_master(flat, runtime.compute_dtype) for e, flat in local.items()}
     sources = _expert_sources(layer, runtime.world_size)
     owners = even_sharding(layer.num_experts, runtime.world_size)
     masters = runtime.comm.move_experts(sources, owners, local, kernel.numel)

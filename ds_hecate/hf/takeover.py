@@ -27,7 +27,7 @@ from torch import nn
 
 from ..errors import HecateModelError
 from ..planning import even_sharding
-from ..runtime.shard_store import LayerShard
+from ..runtime.shard_store import LayerShard, initial_master
 from .experts import IMPLEMENTATION, fused_expert_kernel, register_experts_implementation
 from .registry import ARCHITECTURES, DOCS, MoEArchitecture, architecture_of
 
@@ -81,10 +81,8 @@ def _take_over(name: str, module: nn.Module, arch: MoEArchitecture, runtime) -> 
         full_gu, full_d = gate_up.detach(), down.detach()
     num_experts = full_gu.shape[0]
     kernel = fused_expert_kernel(full_gu.shape[1:], full_d.shape[1:], module.act_fn)
-    # Rounded to the compute dtype first: DeepSpeed's fp16/bf16 optimizers take their fp32 masters from the cast
-    # model, so the experts' masters start from the same rounded values as every dense parameter's.
-    local = {e: torch.cat([full_gu[e].reshape(-1), full_d[e].reshape(-1)]).to(runtime.compute_dtype)
-             .to(torch.float32) for e in range(num_experts)}
+    local = {e: initial_master(torch.cat([full_gu[e].reshape(-1), full_d[e].reshape(-1)]), runtime.compute_dtype)
+             for e in range(num_experts)}
     owners = even_sharding(num_experts, runtime.world_size)
     # Rank 0's weights, as DeepSpeed's broadcast at initialize gives every dense parameter.
     masters = runtime.comm.move_experts((0,) * num_experts, owners, local, kernel.numel)

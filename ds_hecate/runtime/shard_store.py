@@ -16,6 +16,13 @@ from torch import nn
 from ..experts import ExpertKernel
 
 
+def initial_master(flat: torch.Tensor, compute_dtype: torch.dtype) -> torch.Tensor:
+    """An expert's fp32 master taken from the model at take-over. DeepSpeed's fp16/bf16 optimizers copy their fp32
+    masters from the model after casting it to the compute dtype, so the experts' masters start from the same
+    rounded values as every dense parameter's (and as a data-parallel run's experts)."""
+    return flat.to(compute_dtype).to(torch.float32)
+
+
 @dataclass
 class LayerShard:
     """One MoE layer's experts on this rank."""

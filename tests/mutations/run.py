@@ -170,9 +170,9 @@ MUTATIONS: List[Mutation] = [
           "        total = torch.sqrt(dense_sq)  # MUTATION: the experts' gradients are left out of the clip norm\n"),),
         "ZeRO stage 0 (fp32) clips by the dense gradients' norm alone, not the joint norm data parallelism uses"),
     Mutation(
-        "fp16-masters-not-rounded", "ds_hecate/deepspeed_glue/convert.py",
-        (("        local = {e: flat.to(runtime.compute_dtype).to(torch.float32) for e, flat in local.items()}\n",
-          "        pass  # MUTATION: expert masters keep the fp32 values DeepSpeed's masters lose in the fp16/bf16 cast\n"),),
+        "fp16-masters-not-rounded", "ds_hecate/runtime/shard_store.py",
+        (("    return flat.to(compute_dtype).to(torch.float32)\n",
+          "    return flat.to(torch.float32)  # MUTATION: masters keep what DeepSpeed's lose in the fp16/bf16 cast\n"),),
         "fp16/bf16: the experts' fp32 masters start from the unrounded weights, DeepSpeed's from the rounded model"),
 ]
 
