@@ -50,7 +50,7 @@ class HecateConfig(BaseModel):
         None, ge=0, le=1e9,
         description="Calibration's search budget on the critical path (after the gate), in estimated microseconds "
                     "counted identically on every rank; the best placement found within it is used (0: keep the "
-                    "prefetched placement; null: 5% of the layer's estimated time, at least 1000).")
+                    "prefetched placement; null: 5% of the layer's estimated time, between 1000 and 20000).")
     search_budget_us: float = Field(
         200000.0, ge=0, le=1e9,
         description="Budget of the prediction-driven search, which runs off the critical path (after the previous "

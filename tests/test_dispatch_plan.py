@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from ds_hecate.config import HecateConfig
-from ds_hecate.planning.critical_path import calibration_extras, plan_after_gate
+from ds_hecate.planning.critical_path import AUTO_PLAN_BUDGET, calibration_extras, plan_after_gate
 from ds_hecate.planning.dispatch import topology_aware_routes
 from ds_hecate.planning.dispatch_plan import DispatchPlan
 from ds_hecate.planning.plan import LayerPlan, Placement
-from ds_hecate.planning.schedule_reuse import ScheduleReuse
+from ds_hecate.planning.schedule_reuse import ScheduleReuse, load_shift
 from ds_hecate.planning.scheduler import SEARCH_WORK, schedule_materialization
 from ds_hecate.planning.cost_model import StepCostModel, estimate_layer
 from ds_hecate.planning.sharding import even_sharding
@@ -152,3 +152,32 @@ def test_budget_keys_validated(key):
     assert getattr(HecateConfig(**{key: 123.0}), key) == 123.0
     with pytest.raises(Exception, match=key):
         HecateConfig(**{key: -1})
+
+
+def test_automatic_calibration_budget_is_a_share_of_the_prefetched_estimate():
+    """``plan_budget_us: null``: the search's budget is 5% of the layer's estimate under the prefetched placement
+    (replicas already gathered), clamped to [floor, cap], and resolved from the search's own setup."""
+    counts, owners, _ = _search_case()
+    costs = StepCostModel(compute_s_per_pair=1e-5, token_transfer_s=1e-7, expert_transfer_s=1e-4, overlap_s=1e-3)
+    placement = Placement(owners, tuple(tuple(e for e, o in enumerate(owners) if o == r) for r in range(8)))
+    rng = np.random.default_rng(1)
+    burst = np.zeros_like(counts, dtype=np.int64)
+    burst[:, rng.choice(16, 5, replace=False)] = rng.integers(100, 500, (8, 5))   # five hot experts at once
+    layer_s = estimate_layer(burst, owners, placement.materialized, costs, 4,
+                             prefetched=placement.materialized).time_s
+    budget = AUTO_PLAN_BUDGET.resolve(layer_s)
+    assert AUTO_PLAN_BUDGET.floor_us < budget < AUTO_PLAN_BUDGET.cap_us     # the share itself decides here
+    after = plan_after_gate(burst, placement, counts, ScheduleReuse(0.05, 5), costs, 4, 4, 3, True, None)
+    holders = placement.holders
+    want = schedule_materialization(burst, owners, costs, 4, 4, start=holders, prefetched=holders, budget_us=budget)
+    assert after.searched and after.plan.materialized == want
+    # the budget is binding: the cap, or a search to the end, would place differently
+    assert want != schedule_materialization(burst, owners, costs, 4, 4, start=holders, prefetched=holders,
+                                            budget_us=AUTO_PLAN_BUDGET.cap_us)
+    assert AUTO_PLAN_BUDGET.resolve(1e3) == AUTO_PLAN_BUDGET.cap_us and AUTO_PLAN_BUDGET.resolve(0.0) == 1000.0
+
+
+def test_load_shift_with_a_kept_total_equals_the_plain_one():
+    rng = np.random.default_rng(3)
+    before, after = rng.random((16, 8)) * 50, rng.integers(0, 60, (16, 8))
+    assert load_shift(before, after, float(before.sum())) == load_shift(before, after)

@@ -226,3 +226,18 @@ def test_nonfinite_expert_gradients_are_reported_in_the_step_statistics():
         assert stats["nonfinite_grad_steps"] == 1 and stats["last_nonfinite_grads"]["step"] == 2, stats
         named.update(stats["last_nonfinite_grads"]["experts"])
     assert "blocks.1.moe expert 2" in named, named
+
+
+def test_gate_health_check_names_the_flagged_ranks_at_scale():
+    """The exchanged health flags of 1,024 ranks: silent when healthy, and every flagged rank named otherwise."""
+    import numpy as np
+    from ds_hecate.errors import HecateError
+    from ds_hecate.runtime.layer import check_gate_health
+    flags = np.zeros((1024, 2), dtype=np.int64)
+    assert check_gate_health(flags, "moe.0", 256) is None
+    flags[[7, 900], 0] = 1
+    flags[1023, 1] = 1
+    with pytest.raises(HecateError) as err:
+        check_gate_health(flags, "moe.0", 256)
+    assert ("MoE layer 'moe.0': non-finite gate values (NaN/Inf) on rank(s) [7, 900] and expert indices outside "
+            "[0, 256) on rank(s) [1023]") in str(err.value)

@@ -89,3 +89,26 @@ def test_restored_schedule_makes_the_same_reuse_decisions(world, experts):
             planner.plan_call(counts, inputs, a, 0)
             planner.observe(counts)
     assert original.schedule.reuses > 0, "the sequence should re-use a schedule at least once"
+
+
+def test_start_layout_is_kept_while_owners_and_budget_hold():
+    """The start layout is built once and handed out as the same object (the schedule's reuse check then compares
+    it by identity), and rebuilt when a re-sharding moves owners or the budget changes."""
+    world, experts = 8, 2
+    planner = LayerPlanner(PlannerSettings(ranks_per_node=4), world, experts)
+    inputs = _inputs(world, experts)
+    first = planner.start_layout(inputs)
+    assert first == expert_data_parallel_start(experts, world, inputs.replica_budget, inputs.owners)
+    assert planner.start_layout(PlanInputs(list(inputs.owners), COSTS, inputs.replica_budget)) is first
+    moved = PlanInputs((3, 5), COSTS, inputs.replica_budget)       # re-sharded: experts on ranks 3 and 5
+    assert planner.start_layout(moved) == expert_data_parallel_start(experts, world, inputs.replica_budget, (3, 5))
+    assert planner.start_layout(PlanInputs(inputs.owners, COSTS, 0)) is None    # budget below the layout's need
+    assert planner.start_layout(inputs) == first
+
+
+def test_expert_data_parallel_start_groups_experts_by_expert_parallel_rank():
+    # 6 ranks, 4 experts: expert-parallel groups of 4 ranks, the fifth and sixth rank repeat the first two
+    start = expert_data_parallel_start(4, 6, 8, (0, 1, 2, 3))
+    assert start == ((0,), (1,), (2,), (3,), (0,), (1,))
+    assert expert_data_parallel_start(4, 4, 8, (0, 1, 2, 3)) is None
+    assert expert_data_parallel_start(4, 6, 0, (0, 1, 2, 3)) is None    # ranks 4 and 5 would need one replica

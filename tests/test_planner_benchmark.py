@@ -16,3 +16,30 @@ def test_one_setting_times_the_runtime_calls_and_renders(tmp_path):
     planner.replace_block(str(doc), planner.markdown(res), planner.BEGIN, planner.END, "here")
     text = doc.read_text()
     assert "old" not in text and text.endswith("tail\n") and "| 8 x 16 | 2 | burst |" in text
+
+
+def test_search_work_benchmark_times_setups_and_steps(capsys):
+    """benchmarks/search_work.py: every setting gets setups and steps timed against the work model's estimate."""
+    from benchmarks import search_work
+    rows = search_work.measure(trials=1)
+    kinds = {(kind, ranks, experts) for kind, ranks, experts, _, _ in rows}
+    assert all(("setup", r, e) in kinds and ("step", r, e) in kinds for r, e in search_work.SETTINGS)
+    assert all(us > 0 for *_, us in rows)
+    search_work.main(["--trials", "1"])
+    assert "| 64 x 256 |" in capsys.readouterr().out
+
+
+def test_planner_decisions_digest_and_compare(capsys):
+    """benchmarks/planner_decisions.py: a call sequence digests identically twice; compare flags a differing
+    calibrated call that is worse than its prefetched or sharded placement."""
+    from benchmarks import planner_decisions as pd
+    rows = pd.decisions(8, 16, 8, "burst", budgets=True)
+    assert rows == pd.decisions(8, 16, 8, "burst", budgets=True) and any("layer_s" in r for r in rows)
+    base = {"case": rows}
+    assert pd.compare(base, base)
+    i = next(i for i, r in enumerate(rows) if "layer_s" in r)
+    better = dict(rows[i], digest="x", layer_s=min(rows[i]["prefetched_s"], rows[i]["sharded_s"]) * 0.5)
+    worse = dict(rows[i], digest="y", layer_s=max(rows[i]["prefetched_s"], rows[i]["sharded_s"]) * 2)
+    assert pd.compare(base, {"case": rows[:i] + [better] + rows[i + 1:]})
+    assert not pd.compare(base, {"case": rows[:i] + [worse] + rows[i + 1:]})
+    assert "WORSE" in capsys.readouterr().out

@@ -16,13 +16,15 @@ import numpy as np
 from .dispatch_plan import DispatchPlan, RankDispatch
 from .plan import Placement
 from .schedule_reuse import ScheduleReuse
-from .scheduler import SEARCH_WORK, schedule_materialization
-from .cost_model import StepCostModel, estimate_layer
+from .scheduler import SEARCH_WORK, RelativeBudget, schedule_materialization
+from .cost_model import StepCostModel
 
-#: ``plan_budget_us: null``: calibration may spend this share of the layer's estimated time, within floor and cap
+#: ``plan_budget_us: null``: calibration may spend this share of the layer's estimated time (under the prefetched
+#: placement, as the search's setup estimates it), within floor and cap
 AUTO_BUDGET_SHARE = 0.05
 AUTO_BUDGET_FLOOR_US = 1000.0
-AUTO_BUDGET_CAP_US = 5000.0
+AUTO_BUDGET_CAP_US = 20000.0
+AUTO_PLAN_BUDGET = RelativeBudget(AUTO_BUDGET_SHARE, AUTO_BUDGET_FLOOR_US, AUTO_BUDGET_CAP_US)
 
 
 @dataclass(frozen=True)
@@ -44,18 +46,6 @@ def calibration_extras(calibrated: Placement, prefetched: np.ndarray) -> Placeme
     return Placement(calibrated.owners, tuple(tuple(int(e) for e in np.flatnonzero(row)) for row in extra))
 
 
-def auto_plan_budget_us(counts: np.ndarray, prefetched: Placement, costs: StepCostModel,
-                        ranks_per_node: int) -> float:
-    """Calibration's default budget: a share of what the layer is estimated to take under the prefetched placement.
-
-    Why relative: a search step costs about the same host time on any model, while what calibration can save scales
-    with the layer (a millisecond is 1% of a 100 ms layer and all of a 1 ms one). The estimate is computed from the
-    exchanged counts and the agreed cost model, so every rank gets the same budget.
-    """
-    layer_s = estimate_layer(counts, prefetched.owners, prefetched.materialized, costs, ranks_per_node).time_s
-    return min(AUTO_BUDGET_CAP_US, max(AUTO_BUDGET_FLOOR_US, AUTO_BUDGET_SHARE * layer_s * 1e6))
-
-
 def plan_after_gate(counts: np.ndarray, prefetched: Placement, prediction: Optional[np.ndarray],
                     schedule: ScheduleReuse, costs: StepCostModel, replica_budget: int, ranks_per_node: int,
                     rank: int, calibration: bool, budget_us: Optional[float]) -> AfterGate:
@@ -63,7 +53,7 @@ def plan_after_gate(counts: np.ndarray, prefetched: Placement, prediction: Optio
 
     Calibration re-plans only when the prediction missed and the step would run imbalanced
     (:meth:`ScheduleReuse.after_gate`); it extends the prefetched placement within ``budget_us`` (None: the
-    automatic budget, :func:`auto_plan_budget_us`). Where the budget cannot pay the search's setup and a first step
+    automatic budget, :data:`AUTO_PLAN_BUDGET`). Where the budget cannot pay the search's setup and a first step
     (large worlds), calibration is off, as with ``calibration: false``: no scoring, no estimate on the critical path.
     """
     placement, extras = prefetched, None
@@ -72,10 +62,9 @@ def plan_after_gate(counts: np.ndarray, prefetched: Placement, prediction: Optio
                 and schedule.after_gate(prediction, counts, prefetched.holders, ranks_per_node))
     if searched:
         holders = prefetched.holders
-        if budget_us is None:
-            budget_us = auto_plan_budget_us(counts, prefetched, costs, ranks_per_node)
         calibrated = schedule_materialization(counts, prefetched.owners, costs, replica_budget, ranks_per_node,
-                                              start=holders, prefetched=holders, budget_us=budget_us)
+                                              start=holders, prefetched=holders,
+                                              budget_us=AUTO_PLAN_BUDGET if budget_us is None else budget_us)
         if calibrated != prefetched.materialized:
             placement = Placement(prefetched.owners, calibrated)
             extras = calibration_extras(placement, holders)

@@ -50,9 +50,12 @@ class HolderTables:
         #: per source rank and expert: 0 keeps (holds it), 1 node-local holders, 2 holders anywhere
         node_has = self.node_count[self.node] > 0
         self.case = np.where(holders, 0, np.where(node_has, 1, 2)).astype(np.int8)
-        self.remote = self.case == 2      # pairs that leave their node
         #: holders a source's pairs split over (1 when it keeps them)
         self.ways = np.where(holders, 1, np.where(node_has, self.node_count[self.node], np.maximum(self.total, 1)))
+        #: ``[nodes, experts]`` 1 where the node holds no replica: its sources' pairs leave it (node traffic per call
+        #: is then one reduction over the node sums, not a masked sum over ranks x experts)
+        self.node_lacks = (self.node_count == 0).astype(np.int64)
+        self.starts = starts
 
     def rank_tables(self, rank: int) -> "RankTables":
         return RankTables(self, rank)
@@ -63,7 +66,8 @@ class RankTables:
 
     Send side, in route order (expert, then destination ascending): ``send_expert``, ``send_dst``,
     ``send_pos`` (the destination's rotated position among the eligible holders). Receive side, ``[sources, K]``
-    over the K experts the rank holds (``mine``, ascending): eligibility and rotated position.
+    over the K experts the rank holds (``mine``, ascending): eligibility and rotated position. Everything a call
+    needs beyond its counts is precomputed here, with the placement (off the critical path).
     """
 
     def __init__(self, tables: HolderTables, rank: int) -> None:
@@ -82,22 +86,30 @@ class RankTables:
         self.send_pos = (index[dst, expert] - rank % self.send_ways) % self.send_ways
         # --- receives: from every source, for the experts this rank holds
         self.mine = np.flatnonzero(t.holders[rank])
+        self.mine_tuple = tuple(int(e) for e in self.mine)
         src_case, src_ways = t.case[:, self.mine], t.ways[:, self.mine]
         my_index = np.where(src_case == 1, t.index_node[rank, self.mine][None, :], t.index_all[rank, self.mine][None, :])
         self.recv_eligible = (((src_case == 0) & (ranks == rank)[:, None])
                               | ((src_case == 1) & same_node) | (src_case == 2))
         self.recv_ways = src_ways
         self.recv_pos = (my_index - ranks[:, None] % src_ways) % src_ways
+        # One gather, one divmod and one compare per call for both sides: the send entries, then the [sources, K]
+        # receive cells (source-major). Ineligible receive cells divide by a number no count reaches (base 0,
+        # remainder = count) at a position no remainder exceeds.
+        never = np.iinfo(np.int64).max
+        k = self.mine.size
+        self._n_send = expert.size
+        self._rows = np.concatenate([np.full(expert.size, rank), np.repeat(ranks, k)])
+        self._cols = np.concatenate([expert, np.tile(self.mine, t.world)])
+        self._div = np.concatenate([self.send_ways, np.where(self.recv_eligible, src_ways, never).reshape(-1)])
+        self._pos = np.concatenate([self.send_pos, np.where(self.recv_eligible, self.recv_pos, never).reshape(-1)])
 
-    def send_amounts(self, counts: np.ndarray) -> np.ndarray:
-        """Pairs sent per (expert, destination) entry of the send table, in route order."""
-        base, rem = np.divmod(counts[self.rank, self.send_expert], self.send_ways)
-        return base + (self.send_pos < rem)
-
-    def recv_amounts(self, counts: np.ndarray) -> np.ndarray:
-        """``[sources, K]``: pairs received from each source for each expert in :attr:`mine`."""
-        base, rem = np.divmod(counts[:, self.mine], self.recv_ways)
-        return np.where(self.recv_eligible, base + (self.recv_pos < rem), 0)
+    def amounts(self, counts: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        """(pairs sent per entry of the send table, in route order; ``[sources, K]`` pairs received from each
+        source for each expert in :attr:`mine`): the rule's closed form, ``base + (position < remainder)``."""
+        base, rem = np.divmod(counts[self._rows, self._cols], self._div)
+        base += self._pos < rem
+        return base[:self._n_send], base[self._n_send:].reshape(self.world, self.mine.size)
 
 
 @dataclass(frozen=True)
@@ -128,15 +140,14 @@ class RankDispatch:
 def rank_dispatch(tables: RankTables, counts: np.ndarray) -> RankDispatch:
     """The per-call work of one rank: O(experts + sources x experts it holds), vectorised."""
     world = tables.world
-    sent = tables.send_amounts(counts)
+    sent, received = tables.amounts(counts)                 # received: [sources, K]
     send_splits = np.bincount(tables.send_dst, weights=sent, minlength=world).astype(np.int64)
-    received = tables.recv_amounts(counts)                  # [sources, K]
-    flat = received.reshape(-1)
-    starts = (np.cumsum(flat) - flat).reshape(received.shape)
-    return RankDispatch(rank=tables.rank, mine=tuple(int(e) for e in tables.mine), send_dst=tables.send_dst,
+    by_expert = received.T                                  # the expert-major order of the segments
+    starts = received.cumsum().reshape(received.shape).T - by_expert
+    return RankDispatch(rank=tables.rank, mine=tables.mine_tuple, send_dst=tables.send_dst,
                         send_rows=sent, send_splits=send_splits.tolist(),
-                        recv_splits=received.sum(axis=1).tolist(), order_starts=starts.T.reshape(-1),
-                        order_lengths=received.T.reshape(-1), sizes=received.sum(axis=0).tolist())
+                        recv_splits=received.sum(axis=1).tolist(), order_starts=starts.reshape(-1),
+                        order_lengths=by_expert.reshape(-1), sizes=by_expert.sum(axis=1).tolist())
 
 
 def _ring_hits(ring_of: np.ndarray, start: np.ndarray, length: np.ndarray, ring_offset: np.ndarray,
@@ -199,7 +210,7 @@ class DispatchPlan:
         tables = placement_tables(placement, ranks_per_node)
         if counts.shape != tables.holders.shape:
             raise ValueError(f"plan: counts must be [{tables.world}][{tables.num_experts}], got {counts.shape}")
-        if (counts < 0).any():
+        if counts.size and counts.min() < 0:
             raise ValueError("plan: token-expert pair counts must be >= 0")
         return cls(placement, counts, ranks_per_node, tables)
 
@@ -248,7 +259,12 @@ class DispatchPlan:
         leave their node, so none is avoidable; ``ranks_per_node`` must be the plan's own."""
         if ranks_per_node != self.ranks_per_node:
             return self.explicit.node_traffic(ranks_per_node)
-        return int(np.sum(self.counts, where=self.tables.remote)), 0
+        t = self.tables
+        if t.world % ranks_per_node == 0:
+            node_sums = self.counts.reshape(-1, ranks_per_node, t.num_experts).sum(axis=1)
+        else:
+            node_sums = np.add.reduceat(self.counts, t.starts, axis=0)
+        return int(np.vdot(node_sums, t.node_lacks)), 0
 
     @cached_property
     def explicit(self) -> LayerPlan:

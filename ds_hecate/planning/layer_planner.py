@@ -16,7 +16,7 @@ prediction, prefetch nothing and place from the exchanged counts alone. The runt
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -71,8 +71,11 @@ def expert_data_parallel_start(num_experts: int, world: int, replica_budget: int
     budget (a hard cap) cannot hold it."""
     if world <= num_experts:
         return None
-    ep_owners = even_sharding(num_experts, num_experts)
-    start = tuple(tuple(e for e, o in enumerate(ep_owners) if o == r % num_experts) for r in range(world))
+    groups: List[List[int]] = [[] for _ in range(num_experts)]
+    for e, o in enumerate(even_sharding(num_experts, num_experts)):
+        groups[o].append(e)
+    held = [tuple(g) for g in groups]
+    start = tuple(held[r % num_experts] for r in range(world))
     needed = max(sum(1 for e in experts if owners[e] != r) for r, experts in enumerate(start))
     return start if replica_budget >= needed else None
 
@@ -89,6 +92,7 @@ class LayerPlanner:
         self.predictor = LoadPredictor(settings.load_window)
         self.schedule = ScheduleReuse(settings.replan_tolerance, settings.load_window)
         self.prediction: Optional[np.ndarray] = None   # the load window's prediction for the next call
+        self._start: Tuple[Any, Optional[Materialized]] = (None, None)   # (its inputs, the start layout)
 
     @property
     def prefetches(self) -> bool:
@@ -99,7 +103,13 @@ class LayerPlanner:
         return Placement(tuple(owners), owned_experts(owners, self.world))
 
     def start_layout(self, inputs: PlanInputs) -> Optional[Materialized]:
-        return expert_data_parallel_start(self.num_experts, self.world, inputs.replica_budget, inputs.owners)
+        """:func:`expert_data_parallel_start`, kept while owners and budget hold: the same object on every call,
+        so the schedule's reuse check compares it by identity (at 1,024 ranks rebuilding it cost milliseconds)."""
+        key = (inputs.replica_budget, tuple(inputs.owners))
+        if self._start[0] != key:
+            self._start = (key, expert_data_parallel_start(self.num_experts, self.world, inputs.replica_budget,
+                                                           inputs.owners))
+        return self._start[1]
 
     def prefetch_placement(self, inputs: PlanInputs) -> Placement:
         """The ``hecate`` placement for the next call, from the load window. Before any observation, and while the

@@ -7,27 +7,29 @@ calibration pay?). Everything here is a deterministic function of loads every ra
 from __future__ import annotations
 
 from collections import deque
-from typing import Deque, Optional, Sequence
+from typing import Deque, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .plan import Materialized
+from .plan import Materialized, holders_matrix
 from .cost_model import StepCostModel, imbalance
-from .dispatch import rank_loads
+from .dispatch import dispatch_flows
 from .scheduler import schedule_materialization
 
 
-def load_shift(before: Sequence[Sequence[float]], after: Sequence[Sequence[float]]) -> float:
+def load_shift(before: Sequence[Sequence[float]], after: Sequence[Sequence[float]],
+               before_total: Optional[float] = None) -> float:
     """How far the (source rank, expert) loads moved: L1 distance over the total of ``before`` (0 = unchanged).
 
     An empty ``before`` counts as moved entirely unless ``after`` is empty too. Arrays are used as they are (no
-    copy): this runs on every layer call, over ranks x experts numbers.
+    copy): this runs on every layer call, over ranks x experts numbers; ``before_total`` is ``before``'s sum when
+    the caller keeps it (one pass fewer).
     """
     a = before if isinstance(before, np.ndarray) else np.asarray(before, dtype=np.float64)
     b = after if isinstance(after, np.ndarray) else np.asarray(after, dtype=np.float64)
     if a.shape != b.shape:
         return float("inf")
-    total = float(a.sum())
+    total = float(a.sum()) if before_total is None else before_total
     moved = np.subtract(b, a, dtype=np.float64)
     diff = float(np.abs(moved, out=moved).sum())
     if total <= 0.0:
@@ -77,28 +79,40 @@ class ScheduleReuse:
         self.reuses = 0
         self.misses: Deque[bool] = deque(maxlen=max(1, window))
         self._noise: Optional[float] = None   # sampling_noise(planned_for), computed with the search
+        self._planned_total: Optional[float] = None   # planned_for's sum, scored against on every call
+        #: the last loads :meth:`schedule` was asked about (the prediction) and their sum, taken before the gate so
+        #: that scoring the prediction after it needs one pass fewer
+        self._asked: Tuple[Optional[np.ndarray], float] = (None, 0.0)
 
     def schedule(self, counts: Sequence[Sequence[float]], owners: Sequence[int], costs: StepCostModel,
                  budget_per_rank: int, ranks_per_node: int,
                  start: Optional[Sequence[Sequence[int]]] = None, budget_us: Optional[float] = None) -> Materialized:
         """:func:`schedule_materialization` of ``counts``, or the previous result when it still applies."""
         key = self._situation(owners, costs, budget_per_rank, ranks_per_node, start, budget_us)
+        if isinstance(counts, np.ndarray):
+            self._asked = (counts, float(counts.sum()))
         if (self.placement is not None and key == self._key
-                and load_shift(self.planned_for, counts) <= self.tolerance):
+                and load_shift(self.planned_for, counts, self._planned_total) <= self.tolerance):
             self.reuses += 1
             return self.placement
         self.searches += 1
         self.placement = schedule_materialization(counts, owners, costs, budget_per_rank, ranks_per_node,
                                                   start=start, budget_us=budget_us)
-        self.planned_for = counts if isinstance(counts, np.ndarray) else np.array(counts, dtype=np.float64)
-        self._noise = None
+        self._plan_for(counts if isinstance(counts, np.ndarray) else np.array(counts, dtype=np.float64))
         self._key = key
         return self.placement
+
+    def _plan_for(self, loads: Optional[np.ndarray]) -> None:
+        self.planned_for, self._noise = loads, None
+        self._planned_total = None if loads is None else float(loads.sum())
 
     @staticmethod
     def _situation(owners, costs, budget_per_rank, ranks_per_node, start=None, budget_us=None) -> tuple:
         """What a schedule was computed for besides the loads: reused only while all of it is unchanged."""
-        start_key = None if start is None else tuple(tuple(int(e) for e in r) for r in start)
+        if start is None or isinstance(start, tuple):   # the planner's start layout: a tuple, reused as is
+            start_key = start
+        else:
+            start_key = tuple(tuple(int(e) for e in r) for r in start)
         return (tuple(int(o) for o in owners), costs, budget_per_rank, ranks_per_node, start_key, budget_us)
 
     def miss_threshold(self, predicted: Optional[Sequence[Sequence[float]]] = None) -> float:
@@ -114,7 +128,8 @@ class ScheduleReuse:
 
     def still_fits(self, counts: Sequence[Sequence[float]]) -> bool:
         """Whether ``counts`` are within :meth:`miss_threshold` of the loads the current schedule was computed for."""
-        return self.planned_for is not None and load_shift(self.planned_for, counts) <= self.miss_threshold()
+        return (self.planned_for is not None
+                and load_shift(self.planned_for, counts, self._planned_total) <= self.miss_threshold())
 
     @property
     def predictions_reliable(self) -> bool:
@@ -131,20 +146,25 @@ class ScheduleReuse:
         than the tolerance: a balanced step has nothing to fix, and the search would only cost time (about a
         millisecond per layer on a CPU). ``predicted``: the load window's prediction for this call (None before the
         first observation: not scored)."""
-        mispredicted = predicted is not None and load_shift(predicted, counts) > self.miss_threshold(predicted)
+        actual = np.asarray(counts, dtype=np.float64)     # one conversion for both scores
+        total = self._asked[1] if predicted is not None and predicted is self._asked[0] else None
+        mispredicted = (predicted is not None
+                        and load_shift(predicted, actual, total) > self.miss_threshold(predicted))
         # the usual case after a search: the prefetched placement was planned for this very prediction
         same = predicted is not None and predicted is self.planned_for
-        off_plan = mispredicted if same else not self.still_fits(counts)
+        off_plan = mispredicted if same else not self.still_fits(actual)
         imbalanced = False
         if mispredicted or off_plan:   # the usual case, a held prediction, needs no dispatch estimate
-            per_expert, _, _ = rank_loads(counts, materialized, ranks_per_node)
-            imbalanced = imbalance([sum(row) for row in per_expert]) > 1.0 + self.tolerance
+            holders = holders_matrix(materialized, *actual.shape)
+            per_rank = dispatch_flows(actual.T, holders.T, ranks_per_node).processed.sum(axis=0)
+            imbalanced = imbalance(per_rank.tolist()) > 1.0 + self.tolerance
         if predicted is not None:
             self.misses.append(mispredicted and imbalanced)
         return off_plan and imbalanced
 
     def reset(self) -> None:
-        self.planned_for, self.placement, self._key, self._noise = None, None, None, None
+        self.placement, self._key = None, None
+        self._plan_for(None)
 
     def state_dict(self) -> dict:
         """What a resumed run needs to make the same reuse decisions (bitwise resume)."""
@@ -185,6 +205,6 @@ class ScheduleReuse:
         self.misses.clear()
         self.misses.extend(bool(m) for m in state.get("misses", []))
         if "placement" in state:
-            self.planned_for = np.array(state["planned_for"], dtype=np.float64)
+            self._plan_for(np.array(state["planned_for"], dtype=np.float64))
             self.placement = tuple(tuple(int(e) for e in r) for r in state["placement"])
             self._key = self._situation(state["owners"], costs, budget_per_rank, ranks_per_node, start, budget_us)

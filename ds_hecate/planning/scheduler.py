@@ -17,7 +17,7 @@ input is identical on all ranks and ties break on (expert id, rank), so all rank
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -151,16 +151,18 @@ class SearchWork:
 
     Ranks must reach the same placement, so the search cannot stop on a clock: each rank's wall time differs.
     It counts work instead, in estimated microseconds of this module's numpy search: a setup per
-    (rank, expert) cell, a fixed cost per step, and a cost per evaluated (move, rank) cell; the constants were
-    fitted with ``python -m benchmarks.planner`` on a 2-vCPU EPYC host (a faster host finishes inside the budget
-    sooner; a slower one overruns it by its slowness, never by a different decision).
+    (rank, expert) cell, a fixed cost per step, and a cost per evaluated (move, rank) cell. The constants were
+    fitted on a 2-vCPU EPYC host to the 90th percentile of measured setups and steps (8 to 256 ranks, 8 to 256
+    experts, fresh and calibration searches; ``python -m benchmarks.search_work`` re-measures them), so a budget
+    holds there on nine searches in ten; a faster host finishes inside it sooner, a slower one overruns it by its
+    slowness, never by a different decision.
     """
 
-    setup_us: float = 60.0
-    setup_us_per_cell: float = 0.06
-    step_us: float = 300.0
-    step_us_per_cell: float = 0.01
-    move_us_per_cell: float = 0.08
+    setup_us: float = 280.0
+    setup_us_per_cell: float = 0.055
+    step_us: float = 440.0
+    step_us_per_cell: float = 0.003
+    move_us_per_cell: float = 0.1
 
     def setup_cost_us(self, world: int, num_experts: int) -> float:
         """Building the search state: the dispatch columns of every (rank, expert) cell."""
@@ -179,6 +181,21 @@ class SearchWork:
 
 
 SEARCH_WORK = SearchWork()
+
+
+@dataclass(frozen=True)
+class RelativeBudget:
+    """A search budget set by the layer it plans: ``share`` of the start placement's estimated layer time, within
+    ``floor_us`` and ``cap_us``. Why: a search step costs about the same host time on any model, while what a
+    re-plan can save scales with the layer. The estimate is the search's own setup (no second pass over the
+    counts) and a function of inputs every rank holds alike, so every rank gets the same budget."""
+
+    share: float
+    floor_us: float
+    cap_us: float
+
+    def resolve(self, layer_s: float) -> float:
+        return min(self.cap_us, max(self.floor_us, self.share * layer_s * 1e6))
 
 
 def _candidate_moves(search: "_Search", best_times, extra, budget_per_rank: int, ranks_per_node: int,
@@ -217,7 +234,7 @@ def schedule_materialization(counts: Sequence[Sequence[float]], owners: Sequence
                              start: Optional[Sequence[Sequence[int]]] = None,
                              prefetched: Optional[Sequence[Sequence[int]]] = None,
                              candidate_experts: int = 4, min_gain: float = 0.05,
-                             budget_us: Optional[float] = None, candidate_ranks: int = 64,
+                             budget_us: Union[float, RelativeBudget, None] = None, candidate_ranks: int = 64,
                              work: SearchWork = SEARCH_WORK) -> Materialized:
     """Greedy replica placement minimising :func:`estimate_layer` under ``budget_per_rank`` extra experts/rank.
 
@@ -234,7 +251,8 @@ def schedule_materialization(counts: Sequence[Sequence[float]], owners: Sequence
 
     Anytime: with ``budget_us`` the search stops before a step whose estimated cost (:class:`SearchWork`, counted
     identically on every rank) would exceed the budget and returns the best placement found so far, never one
-    worse than ``start``; a budget below the setup cost returns ``start`` unsearched.
+    worse than ``start``; a budget below the setup cost returns ``start`` unsearched. A :class:`RelativeBudget`
+    becomes microseconds once the setup has estimated the start placement (checked against its cap before).
 
     The search is vectorised (numpy): a move changes the holders of one expert, so it is evaluated by swapping
     that expert's dispatch columns (:func:`dispatch_flows`, the same rule as :func:`rank_loads`), all moves of a
@@ -243,8 +261,9 @@ def schedule_materialization(counts: Sequence[Sequence[float]], owners: Sequence
     """
     world, num_experts = len(counts), len(owners)
     spent = work.setup_cost_us(world, num_experts)
-    if budget_us is not None and work.first_step_us(world, num_experts, candidate_experts,
-                                                    candidate_ranks) > budget_us:
+    upper_us = budget_us.cap_us if isinstance(budget_us, RelativeBudget) else budget_us
+    if upper_us is not None and work.first_step_us(world, num_experts, candidate_experts,
+                                                   candidate_ranks) > upper_us:
         holders = np.zeros((world, num_experts), dtype=bool)
         holders[np.asarray(owners, dtype=np.int64), np.arange(num_experts)] = True
         if start is not None:
@@ -255,6 +274,8 @@ def schedule_materialization(counts: Sequence[Sequence[float]], owners: Sequence
 
     best_times = search.times
     best_max = float(best_times.max())
+    if isinstance(budget_us, RelativeBudget):
+        budget_us = budget_us.resolve(best_max)
     # The search may pass through placements that only break a tie among the slowest ranks; what it returns is the
     # earliest placement with the lowest layer time, so no replica is kept that does not shorten the step.
     result_time, result_mat = best_max, search.mat.copy()

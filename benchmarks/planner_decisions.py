@@ -1,0 +1,112 @@
+"""The planner's decisions, call by call, as a digest two checkouts can compare (a refactor must not change them).
+
+    python -m benchmarks.planner_decisions --out decisions.json [--no-budgets]
+    python -m benchmarks.planner_decisions --compare before.json after.json
+
+Runs the call sequence of ``python -m benchmarks.planner`` (load window, prefetch search with re-use, the after-gate
+plan of one rank) on a grid of worlds and loads and records, per call, a digest of the prefetched placement, the
+call's placement, this rank's splits, send rows and expert-major segments, whether calibration searched, and the
+node traffic. ``--no-budgets`` lifts both search budgets: what is left is the planner's logic, which must match
+exactly; with the default budgets a change of the work model may cut searches elsewhere. Where calibration
+searched, the estimated layer time of its placement, of the prefetched one and of the sharded one are recorded, and
+``--compare`` checks that a differing call is never worse than either.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+from typing import Dict, List
+
+import numpy as np
+
+from ds_hecate.config import HecateConfig
+from ds_hecate.planning.cost_model import estimate_layer
+from ds_hecate.planning.critical_path import plan_after_gate
+from ds_hecate.planning.plan import Placement, owned_experts
+from ds_hecate.planning.predictor import LoadPredictor
+from ds_hecate.planning.schedule_reuse import ScheduleReuse
+from ds_hecate.planning.sharding import even_sharding
+
+from .planner import COSTS, REPLICAS_PER_RANK, RANKS_PER_NODE, draw_counts, zipf
+
+GRID = ((8, 8, 2, "skewed"), (8, 64, 8, "skewed"), (8, 64, 8, "burst"), (64, 64, 8, "skewed"),
+        (64, 64, 2, "balanced"), (64, 256, 8, "skewed"), (64, 256, 8, "burst"), (64, 8, 8, "skewed"),
+        (256, 64, 8, "skewed"), (256, 256, 8, "burst"))
+
+
+def decisions(ranks: int, experts: int, top_k: int, load: str, budgets: bool, seed: int = 0) -> List[dict]:
+    cfg = HecateConfig()
+    rng = np.random.default_rng(seed)
+    owners = tuple(even_sharding(experts, ranks))
+    skew = zipf(rng, experts) if load != "balanced" else None
+    rpn, rank = min(RANKS_PER_NODE, ranks), ranks // 2 + 1
+    window = LoadPredictor(cfg.load_window)
+    for _ in range(cfg.load_window):
+        window.push(draw_counts(rng, ranks, experts, top_k, skew))
+    schedule = ScheduleReuse(cfg.replan_tolerance, cfg.load_window)
+    sharded = owned_experts(owners, ranks)
+    out = []
+    for call in range(40 if ranks * experts >= 16384 else 60):
+        prediction = window.predict_array()
+        prefetched = schedule.schedule(prediction, owners, COSTS, REPLICAS_PER_RANK, rpn,
+                                       budget_us=cfg.search_budget_us if budgets else None)
+        burst = load == "burst" and call % 10 == 9
+        counts = draw_counts(rng, ranks, experts, top_k, zipf(rng, experts) if burst else skew)
+        after = plan_after_gate(counts, Placement(owners, prefetched), prediction, schedule, COSTS,
+                                REPLICAS_PER_RANK, rpn, rank, cfg.calibration, cfg.plan_budget_us if budgets else 1e12)
+        mine = after.mine
+        seen = (prefetched, after.plan.materialized, mine.send_splits, mine.recv_splits, mine.send_rows.tolist(),
+                mine.order_starts.tolist(), mine.order_lengths.tolist(), mine.sizes, after.searched,
+                after.plan.node_traffic(rpn))
+        row = {"digest": hashlib.sha1(repr(seen).encode()).hexdigest()[:16]}
+        if after.searched:
+            def layer_s(materialized):
+                return estimate_layer(counts, owners, materialized, COSTS, rpn, prefetched=prefetched).time_s
+            row.update(layer_s=layer_s(after.plan.materialized), prefetched_s=layer_s(prefetched),
+                       sharded_s=layer_s(sharded))
+        out.append(row)
+        window.push(counts)
+    return out
+
+
+def compare(before: Dict[str, List[dict]], after: Dict[str, List[dict]]) -> bool:
+    """Print the calls whose decisions differ; False if a differing calibrated call is worse than the prefetched or
+    the sharded placement (or the grids differ)."""
+    ok = before.keys() == after.keys()
+    for case, rows in before.items():
+        other = after.get(case, [])
+        differ = [i for i, (a, b) in enumerate(zip(rows, other)) if a["digest"] != b["digest"]]
+        print(f"{case}: {len(rows)} calls, {len(differ)} differ {differ[:12]}")
+        for i in differ:
+            b = other[i]
+            if "layer_s" in b:
+                worse = b["layer_s"] > min(b["prefetched_s"], b["sharded_s"]) * (1 + 1e-12)
+                ok &= not worse
+                was = f"{rows[i]['layer_s']:.4f}" if "layer_s" in rows[i] else "no search"
+                print(f"  call {i}: estimated layer {was} -> {b['layer_s']:.4f} s (prefetched {b['prefetched_s']:.4f}, "
+                      f"sharded {b['sharded_s']:.4f}){'  WORSE' if worse else ''}")
+            elif "layer_s" in rows[i]:
+                print(f"  call {i}: calibration searched before, not now")
+    return ok
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", help="write this checkout's decisions here (JSON)")
+    p.add_argument("--no-budgets", action="store_true", help="lift search_budget_us and plan_budget_us")
+    p.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"), help="compare two --out files")
+    args = p.parse_args(argv)
+    if args.compare:
+        before, after = (json.load(open(f)) for f in args.compare)
+        return 0 if compare(before, after) else 1
+    if not args.out:
+        p.error("give --out FILE or --compare BEFORE AFTER")
+    result = {f"{r}x{e} top-{k} {load}": decisions(r, e, k, load, not args.no_budgets) for r, e, k, load in GRID}
+    with open(args.out, "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
