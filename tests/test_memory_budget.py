@@ -33,6 +33,11 @@ assertions:
 3. positive control: ``wide`` materializes more than the tight budget (the budget binds, and the measurement sees
    replicas at all), and ``tight`` materializes some.
 
+The profiler records frees only on the threads it follows; gloo's worker thread drops a collective's tensors
+after completing it, sometimes after the Python side let go, and that free goes unrecorded. :func:`replay` then
+counts the block until the allocator hands its address out again (an upper bound), and :func:`measure_and_check`
+accepts a pass but re-measures a failure that such a block may have caused (up to three runs).
+
 On CUDA (needs two GPUs: NCCL refuses two ranks on one device; skipped otherwise) 1 and 3 are the same with the
 caching allocator's events (tolerance: its 512-byte rounding per buffer) and 2 reads ``torch.cuda.max_memory_allocated``
 against the ``zero`` run with :func:`cuda_allowance`.
@@ -96,6 +101,7 @@ class Measured:
     odd_expert_shaped: List[str]   # expert-shaped blocks allocated outside expert code (should be none)
     cuda_peak: Optional[int]   # torch.cuda.max_memory_allocated() above the start of the profiled steps
     reported_peak: int         # Hecate's own figure (diagnostics only, never asserted)
+    unrecorded_frees: int      # replica or expert-shaped blocks whose free the profiler missed (see replay)
     budget: int                # bytes, as configured
     replica_budget: List[int]  # per layer, Hecate's split (diagnostics)
 
@@ -140,8 +146,17 @@ def replay(events: List[Event], unit: int) -> Dict[str, object]:
     totals = {"all": 0, "recv": 0, "send": 0, "expert": 0}
     peaks = dict(totals)
     gathers, odd = 0, []
+    unrecorded = 0
     for _, size, ptr, frames in events:
         if size > 0:
+            if ptr in live:
+                # The allocator handed this address out again, so its block was freed, on a thread the profiler does
+                # not follow (gloo's worker drops a collective's tensors after completing it, and on a busy 2-vCPU
+                # host it may run only milliseconds later). Counted as live until now: an upper bound.
+                old, old_kinds = live.pop(ptr)
+                for k in old_kinds:
+                    totals[k] -= old
+                unrecorded += "recv" in old_kinds or "expert" in old_kinds
             kinds = ["all"]
             if _under(frames, "start_sparse_all_gather"):
                 kinds.append("recv" if _under(frames, "all_to_all") else "send")
@@ -159,7 +174,7 @@ def replay(events: List[Event], unit: int) -> Dict[str, object]:
         for k in kinds:
             totals[k] += size
             peaks[k] = max(peaks[k], totals[k])
-    return {**peaks, "gathers": gathers, "odd": odd}
+    return {**peaks, "gathers": gathers, "odd": odd, "unrecorded": unrecorded}
 
 
 def measure(rank: int, world_size: int, spec: Spec, cuda: bool = False) -> Measured:
@@ -212,6 +227,7 @@ def measure(rank: int, world_size: int, spec: Spec, cuda: bool = False) -> Measu
     return Measured(replica_peak=peaks["recv"], gathers=peaks["gathers"], send_peak=peaks["send"],
                     expert_peak=peaks["expert"], process_peak=peaks["all"], odd_expert_shaped=peaks["odd"][:5],
                     cuda_peak=cuda_peak, reported_peak=stats["memory"]["peak_materialized"],
+                    unrecorded_frees=peaks["unrecorded"],
                     budget=stats["memory"]["materialize_budget"],
                     replica_budget=[layer["replica_budget"] for layer in stats["layers"]])
 
@@ -240,47 +256,64 @@ def _run(cuda: bool) -> Dict[str, List[Measured]]:
 
 def _table(results: Dict[str, List[Measured]]) -> str:
     rows = ["| run | rank | budget | replica peak (allocator) | expert-shaped peak | send peak | process peak | "
-            "Hecate's own peak (whole run) |", "|---|---|---|---|---|---|---|---|"]
+            "Hecate's own peak (whole run) | frees missed |", "|---|---|---|---|---|---|---|---|---|"]
     for name, per_rank in results.items():
         for r, m in enumerate(per_rank):
             process = m.process_peak if m.cuda_peak is None else f"{m.cuda_peak} (cuda max_memory_allocated)"
             rows.append(f"| {name} | {r} | {m.budget} | {m.replica_peak} ({m.gathers} buffers) | {m.expert_peak} | "
-                        f"{m.send_peak} | {process} | {m.reported_peak} |")
+                        f"{m.send_peak} | {process} | {m.reported_peak} | {m.unrecorded_frees} |")
     return "\n".join(rows)
 
 
-def check(results: Dict[str, List[Measured]], cuda: bool) -> None:
+def problems(results: Dict[str, List[Measured]], cuda: bool) -> List[str]:
+    """The assertions below, as messages (empty: all hold)."""
     table = _table(results)
-    print("\n" + table)
     eb = expert_bytes(BASE)
     slack = 8 * CUDA_ROUNDING if cuda else TOLERANCE_BYTES
+    found = []
     # 3. The budget binds (unconstrained, the scheduler materializes more) and the measurement sees replicas.
     small = int(budget_mb(BASE, 1) * (1 << 20))
-    assert max(m.replica_peak for m in results["wide"]) > small + slack, \
-        f"positive control: with a wide budget the replicas should exceed {small} bytes:\n{table}"
+    if max(m.replica_peak for m in results["wide"]) <= small + slack:
+        found.append(f"positive control: with a wide budget the replicas should exceed {small} bytes")
     for name in ("tight", "tight-rematerialize"):
-        assert any(m.replica_peak > 0 for m in results[name]), f"{name}: no replica was materialized:\n{table}"
+        if not any(m.replica_peak > 0 for m in results[name]):
+            found.append(f"{name}: no replica was materialized")
         for rank, (m, zero) in enumerate(zip(results[name], results["zero"])):
             # 1. Replica receive buffers within the budget, as the allocator saw them.
-            assert m.replica_peak <= m.budget + slack, (
-                f"{name} rank {rank}: {m.replica_peak} bytes of materialized replicas were live at once (allocator), "
-                f"budget {m.budget} (+{slack}); one expert is {eb} bytes:\n{table}")
+            if m.replica_peak > m.budget + slack:
+                found.append(f"{name} rank {rank}: {m.replica_peak} bytes of materialized replicas were live at once "
+                             f"(allocator), budget {m.budget} (+{slack}); one expert is {eb} bytes")
             # 2. Expert-shaped memory anywhere, against the same scheduler without replicas.
             if cuda:
                 allowance = cuda_allowance(BASE, m.budget)
-                assert m.cuda_peak - zero.cuda_peak <= allowance, (
-                    f"{name} rank {rank}: max_memory_allocated is {m.cuda_peak - zero.cuda_peak} bytes above the "
-                    f"zero-budget run, more than {allowance}:\n{table}")
-            else:
-                extra = m.expert_peak - zero.expert_peak
-                assert extra <= 3 * m.budget + slack, (
-                    f"{name} rank {rank}: {extra} bytes more expert-shaped memory than without replicas, more than "
-                    f"3 x budget ({m.budget}: weights, their gradients, SparseReduceScatter's send copy):\n{table}")
+                if m.cuda_peak - zero.cuda_peak > allowance:
+                    found.append(f"{name} rank {rank}: max_memory_allocated is {m.cuda_peak - zero.cuda_peak} bytes "
+                                 f"above the zero-budget run, more than {allowance}")
+            elif m.expert_peak - zero.expert_peak > 3 * m.budget + slack:
+                found.append(f"{name} rank {rank}: {m.expert_peak - zero.expert_peak} bytes more expert-shaped memory "
+                             f"than without replicas, more than 3 x budget ({m.budget}: weights, their gradients, "
+                             "SparseReduceScatter's send copy)")
+    return [f"{p}:\n{table}" for p in found]
+
+
+def measure_and_check(cuda: bool, attempts: int = 3) -> Dict[str, List[Measured]]:
+    """Run and check; a failure counts only from a complete measurement. Where the profiler missed the free of a
+    replica or expert-shaped block, the replay counts the block until its address is handed out again, an upper
+    bound: a pass stands, a failure is measured again (a real excess, as the mutations inject, recurs; a missed
+    free on a busy host does not)."""
+    for attempt in range(1, attempts + 1):
+        results = _run(cuda)
+        print(f"\nattempt {attempt}:\n{_table(results)}")
+        found = problems(results, cuda)
+        complete = not any(m.unrecorded_frees for ms in results.values() for m in ms)
+        if not found or complete:
+            break
+    assert not found, "\n".join(found)
+    return results
 
 
 def test_replica_memory_within_budget_measured_by_the_cpu_allocator():
-    results = _run(cuda=False)
-    check(results, cuda=False)
+    results = measure_and_check(cuda=False)
     odd = {name: m.odd_expert_shaped for name, ms in results.items() for m in ms if m.odd_expert_shaped}
     assert not odd, f"expert-shaped blocks from outside expert code (the size filter is not clean): {odd}"
 
@@ -300,4 +333,4 @@ def test_no_other_block_is_expert_shaped():
                     reason="needs two CUDA devices (NCCL refuses two ranks on one device); the CPU test measures "
                            "the same property with the CPU allocator")
 def test_replica_memory_within_budget_measured_by_cuda_max_memory_allocated():
-    check(_run(cuda=True), cuda=True)
+    measure_and_check(cuda=True)
