@@ -77,19 +77,36 @@ def _stats(samples: Sequence[float]) -> Dict[str, float]:
             "calls": len(a)}
 
 
+class CallSequence:
+    """One simulated world as the planner sees it, for one rank: owners, node size, the load window filled, the
+    schedule, and each call's counts (skewed loads keep their hot experts with fresh multinomial noise; ``burst``
+    moves them on every 10th call). Shared by this benchmark and ``benchmarks/planner_decisions.py``."""
+
+    def __init__(self, ranks: int, experts: int, top_k: int, load: str, seed: int = 0) -> None:
+        self.cfg = HecateConfig()
+        self.ranks, self.experts, self.top_k, self.load = ranks, experts, top_k, load
+        self.rng = np.random.default_rng(seed)
+        self.owners = tuple(even_sharding(experts, ranks))
+        self.skew = zipf(self.rng, experts) if load != "balanced" else None
+        self.rpn = min(RANKS_PER_NODE, ranks)
+        self.rank = ranks // 2 + 1 if ranks > 1 else 0     # not rank 0: nothing special about it
+        self.window = LoadPredictor(self.cfg.load_window)
+        for _ in range(self.cfg.load_window):
+            self.window.push(self.draw())
+        self.schedule = ScheduleReuse(self.cfg.replan_tolerance, self.cfg.load_window)
+
+    def draw(self, call: Optional[int] = None) -> np.ndarray:
+        """The counts of ``call`` (None: a draw of the stationary distribution)."""
+        burst = self.load == "burst" and call is not None and call % 10 == 9
+        return draw_counts(self.rng, self.ranks, self.experts, self.top_k,
+                           zipf(self.rng, self.experts) if burst else self.skew)
+
+
 def one_setting(ranks: int, experts: int, top_k: int, load: str, calls: int, seed: int = 0,
                 reference: bool = False) -> dict:
     """Time the critical path and the search for one (ranks, experts, top-k, load) setting."""
-    cfg = HecateConfig()
-    rng = np.random.default_rng(seed)
-    owners = tuple(even_sharding(experts, ranks))
-    skew = zipf(rng, experts) if load != "balanced" else None
-    rpn = min(RANKS_PER_NODE, ranks)
-    rank = ranks // 2 + 1 if ranks > 1 else 0     # not rank 0: nothing special about it
-    window = LoadPredictor(cfg.load_window)
-    for _ in range(cfg.load_window):
-        window.push(draw_counts(rng, ranks, experts, top_k, skew))
-    schedule = ScheduleReuse(cfg.replan_tolerance, cfg.load_window)
+    seq = CallSequence(ranks, experts, top_k, load, seed)
+    cfg, owners, rpn, rank, window, schedule = seq.cfg, seq.owners, seq.rpn, seq.rank, seq.window, seq.schedule
 
     search_s: List[float] = []
     critical_s: List[float] = []
@@ -104,8 +121,7 @@ def one_setting(ranks: int, experts: int, top_k: int, load: str, calls: int, see
         placement = Placement(owners, materialized)
         rank_tables(placement, rpn, rank)     # the runtime builds these with the prefetch, off the critical path
         search_s.append(time.perf_counter() - t0)
-        burst = load == "burst" and call % 10 == 9
-        counts = draw_counts(rng, ranks, experts, top_k, zipf(rng, experts) if burst else skew)
+        counts = seq.draw(call)
         exchanged = torch.from_numpy(np.concatenate([counts, np.zeros((ranks, 2), np.int64)], axis=1))
 
         t0 = time.perf_counter()
@@ -137,7 +153,7 @@ def one_setting(ranks: int, experts: int, top_k: int, load: str, calls: int, see
         t0 = time.perf_counter()
         schedule_materialization(prediction, owners, COSTS, REPLICAS_PER_RANK, rpn, budget_us=cfg.search_budget_us)
         fresh.append(time.perf_counter() - t0)
-        window.push(draw_counts(rng, ranks, experts, top_k, skew))
+        window.push(seq.draw())
     out = {"ranks": ranks, "experts": experts, "top_k": top_k, "load": load,
            "critical_path": _stats(critical_s), "bookkeeping": _stats(bookkeeping_s),
            "calibrated_calls": calibrated, "calibration_searches": searched,

@@ -18,17 +18,11 @@ import hashlib
 import json
 from typing import Dict, List
 
-import numpy as np
-
-from ds_hecate.config import HecateConfig
 from ds_hecate.planning.cost_model import estimate_layer
 from ds_hecate.planning.critical_path import plan_after_gate
 from ds_hecate.planning.plan import Placement, owned_experts
-from ds_hecate.planning.predictor import LoadPredictor
-from ds_hecate.planning.schedule_reuse import ScheduleReuse
-from ds_hecate.planning.sharding import even_sharding
 
-from .planner import COSTS, REPLICAS_PER_RANK, RANKS_PER_NODE, draw_counts, zipf
+from .planner import COSTS, REPLICAS_PER_RANK, CallSequence
 
 GRID = ((8, 8, 2, "skewed"), (8, 64, 8, "skewed"), (8, 64, 8, "burst"), (64, 64, 8, "skewed"),
         (64, 64, 2, "balanced"), (64, 256, 8, "skewed"), (64, 256, 8, "burst"), (64, 8, 8, "skewed"),
@@ -36,23 +30,15 @@ GRID = ((8, 8, 2, "skewed"), (8, 64, 8, "skewed"), (8, 64, 8, "burst"), (64, 64,
 
 
 def decisions(ranks: int, experts: int, top_k: int, load: str, budgets: bool, seed: int = 0) -> List[dict]:
-    cfg = HecateConfig()
-    rng = np.random.default_rng(seed)
-    owners = tuple(even_sharding(experts, ranks))
-    skew = zipf(rng, experts) if load != "balanced" else None
-    rpn, rank = min(RANKS_PER_NODE, ranks), ranks // 2 + 1
-    window = LoadPredictor(cfg.load_window)
-    for _ in range(cfg.load_window):
-        window.push(draw_counts(rng, ranks, experts, top_k, skew))
-    schedule = ScheduleReuse(cfg.replan_tolerance, cfg.load_window)
+    seq = CallSequence(ranks, experts, top_k, load, seed)
+    cfg, owners, rpn, rank, schedule = seq.cfg, seq.owners, seq.rpn, seq.rank, seq.schedule
     sharded = owned_experts(owners, ranks)
     out = []
     for call in range(40 if ranks * experts >= 16384 else 60):
-        prediction = window.predict_array()
+        prediction = seq.window.predict_array()
         prefetched = schedule.schedule(prediction, owners, COSTS, REPLICAS_PER_RANK, rpn,
                                        budget_us=cfg.search_budget_us if budgets else None)
-        burst = load == "burst" and call % 10 == 9
-        counts = draw_counts(rng, ranks, experts, top_k, zipf(rng, experts) if burst else skew)
+        counts = seq.draw(call)
         after = plan_after_gate(counts, Placement(owners, prefetched), prediction, schedule, COSTS,
                                 REPLICAS_PER_RANK, rpn, rank, cfg.calibration, cfg.plan_budget_us if budgets else 1e12)
         mine = after.mine
@@ -66,7 +52,7 @@ def decisions(ranks: int, experts: int, top_k: int, load: str, budgets: bool, se
             row.update(layer_s=layer_s(after.plan.materialized), prefetched_s=layer_s(prefetched),
                        sharded_s=layer_s(sharded))
         out.append(row)
-        window.push(counts)
+        seq.window.push(counts)
     return out
 
 

@@ -64,10 +64,10 @@ class HolderTables:
 class RankTables:
     """What rank ``rank`` sends and receives under one placement, up to the per-call counts.
 
-    Send side, in route order (expert, then destination ascending): ``send_expert``, ``send_dst``,
-    ``send_pos`` (the destination's rotated position among the eligible holders). Receive side, ``[sources, K]``
-    over the K experts the rank holds (``mine``, ascending): eligibility and rotated position. Everything a call
-    needs beyond its counts is precomputed here, with the placement (off the critical path).
+    Send side, in route order (expert, then destination ascending): ``send_expert``, ``send_dst``. Receive side:
+    ``[sources, K]`` cells over the K experts the rank holds (``mine``, ascending). Per entry the rule is a closed
+    form of the count, the number of eligible holders and the destination's rotated position among them; all of it
+    but the count is precomputed here, with the placement (off the critical path).
     """
 
     def __init__(self, tables: HolderTables, rank: int) -> None:
@@ -82,34 +82,32 @@ class RankTables:
         index = np.where(case == 1, t.index_node, t.index_all)
         dst, expert = np.nonzero(eligible.T)[::-1]          # expert-major, destinations ascending
         self.send_expert, self.send_dst = expert, dst
-        self.send_ways = ways[expert]
-        self.send_pos = (index[dst, expert] - rank % self.send_ways) % self.send_ways
+        send_ways = ways[expert]
+        send_pos = (index[dst, expert] - rank % send_ways) % send_ways
         # --- receives: from every source, for the experts this rank holds
-        self.mine = np.flatnonzero(t.holders[rank])
-        self.mine_tuple = tuple(int(e) for e in self.mine)
-        src_case, src_ways = t.case[:, self.mine], t.ways[:, self.mine]
-        my_index = np.where(src_case == 1, t.index_node[rank, self.mine][None, :], t.index_all[rank, self.mine][None, :])
-        self.recv_eligible = (((src_case == 0) & (ranks == rank)[:, None])
-                              | ((src_case == 1) & same_node) | (src_case == 2))
-        self.recv_ways = src_ways
-        self.recv_pos = (my_index - ranks[:, None] % src_ways) % src_ways
+        held = np.flatnonzero(t.holders[rank])
+        self.mine = tuple(int(e) for e in held)
+        src_case, src_ways = t.case[:, held], t.ways[:, held]
+        my_index = np.where(src_case == 1, t.index_node[rank, held][None, :], t.index_all[rank, held][None, :])
+        recv_eligible = (((src_case == 0) & (ranks == rank)[:, None])
+                         | ((src_case == 1) & same_node) | (src_case == 2))
+        recv_pos = (my_index - ranks[:, None] % src_ways) % src_ways
         # One gather, one divmod and one compare per call for both sides: the send entries, then the [sources, K]
         # receive cells (source-major). Ineligible receive cells divide by a number no count reaches (base 0,
         # remainder = count) at a position no remainder exceeds.
         never = np.iinfo(np.int64).max
-        k = self.mine.size
-        self._n_send = expert.size
-        self._rows = np.concatenate([np.full(expert.size, rank), np.repeat(ranks, k)])
-        self._cols = np.concatenate([expert, np.tile(self.mine, t.world)])
-        self._div = np.concatenate([self.send_ways, np.where(self.recv_eligible, src_ways, never).reshape(-1)])
-        self._pos = np.concatenate([self.send_pos, np.where(self.recv_eligible, self.recv_pos, never).reshape(-1)])
+        self._n_send, self._k = expert.size, held.size
+        self._rows = np.concatenate([np.full(expert.size, rank), np.repeat(ranks, held.size)])
+        self._cols = np.concatenate([expert, np.tile(held, t.world)])
+        self._div = np.concatenate([send_ways, np.where(recv_eligible, src_ways, never).reshape(-1)])
+        self._pos = np.concatenate([send_pos, np.where(recv_eligible, recv_pos, never).reshape(-1)])
 
     def amounts(self, counts: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
         """(pairs sent per entry of the send table, in route order; ``[sources, K]`` pairs received from each
         source for each expert in :attr:`mine`): the rule's closed form, ``base + (position < remainder)``."""
         base, rem = np.divmod(counts[self._rows, self._cols], self._div)
         base += self._pos < rem
-        return base[:self._n_send], base[self._n_send:].reshape(self.world, self.mine.size)
+        return base[:self._n_send], base[self._n_send:].reshape(self.world, self._k)
 
 
 @dataclass(frozen=True)
@@ -144,7 +142,7 @@ def rank_dispatch(tables: RankTables, counts: np.ndarray) -> RankDispatch:
     send_splits = np.bincount(tables.send_dst, weights=sent, minlength=world).astype(np.int64)
     by_expert = received.T                                  # the expert-major order of the segments
     starts = received.cumsum().reshape(received.shape).T - by_expert
-    return RankDispatch(rank=tables.rank, mine=tables.mine_tuple, send_dst=tables.send_dst,
+    return RankDispatch(rank=tables.rank, mine=tables.mine, send_dst=tables.send_dst,
                         send_rows=sent, send_splits=send_splits.tolist(),
                         recv_splits=received.sum(axis=1).tolist(), order_starts=starts.reshape(-1),
                         order_lengths=by_expert.reshape(-1), sizes=by_expert.sum(axis=1).tolist())
