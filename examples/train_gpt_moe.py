@@ -204,8 +204,9 @@ def main() -> None:
                                            config=config)
 
     if rank == 0:
-        # hasattr (not a config lookup) so the example reports what actually got attached.
-        hecate = " ".join(str(engine.hecate).split()) if hasattr(engine, "hecate") else "off"
+        # hasattr (not a config lookup) so the example reports what actually got attached; what Hecate took over
+        # is ds_hecate's own "[ds_hecate] Hecate took over ..." line, logged once by initialize.
+        hecate = "on" if hasattr(engine, "hecate") else "off"
         # With Hecate the experts are no longer module parameters; ds_hecate.num_parameters counts them too.
         n_params = (sys.modules["ds_hecate"].num_parameters(model) if hasattr(engine, "hecate")
                     else sum(p.numel() for p in model.parameters()))

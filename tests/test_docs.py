@@ -1,6 +1,6 @@
-"""The docs cover what a user meets: every ``hecate`` config key is in docs/config.md, and every error message
+"""The docs cover what a user meets: every ``hecate`` config key is in docs/config.md, every error message
 ds_hecate raises is in docs/troubleshooting.md (found by reading the source, so a new message without a doc entry
-fails here)."""
+fails here), and the statements below match what is installed and what runs."""
 from __future__ import annotations
 
 import ast
@@ -74,3 +74,24 @@ def test_every_config_key_is_in_config_doc():
 def test_scan_finds_a_known_message():
     found = [f for _, _, fragments in raised_messages() for f in fragments]
     assert any("cannot be combined with DeepSpeed's expert_parallel" in f for f in found)
+
+
+def test_readme_names_the_autoload_hook_and_switch_as_installed():
+    """The README's automatic-activation paragraph names the .pth file setup.py installs and the switch the hook
+    reads (tests/test_autoload.py runs them)."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    pth = re.search(r'AUTOLOAD_PTH = "([^"]+)"', (ROOT / "setup.py").read_text(encoding="utf-8")).group(1)
+    switch = re.search(r'ENV_SWITCH = "([^"]+)"', (ROOT / "ds_hecate_autoload.py").read_text(encoding="utf-8")).group(1)
+    assert f"`{pth}`" in readme and (ROOT / pth).read_text(encoding="utf-8").strip() == "import ds_hecate_autoload"
+    assert f"`{switch}=0`" in readme
+
+
+def test_hf_doc_refuses_no_precision_the_readme_supports():
+    """The README says bf16 and fp16 run at every ZeRO stage; the Hugging Face page must not say otherwise (it said
+    "fp16 is refused" while the Trainer ran fp16; tests/test_autoload.py runs an fp16 Trainer run)."""
+    readme = _normalised((ROOT / "README.md").read_text(encoding="utf-8"))
+    assert "bf16 (every stage) and fp16" in readme
+    hf = _normalised((ROOT / "docs" / "huggingface.md").read_text(encoding="utf-8"))
+    refusing = [s for s in re.split(r"(?<=[.;])\s", hf)
+                if re.search(r"\b(fp16|bf16)\b", s) and re.search(r"refused|not supported|unsupported", s)]
+    assert not refusing, refusing

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from ..config import HecateConfig, split_hecate_section
 from ..errors import HecateConfigError, HecateUnsupportedError
-from ..logging_utils import log_rank0
+from ..logging_utils import log_rank0, quiet_renamed_all_gather_warning
 
 _ORIGINAL_INITIALIZE = None
 
@@ -134,6 +134,7 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
         return original(**call)
 
     _refuse_unsupported(stripped, model, mpu)
+    quiet_renamed_all_gather_warning()  # before DeepSpeed's first ZeRO all-gather
     if model is None:
         raise HecateConfigError("deepspeed.initialize requires a model")
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
