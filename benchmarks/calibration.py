@@ -22,7 +22,7 @@ What the prediction may use (and what it does not):
   bucketing and flattening), which the ideal does not have, so it is a lower bound. Without ``ideal`` in the run it
   is 0 (said in the notes).
 - Optional unit costs the run may record beside ``measured_costs`` (``layer_overhead_s``,
-  ``collective_latency_s``, see :meth:`ds_hecate.tools.presets.Cluster.from_measured`) are used when present.
+  ``collective_latency_s``, see :meth:`ds_hecate.sim.presets.Cluster.from_measured`) are used when present.
 
 Nothing is fitted: no factor depends on the workload or on the measured step time being predicted. The ``ideal``
 row is a diagnostic, not an acceptance figure: it has no communication and no runtime overhead, so its error
@@ -78,7 +78,7 @@ class CalibrationError(ValueError):
 def benchmark_model(results: dict):
     """The benchmark's model as a :class:`ModelShape`: ``layers`` blocks of (Linear hidden x hidden + tanh, top-k
     MoE of SwiGLU experts hidden x ffn), no attention and no vocabulary."""
-    from ds_hecate.tools.presets import ModelShape
+    from ds_hecate.sim.presets import ModelShape
     cfg = _require(results, "config", "the benchmark's arguments")
     for key in ("layers", "hidden", "ffn", "experts", "top_k", "tokens", "steps", "warmup", "seed"):
         if key not in cfg:
@@ -155,7 +155,7 @@ def calibrate(results: dict, tolerance: float = TOLERANCE, empty_steps: Optional
     ``results``. With them (for ``ideal`` and the compared system) the ``alpha-beta`` model is used, otherwise the
     ``measured-costs`` model."""
     from ds_hecate.config import HecateConfig
-    from ds_hecate.tools.presets import Cluster
+    from ds_hecate.sim.presets import Cluster
     from ds_hecate.sim.core import simulate
 
     model = benchmark_model(results)

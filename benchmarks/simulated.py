@@ -12,8 +12,10 @@ What it runs:
 - the 32-GPU grid: clusters ``v100-4x8`` and ``a100-4x8`` x models ``gpt-moe-s`` and ``bert-moe`` x workloads W0-W7,
   every system (``ds-hecate simulate --cluster C --model M --workload W``);
 - the 1,024-GPU cases on ``h100-128x8`` (:data:`LARGE_CASES`: DeepSeek-V3 on W1 and W3, W3 with a 32 GiB replica
-  budget, Mixtral-8x7B on W2 with p2p and ring sparse collectives), each timed (wall time of the ``simulate()``
-  call).
+  budget, Mixtral-8x7B on W2 with the default and a 16 GiB budget, all with the default group size
+  ``hecate.ep_size``, then DeepSeek-V3 at ``ep_size`` 8 and 64; 256 is the default there, and Mixtral-8x7B has 8
+  experts, so 8 is its default and larger groups would leave ranks without an expert to own), each timed (wall time
+  of the ``simulate()`` call).
 
 ``--clusters/--models/--workloads/--steps/--no-large`` restrict the run (tests use a tiny grid). The markdown file
 must hold the lines :data:`MARK_BEGIN` and :data:`MARK_END` (inside its Simulator section): only what lies between
@@ -56,10 +58,13 @@ class Case:
     systems: Optional[Tuple[str, ...]] = None       # None: every system
     materialize_budget_mb: Optional[float] = None   # None: simulate()'s default (10% of device memory)
     spag: str = "p2p"
+    ep_size: Optional[int] = None                   # None: the runtime's rule (hecate.ep_size null)
 
     @property
     def label(self) -> str:
         parts = [self.workload]
+        if self.ep_size is not None:
+            parts.append(f"ep_size {self.ep_size}")
         if self.spag != "p2p":
             parts.append(f"{self.spag} collectives")
         if self.materialize_budget_mb is not None:
@@ -70,6 +75,8 @@ class Case:
         cmd = f"ds-hecate simulate --cluster {self.cluster} --model {self.model} --workload {self.workload}"
         if self.systems is not None:
             cmd += " --systems " + " ".join(self.systems)
+        if self.ep_size is not None:
+            cmd += f" --ep-size {self.ep_size}"
         if self.spag != "p2p":
             cmd += f" --spag {self.spag}"
         if self.materialize_budget_mb is not None:
@@ -85,7 +92,11 @@ LARGE_CASES: Tuple[Case, ...] = (
     Case("h100-128x8", "deepseek-v3", "W3"),
     Case("h100-128x8", "deepseek-v3", "W3", systems=_FEW, materialize_budget_mb=32768),
     Case("h100-128x8", "mixtral-8x7b", "W2", systems=_FEW),
-    Case("h100-128x8", "mixtral-8x7b", "W2", systems=_FEW, spag="ring", materialize_budget_mb=16384),
+    Case("h100-128x8", "mixtral-8x7b", "W2", systems=_FEW, materialize_budget_mb=16384),
+    Case("h100-128x8", "deepseek-v3", "W1", systems=_FEW, ep_size=8),
+    Case("h100-128x8", "deepseek-v3", "W3", systems=_FEW, ep_size=8),
+    Case("h100-128x8", "deepseek-v3", "W1", systems=_FEW, ep_size=64),
+    Case("h100-128x8", "deepseek-v3", "W3", systems=_FEW, ep_size=64),
 )
 
 
@@ -105,7 +116,8 @@ def cli_defaults() -> Dict[str, Any]:
 
 def _record(result: Any, case: Dict[str, Any], wall_s: float) -> Dict[str, Any]:
     """The JSON-able record of one SimResult."""
-    return {**case, "world_size": result.world_size, "steps": result.steps, "warmup": result.warmup,
+    return {**case, "world_size": result.world_size, "ep_size_used": result.ep_size, "edp_size": result.edp_size,
+            "steps": result.steps, "warmup": result.warmup,
             "wall_s": wall_s, "notes": list(result.notes),
             "systems": {name: {"step_time_s": r.step_time_s, "speedup_vs_ep": r.speedup_vs_ep,
                                "fraction_of_ideal": r.fraction_of_ideal,
@@ -120,17 +132,18 @@ def _record(result: Any, case: Dict[str, Any], wall_s: float) -> Dict[str, Any]:
 
 def run_one(cluster: str, model: str, workload: str, *, steps: int, warmup: int, seed: int,
             systems: Optional[Sequence[str]] = None, materialize_budget_mb: Optional[float] = None,
-            spag: str = "p2p", charge_planning: bool = True) -> Dict[str, Any]:
+            spag: str = "p2p", charge_planning: bool = True, ep_size: Optional[int] = None) -> Dict[str, Any]:
     """``simulate()`` as ``ds-hecate simulate`` calls it without ``--config`` (hecate defaults, ZeRO-1, bf16)."""
     from ds_hecate.sim.core import SYSTEMS, simulate
 
     chosen = list(systems) if systems is not None else list(SYSTEMS)
     start = time.perf_counter()
     result = simulate(cluster, model, workload, systems=chosen, steps=steps, warmup=warmup, seed=seed,
-                      materialize_budget_mb=materialize_budget_mb, spag=spag, charge_planning=charge_planning)
+                      materialize_budget_mb=materialize_budget_mb, spag=spag, charge_planning=charge_planning,
+                      ep_size=ep_size)
     wall = time.perf_counter() - start
     return _record(result, {"cluster": cluster, "model": model, "workload": workload,
-                            "materialize_budget_mb": materialize_budget_mb, "spag": spag}, wall)
+                            "materialize_budget_mb": materialize_budget_mb, "spag": spag, "ep_size": ep_size}, wall)
 
 
 def _machine() -> Dict[str, Any]:
@@ -183,7 +196,7 @@ def run_all(clusters: Sequence[str] = GRID_CLUSTERS, models: Sequence[str] = GRI
     results["grid_wall_s"] = time.perf_counter() - grid_start
     for case in large:
         rec = run_one(case.cluster, case.model, case.workload, **common, systems=case.systems,
-                      materialize_budget_mb=case.materialize_budget_mb, spag=case.spag)
+                      materialize_budget_mb=case.materialize_budget_mb, spag=case.spag, ep_size=case.ep_size)
         rec.update(label=case.label, cli=case.command(steps, defaults["steps"]),
                    systems_requested=list(case.systems) if case.systems else None)
         results["large"].append(rec)
@@ -241,7 +254,7 @@ SUMMARY_HEADER = ("| cluster | model | workload | EP ms | Hecate ms | Hecate vs 
                   "best baseline vs EP | Hecate of ideal | imbalance EP -> Hecate | memory GiB | "
                   "of force-balanced EP / Hecate |")
 LARGE_HEADER = ("| case | system | step ms | vs EP | of ideal | peak GiB/rank | imbalance | replicas/layer | "
-                "of force-balanced |")
+                "of force-balanced | ep_size | EDP reduce ms |")
 
 
 def _cell(rec: Dict[str, Any]) -> str:
@@ -344,7 +357,7 @@ def grid_lines(grid: List[Dict[str, Any]]) -> List[str]:
 def large_lines(large: List[Dict[str, Any]]) -> List[str]:
     """Figure-bearing sentences about the 1,024-GPU cases, computed from them and the presets."""
     from ds_hecate.planning.cost_model import replica_budget
-    from ds_hecate.tools.presets import resolve_cluster, resolve_model
+    from ds_hecate.sim.presets import resolve_cluster, resolve_model
 
     out: List[str] = []
     for rec in large:
@@ -359,28 +372,40 @@ def large_lines(large: List[Dict[str, Any]]) -> List[str]:
         out.append(line)
         for note in rec["notes"]:
             out.append(f"  - simulator note: {note}")
+    ms = lambda s, k: s["breakdown_s"].get(k, 0.0) * 1e3   # noqa: E731
     seen = set()
-    for rec in large:
-        key = (rec["cluster"], rec["model"])
-        if key in seen:
+    for rec in (r for r in large if r.get("ep_size") is None and r.get("materialize_budget_mb") is None):
+        if (rec["cluster"], rec["model"]) in seen:
             continue
-        seen.add(key)
+        seen.add((rec["cluster"], rec["model"]))
         cl, mdl = resolve_cluster(rec["cluster"]), resolve_model(rec["model"])
-        world = rec["world_size"]
+        world, group, peers = rec["world_size"], rec["ep_size_used"], rec["edp_size"]
         expert_b = mdl.expert_params * 2   # bf16, the CLI's default precision
         default_mb = 0.1 * cl.device_memory_gb * 1024.0
         b_hc = replica_budget(default_mb, expert_b, mdl.moe_layers, False)
         b_rm = replica_budget(default_mb, expert_b, mdl.moe_layers, True)
-        line = (f"- {mdl.name} on {world} ranks: {mdl.num_experts} experts per layer, so at least "
-                f"{max(0, world - mdl.num_experts)} replicas ({expert_b / (1 << 20):.0f} MiB each, bf16) per layer "
-                f"every step "
-                f"just to give every rank work; the default budget ({default_mb / 1024:g} GiB for "
-                f"{mdl.moe_layers} MoE layers) allows {b_hc} replica(s) per layer per rank for Hecate and {b_rm} "
-                f"for Hecate-RM.")
-        if world > mdl.num_experts:
-            line += (f" With ds_hecate's owner-sends SparseAllGather each owner sends up to "
-                     f"{world // mdl.num_experts - 1} copies of an expert per layer.")
-        out.append(line)
+        span = (f"{group // cl.devices_per_node} node(s)" if group >= cl.devices_per_node else "part of a node")
+        why = (f"the largest divisor of {world} at most the {mdl.num_experts} experts that does not split a node"
+               if world > mdl.num_experts else f"the world: {world} ranks, at most the {mdl.num_experts} experts")
+        out.append(f"- {mdl.name} on {world} ranks: default ep_size {group} ({why}): {peers} group(s) of {group} ranks "
+                   f"({span} each), each holding every expert once ({mdl.num_experts // group} per rank and layer, "
+                   f"{expert_b / (1 << 20):.0f} MiB each in bf16), {peers} expert-data-parallel copies; the default "
+                   f"budget ({default_mb / 1024:g} GiB for {mdl.moe_layers} MoE layers) allows {b_hc} replica(s) per "
+                   f"layer per rank for Hecate and {b_rm} for Hecate-RM.")
+        s = rec["systems"]
+        if "ep" in s and "hecate" in s:
+            out.append(f"  - expert-gradient reduction over the {peers} peers, per step, exposed: EP "
+                       f"{ms(s['ep'], 'edp_reduce'):.0f} ms (bf16 gradients, DeepSpeed's default), Hecate "
+                       f"{ms(s['hecate'], 'edp_reduce'):.0f} ms (its fp32 accumulators, sent in `reduce_dtype` fp32).")
+    for rec in large:
+        s = rec["systems"]
+        if not all(k in s for k in ("ep", "hecate", "ideal")):
+            continue
+        gib = lambda k: s[k]["peak_memory_bytes"] / (1 << 30)   # noqa: E731
+        out.append(f"- {rec['model']} {rec['label']}: model state per rank Hecate {gib('hecate'):.1f} GiB, EP "
+                   f"{gib('ep'):.1f} GiB ({(gib('hecate') / gib('ep') - 1) * 100:+.0f}%): owned experts "
+                   f"{gib('ideal') - gib('ep'):+.1f} GiB (fp32 gradient accumulators where DeepSpeed keeps bf16 "
+                   f"gradients), replicas {gib('hecate') - gib('ideal'):+.1f} GiB.")
     for rec in large:
         s = rec["systems"]
         if "ep" not in s:
@@ -394,6 +419,15 @@ def large_lines(large: List[Dict[str, Any]]) -> List[str]:
         if "flexmoe" in s:
             out.append(f"- {rec['model']} {rec['label']}: FlexMoE's reserved slots (full optimizer state per replica) "
                        f"cost {s['flexmoe']['peak_memory_bytes'] / (1 << 30) - ep_gib:+.1f} GiB per rank over EP.")
+    ranked = [(r, r["systems"]["hecate"]) for r in large if "hecate" in r["systems"] and "ep" in r["systems"]]
+    if ranked:
+        below = [f"{r['model']} {r['label']} ({_x(h['speedup_vs_ep'])}; {h['replicas_per_layer']:.0f} replicas per "
+                 f"layer, EDP reduction {ms(h, 'edp_reduce'):.0f} ms vs EP's "
+                 f"{ms(r['systems']['ep'], 'edp_reduce'):.0f} ms, host planning {ms(h, 'host_planning'):.0f} ms per "
+                 "step)" for r, h in ranked if h["speedup_vs_ep"] < 1.0]
+        out.append("- Hecate vs EP with the same ep_size over these cases: "
+                   f"{_rng([h['speedup_vs_ep'] for _, h in ranked])}"
+                   + ("; below EP on: " + "; ".join(below) + "." if below else "; never below EP."))
     return out
 
 
@@ -432,9 +466,11 @@ def markdown_section(results: Dict[str, Any]) -> str:
     grid, large = results["grid"], results["large"]
     lines = [MARK_BEGIN, "",
              f"Generated by `{results['command']}` on {results['date']} through the Python API "
-             f"(`ds_hecate.sim.core.simulate`, presets of `ds_hecate/tools/presets.py`), with `ds-hecate simulate`'s "
-             f"defaults: {results['steps']} steps ({results['warmup']} warm-up step(s) not averaged), replica budget 10% "
-             f"of device memory, ZeRO-1 bf16 AdamW for the memory columns, hecate defaults otherwise "
+             f"(`ds_hecate.sim.core.simulate`, presets of `ds_hecate/sim/presets.py`), with `ds-hecate simulate`'s "
+             f"defaults: {results['steps']} steps ({results['warmup']} warm-up step(s) not averaged), replica budget "
+             "10% of device memory, ZeRO-1 bf16 AdamW for the memory columns and the expert-data-parallel reduction, "
+             "groups of `hecate.ep_size` ranks by the runtime's rule unless a case names one, hecate defaults "
+             "otherwise "
              f"(`calibration`: {str(hd['calibration']).lower()}, `replan_tolerance`: {hd['replan_tolerance']:g}, "
              f"`load_window`: {hd['load_window']}).", "",
              f"Machine that ran the simulations: {m['cpu']}, {m['vcpus']} vCPUs, {m['memory_gib']} GiB, Python "
@@ -474,13 +510,15 @@ def markdown_section(results: Dict[str, Any]) -> str:
                   + ("All under the one-minute target." if under else "Over the one-minute target: " + ", ".join(
                       f"{r['model']} {r['label']}" for r in large if r["wall_s"] >= MINUTE_S) + "."), ""]
         for mdl in dict.fromkeys(r["model"] for r in large):
-            lines += [f"{mdl}:", "", LARGE_HEADER, "|---|---|---|---|---|---|---|---|---|"]
+            lines += [f"{mdl}:", "", LARGE_HEADER, "|---|---|---|---|---|---|---|---|---|---|---|"]
             for r in (r for r in large if r["model"] == mdl):
                 for name, s in r["systems"].items():
                     lines.append(f"| {r['label']} | {name} | {s['step_time_s'] * 1e3:.0f} | "
                                  f"{_x(s['speedup_vs_ep'])} | {s['fraction_of_ideal'] * 100:.1f}% | "
                                  f"{s['peak_memory_bytes'] / (1 << 30):.1f} | {s['imbalance']:.2f} | "
-                                 f"{s['replicas_per_layer']:.0f} | {_pct(s.get('force_balanced_fraction'))} |")
+                                 f"{s['replicas_per_layer']:.0f} | {_pct(s.get('force_balanced_fraction'))} | "
+                                 f"{r.get('ep_size_used', r['world_size']) if name != 'ideal' else '-'} | "
+                                 f"{s['breakdown_s'].get('edp_reduce', 0.0) * 1e3:.0f} |")
             lines.append("")
         lines += ["Reading it (computed from the results and the presets):"] + large_lines(large)
         lines += planning_lines(large, results.get("planning_charged", True)) + [""]

@@ -72,6 +72,14 @@ class HecateConfig(BaseModel):
                                            "null: measured.")
     ranks_per_node: Optional[int] = Field(
         None, ge=1, description="Ranks per node for topology-aware dispatch; default: LOCAL_WORLD_SIZE.")
+    ep_size: Optional[int] = Field(
+        None, ge=1, le=1 << 30,
+        description="The Hecate domain G: groups of G consecutive ranks each hold one whole copy of every expert, "
+                    "sharded whole over the group (planning, gathers and token dispatch stay inside it), and the "
+                    "world/G groups are expert-data-parallel replicas (ranks r and r+G hold the same experts). Must "
+                    "divide the world size. null: the converted MoE layers' ep_size when above 1, else the world "
+                    "when it is at most the number of experts, else the largest divisor of the world that is at "
+                    "most the number of experts and does not split a node (ds_hecate.planning.groups).")
     reduce_dtype: Literal["fp32", "bf16"] = Field(
         "fp32", description="Dtype of expert gradients on the wire in SparseReduceScatter.")
     collective_timeout_s: float = Field(

@@ -16,13 +16,13 @@ from ds_hecate.errors import HecateConfigError, HecateError
 
 KNOWN_KEYS = ("enabled", "placement", "load_window", "materialize_budget_mb", "overlap_degree", "calibration",
               "replan_tolerance", "plan_budget_us", "search_budget_us", "rematerialize", "prefetch", "reshard_interval", "compute_s_per_pair", "link_gbps", "inter_node_gbps",
-              "non_moe_time_s", "ranks_per_node", "reduce_dtype", "collective_timeout_s", "log_conversion", "monitor",
+              "non_moe_time_s", "ranks_per_node", "ep_size", "reduce_dtype", "collective_timeout_s", "log_conversion", "monitor",
               "monitor_interval", "trace_file", "comm_backend")
 DEFAULTS = dict(enabled=False, placement="hecate", load_window=5, materialize_budget_mb=1024.0, overlap_degree=None,
                 calibration=True, replan_tolerance=0.05, plan_budget_us=None, search_budget_us=200000.0,
                 rematerialize=False, prefetch=True, reshard_interval=100,
                 compute_s_per_pair=None, link_gbps=None, inter_node_gbps=None, non_moe_time_s=None,
-                ranks_per_node=None, reduce_dtype="fp32", collective_timeout_s=600.0, log_conversion=True,
+                ranks_per_node=None, ep_size=None, reduce_dtype="fp32", collective_timeout_s=600.0, log_conversion=True,
                 monitor=True, monitor_interval=1, trace_file=None, comm_backend="auto")
 PLACEMENTS = ["hecate", "cost", "owner", "local", "shadow", "all"]
 
@@ -49,7 +49,8 @@ def test_full_valid_section():
     raw = dict(enabled=True, placement="local", load_window=3, materialize_budget_mb=12.5, overlap_degree=2,
                calibration=False, replan_tolerance=0.2, plan_budget_us=250.0, search_budget_us=0.0, rematerialize=True, prefetch=False, reshard_interval=7,
                compute_s_per_pair=1e-6,
-               link_gbps=100.0, inter_node_gbps=12.5, non_moe_time_s=0.01, ranks_per_node=8, reduce_dtype="bf16",
+               link_gbps=100.0, inter_node_gbps=12.5, non_moe_time_s=0.01, ranks_per_node=8, ep_size=64,
+               reduce_dtype="bf16",
                collective_timeout_s=30.5, log_conversion=False, monitor=False, monitor_interval=5,
                trace_file="run/trace.jsonl", comm_backend="torch")
     assert _fields(parse_hecate_section(raw)) == raw
@@ -119,6 +120,12 @@ def test_where_is_used_in_messages():
     ("ranks_per_node", 2.0),
     ("ranks_per_node", "8"),
     ("ranks_per_node", True),
+    ("ep_size", 0),
+    ("ep_size", -8),
+    ("ep_size", 8.0),
+    ("ep_size", "8"),
+    ("ep_size", True),
+    ("ep_size", 1 << 31),
     ("collective_timeout_s", -1),
     ("collective_timeout_s", 0),
     ("collective_timeout_s", 0.0),
@@ -343,6 +350,7 @@ _VALID = {
     "inter_node_gbps": st.one_of(st.none(), st.floats(1e-3, 1e6)),
     "non_moe_time_s": st.one_of(st.none(), st.floats(0, 3600.0)),
     "ranks_per_node": st.one_of(st.none(), st.integers(1, 10 ** 30)),
+    "ep_size": st.one_of(st.none(), st.integers(1, 1 << 30)),
     "collective_timeout_s": st.one_of(st.integers(1, 86400), st.floats(min_value=1e-9, max_value=86400.0)),
     "monitor": st.booleans(), "monitor_interval": st.integers(1, 1 << 30),
     "trace_file": st.one_of(st.none(), st.text(min_size=1, max_size=40)),
@@ -377,6 +385,7 @@ def _check_parsed(cfg):
     assert type(cfg.reshard_interval) is int and cfg.reshard_interval >= 0
     assert cfg.reduce_dtype in ("fp32", "bf16")
     assert cfg.ranks_per_node is None or (type(cfg.ranks_per_node) is int and cfg.ranks_per_node >= 1)
+    assert cfg.ep_size is None or (type(cfg.ep_size) is int and 1 <= cfg.ep_size <= 1 << 30)
     assert isinstance(cfg.collective_timeout_s, float) and 0 < cfg.collective_timeout_s <= 86400.0
 
 

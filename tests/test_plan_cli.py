@@ -40,7 +40,7 @@ def test_plan_matches_shard_store_to_the_byte():
 
     from ds_hecate.config import HecateConfig
     from ds_hecate.tools.memory_plan import optimizer_layout_from_ds_config, plan_memory, probe_optimizer_state
-    from ds_hecate.tools.presets import ModelShape
+    from ds_hecate.sim.presets import ModelShape
 
     results = run_ranks(2, _memory_worker, SPEC)
     model = ModelShape(name="tiny", moe_layers=SPEC.layers, hidden_size=SPEC.hidden, ffn_size=SPEC.ffn,
@@ -95,3 +95,36 @@ def test_plan_cli_breakdown_and_warning(tmp_path):
     sizes.write_text(json.dumps({"moe_layers": 2, "hiden_size": 16}))
     proc = _cli("plan", "--model", str(sizes), "--world-size", "2")
     assert proc.returncode == 2 and "unknown field(s) ['hiden_size']" in proc.stderr
+
+
+def test_plan_partitions_expert_state_over_expert_data_parallel_peers(tmp_path):
+    """Mixtral-8x7B on 1,024 ranks: the runtime's rule picks ep_size 8 (one node per group, 128 peers per expert).
+    Under ZeRO >= 1 each peer keeps 1/128 of the fp32 master and the Adam state, whole bf16 weights and whole fp32
+    gradient accumulators; under ZeRO-0 every peer keeps the whole state. An ep_size that does not divide the
+    world is refused naming the key."""
+    from ds_hecate.config import HecateConfig
+    from ds_hecate.sim.model_state import ADAM
+    from ds_hecate.sim.presets import MODELS
+    from ds_hecate.tools.memory_plan import plan_memory
+
+    model = MODELS["mixtral-8x7b"]
+    numel, part, layers = model.expert_params, -(-model.expert_params // 128), model.moe_layers
+    hecate = HecateConfig(enabled=True)
+    plan = plan_memory(model, hecate, 1024, 8, 1, "bf16", ADAM)
+    assert (plan.ep_size, plan.edp_size) == (8, 128) and plan.owned_experts == [layers] * 1024
+    assert plan.expert_memory_bytes(5) == {"expert_weights": layers * numel * 2, "expert_master": layers * part * 4,
+                                           "expert_grad": layers * numel * 4,
+                                           "expert_optimizer_state": layers * (part * 8 + 4),
+                                           "materialize_budget": 1 << 30}
+    assert plan_memory(model, HecateConfig(enabled=True, ep_size=4), 1024, 8, 1, "bf16", ADAM).edp_size == 256
+    full = plan_memory(model, hecate, 1024, 8, 0, "bf16", ADAM).expert_memory_bytes(5)
+    assert full["expert_master"] == layers * numel * 4 and "expert_weights" not in full
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"zero_optimization": {"stage": 1}, "bf16": {"enabled": True}}))
+    proc = _cli("plan", "--config", str(cfg), "--model", "mixtral-8x7b", "--world-size", "1024", "--ranks-per-node",
+                "8")
+    assert proc.returncode == 0, proc.stderr
+    assert "ep_size 8 (128 groups of 8 consecutive ranks" in proc.stdout
+    assert f"({layers * part * 4:,} B)" in proc.stdout and f"({layers * numel * 2:,} B)" in proc.stdout
+    proc = _cli("plan", "--config", str(cfg), "--model", "mixtral-8x7b", "--world-size", "1024", "--ep-size", "12")
+    assert proc.returncode == 2 and "hecate.ep_size = 12 must be a positive divisor" in proc.stderr

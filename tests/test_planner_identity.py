@@ -78,7 +78,7 @@ def _simulated_plans(world: int, experts: int, sequence: list):
     from ds_hecate.sim.context import SimContext
     from ds_hecate.sim.core import ADAM
     from ds_hecate.sim.systems import HecateSystem
-    from ds_hecate.tools.presets import Cluster, ModelShape
+    from ds_hecate.sim.presets import Cluster, ModelShape
 
     cluster = Cluster(name="test", nodes=1, devices_per_node=world, intra_node_gbps=1.0, inter_node_gbps=1.0,
                       device_tflops=1.0, device_memory_gb=1.0, overlaps_compute=False)

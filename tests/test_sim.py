@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from ds_hecate.errors import HecateError
-from ds_hecate.tools.presets import CLUSTERS, MODELS, Cluster, ModelShape
+from ds_hecate.sim.presets import CLUSTERS, MODELS, Cluster, ModelShape
 from ds_hecate.sim import SYSTEMS, simulate
 from ds_hecate.tools.trace import TraceLayer, TraceWriter
 
@@ -157,11 +157,11 @@ def test_dispatch_flows_follow_the_dispatch_rule():
         np.testing.assert_allclose(flows.received_inter.sum(axis=0), received_x, rtol=1e-12, atol=1e-9)
 
 
-def test_more_ranks_than_experts_and_ring_what_if():
-    """64 ranks, 8 experts: EP runs in groups of 8 with data parallelism across them; Hecate starts from that
-    layout when its budget allows (else says so), and its owner-sends SparseAllGather costs more exposed time than
-    the ring-broadcast what-if."""
-    kw = dict(systems=["ep", "hecate"], steps=3, world_size=64)
+def test_a_domain_larger_than_the_experts_and_ring_what_if():
+    """64 ranks, 8 experts, one Hecate domain of all 64 ranks (``ep_size=64``, the layout before groups): Hecate
+    starts from the expert-data-parallel layout when its budget allows (else says so), and its owner-sends
+    SparseAllGather costs more exposed time than the ring-broadcast what-if."""
+    kw = dict(systems=["hecate"], steps=3, world_size=64, ep_size=64)
     p2p = simulate("h100-128x8", "mixtral-8x7b", "W0", materialize_budget_mb=16384.0, **kw)
     ring = simulate("h100-128x8", "mixtral-8x7b", "W0", materialize_budget_mb=16384.0, spag="ring", **kw)
     assert p2p.systems["hecate"].replicas_per_layer == 64 - 8            # one expert per non-owner rank
@@ -197,3 +197,81 @@ def test_host_planning_is_charged_to_hecate_only():
     assert planning > 0 and off.systems["hecate"].breakdown_s["host_planning"] == 0
     assert on.systems["ep"].step_times_s == off.systems["ep"].step_times_s
     assert on.systems["hecate"].step_time_s == pytest.approx(off.systems["hecate"].step_time_s + planning, rel=1e-9)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Hecate domains (hecate.ep_size): one planner per group, expert data parallelism across groups
+# ---------------------------------------------------------------------------------------------------------------
+EIGHT = ModelShape(name="eight", moe_layers=2, hidden_size=256, ffn_size=512, num_experts=8, top_k=2, vocab_size=0,
+                   seq_len=512, expert_bias=True)
+
+
+def _hot_group(world: int, steps: int, hot: bool) -> list:
+    """counts[step][layer] for one group of ``world`` ranks: W1 (rank 0's experts hot) or balanced W0."""
+    from ds_hecate.sim.workloads import routing_counts
+
+    name = "W1" if hot else "W0"
+    return [[np.asarray(routing_counts(name, s, world, EIGHT.num_experts, 512, EIGHT.top_k), dtype=float)] *
+            EIGHT.moe_layers for s in range(steps)]
+
+
+def test_default_group_size_is_the_runtime_rule():
+    result = simulate("h100-128x8", EIGHT, "W0", systems=["ep", "hecate"], steps=2, world_size=32)
+    assert (result.ep_size, result.edp_size) == (8, 4)        # 32 ranks > 8 experts: one node per group
+    assert simulate("v100-4x8", "gpt-moe-s", "W0", systems=["ep"], steps=2).ep_size == 32   # 32 <= 64: the world
+    twelve = ModelShape(**{**vars(EIGHT), "num_experts": 12})
+    with pytest.raises(HecateError, match="groups of 12 ranks do not align with nodes of 8"):
+        simulate("h100-128x8", twelve, "W0", systems=["ep"], steps=2, world_size=24, ep_size=12)
+
+
+@pytest.mark.parametrize("system", ["ep", "hecate"])
+def test_groups_run_like_one_group_plus_the_edp_reduction(system):
+    """Two identical groups of 8 (16 ranks, G = 8) time every layer call exactly as one group of 8 on its own:
+    each group's planner sees only its group's ranks and counts. What the second group adds is the reduction of
+    the owners' expert gradients over the 2 EDP peers, once per layer and step, exposed, computed here by hand:
+    ZeRO-1 ring reduce-scatter of the gradients and all-gather of the weights, (R-1)/R of each through every rank,
+    the 8 ranks of a node sharing its NICs, one latency per ring hop."""
+    steps = 4
+    one = _hot_group(8, steps, hot=True)
+    two = [[np.concatenate([c, c]) for c in layers] for layers in one]
+    kw = dict(systems=[system], steps=steps, charge_planning=False, force_balanced=False)
+    alone = simulate("h100-128x8", EIGHT, "W1", world_size=8, counts=one, **kw).systems[system]
+    paired = simulate("h100-128x8", EIGHT, "W1", world_size=16, ep_size=8, counts=two, **kw).systems[system]
+    cluster = CLUSTERS["h100-128x8"]
+    grad_b = 2 if system == "ep" else 4          # DeepSpeed's bf16 gradients; Hecate's fp32 accumulators
+    moved = 0.5 * EIGHT.expert_params * (grad_b + 2)
+    per_layer = moved * 8 / (cluster.inter_node_gbps * 1e9) + 2 * cluster.inter_latency_s
+    assert alone.breakdown_s["edp_reduce"] == 0.0
+    assert paired.breakdown_s["edp_reduce"] == pytest.approx(EIGHT.moe_layers * per_layer, rel=1e-12)
+    for a, b in zip(alone.step_times_s, paired.step_times_s):
+        assert b == pytest.approx(a + EIGHT.moe_layers * per_layer, rel=1e-12)
+    assert paired.replicas_per_layer == pytest.approx(2 * alone.replicas_per_layer)
+
+
+def test_each_group_is_planned_on_its_own_counts():
+    """A hot group beside a balanced one: replicas go to the hot group's ranks only, and the layer waits for it."""
+    steps = 4
+    hot, cold = _hot_group(8, steps, hot=True), _hot_group(8, steps, hot=False)
+    mixed = [[np.concatenate([c, h]) for c, h in zip(cl, hl)] for cl, hl in zip(cold, hot)]
+    kw = dict(systems=["hecate"], steps=steps, charge_planning=False, force_balanced=False)
+    both = simulate("h100-128x8", EIGHT, "W1", world_size=16, ep_size=8, counts=mixed, **kw).systems["hecate"]
+    alone = simulate("h100-128x8", EIGHT, "W1", world_size=8, counts=hot, **kw).systems["hecate"]
+    assert alone.replicas_per_layer > 0
+    assert both.replicas_per_layer == pytest.approx(alone.replicas_per_layer)   # none in the balanced group
+    edp = both.breakdown_s["edp_reduce"]
+    assert [t - edp for t in both.step_times_s] == pytest.approx(alone.step_times_s, rel=1e-12)
+
+
+def test_edp_partitioned_memory():
+    """ZeRO-1 over R = 4 peers: DeepSpeed's EP keeps bf16 params and grads whole and 1/R of master and Adam
+    state; Hecate keeps bf16 weights and fp32 gradient accumulators whole and 1/R of master and Adam state. ZeRO-0:
+    every peer holds the whole expert state."""
+    from ds_hecate.sim.model_state import dense_state_bytes
+
+    kw = dict(systems=["ep", "hecate"], steps=2, world_size=32, materialize_budget_mb=0.0, force_balanced=False)
+    numel, layers = EIGHT.expert_params, EIGHT.moe_layers     # one expert per rank and layer
+    for stage, ep_per_param, hc_per_param in ((1, 2 + 2 + 12 / 4, 2 + 4 + 12 / 4), (0, 16, 16)):
+        r = simulate("h100-128x8", EIGHT, "W0", zero_stage=stage, **kw).systems
+        dense = sum(dense_state_bytes(EIGHT.dense_params, 32, stage, "bf16", 8))
+        assert r["ep"].peak_memory_bytes == pytest.approx(dense + layers * numel * ep_per_param, abs=64)
+        assert r["hecate"].peak_memory_bytes == pytest.approx(dense + layers * numel * hc_per_param, abs=64)

@@ -66,6 +66,25 @@ def test_large_cases_table_and_wall_time(tmp_path):
     assert "All under the one-minute target." in text
 
 
+def test_large_case_with_a_group_size(tmp_path):
+    """A case naming ``ep_size`` runs ``simulate(ep_size=...)``, says so in its label and command, and reports the
+    group size and each system's expert-data-parallel reduction in the table."""
+    case = gen.Case("h100-128x8", "mixtral-8x7b", "W2", systems=("ep", "hecate", "ideal"), ep_size=8)
+    results = gen.run_all([], [], [], steps=3, large=[case], command="test", charge_planning=False)
+    text = gen.markdown_section(results)
+    assert "ds-hecate simulate --cluster h100-128x8 --model mixtral-8x7b --workload W2 --systems ep hecate ideal " \
+           "--ep-size 8 --steps 3" in text
+    ref = simulate("h100-128x8", "mixtral-8x7b", "W2", systems=["ep", "hecate", "ideal"], steps=3, ep_size=8,
+                   charge_planning=False)
+    rows = {r[1]: r for r in _rows(text, "W2, ep_size 8")}
+    for name in ("ep", "hecate"):
+        assert rows[name][2] == f"{ref.systems[name].step_time_s * 1e3:.0f}"
+        assert rows[name][9] == "8"
+        assert rows[name][10] == f"{ref.systems[name].breakdown_s['edp_reduce'] * 1e3:.0f}" != "0"
+    assert rows["ideal"][9] == "-"
+    assert results["large"][0]["edp_size"] == 128
+
+
 def test_no_markers_is_an_error_naming_them(tmp_path):
     doc = tmp_path / "bench.md"
     doc.write_text("# Benchmarks\n\n## Simulator\nold tables\n")

@@ -3,9 +3,11 @@ parallelism, FasterMoE-, SmartMoE- and FlexMoE-style rearrangement, Hecate, Heca
 ideal bound. Pure Python + numpy, no torch.distributed.
 
 The placements come from the real planner (ds_hecate.planning: even_sharding, POLICIES, LoadPredictor,
-schedule_materialization with the runtime's own budget and cost formulas from ds_hecate.tools.memory_plan), and token
-routing from the planner's topology-aware dispatch rule (``dispatch_flows``); the simulator only adds a time model
-of the links and devices. See docs/simulator.md.
+schedule_materialization with the runtime's own budget and cost formulas from ds_hecate.planning.cost_model), one
+planner per Hecate domain (``hecate.ep_size``, ds_hecate.planning.groups), and token routing from the planner's
+topology-aware dispatch rule (``dispatch_flows``); the simulator only adds a time model of the links and devices and
+the model-state accounting (``model_state``). Its model and cluster presets are in ``presets``. See
+docs/simulator.md.
 """
 from .core import SYSTEMS, SimResult, SystemResult, format_table, simulate
 

@@ -1,5 +1,5 @@
 """``ds-hecate simulate`` and ``ds-hecate plan``: argument parsing and printing (the work is in
-:mod:`ds_hecate.sim.core` and :mod:`ds_hecate.tools.memory_plan`)."""
+:mod:`ds_hecate.sim.core` and :mod:`ds_hecate.tools.memory_plan`; presets in :mod:`ds_hecate.sim.presets`)."""
 from __future__ import annotations
 
 import argparse
@@ -50,7 +50,7 @@ def _zero_and_precision(ds: Dict[str, Any]) -> Tuple[int, str]:
 
 
 def run_simulate(args: argparse.Namespace) -> int:
-    from ..tools.presets import Cluster, resolve_cluster
+    from .presets import Cluster, resolve_cluster
     from .core import SYSTEMS, format_table, simulate
 
     systems = [s for part in args.systems for s in part.split(",") if s] if args.systems else list(SYSTEMS)
@@ -67,19 +67,20 @@ def run_simulate(args: argparse.Namespace) -> int:
                       materialize_budget_mb=args.materialize_budget_mb,
                       zero_stage=args.zero_stage if args.zero_stage is not None else stage,
                       precision=args.precision or precision, spag=args.spag,
-                      charge_planning=not args.no_planning_charge)
+                      charge_planning=not args.no_planning_charge, ep_size=args.ep_size)
     print(format_table(result))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:
             json.dump({"cluster": result.cluster.name, "model": result.model.name, "workload": result.workload,
-                       "world_size": result.world_size, "steps": result.steps, "wall_s": result.wall_s,
+                       "world_size": result.world_size, "ep_size": result.ep_size, "edp_size": result.edp_size,
+                       "steps": result.steps, "wall_s": result.wall_s,
                        "systems": {k: vars(v) for k, v in result.systems.items()}}, handle, indent=1)
     return 0
 
 
 def run_plan(args: argparse.Namespace) -> int:
     from ..tools.memory_plan import format_plan, optimizer_layout_from_ds_config, plan_memory
-    from ..tools.presets import resolve_cluster, resolve_model
+    from .presets import resolve_cluster, resolve_model
 
     hecate, ds = _hecate_from_ds_config(args.config)
     model = resolve_model(args.model)
@@ -90,7 +91,7 @@ def run_plan(args: argparse.Namespace) -> int:
         raise HecateError(f"--world-size {args.world_size} must be a positive multiple of --ranks-per-node {rpn}")
     stage, precision = _zero_and_precision(ds)
     plan = plan_memory(model, hecate, args.world_size, rpn, stage, precision, optimizer_layout_from_ds_config(ds),
-                       cluster=cluster)
+                       cluster=cluster, ep_size=args.ep_size)
     memory = args.device_memory_gb or (cluster.device_memory_gb if cluster else 80.0)
     print(format_plan(plan, model, memory))
     return 0
@@ -98,7 +99,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def add_parsers(sub: Any) -> None:
     """Register ``simulate`` and ``plan`` on the ``ds-hecate`` sub-parsers."""
-    from ..tools.presets import CLUSTERS, MODELS
+    from .presets import CLUSTERS, MODELS
     from .workloads import WORKLOADS
     from .core import SYSTEMS
 
@@ -125,6 +126,10 @@ def add_parsers(sub: Any) -> None:
     sim.add_argument("--spag", choices=("p2p", "ring"), default="p2p",
                      help="Hecate's sparse collectives: p2p from the owner (as ds_hecate runs them, default) or "
                           "ring broadcast/reduce per expert (what-if)")
+    sim.add_argument("--ep-size", type=int, default=None,
+                     help="group size G: Hecate shards the experts inside groups of G consecutive ranks, replicated "
+                          "across groups (expert data parallelism); the EP baselines use ep_size G (default: the "
+                          "config's hecate.ep_size, else the runtime's rule)")
     sim.add_argument("--seed", type=int, default=0, help="workload seed (W4, W7)")
     sim.add_argument("--no-planning-charge", action="store_true",
                      help="leave Hecate's host planning time (measured on this machine) out of its step")
@@ -138,6 +143,9 @@ def add_parsers(sub: Any) -> None:
     plan.add_argument("--world-size", type=int, required=True, help="ranks")
     plan.add_argument("--ranks-per-node", type=int, default=None,
                       help="default: hecate.ranks_per_node, else the cluster's, else 8")
+    plan.add_argument("--ep-size", type=int, default=None,
+                      help="group size G of the Hecate domain (default: the config's hecate.ep_size, else the "
+                           "runtime's rule)")
     plan.add_argument("--cluster", default=None, help="preset or JSON: device memory and bandwidth/T_nonMoE for t")
     plan.add_argument("--device-memory-gb", type=float, default=None,
                       help="warn above this (default: the cluster's device memory, else 80)")

@@ -1,4 +1,5 @@
-"""The simulated setting: cluster, model, world, precision and the cost model the runtime would build there."""
+"""The simulated setting: cluster, model, world, Hecate domain, precision and the cost model the runtime would build
+there."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -6,8 +7,9 @@ from typing import Dict, Optional
 
 from ..config import HecateConfig
 from ..planning.cost_model import StepCostModel, scheduler_costs
-from ..tools.memory_plan import OptimizerStateLayout
-from ..tools.presets import Cluster, ModelShape
+from ..planning.groups import ExpertGroups
+from .model_state import OptimizerStateLayout
+from .presets import Cluster, ModelShape
 
 
 @dataclass
@@ -28,6 +30,11 @@ class SimContext:
     spag: str = "p2p"                   # how Hecate's sparse collectives travel: "p2p" (as collectives.py) or "ring"
     planner_costs: Optional[Dict[str, float]] = None   # what the planners see, when not the time model's costs
     charge_planning: bool = True        # add Hecate's measured host planning time (critical path, exposed search)
+    ep_size: int = 0                    # G: Hecate's domain and the EP baselines' expert-parallel size; 0: the world
+
+    def __post_init__(self) -> None:
+        if not self.ep_size:
+            self.ep_size = self.world
 
     @property
     def numel(self) -> int:
@@ -38,8 +45,20 @@ class SimContext:
         return self.model.hidden_size * self.compute_b
 
     @property
-    def ep_size(self) -> int:
-        return min(self.world, self.model.num_experts)
+    def groups(self) -> ExpertGroups:
+        """``world / ep_size`` groups of consecutive ranks (expert-parallel groups, Hecate domains)."""
+        return ExpertGroups(self.world, self.ep_size, self.rpn)
+
+    @property
+    def owned_per_rank(self) -> int:
+        """Experts of one layer on the rank that owns the most (every group is sharded alike, evenly)."""
+        base, extra = divmod(self.model.num_experts, self.ep_size)
+        return base + (1 if extra else 0)
+
+    @property
+    def edp_size(self) -> int:
+        """R: expert-data-parallel copies of every expert (one per group)."""
+        return self.world // self.ep_size
 
     @property
     def state_bytes_per_param(self) -> int:
@@ -47,13 +66,16 @@ class SimContext:
         return 4 + 4 + self.optimizer.bytes_per_param
 
     def measured(self, world: int) -> Dict[str, float]:
+        """The measured costs a runtime planning a ``world``-rank domain would hold (inter-node bandwidth per
+        device when the domain spans nodes)."""
         if self.planner_costs is not None:
             return dict(self.planner_costs)
         link = self.cluster.inter_node_gbps_per_device if world > self.rpn else self.cluster.intra_node_gbps
         return {"link_gbps": link, "compute_s_per_pair": self.s_per_pair, "non_moe_time_s": self.t_fwd}
 
     def step_costs(self, world: int) -> StepCostModel:
-        """The cost model the runtime would build on this cluster (the runtime's own formula)."""
+        """The cost model the runtime would build for a ``world``-rank domain on this cluster (the runtime's own
+        formula; a group's planner sees only its group's ranks)."""
         return scheduler_costs(self.hecate, self.measured(world), world, self.rpn,
                                expert_bytes=self.numel * (self.compute_b + self.grad_b),
                                token_bytes=4 * self.row_bytes, overlaps_compute=self.cluster.overlaps_compute)

@@ -13,6 +13,11 @@ is a collective:
   the non-MoE compute of the block where the system overlaps them (forward: T_nonMoE; backward: 2 x T_nonMoE) and
   the cluster overlaps communication with compute.
 
+Every system but the ideal runs in groups of ``ep_size`` consecutive ranks (``hecate.ep_size``, resolved by the
+runtime's rule :func:`~ds_hecate.planning.groups.resolve_ep_size`): all of the above stays inside a group, a layer
+waits for its slowest group, and once per step each layer adds the exposed reduction of its expert gradients over
+the ``world / ep_size`` expert-data-parallel peers (:func:`~ds_hecate.sim.machine.edp_reduction_time`).
+
 A step adds the non-MoE compute of every block (3 x T_nonMoE forward), dense blocks, embeddings and the fixed
 per-step time of the cluster, and the rearrangement (migration) time of SmartMoE/FlexMoE on the steps they move
 experts. Activations and dense-gradient all-reduce are left out (identical for every system).
@@ -28,17 +33,15 @@ import numpy as np
 from ..config import HecateConfig
 from ..errors import HecateError
 from ..planning.balance import force_uniform_steps
-from ..planning.sharding import even_sharding
-from ..tools.memory_plan import OptimizerStateLayout, dense_state_bytes
-from ..tools.presets import Cluster, ModelShape, resolve_cluster, resolve_model
+from ..planning.groups import resolve_ep_size
 from ..tools.trace import read_trace
 from .context import SimContext
+from .model_state import ADAM, OptimizerStateLayout, dense_state_bytes, ep_expert_state_bytes, owned_expert_state
+from .presets import Cluster, ModelShape, resolve_cluster, resolve_model
 from .systems import SYSTEMS, make_system
 from .workloads import WORKLOADS, routing_counts
 
-__all__ = ["SYSTEMS", "SimResult", "SystemResult", "format_table", "simulate"]
-
-ADAM = OptimizerStateLayout("AdamW", (4, 4), 4)   # torch AdamW on fp32 masters: exp_avg, exp_avg_sq, 0-d step
+__all__ = ["ADAM", "SYSTEMS", "SimResult", "SystemResult", "format_table", "simulate"]
 
 
 @dataclass
@@ -49,7 +52,7 @@ class SystemResult:
     peak_memory_bytes: int              # model states + replicas/reserved slots of the largest rank
     imbalance: float                    # mean over layers/steps of max/mean expert compute per rank
     replicas_per_layer: float           # mean (expert, rank) replicas beyond the sharded placement
-    breakdown_s: Dict[str, float]       # per step: compute, all_to_all, exposed_comm, non_moe, rearrange
+    breakdown_s: Dict[str, float]       # per step: compute, all_to_all, exposed_comm, edp_reduce, non_moe, rearrange
     speedup_vs_ep: float = float("nan")
     fraction_of_ideal: float = float("nan")
     force_balanced_step_s: float = float("nan")     # the same system on the routing forced uniform
@@ -67,6 +70,8 @@ class SimResult:
     systems: Dict[str, SystemResult]
     wall_s: float
     notes: List[str] = field(default_factory=list)
+    ep_size: int = 0                    # G, the group size every system but the ideal ran in
+    edp_size: int = 1                   # world / G expert-data-parallel copies of each expert
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -134,16 +139,18 @@ def _explicit_counts(counts: Sequence[Sequence[Any]], model: ModelShape, world: 
 # memory
 # ---------------------------------------------------------------------------------------------------------------
 def _memory(system: str, ctx: SimContext, replicas_per_layer: List[np.ndarray], flex_slots: int) -> int:
-    """Model-state bytes of the largest rank (dense under ZeRO + owned experts + replicas / reserved slots)."""
+    """Model-state bytes of the largest rank: dense under ZeRO, owned experts (Hecate's shard store, or DeepSpeed's
+    ZeRO partitioning over the expert-data-parallel group for the EP family), replicas or reserved slots
+    (:mod:`ds_hecate.sim.model_state`)."""
     dense = sum(dense_state_bytes(ctx.model.dense_params, ctx.world, ctx.zero_stage, ctx.precision,
                                   ctx.optimizer.bytes_per_param))
-    per_expert = ctx.numel * ctx.state_bytes_per_param
     layers = ctx.model.moe_layers
+    owned = ctx.owned_per_rank * layers
     if system in ("hecate", "hecate-rm", "ideal"):
-        owners = even_sharding(ctx.model.num_experts, ctx.world)
-        owned = max(owners.count(r) for r in range(ctx.world)) * layers
+        experts = owned * owned_expert_state(ctx.numel, ctx.edp_size, ctx.zero_stage, ctx.precision,
+                                             ctx.optimizer).total
     else:
-        owned = int(np.ceil(ctx.model.num_experts / ctx.ep_size)) * layers
+        experts = ep_expert_state_bytes(owned * ctx.numel, ctx.edp_size, ctx.zero_stage, ctx.precision, ctx.optimizer)
     extra = 0.0
     if replicas_per_layer:
         reps = np.stack(replicas_per_layer)          # [layers, world], max over steps per layer
@@ -154,9 +161,9 @@ def _memory(system: str, ctx: SimContext, replicas_per_layer: List[np.ndarray], 
             extra = float((reps.max(axis=0) * (param + grad)).max())
         elif system == "fastermoe":
             extra = float((reps.sum(axis=0) * (param + grad)).max())
-    if system == "flexmoe":
-        extra = flex_slots * layers * per_expert
-    return int(dense + owned * per_expert + extra)
+    if system == "flexmoe":   # reserved slots keep a full optimizer state each
+        extra = flex_slots * layers * ctx.numel * ctx.state_bytes_per_param
+    return int(dense + experts + extra)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -169,7 +176,7 @@ def simulate(cluster: Union[str, Cluster], model: Union[str, ModelShape], worklo
              zero_stage: int = 1, precision: str = "bf16", optimizer: OptimizerStateLayout = ADAM,
              spag: str = "p2p", counts: Optional[Sequence[Sequence[Any]]] = None,
              planner_costs: Optional[Dict[str, float]] = None, force_balanced: bool = True,
-             charge_planning: bool = True) -> SimResult:
+             charge_planning: bool = True, ep_size: Optional[int] = None) -> SimResult:
     """Simulate ``steps`` training steps of ``model`` on ``cluster`` under ``workload`` for each of ``systems``.
 
     ``workload``: W0..W7 or a trace file (ds_hecate.tools.trace). ``hecate``: the ``hecate`` config the Hecate systems
@@ -192,6 +199,11 @@ def simulate(cluster: Union[str, Cluster], model: Union[str, ModelShape], worklo
     added to its step: the critical path in full, the search where it outlasts the non-MoE compute that hides it
     (``host_planning`` in the breakdown). False: leave it out (reproducible figures for tests).
 
+    ``ep_size``: the group size G every system but the ideal runs in (Hecate's domain, the EP baselines'
+    expert-parallel size); default the ``hecate`` config's ``ep_size``, else the runtime's rule
+    (:func:`~ds_hecate.planning.groups.resolve_ep_size` with the model's experts and the cluster's node size: the
+    world when it is at most the number of experts). Groups that split a node are not modelled (an error).
+
     ``force_balanced``: also simulate every system on the same routing forced uniform
     (:func:`ds_hecate.planning.balance.force_uniform`: same pairs per rank, spread evenly over the experts) and
     set ``force_balanced_step_s`` and ``force_balanced_fraction`` (that step time / the system's own).
@@ -209,7 +221,9 @@ def simulate(cluster: Union[str, Cluster], model: Union[str, ModelShape], worklo
         hecate = HecateConfig(enabled=True, materialize_budget_mb=float(budget))
     elif materialize_budget_mb is not None:
         hecate = hecate.model_copy(update={"materialize_budget_mb": float(materialize_budget_mb)})
-    ctx = _context(cl, mdl, tokens, hecate, zero_stage, precision, optimizer, spag, planner_costs, charge_planning)
+    group = _group_size(cl, mdl, ep_size if ep_size is not None else hecate.ep_size)
+    ctx = _context(cl, mdl, tokens, hecate, zero_stage, precision, optimizer, spag, planner_costs, charge_planning,
+                   group)
     if counts is None:
         counts, notes = _workload_counts(workload, mdl, cl.world_size, steps, tokens, seed)
     else:
@@ -220,7 +234,8 @@ def simulate(cluster: Union[str, Cluster], model: Union[str, ModelShape], worklo
     for layer in range(mdl.moe_layers):   # layers sharing the same count arrays at every step
         classes.setdefault(tuple(id(counts[s][layer]) for s in range(steps)), []).append(layer)
     fixed = _fixed_step_s(ctx)
-    results = {system: _simulate_system(system, ctx, counts, list(classes.values()), steps, warmup, fixed, notes)
+    layer_classes = [(layers, _group_classes(counts, layers[0], ctx)) for layers in classes.values()]
+    results = {system: _simulate_system(system, ctx, counts, layer_classes, steps, warmup, fixed, notes)
                for system in systems}
     for r in results.values():
         if "ep" in results:
@@ -234,12 +249,14 @@ def simulate(cluster: Union[str, Cluster], model: Union[str, ModelShape], worklo
         uniform = None if same else simulate(
             cl, mdl, workload, systems=systems, steps=steps, tokens_per_rank=tokens, warmup=warmup, seed=seed,
             hecate=hecate, zero_stage=zero_stage, precision=precision, optimizer=optimizer, spag=spag,
-            counts=forced, planner_costs=planner_costs, force_balanced=False, charge_planning=charge_planning)
+            counts=forced, planner_costs=planner_costs, force_balanced=False, charge_planning=charge_planning,
+            ep_size=group)
         for name, r in results.items():
             r.force_balanced_step_s = r.step_time_s if uniform is None else uniform.systems[name].step_time_s
             r.force_balanced_fraction = r.force_balanced_step_s / r.step_time_s
     return SimResult(cluster=cl, model=mdl, workload=workload, world_size=cl.world_size, steps=steps, warmup=warmup,
-                     systems=results, wall_s=time.perf_counter() - start_wall, notes=notes)
+                     systems=results, wall_s=time.perf_counter() - start_wall, notes=notes, ep_size=group,
+                     edp_size=ctx.edp_size)
 
 
 def _check_arguments(systems: Sequence[str], steps: int, warmup: int, spag: str, precision: str) -> None:
@@ -254,9 +271,28 @@ def _check_arguments(systems: Sequence[str], steps: int, warmup: int, spag: str,
         raise HecateError(f"simulate: precision must be bf16, fp16 or fp32, got {precision!r}")
 
 
+def _group_size(cl: Cluster, mdl: ModelShape, explicit: Optional[int]) -> int:
+    """The runtime's rule for the group size; groups the time model cannot place on whole nodes are refused."""
+    rpn = cl.devices_per_node
+    group, _ = resolve_ep_size(explicit, (), cl.world_size, mdl.num_experts, rpn)
+    if group % rpn and rpn % group:
+        raise HecateError(f"simulate: expert-parallel groups of {group} ranks do not align with nodes of {rpn}")
+    return group
+
+
+def _group_classes(counts, layer: int, ctx: SimContext) -> List[List[int]]:
+    """Groups of one layer whose counts are equal at every step (planned once: the planner is deterministic)."""
+    size = ctx.ep_size
+    by_history: Dict[Tuple[bytes, ...], List[int]] = {}
+    for g in range(ctx.world // size):
+        history = tuple(np.ascontiguousarray(step[layer][g * size:(g + 1) * size]).tobytes() for step in counts)
+        by_history.setdefault(history, []).append(g)
+    return list(by_history.values())
+
+
 def _context(cl: Cluster, mdl: ModelShape, tokens: int, hecate: HecateConfig, zero_stage: int, precision: str,
              optimizer: OptimizerStateLayout, spag: str, planner_costs: Optional[Dict[str, float]],
-             charge_planning: bool) -> SimContext:
+             charge_planning: bool, ep_size: int) -> SimContext:
     """The simulated setting: unit costs from the cluster's FLOP rate unless it carries measured ones."""
     flops = cl.device_tflops * 1e12
     return SimContext(cluster=cl, model=mdl, world=cl.world_size, rpn=cl.devices_per_node, tokens=tokens,
@@ -264,7 +300,8 @@ def _context(cl: Cluster, mdl: ModelShape, tokens: int, hecate: HecateConfig, ze
                       s_per_pair=cl.compute_s_per_pair or 6.0 * mdl.expert_params / flops,
                       t_fwd=(cl.non_moe_time_s if cl.non_moe_time_s is not None
                              else mdl.non_moe_flops_per_layer(tokens) / 3.0 / flops),
-                      hecate=hecate, optimizer=optimizer, zero_stage=zero_stage, precision=precision, spag=spag,
+                      hecate=hecate, optimizer=optimizer, zero_stage=zero_stage, precision=precision, ep_size=ep_size,
+                      spag=spag,
                       planner_costs=None if planner_costs is None else {k: float(v) for k, v in planner_costs.items()},
                       charge_planning=charge_planning)
 
@@ -284,16 +321,18 @@ def _fixed_step_s(ctx: SimContext) -> float:
             + cl.fixed_step_s)
 
 
-def _simulate_system(system: str, ctx: SimContext, counts, classes: List[List[int]], steps: int, warmup: int,
-                     fixed: float, notes: List[str]) -> SystemResult:
-    """One system through every step, one simulated layer per class of identically routed layers."""
+def _simulate_system(system: str, ctx: SimContext, counts, classes: List[Tuple[List[int], List[List[int]]]],
+                     steps: int, warmup: int, fixed: float, notes: List[str]) -> SystemResult:
+    """One system through every step, one simulated layer per class of identically routed layers (each with its
+    classes of identically routed groups)."""
     world, mdl = ctx.world, ctx.model
     totals = np.zeros(steps)
-    parts = {k: np.zeros(steps) for k in ("compute", "all_to_all", "exposed_comm", "rearrange", "host_planning")}
+    parts = {k: np.zeros(steps) for k in ("compute", "all_to_all", "exposed_comm", "edp_reduce", "rearrange",
+                                          "host_planning")}
     imbalance, reps_sum, reps_n = [], 0.0, 0
     replicas_by_layer: List[np.ndarray] = []
-    for layers in classes:
-        sim = make_system(system, ctx)
+    for layers, group_classes in classes:
+        sim = make_system(system, ctx, group_classes)
         if getattr(sim, "note", "") and sim.note not in notes:
             notes.append(sim.note)
         weight = len(layers)
@@ -302,8 +341,9 @@ def _simulate_system(system: str, ctx: SimContext, counts, classes: List[List[in
             lt, rearrange = sim.step(s, counts[s][layers[0]])
             overhead = ctx.cluster.layer_overhead_s if system != "ideal" else 0.0
             planning = getattr(sim, "planning_s", 0.0)
-            totals[s] += weight * (lt.total + rearrange + overhead + planning)
+            totals[s] += weight * (lt.total + rearrange + overhead + planning + sim.edp_reduce_s)
             parts["host_planning"][s] += weight * planning
+            parts["edp_reduce"][s] += weight * sim.edp_reduce_s
             parts["compute"][s] += weight * lt.compute
             parts["all_to_all"][s] += weight * lt.a2a
             parts["exposed_comm"][s] += weight * lt.exposed
@@ -327,11 +367,14 @@ def _simulate_system(system: str, ctx: SimContext, counts, classes: List[List[in
 def format_table(result: SimResult) -> str:
     """The table ``ds-hecate simulate`` prints."""
     cl, mdl = result.cluster, result.model
+    group = result.ep_size or result.world_size
     head = (f"cluster {cl.name}: {result.world_size} devices ({cl.nodes} node(s) x {cl.devices_per_node}); model "
             f"{mdl.name}: {mdl.moe_layers} MoE layers x {mdl.num_experts} experts, top-{mdl.top_k}; workload "
-            f"{result.workload}; {result.steps} steps ({result.warmup} warm-up not averaged)")
+            f"{result.workload}; {result.steps} steps ({result.warmup} warm-up not averaged); ep_size {group} "
+            + ("(one group)" if result.edp_size == 1 else
+               f"({result.edp_size} groups, expert-data-parallel across them)"))
     cols = ("system", "step ms", "vs EP", "of ideal", "of force-balanced", "peak GiB/rank", "imbalance",
-            "replicas/layer", "compute ms", "a2a ms", "exposed ms", "rearr ms")
+            "replicas/layer", "compute ms", "a2a ms", "exposed ms", "edp ms", "rearr ms")
     rows = [cols]
     for r in result.systems.values():
         b = r.breakdown_s
@@ -340,7 +383,7 @@ def format_table(result: SimResult) -> str:
                      f"{r.peak_memory_bytes / (1 << 30):.2f}",
                      f"{r.imbalance:.2f}", f"{r.replicas_per_layer:.1f}", f"{b['compute'] * 1e3:.2f}",
                      f"{b['all_to_all'] * 1e3:.2f}", f"{b['exposed_comm'] * 1e3:.2f}",
-                     f"{b['rearrange'] * 1e3:.2f}"))
+                     f"{b.get('edp_reduce', 0.0) * 1e3:.2f}", f"{b['rearrange'] * 1e3:.2f}"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(cols))]
     lines = [head, ""]
     for i, row in enumerate(rows):

@@ -119,6 +119,32 @@ def layer_time(ctx: SimContext, counts: np.ndarray, mat: np.ndarray, owners: np.
                       float(imbalance(processed)), replicas.sum(axis=1))
 
 
+def edp_reduction_time(ctx: SimContext, grad_bytes: float, weight_bytes: float) -> float:
+    """Seconds, exposed, of one layer's expert-gradient reduction over the expert-data-parallel peers at the
+    accumulation boundary: ``grad_bytes`` of gradients and ``weight_bytes`` of weights per rank (what the rank owns).
+
+    ZeRO stage >= 1: a ring reduce-scatter of the gradients, then a ring all-gather of the updated weights after each
+    peer stepped its ``1/R``; stage 0: a ring all-reduce of the gradients (every peer steps the whole expert). Each
+    ring phase moves ``(R-1)/R`` of the bytes through every member in ``R-1`` hops (one latency each). The rings run
+    over ranks ``r mod G`` ascending: with groups of whole nodes every hop crosses nodes and all ``rpn`` rings of a
+    node share its NICs; with groups smaller than a node, ``rpn/G`` members of a ring share a node, and the ring leaves
+    and enters each node once, so the ``G`` rings of a node load its NICs with one member's bytes each, the other hops
+    staying on the node's links. A whole job on one node stays on the node's links."""
+    peers = ctx.edp_size
+    if peers == 1 or grad_bytes <= 0:
+        return 0.0
+    second = weight_bytes if ctx.zero_stage >= 1 else grad_bytes
+    moved = (peers - 1) / peers * (grad_bytes + second)
+    c = ctx.cluster
+    hops = 2 * (peers - 1)
+    if ctx.world <= ctx.rpn:
+        return moved / (c.intra_node_gbps * 1e9) + hops * c.intra_latency_s
+    rings_per_node = min(ctx.ep_size, ctx.rpn)
+    t_inter = moved * rings_per_node / (c.inter_node_gbps * 1e9)
+    t_intra = moved / (c.intra_node_gbps * 1e9) if ctx.ep_size < ctx.rpn else 0.0
+    return max(t_inter, t_intra) + hops * c.inter_latency_s
+
+
 def placement_matrix(placement: Sequence[Sequence[int]], num_experts: int) -> np.ndarray:
     return holders_matrix(placement, len(placement), num_experts)
 

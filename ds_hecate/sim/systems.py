@@ -1,5 +1,11 @@
 """The simulated systems, each a stateful per-layer placement rule: expert parallelism and its load-balancing
-variants (FasterMoE, SmartMoE, FlexMoE), Hecate (the runtime's own :class:`LayerPlanner`) and the ideal bound."""
+variants (FasterMoE, SmartMoE, FlexMoE), Hecate (the runtime's own :class:`LayerPlanner`) and the ideal bound.
+
+Every system but the ideal runs in the same groups of ``G = ctx.ep_size`` consecutive ranks: the expert-parallel
+groups of DeepSpeed's ``ep_size`` for the EP family, the Hecate domains (``hecate.ep_size``) for Hecate, each with
+one planner per group on the group's ``[G, E]`` counts, as the runtime plans. A layer call waits for its slowest
+group; the expert gradients of the ``world / G`` groups are reduced over the expert-data-parallel peers once per
+optimizer step (``edp_reduce_s`` per layer, exposed, see :func:`~.machine.edp_reduction_time`)."""
 from __future__ import annotations
 
 import hashlib
@@ -18,7 +24,7 @@ from ..planning.plan import Placement
 from ..planning.predictor import LoadPredictor
 from ..planning.sharding import even_sharding
 from .context import SimContext
-from .machine import LayerTime, layer_time, migration_time, owner_matrix, placement_matrix
+from .machine import LayerTime, edp_reduction_time, layer_time, migration_time, owner_matrix, placement_matrix
 
 SYSTEMS = ("ep", "fastermoe", "smartmoe", "flexmoe", "hecate", "hecate-rm", "ideal")
 
@@ -55,6 +61,7 @@ class _System:
     """One system on one layer (or on a class of layers with identical routing)."""
 
     mode = "prefetch"
+    edp_reduce_s = 0.0                  # per optimizer step: this layer's expert-gradient reduction over EDP peers
 
     def __init__(self, ctx: SimContext) -> None:
         self.ctx = ctx
@@ -65,49 +72,42 @@ class _System:
         raise NotImplementedError
 
 
-def _groups(ctx: SimContext) -> List[slice]:
-    """Expert-parallel groups: ``ep = min(world, experts)`` consecutive ranks each (data parallel across them)."""
-    ep = ctx.ep_size
-    if ctx.world % ep:
-        raise HecateError(f"simulate: world size {ctx.world} is not a multiple of the expert-parallel size {ep} "
-                          f"(= min(world size, {ctx.model.num_experts} experts))")
-    if ep < ctx.world and ep % min(ctx.rpn, ep):
-        raise HecateError(f"simulate: expert-parallel groups of {ep} ranks do not align with nodes of {ctx.rpn}")
-    return [slice(g * ep, (g + 1) * ep) for g in range(ctx.world // ep)]
+def _group_slices(ctx: SimContext) -> List[slice]:
+    """The ranks of each group, ``[g*G, (g+1)*G)``."""
+    return [slice(ranks[0], ranks[-1] + 1) for ranks in ctx.groups.all_groups()]
+
+
+def _worst(times: Sequence[LayerTime], extra: Sequence[float], replicas: np.ndarray) -> Tuple[LayerTime, int]:
+    """The slowest group's layer time (its own ``extra`` seconds included in the choice), with every group's
+    replicas, and its index."""
+    i = max(range(len(times)), key=lambda k: (times[k].total + extra[k], -k))
+    t = times[i]
+    return LayerTime(t.total, t.compute, t.a2a, t.exposed, t.imbalance, replicas), i
 
 
 class _EPFamily(_System):
-    """Expert parallelism in groups of ``ep`` ranks; subclasses choose owners and replicas per group."""
+    """DeepSpeed's expert parallelism in groups of ``ep`` ranks with expert data parallelism across them (its expert
+    gradients in the compute dtype, DeepSpeed's default communication dtype, reduced over the EDP group at the
+    accumulation boundary); subclasses choose owners and replicas per group."""
 
     mode = "critical"
     uses_loads = False
 
     def __init__(self, ctx: SimContext) -> None:
         super().__init__(ctx)
-        self.groups = _groups(ctx)
+        self.groups = _group_slices(ctx)
         ep = ctx.ep_size
         self.owners = [np.asarray(even_sharding(ctx.model.num_experts, ep)) for _ in self.groups]
         self.predictors = [_Window(ctx.hecate.load_window) for _ in self.groups]
+        owned_bytes = ctx.owned_per_rank * ctx.numel * ctx.compute_b
+        self.edp_reduce_s = edp_reduction_time(ctx, owned_bytes, owned_bytes)
 
     def group_placement(self, g: int, step: int, counts: np.ndarray) -> Tuple[np.ndarray, float]:
         return owner_matrix(self.owners[g], counts.shape[0]), 0.0
 
-    def dp_allreduce_s(self) -> float:
-        """Expert gradients all-reduced across the data-parallel copies of each EP group (world > experts)."""
-        ctx = self.ctx
-        dp = ctx.world // ctx.ep_size
-        if dp == 1:
-            return 0.0
-        owned = ctx.model.num_experts / ctx.ep_size
-        per_rank = 2 * (dp - 1) / dp * owned * ctx.numel * ctx.grad_b
-        seconds = per_rank * min(ctx.rpn, ctx.world) / (ctx.cluster.inter_node_gbps * 1e9)
-        hidden = 2 * ctx.t_fwd if ctx.cluster.overlaps_compute else 0.0
-        return max(0.0, seconds - hidden)
-
     def step(self, step: int, counts: np.ndarray) -> Tuple[LayerTime, float]:
-        worst: Optional[LayerTime] = None
         rearrange = 0.0
-        replicas = []
+        times: List[LayerTime] = []
         for g, sl in enumerate(self.groups):
             sub = counts[sl]
             mat, moved = self.group_placement(g, step, sub)
@@ -115,16 +115,10 @@ class _EPFamily(_System):
             key = (sub.tobytes(), mat.tobytes(), self.owners[g].tobytes())
             if key not in self.cache:
                 self.cache[key] = layer_time(self.ctx, sub, mat, self.owners[g], self.mode)
-            lt = self.cache[key]
-            replicas.append(lt.replicas)
-            if worst is None or lt.total > worst.total:
-                worst = lt
+            times.append(self.cache[key])
             if self.uses_loads:
                 self.predictors[g].push(sub)
-        assert worst is not None
-        extra = self.dp_allreduce_s()
-        worst = LayerTime(worst.total + extra, worst.compute, worst.a2a, worst.exposed + extra, worst.imbalance,
-                           np.concatenate(replicas))
+        worst, _ = _worst(times, [0.0] * len(times), np.concatenate([t.replicas for t in times]))
         return worst, rearrange
 
 
@@ -233,57 +227,106 @@ class _FlexMoE(_EPFamily):
         return self.mats[g], moved
 
 
-class HecateSystem(_System):
-    """ds_hecate: the runtime's own planner (:class:`~ds_hecate.planning.layer_planner.LayerPlanner`) on the whole
-    world, with the runtime's budget and cost formulas. Per step the planner predicts and places before the gate
-    (the SparseAllGather is prefetched), then plans the step's real counts after it; this class only times it."""
+class _GroupPlanner:
+    """Hecate in one group (or one class of groups routed identically at every step): the runtime's own
+    :class:`LayerPlanner` on a world of the group's ``G`` ranks, with the runtime's budget and cost formulas."""
 
     def __init__(self, ctx: SimContext, rematerialize: bool) -> None:
-        super().__init__(ctx)
+        group, h = ctx.ep_size, ctx.hecate
+        self.ctx = ctx
         self.mode = "rm" if rematerialize else "prefetch"
-        self.owners = np.asarray(even_sharding(ctx.model.num_experts, ctx.world))
-        h = ctx.hecate
+        self.owners = np.asarray(even_sharding(ctx.model.num_experts, group))
+        self.rpn = min(ctx.rpn, group)
         settings = PlannerSettings(policy="hecate", calibration=h.calibration, replan_tolerance=h.replan_tolerance,
                                    load_window=h.load_window, search_budget_us=h.search_budget_us,
-                                   plan_budget_us=h.plan_budget_us, ranks_per_node=ctx.rpn)
-        self.planner = LayerPlanner(settings, ctx.world, ctx.model.num_experts)
-        budget = replica_budget(h.materialize_budget_mb, ctx.numel * ctx.compute_b, ctx.model.moe_layers,
-                                rematerialize)
-        self.inputs = PlanInputs(tuple(int(o) for o in self.owners), ctx.step_costs(ctx.world), budget)
+                                   plan_budget_us=h.plan_budget_us, ranks_per_node=self.rpn)
+        self.planner = LayerPlanner(settings, group, ctx.model.num_experts)
+        self.budget = replica_budget(h.materialize_budget_mb, ctx.numel * ctx.compute_b, ctx.model.moe_layers,
+                                     rematerialize)
+        self.inputs = PlanInputs(tuple(int(o) for o in self.owners), ctx.step_costs(group), self.budget)
         self.timings: Dict[Any, LayerTime] = {}
-        self.note = ""
-        if ctx.world > ctx.model.num_experts and self.planner.start_layout(self.inputs) is None:
-            # the budget is a hard cap in the runtime: no layout beyond it
-            self.note = (f"{'hecate-rm' if rematerialize else 'hecate'}: the replica budget ({budget} per layer per "
-                         f"rank) is below what the expert-data-parallel layout needs with {ctx.world} ranks and "
-                         f"{ctx.model.num_experts} experts; raise --materialize-budget-mb")
-        self.charge_planning = ctx.charge_planning
-        self.planning_s = 0.0             # host planning charged to the last step (measured here)
         self.placements: Dict[Any, Placement] = {}
+        self.last_prefetched: Optional[Placement] = None   # the last call's prefetched placement and executed plan
+        self.last_plan: Any = None
 
-    def step(self, step, counts):
+    def starved(self) -> bool:
+        """More ranks than experts in the group, and a budget below the layout that gives each rank work."""
+        return self.planner.world > self.planner.num_experts and self.planner.start_layout(self.inputs) is None
+
+    def step(self, counts: np.ndarray) -> Tuple[LayerTime, float]:
+        """(layer time of this group, host planning seconds charged to its step)."""
         started = time.perf_counter()
         placement = self.planner.prefetch_placement(self.inputs)
         search_s = time.perf_counter() - started
         # as the runtime: one Placement object per schedule, its dispatch tables built with the prefetch
         prefetched = self.last_prefetched = self.placements.setdefault(placement.materialized, placement)
-        rank_tables(prefetched, self.ctx.rpn, 0)
+        rank_tables(prefetched, self.rpn, 0)
         mat = prefetched.holders
         started = time.perf_counter()
         after = self.planner.plan_call(counts.astype(np.int64), self.inputs, prefetched, 0)
         critical_s = time.perf_counter() - started
         self.planner.observe(counts)
+        self.last_plan = after.plan
         late = None
         if after.extras is not None:   # calibration's replicas are gathered after the gate
             cal = after.plan.placement.holders
             late, mat = cal & ~mat, cal
         # host planning on the critical path, and the search where the preceding non-MoE compute does not hide it
-        self.planning_s = (critical_s + max(0.0, search_s - self.ctx.t_fwd)) if self.charge_planning else 0.0
-        self.last_plan = after.plan
+        planning = (critical_s + max(0.0, search_s - self.ctx.t_fwd)) if self.ctx.charge_planning else 0.0
         timing_key = (mat.tobytes(), counts.tobytes(), None if late is None else late.tobytes())
         if timing_key not in self.timings:
             self.timings[timing_key] = layer_time(self.ctx, counts, mat, self.owners, self.mode, late)
-        return self.timings[timing_key], 0.0
+        return self.timings[timing_key], planning
+
+
+class HecateSystem(_System):
+    """ds_hecate: one :class:`_GroupPlanner` per class of identically routed groups. Per step each group's planner
+    predicts and places before the gate (the SparseAllGather is prefetched), then plans the step's real counts after
+    it; this class only times it. The owners' expert gradients (fp32 accumulators, sent in ``reduce_dtype``) and the
+    updated weights travel over the expert-data-parallel peers at the accumulation boundary."""
+
+    def __init__(self, ctx: SimContext, rematerialize: bool,
+                 group_classes: Optional[Sequence[Sequence[int]]] = None) -> None:
+        super().__init__(ctx)
+        self.groups = _group_slices(ctx)
+        self.classes = [list(c) for c in (group_classes or [range(len(self.groups))])]
+        self.planners = [_GroupPlanner(ctx, rematerialize) for _ in self.classes]
+        owned = ctx.owned_per_rank * ctx.numel
+        self.edp_reduce_s = edp_reduction_time(ctx, owned * ctx.grad_b, owned * ctx.compute_b)
+        self.note = ""
+        if self.planners[0].starved():
+            # the budget is a hard cap in the runtime: no layout beyond it
+            self.note = (f"{'hecate-rm' if rematerialize else 'hecate'}: the replica budget "
+                         f"({self.planners[0].budget} per layer per rank) is below what the expert-data-parallel "
+                         f"layout needs with {ctx.ep_size} ranks and {ctx.model.num_experts} experts; raise "
+                         "--materialize-budget-mb")
+        self.planning_s = 0.0             # host planning charged to the last step (measured here)
+
+    # the first group's planner, as one group's runtime sees it (tests/test_planner_identity.py compares them)
+    @property
+    def inputs(self) -> PlanInputs:
+        return self.planners[0].inputs
+
+    @property
+    def last_plan(self) -> Any:
+        return self.planners[0].last_plan
+
+    @property
+    def last_prefetched(self) -> Optional[Placement]:
+        return self.planners[0].last_prefetched
+
+    def step(self, step, counts):
+        times, planning = [], []
+        replicas = np.zeros(self.ctx.world)
+        for members, planner in zip(self.classes, self.planners):
+            lt, seconds = planner.step(counts[self.groups[members[0]]])
+            times.append(lt)
+            planning.append(seconds)
+            for g in members:
+                replicas[self.groups[g]] = lt.replicas
+        worst, i = _worst(times, planning, replicas)
+        self.planning_s = planning[i]
+        return worst, 0.0
 
 
 class _Ideal(_System):
@@ -292,7 +335,9 @@ class _Ideal(_System):
         return LayerTime(compute, compute, 0.0, 0.0, 1.0, np.zeros(self.ctx.world)), 0.0
 
 
-def make_system(system: str, ctx: SimContext) -> _System:
+def make_system(system: str, ctx: SimContext, group_classes: Optional[Sequence[Sequence[int]]] = None) -> _System:
+    """The simulated ``system`` for one layer class. ``group_classes``: groups whose counts are equal at every step
+    (each planned once: the planner is deterministic); default every group planned alone."""
     if system == "ep":
         return _EP(ctx)
     if system == "fastermoe":
@@ -302,7 +347,7 @@ def make_system(system: str, ctx: SimContext) -> _System:
     if system == "flexmoe":
         return _FlexMoE(ctx)
     if system in ("hecate", "hecate-rm"):
-        return HecateSystem(ctx, rematerialize=system == "hecate-rm")
+        return HecateSystem(ctx, rematerialize=system == "hecate-rm", group_classes=group_classes)
     if system == "ideal":
         return _Ideal(ctx)
     raise HecateError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")

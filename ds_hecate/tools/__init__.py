@@ -1,1 +1,1 @@
-"""User tools: the ds-hecate CLI, reports, the memory plan, routing traces, model presets."""
+"""User tools: the ds-hecate CLI, reports, the memory plan, routing traces (presets: ds_hecate.sim.presets)."""

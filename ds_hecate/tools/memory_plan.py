@@ -1,52 +1,35 @@
 """Memory per rank before launch (``ds-hecate plan``), from the same budget formulas the runtime uses.
 
 The replica budget and the scheduler's costs come from :mod:`ds_hecate.planning.cost_model` (as in the runtime:
-``LayerBinding.replica_budget``, ``HecateRuntime.step_costs``), and the expert accounting here follows the shard store's tensors: fp32 masters
-(:data:`MASTER_BYTES_PER_PARAM`, ``LayerShard.set_masters``), fp32 gradient accumulators (``LayerShard.accumulate``)
-and the optimizer state the expert optimizer class creates, probed by stepping that class once on a tiny tensor
-(the same vector/scalar split re-sharding uses). So the plan and ``engine.hecate.memory_bytes()`` agree to the byte
-(tests/test_plan_cli.py checks it on a real 2-rank run).
+``LayerBinding.replica_budget``, ``HecateRuntime.step_costs``), the Hecate domain (``hecate.ep_size``) from
+:func:`ds_hecate.planning.groups.resolve_ep_size` (the runtime's rule), and the byte accounting from
+:mod:`ds_hecate.sim.model_state`, which the simulator's memory column uses too. The expert accounting follows the
+shard store's tensors: fp32 masters (``model_state.MASTER_BYTES_PER_PARAM``, ``LayerShard.set_masters``), fp32 gradient
+accumulators (``LayerShard.accumulate``) and the optimizer state the expert optimizer class creates, probed by
+stepping that class once on a tiny tensor (the same vector/scalar split re-sharding uses). So with one group the plan
+and ``engine.hecate.memory_bytes()`` agree to the byte (tests/test_plan_cli.py checks it on a real 2-rank run). With
+several groups the masters and optimizer state are partitioned over the expert-data-parallel peers under ZeRO >= 1,
+and a full copy of the weights in the compute dtype is added (``expert_weights``).
 
-Dense parameters (everything DeepSpeed keeps) follow ZeRO's usual accounting: with bf16/fp16, 2-byte params and
-grads plus fp32 master and optimizer state; with fp32, 4-byte params and grads and the optimizer state only; stage
-1 partitions optimizer state over the data-parallel ranks, stage 2 also gradients, stage 3 also parameters.
-Activations are not counted (they depend on batch and routing; the paper's Fig. 13 leaves them out too).
+Dense parameters (everything DeepSpeed keeps) follow ZeRO's usual accounting (``dense_state_bytes``). Activations are
+not counted (they depend on batch and routing; the paper's Fig. 13 leaves them out too).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from ..planning.cost_model import StepCostModel, replica_budget, scheduler_costs
+from ..planning.groups import ExpertGroups, resolve_ep_size
 from ..planning.heterogeneous import slots_per_rank
 from ..planning.sharding import even_sharding
+from ..sim.model_state import OptimizerStateLayout, compute_bytes, dense_state_bytes, owned_expert_state
 
-#: fp32 master weights and gradient accumulators of owned experts (shard_store.LayerShard).
-MASTER_BYTES_PER_PARAM = 4
-GRAD_BYTES_PER_PARAM = 4
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+__all__ = ["MemoryPlan", "format_plan", "optimizer_layout_from_ds_config", "plan_memory", "probe_optimizer_state"]
 
 
 # -- optimizer state ------------------------------------------------------------------------------------------------
 _TORCH_OPTIMIZERS = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD", "adagrad": "Adagrad", "rmsprop": "RMSprop"}
-
-
-@dataclass(frozen=True)
-class OptimizerStateLayout:
-    """Optimizer state of one parameter tensor: ``vectors`` per-element states (bytes per element each) and
-    ``scalar_bytes`` per tensor (e.g. Adam's 0-d ``step``)."""
-
-    name: str
-    vector_bytes: Tuple[int, ...]
-    scalar_bytes: int
-
-    def bytes_for(self, numel: int) -> int:
-        return sum(b * numel for b in self.vector_bytes) + self.scalar_bytes
-
-    @property
-    def bytes_per_param(self) -> int:
-        return sum(self.vector_bytes)
 
 
 def probe_optimizer_state(optimizer_cls: Any, params: Optional[Mapping[str, Any]] = None) -> OptimizerStateLayout:
@@ -115,10 +98,16 @@ class MemoryPlan:
     overlap_degree: int
     overlap_source: str
     costs: StepCostModel
+    ep_size: int = 0                             # the Hecate domain G (0: the whole world, for older callers)
+    edp_size: int = 1                            # R = world / G expert-data-parallel peers
+    expert_weights: List[int] = field(default_factory=list)   # full compute-dtype copies (EDP-partitioned masters)
     notes: List[str] = field(default_factory=list)
 
+    def weights(self, rank: int) -> int:
+        return self.expert_weights[rank] if self.expert_weights else 0
+
     def rank_total(self, rank: int) -> int:
-        return (self.dense_param_bytes + self.dense_grad_bytes + self.dense_optimizer_bytes
+        return (self.dense_param_bytes + self.dense_grad_bytes + self.dense_optimizer_bytes + self.weights(rank)
                 + self.expert_master[rank] + self.expert_grad[rank] + self.expert_optimizer_state[rank]
                 + self.materialize_budget)
 
@@ -127,48 +116,48 @@ class MemoryPlan:
         return max(range(self.world_size), key=lambda r: (self.rank_total(r), -r))
 
     def expert_memory_bytes(self, rank: int) -> Dict[str, int]:
-        """The keys of ``HecateRuntime.memory_bytes()`` this plan predicts for ``rank``."""
-        return {"expert_master": self.expert_master[rank], "expert_grad": self.expert_grad[rank],
-                "expert_optimizer_state": self.expert_optimizer_state[rank],
-                "materialize_budget": self.materialize_budget}
-
-
-def dense_state_bytes(dense_params: int, world_size: int, zero_stage: int, precision: str,
-                      optimizer_bytes_per_param: int) -> Tuple[int, int, int]:
-    """(params, grads, optimizer state) bytes per rank for DeepSpeed's dense parameters under ZeRO."""
-    half = precision in ("bf16", "fp16")
-    param_b, grad_b = (2, 2) if half else (4, 4)
-    opt_b = optimizer_bytes_per_param + (4 if half else 0)   # fp32 master copy with mixed precision
-    shard = lambda n, on: int(math.ceil(n / world_size)) if on else n   # noqa: E731
-    return (shard(dense_params * param_b, zero_stage >= 3), shard(dense_params * grad_b, zero_stage >= 2),
-            shard(dense_params * opt_b, zero_stage >= 1))
+        """The keys of ``HecateRuntime.memory_bytes()`` this plan predicts for ``rank`` (``expert_weights`` only
+        where the masters are partitioned over expert-data-parallel peers)."""
+        out = {"expert_master": self.expert_master[rank], "expert_grad": self.expert_grad[rank],
+               "expert_optimizer_state": self.expert_optimizer_state[rank],
+               "materialize_budget": self.materialize_budget}
+        if self.weights(rank):
+            out["expert_weights"] = self.weights(rank)
+        return out
 
 
 def plan_memory(model: Any, hecate: Any, world_size: int, ranks_per_node: int, zero_stage: int, precision: str,
                 optimizer: OptimizerStateLayout, cluster: Any = None,
-                owners_per_layer: Optional[Sequence[Sequence[int]]] = None) -> MemoryPlan:
-    """Memory per rank for ``model`` (:class:`ds_hecate.tools.presets.ModelShape`) under ``hecate`` (HecateConfig).
+                owners_per_layer: Optional[Sequence[Sequence[int]]] = None,
+                ep_size: Optional[int] = None) -> MemoryPlan:
+    """Memory per rank for ``model`` (:class:`ds_hecate.sim.presets.ModelShape`) under ``hecate`` (HecateConfig).
 
-    Expert shards follow the runtime's initial even sharding of every layer (``owners_per_layer`` overrides it,
-    e.g. after heterogeneous re-sharding). ``cluster`` (:class:`ds_hecate.tools.presets.Cluster`), when given, supplies
-    the bandwidth and T_nonMoE estimate for the overlap degree where the config leaves them null.
+    The Hecate domain is ``ep_size`` if given, else the config's ``hecate.ep_size``, resolved by the runtime's rule
+    (:func:`~ds_hecate.planning.groups.resolve_ep_size`). Expert shards follow the runtime's initial even sharding of
+    every layer inside a group, the same in every group (``owners_per_layer``, local ranks of a group, overrides it,
+    e.g. after heterogeneous re-sharding, which keeps the groups alike). ``cluster``
+    (:class:`ds_hecate.sim.presets.Cluster`), when given, supplies the bandwidth and T_nonMoE estimate for the overlap
+    degree where the config leaves them null.
     """
-    if precision not in DTYPE_BYTES:
-        raise ValueError(f"precision must be one of {sorted(DTYPE_BYTES)}, got {precision!r}")
+    compute_b = compute_bytes(precision)
     numel = model.expert_params
-    owners = ([even_sharding(model.num_experts, world_size) for _ in range(model.moe_layers)]
+    explicit = ep_size if ep_size is not None else hecate.ep_size
+    group_size, warning = resolve_ep_size(explicit, (), world_size, model.num_experts, ranks_per_node)
+    groups = ExpertGroups(world_size, group_size, ranks_per_node)
+    owners = ([even_sharding(model.num_experts, group_size) for _ in range(model.moe_layers)]
               if owners_per_layer is None else [tuple(o) for o in owners_per_layer])
-    owned = [sum(list(o).count(r) for o in owners) for r in range(world_size)]
-    compute_b = DTYPE_BYTES[precision]
+    owned_local = [sum(list(o).count(r) for o in owners) for r in range(group_size)]
+    owned = [owned_local[groups.local_rank(r)] for r in range(world_size)]
+    state = owned_expert_state(numel, groups.edp_size, zero_stage, precision, optimizer)
     reduce_b = 4 if hecate.reduce_dtype == "fp32" else 2
     expert_bytes_compute = numel * compute_b
     dense_p, dense_g, dense_o = dense_state_bytes(model.dense_params, world_size, zero_stage, precision,
                                                   optimizer.bytes_per_param)
-    notes: List[str] = []
+    notes: List[str] = [warning] if warning else []
     measured: Dict[str, float] = {}
     overlap_source = "config"
-    if cluster is not None:
-        measured["link_gbps"] = (cluster.inter_node_gbps_per_device if world_size > ranks_per_node
+    if cluster is not None:   # the planner of a group sees a world of its G ranks
+        measured["link_gbps"] = (cluster.inter_node_gbps_per_device if group_size > ranks_per_node
                                  else cluster.intra_node_gbps)
         tokens = model.tokens_per_rank
         measured["compute_s_per_pair"] = (cluster.compute_s_per_pair or
@@ -179,31 +168,43 @@ def plan_memory(model: Any, hecate: Any, world_size: int, ranks_per_node: int, z
     if hecate.non_moe_time_s is None and hecate.overlap_degree is None and cluster is None:
         notes.append("no non_moe_time_s/overlap_degree in the config and no cluster: t = 0 until the runtime "
                      "measures T_nonMoE at the first step")
-    costs = scheduler_costs(hecate, measured, world_size, ranks_per_node,
+    costs = scheduler_costs(hecate, measured, group_size, ranks_per_node,
                             expert_bytes=numel * (compute_b + reduce_b), token_bytes=4 * model.hidden_size * compute_b,
                             overlaps_compute=cluster.overlaps_compute if cluster is not None else True)
     return MemoryPlan(
         world_size=world_size, ranks_per_node=ranks_per_node, zero_stage=zero_stage, precision=precision,
         optimizer=optimizer.name, dense_params=model.dense_params, expert_params_per_expert=numel,
         owned_experts=owned, dense_param_bytes=dense_p, dense_grad_bytes=dense_g, dense_optimizer_bytes=dense_o,
-        expert_master=[n * numel * MASTER_BYTES_PER_PARAM for n in owned],
-        expert_grad=[n * numel * GRAD_BYTES_PER_PARAM for n in owned],
-        expert_optimizer_state=[n * optimizer.bytes_for(numel) for n in owned],
+        expert_master=[n * state.expert_master for n in owned],
+        expert_grad=[n * state.expert_grad for n in owned],
+        expert_optimizer_state=[n * state.expert_optimizer_state for n in owned],
+        expert_weights=[n * state.expert_weights for n in owned],
         materialize_budget=int(hecate.materialize_budget_mb * (1 << 20)),
         replica_budget_per_layer=replica_budget(hecate.materialize_budget_mb, expert_bytes_compute, model.moe_layers,
                                                 hecate.rematerialize),
         replica_bytes_per_expert=expert_bytes_compute,
         overlap_degree=min(costs.overlap_degree, model.num_experts), overlap_source=overlap_source, costs=costs,
-        notes=notes)
+        ep_size=group_size, edp_size=groups.edp_size, notes=notes)
 
 
 def _gib(n: float) -> str:
     return f"{n / (1 << 30):9.2f} GiB"
 
 
+def _domain_line(plan: MemoryPlan) -> str:
+    group = plan.ep_size or plan.world_size
+    if plan.edp_size == 1:
+        return f"Hecate domain: ep_size {group} (one group: every expert has one copy in the job)"
+    how = ("master weights and optimizer state partitioned over them (ZeRO stage >= 1), weights all-gathered"
+           if plan.zero_stage >= 1 else "each holding the full expert state (ZeRO stage 0: all-reduce)")
+    return (f"Hecate domain: ep_size {group} ({plan.edp_size} groups of {group} consecutive ranks; each expert has "
+            f"{plan.edp_size} expert-data-parallel copies, {how})")
+
+
 def format_plan(plan: MemoryPlan, model: Any, device_memory_gb: float) -> str:
     """Human-readable breakdown of the peak rank, with a warning when it does not fit ``device_memory_gb``."""
     r = plan.peak_rank
+    partitioned = f" (1/{plan.edp_size})" if plan.weights(r) or (plan.edp_size > 1 and plan.zero_stage >= 1) else ""
     lines = [
         f"model {model.name}: {model.total_params / 1e9:.2f}B parameters ({plan.dense_params / 1e9:.2f}B dense, "
         f"{model.expert_params_total / 1e9:.2f}B in {model.moe_layers} x {model.num_experts} experts of "
@@ -211,15 +212,20 @@ def format_plan(plan: MemoryPlan, model: Any, device_memory_gb: float) -> str:
         f"world size {plan.world_size} ({max(1, plan.world_size // plan.ranks_per_node)} node(s) x "
         f"{min(plan.ranks_per_node, plan.world_size)}), ZeRO stage {plan.zero_stage}, {plan.precision}, "
         f"optimizer {plan.optimizer}",
+        _domain_line(plan),
         f"memory per rank (rank {r}, the largest; activations not included):",
         f"  dense params                 {_gib(plan.dense_param_bytes)}",
         f"  dense grads                  {_gib(plan.dense_grad_bytes)}",
         f"  dense optimizer states       {_gib(plan.dense_optimizer_bytes)}",
         f"  expert shards: {plan.owned_experts[r]} experts owned (min {min(plan.owned_experts)}, max "
         f"{max(plan.owned_experts)} over ranks)",
-        f"    master weights (fp32)      {_gib(plan.expert_master[r])}  ({plan.expert_master[r]:,} B)",
+    ]
+    if plan.weights(r):
+        lines.append(f"    weights ({plan.precision}, whole)      {_gib(plan.weights(r))}  ({plan.weights(r):,} B)")
+    lines += [
+        f"    master weights (fp32){partitioned:<6} {_gib(plan.expert_master[r])}  ({plan.expert_master[r]:,} B)",
         f"    gradients (fp32)           {_gib(plan.expert_grad[r])}  ({plan.expert_grad[r]:,} B)",
-        f"    optimizer states           {_gib(plan.expert_optimizer_state[r])}  "
+        f"    optimizer states{partitioned:<10} {_gib(plan.expert_optimizer_state[r])}  "
         f"({plan.expert_optimizer_state[r]:,} B)",
         f"  materialization budget       {_gib(plan.materialize_budget)}",
         f"  total                        {_gib(plan.rank_total(r))}",
@@ -230,7 +236,7 @@ def format_plan(plan: MemoryPlan, model: Any, device_memory_gb: float) -> str:
     ]
     if max(plan.owned_experts) - min(plan.owned_experts) > 1:
         balanced = max(slots_per_rank(sum(plan.owned_experts), plan.world_size))
-        per_expert = plan.expert_params_per_expert * (MASTER_BYTES_PER_PARAM + GRAD_BYTES_PER_PARAM)
+        per_expert = (plan.expert_master[r] + plan.expert_grad[r]) / max(1, plan.owned_experts[r])
         lines.append(f"note: the initial even sharding of each layer leaves ranks with {min(plan.owned_experts)}.."
                      f"{max(plan.owned_experts)} experts; heterogeneous re-sharding (reshard_interval) balances them "
                      f"to {balanced} per rank ({balanced * per_expert / (1 << 30):.2f} GiB master+grad)")

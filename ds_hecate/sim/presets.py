@@ -1,8 +1,9 @@
-"""Model shapes and cluster descriptions shared by ``ds-hecate plan`` and ``ds-hecate simulate``.
+"""Model shapes and cluster descriptions shared by ``ds-hecate simulate`` and ``ds-hecate plan``.
 
-Pure Python (no torch). A model preset gives the sizes the memory plan and the simulator need; a cluster preset
-describes devices, links and throughput. Both can also come from a JSON file (``--model sizes.json``,
-``--cluster cluster.json``) with the same field names; unknown fields are errors.
+They live with the simulator, whose inputs they are (the user tools build on the simulator, not the reverse); the
+memory plan in ``tools/`` reads them from here. Pure Python (no torch). A model preset gives the sizes the memory
+plan and the simulator need; a cluster preset describes devices, links and throughput. Both can also come from a
+JSON file (``--model sizes.json``, ``--cluster cluster.json``) with the same field names; unknown fields are errors.
 
 Where the figures come from: the paper's Table 1 and §5.1 for GPT-MoE-S/L, BERT-MoE(-Deep) and the two AWS testbeds
 (``/work/shared/reference/paper-hecate.md``); the public model configurations for Mixtral-8x7B and DeepSeek-V3.
