@@ -3,7 +3,7 @@ PYTHON ?= python3
 FREE_PORT = $(shell $(PYTHON) -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install demo test gpu-check gpu-install
+.PHONY: install demo test gpu-check gpu-install gpu-wheels
 # A visible NVIDIA GPU: `make test` then installs the `gpu` extra (CuPy, NCCL) so tests/gpu run instead of skipping.
 HAS_GPU := $(shell nvidia-smi -L 2>/dev/null | grep -q GPU && echo 1)
 
@@ -27,7 +27,33 @@ test: install $(if $(HAS_GPU),gpu-install)
 gpu-install: install
 	$(PYTHON) -m pip install -q --no-build-isolation -e '.[gpu]'
 
-# One GPU: tests/gpu, 20 training steps CUDA vs CPU, 1-rank NCCL round trips, stream ordering (and its ablation),
-# compute-sanitizer memcheck where present; one JSON file (gpu_check.json). `--dry-run` checks the script on a CPU.
-gpu-check: gpu-install
-	timeout 480 $(PYTHON) benchmarks/gpu_check.py --out gpu_check.json
+# The one-command check of the GPU path, on a GPU machine as it is (docs/benchmarks.md, "GPU path"): no network, no
+# install of torch, CuPy or the requirements (whatever CUDA torch and CuPy are there stay). What is missing to import
+# DeepSpeed (DeepSpeed itself, pydantic, ...) comes from the wheelhouse .whl/ that `make gpu-wheels` builds where pip
+# has network, installed with --no-index into GPU_SITE only if deepspeed is not importable; ds_hecate runs from the
+# checkout. Every stage in its own process with its own timeout (under 6 minutes in all on one H200); the JSON
+# ($(GPU_OUT).json) is rewritten after each stage, the Markdown table ($(GPU_OUT).md) printed at the end.
+# `make gpu-check ARGS=--dry-run` runs every stage's code path on the CPU (CI); ARGS=--quick shrinks sizes.
+ARGS ?=
+GPU_SITE ?= /tmp/ds_hecate_site
+GPU_OUT ?= runs/gpu_check
+GPU_PYTHONPATH = $(CURDIR):$(GPU_SITE)$${PYTHONPATH:+:$$PYTHONPATH}
+
+gpu-check:
+	@if PYTHONPATH="$(GPU_PYTHONPATH)" $(PYTHON) -c "import deepspeed, pydantic" >/dev/null 2>&1; then :; \
+	elif ls .whl/*.whl >/dev/null 2>&1; then \
+		echo "gpu-check: deepspeed is not importable; installing the wheelhouse .whl/ into $(GPU_SITE)"; \
+		$(PYTHON) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+			--target $(GPU_SITE) .whl/*.whl || exit 1; \
+	else \
+		echo "gpu-check: deepspeed is not importable and there is no wheelhouse .whl/ (run make gpu-wheels where"; \
+		echo "pip has network and bring .whl/ along)"; exit 1; \
+	fi
+	@mkdir -p $(dir $(GPU_OUT))
+	PYTHONPATH="$(GPU_PYTHONPATH)" timeout 360 $(PYTHON) benchmarks/gpu_check.py --out $(GPU_OUT).json \
+		--markdown $(GPU_OUT).md $(ARGS)
+
+# Here, with network: the wheels the GPU machine lacks (Python 3.12, manylinux x86-64, --no-deps with every
+# dependency named; deepspeed built from its sdist), into .whl/, listed with sizes.
+gpu-wheels:
+	$(PYTHON) -m benchmarks.gpu.wheelhouse --dest .whl

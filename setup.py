@@ -48,7 +48,10 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8", "hypothesis>=6"],
+        # CuPy and NCCL for the CuPy transport and the kernels: CUDA 12 (`gpu`) or CUDA 13 (`gpu13`), matching the
+        # CUDA build of the torch already installed (neither extra installs torch).
         "gpu": ["cupy-cuda12x", "nvidia-nccl-cu12>=2.18.1"],
+        "gpu13": ["cupy-cuda13x", "nvidia-nccl-cu13"],
         "mpi": ["mpi4py"],
         "hf": ["transformers>=5.10", "accelerate>=1.15", "safetensors>=0.8"],
     },

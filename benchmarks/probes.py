@@ -13,8 +13,8 @@ class ByteCounter:
     all-to-all: the input minus the rank's own part; all-reduce: 2(W-1)/W of the tensor; reduce-scatter: (W-1)/W of
     the input; all-gather: (W-1) times the input; broadcast: (W-1) times the tensor on the source."""
 
-    NAMES = ("all_to_all_single", "all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "all_gather",
-             "broadcast", "reduce_scatter", "all_to_all")
+    NAMES = ("all_to_all_single", "all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor",
+             "all_gather_single", "all_gather", "broadcast", "reduce_scatter", "all_to_all")
 
     def __init__(self) -> None:
         import torch.distributed as dist
@@ -26,6 +26,8 @@ class ByteCounter:
             original = getattr(dist, name, None)
             if original is None:
                 continue
+            if name == "all_gather_into_tensor" and hasattr(dist, "all_gather_single"):
+                continue   # torch 2.13+: the old name forwards to all_gather_single, counted there
             self.originals[name] = original
             wrapper = self._wrap(name, original)
             setattr(dist, name, wrapper)
@@ -60,7 +62,7 @@ class ByteCounter:
             return 2.0 * (w - 1) / w * self._nbytes(kwargs.get("tensor", args[0] if args else None))
         if name == "reduce_scatter_tensor":
             return (w - 1) / w * self._nbytes(kwargs.get("input", args[1] if len(args) > 1 else None))
-        if name in ("all_gather_into_tensor",):
+        if name in ("all_gather_into_tensor", "all_gather_single"):
             return (w - 1) * self._nbytes(kwargs.get("input_tensor", args[1] if len(args) > 1 else None))
         if name == "all_gather":
             return (w - 1) * self._nbytes(kwargs.get("tensor", args[1] if len(args) > 1 else None))

@@ -1,14 +1,20 @@
-"""Running one expert from a flat parameter vector.
+"""Running experts from flat parameter vectors: one expert, or all of a layer call's experts at once.
 
 Hecate moves whole experts as flat chunks (one contiguous vector per expert), so an expert has to run from such
-a chunk. Any ``nn.Module`` works through ``torch.func.functional_call`` on a parameter-less template; the common
-FFN shapes (Linear-act-Linear, and :class:`SwiGLUExpert`) take a direct path of ``F.linear`` calls that skips
-module dispatch.
+a chunk. Any ``nn.Module`` works through ``torch.func.functional_call`` on a parameter-less template. The common
+FFN shapes (Linear-act-Linear, :class:`SwiGLUExpert`, Hugging Face's fused gate/up experts) have an
+:class:`FFNForm`: the same arithmetic written once over a *projection* callback, which is ``F.linear`` for one
+expert and a grouped GEMM over every materialized expert of a layer call in
+:mod:`ds_hecate.ops.grouped_experts`.
+
+Views into a flat vector are taken with ``split``, never ``narrow``: the backward of a ``narrow`` zero-fills its
+whole base before adding the slice, once per parameter, where ``split``'s backward concatenates the pieces once.
 """
 from __future__ import annotations
 
 import copy
-from typing import Callable, Dict, List, Optional
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +23,9 @@ from torch import nn
 _ACTIVATIONS: Dict[type, Callable[[torch.Tensor], torch.Tensor]] = {
     nn.GELU: F.gelu, nn.ReLU: F.relu, nn.SiLU: F.silu, nn.Tanh: torch.tanh, nn.Identity: lambda t: t,
 }
+
+#: ``proj(x, weight name, bias name or None)``: ``x @ W.T (+ b)`` for the named parameters.
+Projection = Callable[[torch.Tensor, str, Optional[str]], torch.Tensor]
 
 
 class SwiGLUExpert(nn.Module):
@@ -32,7 +41,49 @@ class SwiGLUExpert(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
-def _linear_act_linear(module: nn.Module) -> Optional[Callable]:
+@dataclass(frozen=True)
+class FFNForm:
+    """An FFN expert as projections of named parameters: ``down(act(up x))`` or, gated,
+    ``down(act(gate x) * up x)``.
+
+    ``gate_up`` names one ``[2F, H]`` operand whose first ``F`` outputs are the gate (Hugging Face's fused
+    experts); for a SwiGLU expert without biases the adjacent ``w1``/``w3`` weights form that operand in the grouped
+    path (:attr:`fusable`), so one GEMM computes both.
+    """
+
+    act: Callable[[torch.Tensor], torch.Tensor]
+    down: str
+    down_bias: Optional[str] = None
+    up: Optional[str] = None
+    up_bias: Optional[str] = None
+    gate: Optional[str] = None
+    gate_bias: Optional[str] = None
+    gate_up: Optional[str] = None
+
+    def run(self, proj: Projection, x: torch.Tensor, fuse_gate_up: bool = False) -> torch.Tensor:
+        """The expert's output through ``proj``; ``fuse_gate_up`` runs gate and up as one operand (grouped path,
+        only when :attr:`fusable`): the operand's name is ``gate + '+' + up``."""
+        if self.gate_up is not None:
+            gate, up = proj(x, self.gate_up, None).chunk(2, dim=-1)
+            hidden = self.act(gate) * up
+        elif self.gate is not None:
+            if fuse_gate_up:
+                gate, up = proj(x, f"{self.gate}+{self.up}", None).chunk(2, dim=-1)
+            else:
+                gate, up = proj(x, self.gate, self.gate_bias), proj(x, self.up, self.up_bias)
+            hidden = self.act(gate) * up
+        else:
+            hidden = self.act(proj(x, self.up, self.up_bias))
+        return proj(hidden, self.down, self.down_bias)
+
+    def fusable(self, names: Sequence[str]) -> bool:
+        """Gate and up weights adjacent in the flat layout (gate first) and without biases: one ``[2F, H]`` view."""
+        if self.gate is None or self.gate_bias is not None or self.up_bias is not None:
+            return False
+        return self.gate in names and names.index(self.gate) + 1 == names.index(self.up)
+
+
+def _linear_act_linear(module: nn.Module) -> Optional[FFNForm]:
     if not (isinstance(module, nn.Sequential) and len(module) == 3):
         return None
     first, act, second = module[0], module[1], module[2]
@@ -40,28 +91,27 @@ def _linear_act_linear(module: nn.Module) -> Optional[Callable]:
         return None
     if isinstance(act, nn.GELU) and act.approximate != "none":
         return None
-    act_fn = _ACTIVATIONS[type(act)]
-
-    def run(p: Dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        h = F.linear(x, p["0.weight"], p.get("0.bias"))
-        return F.linear(act_fn(h), p["2.weight"], p.get("2.bias"))
-    return run
+    return FFNForm(act=_ACTIVATIONS[type(act)], up="0.weight", up_bias="0.bias" if first.bias is not None else None,
+                   down="2.weight", down_bias="2.bias" if second.bias is not None else None)
 
 
-def _swiglu(module: nn.Module) -> Optional[Callable]:
+def _swiglu(module: nn.Module) -> Optional[FFNForm]:
     if type(module) is not SwiGLUExpert:
         return None
+    bias = module.w1.bias is not None
+    return FFNForm(act=F.silu, gate="w1.weight", gate_bias="w1.bias" if bias else None, up="w3.weight",
+                   up_bias="w3.bias" if bias else None, down="w2.weight", down_bias="w2.bias" if bias else None)
 
-    def run(p: Dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        gate = F.silu(F.linear(x, p["w1.weight"], p.get("w1.bias")))
-        return F.linear(gate * F.linear(x, p["w3.weight"], p.get("w3.bias")), p["w2.weight"], p.get("w2.bias"))
-    return run
+
+def detect_form(module: nn.Module) -> Optional[FFNForm]:
+    """The :class:`FFNForm` of ``module`` if it is one of the FFN shapes Hecate runs directly, else None."""
+    return _linear_act_linear(module) or _swiglu(module)
 
 
 class ExpertKernel:
     """Layout of one expert's parameters in a flat vector, and how to run the expert from that vector."""
 
-    def __init__(self, expert: nn.Module) -> None:
+    def __init__(self, expert: nn.Module, form: Optional[FFNForm] = None) -> None:
         named = [(n, p) for n, p in expert.named_parameters()]
         if not named:
             raise ValueError("an expert must have parameters")
@@ -69,7 +119,8 @@ class ExpertKernel:
         self.shapes: List[torch.Size] = [p.shape for _, p in named]
         self.numels: List[int] = [p.numel() for _, p in named]
         self.numel: int = sum(self.numels)
-        self.fast_path: Optional[Callable] = _linear_act_linear(expert) or _swiglu(expert)
+        #: The FFN shape of the expert, run without module dispatch (per expert or grouped); None: generic.
+        self.form: Optional[FFNForm] = form if form is not None else detect_form(expert)
         # Template for the generic path: same module, parameters replaced by meta tensors (no memory). Buffers
         # stay on the template, shared by all experts of the layer.
         template = copy.deepcopy(expert)
@@ -82,7 +133,18 @@ class ExpertKernel:
 
     @property
     def kind(self) -> str:
-        return "ffn" if self.fast_path is not None else "generic"
+        return "ffn" if self.form is not None else "generic"
+
+    @property
+    def fast_path(self) -> Optional[Callable[[Dict[str, torch.Tensor], torch.Tensor], torch.Tensor]]:
+        """``run(named views, x)`` for an FFN expert (``F.linear`` calls, no module dispatch), else None."""
+        if self.form is None:
+            return None
+        form = self.form
+
+        def run(p: Dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+            return form.run(lambda h, w, b: F.linear(h, p[w], p[b] if b is not None else None), x)
+        return run
 
     def flatten(self, expert: nn.Module) -> torch.Tensor:
         """The expert's parameters as one fp32 vector, in layout order."""
@@ -97,11 +159,22 @@ class ExpertKernel:
 
     def views(self, flat: torch.Tensor) -> Dict[str, torch.Tensor]:
         """Named views into a flat vector (differentiable: gradients land in the flat vector)."""
-        out, offset = {}, 0
-        for name, shape, numel in zip(self.names, self.shapes, self.numels):
-            out[name] = flat.narrow(0, offset, numel).view(shape)
-            offset += numel
-        return out
+        pieces = flat.split(self.numels)
+        return {name: piece.view(shape) for name, piece, shape in zip(self.names, pieces, self.shapes)}
+
+    def grouped_views(self, buffer: torch.Tensor, fuse_gate_up: bool = False) -> Dict[str, torch.Tensor]:
+        """Named ``[E, *shape]`` views into an ``[E, numel]`` buffer of E experts (one ``split`` along the
+        parameters); with ``fuse_gate_up`` the adjacent gate and up weights are one ``[E, 2F, H]`` view named
+        ``gate + '+' + up``."""
+        names, numels, shapes = list(self.names), list(self.numels), [tuple(s) for s in self.shapes]
+        if fuse_gate_up:
+            i = names.index(self.form.gate)
+            names[i:i + 2] = [f"{names[i]}+{names[i + 1]}"]
+            numels[i:i + 2] = [numels[i] + numels[i + 1]]
+            shapes[i:i + 2] = [(shapes[i][0] + shapes[i + 1][0],) + shapes[i][1:]]
+        experts = buffer.shape[0]
+        return {name: piece.view((experts,) + shape)
+                for name, piece, shape in zip(names, buffer.split(numels, dim=1), shapes)}
 
     def unflatten_into(self, flat: torch.Tensor, expert: nn.Module) -> None:
         """Copy a flat vector into a real expert module's parameters (used for export and tests)."""
@@ -111,7 +184,9 @@ class ExpertKernel:
 
     def __call__(self, flat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         params = self.views(flat)
-        if self.fast_path is not None:
-            return self.fast_path(params, x)
+        run = self.fast_path
+        if run is not None:
+            return run(params, x)
         out = torch.func.functional_call(self._template, params, (x,))
         return out[0] if isinstance(out, tuple) else out  # DeepSpeed's Experts ignore a returned bias too
+

@@ -148,11 +148,11 @@ class MoE(nn.Module):
         x = hidden_states.reshape(-1, d_model)
         # DeepSpeed's gate with sparse routes: indices/gates are [k, S]; dropped routes have index -1.
         l_aux, _capacity, _num_experts, indices, _locations, gates, exp_counts = self.gate(x, used_token, True, False)
-        if self.binding is not None:
-            y_slots = self.binding.run(x, indices, gates)
+        if self.binding is not None:   # Hecate: DeepSpeed's combine arithmetic, fused with the un-permute
+            output = self.binding.run(x, indices, gates, "deepspeed").reshape(hidden_states.shape)
         else:
             y_slots = self._run_local(x, indices)
-        output = combine_routes(y_slots, gates, y_slots.dtype).reshape(hidden_states.shape)
+            output = combine_routes(y_slots, gates, y_slots.dtype).reshape(hidden_states.shape)
         if self.use_residual:
             output_mlp = self.mlp(hidden_states)
             if isinstance(output_mlp, tuple):

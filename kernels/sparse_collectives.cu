@@ -1,9 +1,9 @@
-// Data movement of Hecate's sparse collectives, as CUDA kernels loaded at run time by ds_hecate/gpu/kernels.py
+// Data movement of Hecate's sparse collectives, as CUDA kernels loaded at run time by ds_hecate/comm/gpu/kernels.py
 // (cupy.RawModule, NVRTC; compiled once per process and device, then cached). No header is included, so the same
 // file also builds with `nvcc -ptx -arch=sm_80|sm_90` (checked by tests/test_kernels.py).
 //
-// The contract of each kernel is written out in pure torch in ds_hecate/gpu/reference.py; tests/gpu/ compares the
-// two on the same inputs.
+// The contract of each kernel is written out in pure torch in ds_hecate/comm/gpu/reference.py; tests/gpu/ compares
+// the two on the same inputs.
 //
 //   pack_<in>_<out>_v<V>      SparseAllGather / SparseReduceScatter send side: chunk c of the contiguous send
 //                             buffer = convert(srcs[c]); srcs is a device table of pointers (expert masters or
@@ -14,6 +14,11 @@
 //                             chunks listed for j (CSR: chunk_idx[seg_ptr[j] .. seg_ptr[j+1]]), added one after the
 //                             other in fp32 in list order (own copy first, then by source rank): bit-for-bit the
 //                             torch path's summation order.
+//   accumulate_<recv>_v<V>    the same sum in place, into one fp32 [n, numel] accumulator (DeviceOps.accumulate):
+//                             target row rows[j] += the received chunks chunk_idx[seg_ptr[j] .. seg_ptr[j+1]),
+//                             added one after the other in fp32 in list order (receive order). The rows are
+//                             distinct, so no element is written by two blocks of different j: no atomics, and the
+//                             order is fixed (deterministic) however often an expert was replicated.
 //
 // Types: f32 = float, bf16 = bfloat16 handled as its 16 raw bits (unsigned short), converted with round to nearest
 // even like torch. V is the number of elements one thread moves per access: V > 1 variants use 16-byte vector
@@ -135,3 +140,43 @@ HECATE_REDUCE(bf16_f32, bf16_t, float, 1)
 HECATE_REDUCE(bf16_f32, bf16_t, float, 4)
 HECATE_REDUCE(bf16_bf16, bf16_t, bf16_t, 1)
 HECATE_REDUCE(bf16_bf16, bf16_t, bf16_t, 4)
+
+// target + rows[j] * numel += recv chunks chunk_idx[seg_ptr[j]..seg_ptr[j+1]) in order; grid = (blocks, rows).
+// The accumulator row is read once and written once per element; recv never aliases it.
+template <typename Recv, int V>
+__device__ __forceinline__ void accumulate_row(float* __restrict__ dst, const Recv* __restrict__ recv,
+                                               const long long* __restrict__ chunk_idx, long long first,
+                                               long long last, long long numel) {
+    const long long nvec = numel / V;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < nvec; i += stride) {
+        Vec<float, V> acc = reinterpret_cast<const Vec<float, V>*>(dst)[i];
+        for (long long s = first; s < last; ++s) {
+            const Vec<Recv, V> r = reinterpret_cast<const Vec<Recv, V>*>(recv + chunk_idx[s] * numel)[i];
+#pragma unroll
+            for (int k = 0; k < V; ++k) acc.v[k] += to_float(r.v[k]);
+        }
+        reinterpret_cast<Vec<float, V>*>(dst)[i] = acc;
+    }
+    for (long long i = nvec * V + (long long)blockIdx.x * blockDim.x + threadIdx.x; i < numel; i += stride) {
+        float acc = dst[i];
+        for (long long s = first; s < last; ++s) acc += to_float(recv[chunk_idx[s] * numel + i]);
+        dst[i] = acc;
+    }
+}
+
+#define HECATE_ACCUMULATE(NAME, RECV, V)                                                                    \
+    extern "C" __global__ void __launch_bounds__(HECATE_THREADS)                                           \
+    accumulate_##NAME##_v##V(float* __restrict__ target, const long long* __restrict__ rows,               \
+                             const RECV* __restrict__ recv, const long long* __restrict__ seg_ptr,         \
+                             const long long* __restrict__ chunk_idx, long long numel) {                   \
+        const long long j = blockIdx.y;                                                                     \
+        accumulate_row<RECV, V>(target + rows[j] * numel, recv, chunk_idx, seg_ptr[j], seg_ptr[j + 1],      \
+                                numel);                                                                     \
+    }
+
+// Names: <wire dtype>; the accumulator is always fp32.
+HECATE_ACCUMULATE(f32, float, 1)
+HECATE_ACCUMULATE(f32, float, 4)
+HECATE_ACCUMULATE(bf16, bf16_t, 1)
+HECATE_ACCUMULATE(bf16, bf16_t, 4)

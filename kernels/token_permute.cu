@@ -1,6 +1,7 @@
-// Token movement around Hecate's ragged all-to-all, as CUDA kernels loaded at run time by ds_hecate/gpu/kernels.py
-// (cupy.RawModule, NVRTC; compiled once per process and device, then cached). Header-free, so it also builds with
-// `nvcc -ptx -arch=sm_80|sm_90` (tests/test_kernels.py). Contracts in pure torch: ds_hecate/gpu/reference.py.
+// Token movement around Hecate's ragged all-to-all, as CUDA kernels loaded at run time by
+// ds_hecate/comm/gpu/kernels.py (cupy.RawModule, NVRTC; compiled once per process and device, then cached).
+// Header-free, so it also builds with `nvcc -ptx -arch=sm_80|sm_90` (tests/test_kernels.py). Contracts in pure
+// torch: ds_hecate/comm/gpu/reference.py.
 //
 //   expert_histogram          counts[e] = number of i with idx[i] == e, for 0 <= e < E; counts[E] = number of
 //                             indices >= E (out of range; the runtime's health check); negative = dropped slot.

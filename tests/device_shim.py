@@ -2,7 +2,11 @@
 
 Inside :func:`cuda_shim`, factories with ``device="cuda"`` and ``.to("cuda")`` give :class:`ShimTensor` (real CPU
 values; ``.device`` is ``cuda:0``), every op that mixes a shim tensor with a CPU tensor raises (as CUDA would, with
-no CPU-scalar exception), and every host-to-device copy is recorded (``shim.copies``: non_blocking, pinned).
+no CPU-scalar exception), every host-to-device copy is recorded (``shim.copies``: non_blocking, pinned), and every
+host read of a device tensor, which on CUDA blocks the host until the device has caught up, is recorded
+(``shim.host_reads``): ``.item()``/``bool()``/``int()``, ``.tolist()``, ``.numpy()``, a device-to-host copy
+(``.cpu()``, ``.to("cpu")``), and the ops whose output shape depends on the data (``nonzero``, boolean-mask
+indexing, ``masked_select``, ``unique``, ``bincount``, ``repeat_interleave`` without ``output_size``).
 """
 from __future__ import annotations
 
@@ -70,8 +74,48 @@ class _Dispatch(TorchDispatchMode):
         return _dispatch(func, args, kwargs)
 
 
+_aten = torch.ops.aten
+#: Ops that read a device tensor on the host (CUDA synchronises): a value, or an output shape that depends on data.
+_HOST_READS = {_aten._local_scalar_dense.default, _aten.nonzero.default, _aten.masked_select.default,
+               _aten.bincount.default, _aten.equal.default, _aten.is_nonzero.default, _aten._unique2.default,
+               _aten.unique_consecutive.default, _aten.unique_dim.default, _aten.allclose.default}
+_INDEXING = (_aten.index.Tensor, _aten.index_put.default, _aten.index_put_.default)
+#: where host reads are recorded (the active shim's list), None outside a shim
+_READS: List[List[str]] = []
+
+
+def _host_read(func, args, kwargs) -> str:
+    """The kind of host read ``func`` on these arguments makes, or '' (only shim tensors are on the "device")."""
+    flat = tree_flatten((args, kwargs))[0]
+    if not any(isinstance(t, ShimTensor) for t in flat):
+        return ""
+    if func in _HOST_READS:
+        return func.__name__.split(".")[0]
+    if func is _aten.repeat_interleave.Tensor and kwargs.get("output_size") is None and len(args) < 3:
+        return "repeat_interleave without output_size"
+    if func in _INDEXING and any(isinstance(t, torch.Tensor) and t.dtype == torch.bool for t in flat[1:]):
+        return "boolean-mask indexing"
+    if func is _aten._to_copy.default and kwargs.get("device") is not None \
+            and torch.device(kwargs["device"]).type == "cpu":
+        return "device-to-host copy"
+    if func is _aten.copy_.default and not isinstance(args[0], ShimTensor) and isinstance(args[1], ShimTensor):
+        return "device-to-host copy"
+    return ""
+
+
 def _dispatch(func, args, kwargs):
     kwargs = dict(kwargs or {})
+    # pinning at the dispatch level: autograd runs backward without the torch-function mode, but with this one
+    if func is _aten._pin_memory.default:
+        out = args[0].clone()
+        out._shim_pinned = True
+        return out
+    if func is _aten.is_pinned.default:
+        return getattr(args[0], "_shim_pinned", False)
+    if _READS:
+        read = _host_read(func, args, kwargs)
+        if read:
+            _READS[-1].append(read)
     tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
     devices = {_device(t) for t in tensors}
     if len(devices) > 1 and func.__name__.split(".")[0] not in _STRICT:  # CUDA's CPU-scalar exception
@@ -122,14 +166,12 @@ class _Function(TorchFunctionMode):
                 host = func(*args, **{**kwargs, "device": "cpu"})
             return ShimTensor(host)
         if func is torch.Tensor.tolist and isinstance(args[0], ShimTensor):
+            _READS[-1].append("tolist")
             return args[0].inner.tolist()
-        if func is torch.Tensor.pin_memory:
-            out = args[0].clone()
-            out._shim_pinned = True
-            return out
-        if func is torch.Tensor.is_pinned:
-            return getattr(args[0], "_shim_pinned", False)
-        return func(*args, **kwargs)
+        if func is torch.Tensor.numpy and isinstance(args[0], ShimTensor):
+            _READS[-1].append("numpy")
+            return args[0].inner.numpy()
+        return func(*args, **kwargs)   # pinning is handled at the dispatch level (_dispatch)
 
 
 class FakeEvent:
@@ -161,15 +203,17 @@ class FakeEvent:
 
 class Shim:
     """Handle of an active shim: ``copies`` lists (non_blocking, pinned) of every host-to-device copy,
-    ``collectives`` the name of every torch.distributed call that moved tensors."""
+    ``collectives`` the name of every torch.distributed call that moved tensors, ``host_reads`` the kind of every
+    host read of a device tensor."""
 
     def __init__(self) -> None:
         self.copies: List[Tuple[bool, bool]] = []
         self.collectives: List[str] = []
+        self.host_reads: List[str] = []
 
 
-_COLLECTIVES = ("all_to_all_single", "all_gather_into_tensor", "all_reduce", "broadcast", "reduce_scatter_tensor",
-                "all_gather")
+_COLLECTIVES = ("all_to_all_single", "all_gather_into_tensor", "all_gather_single", "all_reduce", "broadcast",
+                "reduce_scatter_tensor", "all_gather")
 
 
 def _checked_collective(shim: Shim, name: str, original):
@@ -196,13 +240,15 @@ def cuda_shim():
     torch.cuda._lazy_init = lambda: None
     torch.cuda.Event = FakeEvent
     torch.cuda.current_stream = lambda device=None: None
-    originals = {name: getattr(dist, name) for name in _COLLECTIVES}
+    originals = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
     for name, fn in originals.items():
         setattr(dist, name, _checked_collective(shim, name, fn))
+    _READS.append(shim.host_reads)
     try:
         with _Function(shim.copies), _Dispatch():
             yield shim
     finally:
+        _READS.pop()
         for name, value in saved.items():
             setattr(torch.cuda, name, value)
         for name, fn in originals.items():

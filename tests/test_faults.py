@@ -92,13 +92,13 @@ def _arm_kill(phase: str, stamp: str, ckpt: str, kill_step: int, rank: int, step
             LayerBinding.reduce_scatter = lambda self, *a: _die(stamp)
         elif phase in ("sparse-collective", "reshard"):  # about to send experts (a re-sharding moves them with
             label = "SparseAllGather" if phase == "sparse-collective" else "re-sharding expert move"  # their state)
-            exchange = Communicator.exchange_chunks
+            exchange = Communicator.exchange_rows
 
-            def dying_exchange(self, *args):
-                if args[-1] == label:
+            def dying_exchange(self, *args, **kwargs):
+                if label in args:
                     _die(stamp)
-                return exchange(self, *args)
-            Communicator.exchange_chunks = dying_exchange
+                return exchange(self, *args, **kwargs)
+            Communicator.exchange_rows = dying_exchange
         elif phase == "save-experts":  # its first expert file written, while writing the second
             write, written = checkpoint._atomic_torch_save, []
 

@@ -1,23 +1,197 @@
-"""`make gpu-check` (issue 15): its CPU-side dry run checks the script itself in CI, and the Makefile has the target."""
+"""`make gpu-check` (issue 24): its CPU dry run runs every stage's code path in CI; a stage that times out or crashes
+fails the check and leaves the JSON of the stages before it; the layer-call stage reads the layer-call benchmark's
+figures; the Makefile runs the check on a GPU machine as it is (no install of torch, CuPy or the requirements) and
+`make gpu-wheels` builds what that machine lacks."""
 import json
 import os
 import subprocess
 import sys
+import textwrap
+import zipfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.gpu import runner  # noqa: E402
+from benchmarks.gpu.common import Context  # noqa: E402
 
 
 def test_gpu_check_dry_run(tmp_path):
-    out = tmp_path / "gpu_check.json"
-    proc = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--dry-run", "--out", str(out)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300,
+    out, md = tmp_path / "gpu_check.json", tmp_path / "gpu_check.md"
+    proc = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--dry-run", "--out", str(out), "--markdown",
+                           str(md)], cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert report["dry_run"] and len(report["cpu_losses"]) == 2 and len(report["steps"]) == 6
+    assert report["dry_run"] is True and report["ok"] is True and "stand-in" in report["note"]
+    assert list(report["stages"]) == [s.name for s in runner.STAGES]
+    for name, stage in report["stages"].items():
+        assert stage["status"] == "passed", (name, stage)
+        assert stage["seconds"] <= stage["timeout_s"] and stage["summary"]
+    assert sum(s.timeout_s for s in runner.STAGES) < runner.BUDGET_S == 360
+    stages = report["stages"]
+    assert stages["training"]["cuda_cupy"]["kernel_use"].get("combine", 0) > 0
+    assert stages["streams"]["watchdog"]["aborted"] and stages["nccl_round_trips"]["cupy"]
+    assert {r["mode"] for r in stages["layer_call"]["records"]} == {"grouped", "loop"}
+    table = md.read_text()
+    assert table.startswith("make gpu-check: dry run on the CPU")
+    assert "| stage | status | seconds | timeout s | key figures |" in table and "| **all** | **passed** |" in table
+    for name in report["stages"]:
+        assert f"| {name} | passed |" in table
+    assert "Kernel micro-benchmarks" in table and "Layer call, 1 rank" in table
+    assert table in proc.stdout, "the Markdown table is printed at the end"
 
 
-def test_make_gpu_check_target():
+def test_training_stage_routes_without_drawing_random_numbers():
+    """CPU and CUDA draw different random numbers, so the training comparison's gate must draw none (DeepSpeed's
+    top-2 gate samples its second expert with Gumbel noise by default): the same input routes the same under any
+    generator state."""
+    import torch
+
+    from benchmarks.gpu.training import HIDDEN, build_model
+    gate = build_model()["moe"].gate
+    x = torch.randn(512, HIDDEN, generator=torch.Generator().manual_seed(3))
+    routes = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        routes.append([t.detach() for t in gate(x)[1:3]])   # combine weights, dispatch mask
+    assert all(torch.equal(a, b) for a, b in zip(*routes))
+
+
+_STAGES = '''
+import atexit, os, time
+def slow(ctx):
+    time.sleep(60)
+def crash(ctx):
+    os._exit(3)
+def boom(ctx):
+    raise RuntimeError("boom")
+def passed_then_crash(ctx):
+    atexit.register(lambda: os._exit(5))
+    return {"status": "passed", "summary": "looked fine"}
+def probe(ctx):
+    seen = {k: v["status"] for k, v in ctx.prior.get("stages", {}).items()}
+    return {"status": "passed", "summary": f"saw {seen}", "seen": seen}
+'''
+
+
+def _check(tmp_path, stages):
+    (tmp_path / "fake_stages.py").write_text(_STAGES)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path)])}
+    out = tmp_path / "report.json"
+    report = runner.run_check(stages, out, tmp_path / "report.md", env=env, log=lambda line: None)
+    return report, json.loads(out.read_text())
+
+
+def test_a_stage_that_times_out_fails_the_check(tmp_path):
+    report, on_disk = _check(tmp_path, [runner.Stage("slow", "fake_stages:slow", 2, "sleeps"),
+                                        runner.Stage("after", "fake_stages:probe", 30, "runs anyway")])
+    assert report["stages"]["slow"]["status"] == "timeout" and report["ok"] is False
+    assert report["stages"]["slow"]["seconds"] < 30, "the stage was not killed at its timeout"
+    assert on_disk["stages"]["after"]["seen"] == {"slow": "timeout"}
+    assert "| slow | timeout |" in (tmp_path / "report.md").read_text()
+
+
+def test_the_json_is_written_after_a_stage_crash(tmp_path):
+    report, on_disk = _check(tmp_path, [runner.Stage("crash", "fake_stages:crash", 30, "dies"),
+                                        runner.Stage("boom", "fake_stages:boom", 30, "raises"),
+                                        runner.Stage("late", "fake_stages:passed_then_crash", 30, "dies at exit"),
+                                        runner.Stage("probe", "fake_stages:probe", 30, "reads the JSON")])
+    stages = report["stages"]
+    assert stages["crash"]["status"] == "crashed" and stages["crash"]["returncode"] == 3
+    assert stages["boom"]["status"] == "failed" and "RuntimeError: boom" in stages["boom"]["summary"]
+    assert stages["late"]["status"] == "crashed" and "exit code 5" in stages["late"]["summary"]
+    # the probe stage read the JSON the runner wrote before it started: every earlier stage was in it
+    assert stages["probe"]["seen"] == {"crash": "crashed", "boom": "failed", "late": "crashed"}
+    assert on_disk["ok"] is False and report["ok"] is False
+
+
+_LAYER_CALL = '''
+import argparse, json
+p = argparse.ArgumentParser()
+p.add_argument("--shape", action="append"); p.add_argument("--device"); p.add_argument("--dtype")
+p.add_argument("--repeat"); p.add_argument("--json")
+a = p.parse_args()
+rows = [{"shape": s, "mode": m, "fwd_bwd_s": 0.01 if m == "grouped" else 0.03, "expert_compute_s": 0.004,
+         "expert_tflops": 316.0 if m == "grouped" else 100.0, "phases": {"compute": 0.005, "combine": 0.001},
+         "ops": {"top": 100, "nested": 900}} for s in a.shape for m in ("grouped", "loop") if s != "deepseek-v3" or %s]
+json.dump({"rows": rows, "argv": [a.device, a.dtype]}, open(a.json, "w"))
+'''
+
+
+@pytest.mark.parametrize("complete", [True, False])
+def test_layer_call_stage_reports_tflops_against_the_peak(tmp_path, monkeypatch, complete):
+    """The stage runs the layer-call benchmark (a stand-in here) per shape on CUDA in bf16 and reports the experts'
+    TFLOP/s against the peak the device stage measured; a shape without figures fails the stage."""
+    from benchmarks.gpu import layer
+    (tmp_path / "fake_layer_call.py").write_text(_LAYER_CALL % complete)
+    monkeypatch.setenv(layer.MODULE_ENV, "fake_layer_call")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    ctx = Context(prior={"stages": {"device": {"bf16_matmul_tflops": 632.0}}}, timeout_s=60)
+    res = layer.run(ctx)
+    assert res["status"] == ("passed" if complete else "failed"), res["summary"]
+    grouped = [r for r in res["records"] if r["mode"] == "grouped"]
+    assert grouped[0]["pct_of_peak_measured"] == pytest.approx(50.0)   # against the peak measured on this GPU
+    assert grouped[0]["pct_of_peak_named"] == pytest.approx(40.0)      # against H200_BF16_TFLOPS_MEASURED_HERE
+    assert "--device cuda" in " ".join(layer.command(ctx, "qwen3-30b-a3b", tmp_path / "x.json"))
+    assert "--dtype bf16" in " ".join(layer.command(ctx, "qwen3-30b-a3b", tmp_path / "x.json"))
+    rows = res["tables"][0]["rows"]
+    assert ["qwen3-30b-a3b", "grouped", "10.00", "4.00", "316.0", "50", "100 (900 nested)"] == rows[0][:7]
+    if not complete:
+        assert "deepseek-v3" in res["summary"]
+
+
+def _wheel(path: Path, name: str, requires):
+    with zipfile.ZipFile(path / f"{name}-1.0-py3-none-any.whl", "w") as z:
+        z.writestr(f"{name}-1.0.dist-info/METADATA", "Name: %s\n" % name
+                   + "".join(f"Requires-Dist: {r}\n" for r in requires))
+
+
+def test_wheelhouse_names_every_dependency(tmp_path):
+    """Every requirement of a wheel in the wheelhouse is in the wheelhouse or on the GPU machine (extras aside)."""
+    from benchmarks.gpu import wheelhouse
+    _wheel(tmp_path, "deepspeed", ["pydantic>=2.0.0", "torch>=2.0.0", "hjson", 'sphinx; extra == "dev"'])
+    _wheel(tmp_path, "pydantic", ["pydantic-core==2.46.4", "annotated-types>=0.6.0"])
+    _wheel(tmp_path, "pydantic_core", ["typing-extensions>=4.14.1"])
+    wheels = sorted(tmp_path.glob("*.whl"))
+    assert wheelhouse.check(wheels) == ["deepspeed-1.0-py3-none-any.whl needs hjson",
+                                        "pydantic-1.0-py3-none-any.whl needs annotated-types"]
+    assert set(wheelhouse.FETCHED) | set(wheelhouse.BUILT) >= {"deepspeed", "pydantic", "pydantic-core", "hjson",
+                                                               "annotated-types", "typing-inspection"}
+
+
+def _recipe(makefile: str, target: str) -> str:
+    lines = makefile.split(f"\n{target}:", 1)[1].splitlines()[1:]
+    recipe = []
+    for line in lines:
+        if not line.startswith("\t"):
+            break
+        recipe.append(line)
+    return "\n".join(recipe)
+
+
+def test_make_gpu_check_runs_on_the_machine_as_it_is():
     makefile = (ROOT / "Makefile").read_text()
-    assert "gpu-check:" in makefile and "benchmarks/gpu_check.py" in makefile and ".[gpu]" in makefile
+    head = makefile.split("\ngpu-check:", 1)[1].splitlines()[0]
+    assert head.strip() == "", f"gpu-check must not depend on an install target: {head!r}"
+    recipe = _recipe(makefile, "gpu-check")
+    assert "benchmarks/gpu_check.py" in recipe and "$(ARGS)" in recipe and "timeout 360" in recipe
+    installs = [line for line in recipe.splitlines() if "pip install" in line]
+    assert installs and all("--no-index" in line and "--no-deps" in line and ".whl/" in makefile for line in installs)
+    assert "torch" not in recipe and "cupy" not in recipe and "requirements" not in recipe
+    assert "benchmarks.gpu.wheelhouse" in _recipe(makefile, "gpu-wheels")
+    assert "make gpu-check ARGS=--dry-run" in (ROOT / ".ci" / "run").read_text()
+    assert "/.whl/" in (ROOT / ".gitignore").read_text().splitlines()
+
+
+def test_markdown_table_marks_stages_not_run():
+    stages = [runner.Stage("a", "m", 5, "x"), runner.Stage("b", "m", 7, "y")]
+    report = {"dry_run": False, "quick": True, "started": "now", "ok": False, "seconds": 1.0, "budget_s": 360,
+              "stage_timeouts_s": 12, "stages": {"a": {"status": "failed", "seconds": 1.0, "summary": "x | y",
+                                                       "device_name": "NVIDIA H200"}}}
+    text = runner.render_markdown(report, stages)
+    assert "| a | failed | 1.0 | 5 | x \\| y |" in text and "| b | not run |" in text
+    assert "| **all** | **FAILED** |" in text and textwrap.dedent(text).startswith("make gpu-check: one ")

@@ -61,8 +61,11 @@ def test_kernels_ship_with_the_package(tmp_path):
     shipped = sorted(p.name for p in (tmp_path / "ds_hecate" / "kernels").glob("*.cu"))
     assert shipped == sorted(SOURCES)
     probe = "from ds_hecate.comm.gpu.kernels import kernel_dir; print(kernel_dir())"
+    # the build first; what else the interpreter needs (deepspeed from a wheelhouse on an offline GPU machine) after
+    path = os.pathsep.join([str(tmp_path)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                                              if p and Path(p).resolve() != ROOT])
     found = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True,
-                           timeout=120, env={**os.environ, "PYTHONPATH": str(tmp_path)})
+                           timeout=120, env={**os.environ, "PYTHONPATH": path})
     assert found.returncode == 0, found.stderr
     assert found.stdout.strip() == str(tmp_path / "ds_hecate" / "kernels")
 
@@ -76,7 +79,7 @@ class _LoopComm(Communicator):
         super().__init__(None, rank, world_size)
         self.mailbox, self.replay, self.calls = mailbox, replay, 0
 
-    def all_to_all(self, send, send_splits, recv_splits, async_op=False, **kwargs):
+    def all_to_all(self, send, send_splits, recv_splits, async_op=False, out=None, **kwargs):
         key = self.calls
         self.calls += 1
         if not self.replay:
@@ -89,6 +92,9 @@ class _LoopComm(Communicator):
                 start = sum(splits[:self.rank])
                 parts.append(data.narrow(0, start, splits[self.rank]))
             recv = torch.cat(parts)
+        if out is not None:   # the weight traffic receives into the caller's buffer
+            out.copy_(recv)
+            recv = out
         return (recv, None) if async_op else recv
 
 
@@ -131,7 +137,7 @@ def test_pack_unpack_contract_matches_sparse_all_gather(seed, dtype):
     owned = [{e: masters[e].clone() for e in range(num_experts) if placement.owners[e] == r} for r in range(world)]
 
     def run(comm):
-        return comm.start_sparse_all_gather(placement, owned[comm.rank], numel, dtype, CommCounters()).wait()[0]
+        return comm.start_sparse_all_gather(placement, owned[comm.rank], numel, dtype, CommCounters()).wait().flats()
     results, mailbox = _simulate(world, run)
 
     sends, counts = [], []
@@ -165,7 +171,13 @@ def test_reduce_contract_matches_sparse_reduce_scatter(seed, compute, wire):
     grads = [{e: torch.randn(numel).to(compute) for e in placement.materialized[r]} for r in range(world)]
 
     def run(comm):
-        return comm.start_sparse_reduce_scatter(placement, grads[comm.rank], numel, wire, CommCounters())()
+        own = owned_materialized(placement, comm.rank)
+        experts = own + gather_layout(placement, comm.rank).recv_experts   # the gathered buffer's rows
+        rows = torch.stack([grads[comm.rank][e] for e in experts]) if experts else torch.empty(0, numel)
+        accumulator = torch.zeros(len(own), numel)
+        comm.start_sparse_reduce_scatter(placement, experts, rows.to(compute), wire, CommCounters(),
+                                         lambda: accumulator)()
+        return dict(zip(own, accumulator.unbind(0)))
     results, _ = _simulate(world, run)
 
     sends, counts = [], []
@@ -221,6 +233,115 @@ def test_permute_and_combine_contracts_match_the_runtime(dtype):
     expected = combine_routes(slots, gates, dtype)
     got = ref.unpermute_combine(y_back, ref.slot_positions(send_slots, flat.numel()), gates)
     assert got.dtype == dtype and torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("wire", [torch.float32, torch.bfloat16])
+def test_accumulate_contract_matches_the_device_ops(wire):
+    """The in-place sum's contract (the accumulate kernel's) is the torch DeviceOps' arithmetic, bit for bit: an
+    expert received from several ranks adds them one at a time in receive order, fp32."""
+    from ds_hecate.comm.transport import TORCH_DEVICE_OPS
+    torch.manual_seed(3)
+    numel, rows = 37, [2, 0, 2, 1, 2, 0, 3, 2]
+    recv = (torch.randn(len(rows), numel) * 1e3).to(wire)
+    base = torch.randn(4, numel)
+    want, got = base.clone(), base.clone()
+    TORCH_DEVICE_OPS.accumulate(want, recv, rows)
+    ref.accumulate_rows(got, recv, rows)
+    assert torch.equal(got, want)
+    sequential = base.clone()
+    for i, t in enumerate(rows):
+        sequential[t] = sequential[t] + recv[i].float()
+    assert torch.equal(got, sequential)
+    targets, seg_ptr, idx = ref.accumulate_segments(rows)
+    assert targets == [2, 0, 1, 3] and seg_ptr == [0, 4, 6, 7, 8]
+    assert idx == [0, 2, 4, 7, 1, 5, 3, 6]   # each row's received chunks in receive order
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_combine_contract_matches_the_weighted_unpermute(k, dtype):
+    """The combine kernel's contract is the layer call's weighted un-permute (DeepSpeed arithmetic), bit for bit,
+    also for k > 2 (fp32 adds in route order), dropped slots included."""
+    from ds_hecate.ops.combine import weighted_unpermute
+    torch.manual_seed(k)
+    num_tokens, hidden = 29, 12
+    rows = k * num_tokens - 5
+    y = torch.cat([torch.randn(rows, hidden).to(dtype), torch.zeros(1, hidden, dtype=dtype)])   # + the zero row
+    pos = torch.randperm(k * num_tokens) % (rows + 1)   # a few slots point at the zero row: dropped
+    gates = torch.rand(k, num_tokens)
+    want = weighted_unpermute(y, gates, pos.view(k, num_tokens), "deepspeed")
+    got = ref.unpermute_combine(y, torch.where(pos == rows, -1, pos), gates)
+    assert got.dtype == dtype and torch.equal(got, want)
+
+
+def _kernel_device_ops():
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.gpu.fakes import reference_launchers
+    from ds_hecate.comm.gpu.device_ops import KernelDeviceOps
+    return KernelDeviceOps(reference_launchers())
+
+
+def test_kernel_device_ops_run_the_kernels_and_match_the_torch_device_ops():
+    """KernelDeviceOps (the CuPy transport's) hands CUDA operands to the kernels, whose contracts it gets here (the
+    CUDA stand-in), and gives the torch DeviceOps' results bit for bit; what the kernels do not take (float16, a
+    strided view, CPU tensors) falls back to the torch statement."""
+    from device_shim import cuda_shim
+    from ds_hecate.comm.transport import TORCH_DEVICE_OPS
+    ops = _kernel_device_ops()
+    torch.manual_seed(4)
+    with cuda_shim() as shim:
+        dev = torch.device("cuda", 0)
+        srcs = [torch.randn(50).to(dev) for _ in range(5)]
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            got, want = torch.empty(5, 50, dtype=dtype, device=dev), torch.empty(5, 50, dtype=dtype, device=dev)
+            ops.pack(srcs, got)
+            TORCH_DEVICE_OPS.pack(srcs, want)
+            assert torch.equal(got, want)
+        strided = torch.randn(50, 2).to(dev)[:, 0]
+        ops.pack([strided], torch.empty(1, 50, device=dev))
+        rows = [1, 1, 0, 2, 1]
+        for wire in (torch.float32, torch.bfloat16, torch.float16):
+            recv = torch.randn(5, 50).to(dev).to(wire)
+            got, want = torch.zeros(3, 50, device=dev), torch.zeros(3, 50, device=dev)
+            ops.accumulate(got, recv, rows)
+            TORCH_DEVICE_OPS.accumulate(want, recv, rows)
+            assert torch.equal(got, want)
+        y = torch.randn(9, 6).to(dev).to(torch.bfloat16)
+        pos, gates = torch.tensor([0, 4, -1, 8, 2, 5]).to(dev), torch.rand(2, 3).to(dev)
+        assert torch.equal(ops.combine(y, pos, gates), ref.unpermute_combine(y, pos, gates))
+        assert not any(r in ("nonzero", "boolean-mask indexing") for r in shim.host_reads)
+    assert ops.used == {"pack": 2, "pack:torch": 2, "accumulate": 2, "accumulate:torch": 1, "combine": 1}
+    cpu = _kernel_device_ops()
+    cpu.pack([torch.zeros(4)], torch.empty(1, 4))
+    cpu.accumulate(torch.zeros(1, 4), torch.ones(1, 4), [0])
+    cpu.combine(torch.ones(2, 4), torch.tensor([0, 1]), torch.ones(1, 2))
+    assert cpu.used == {"pack:torch": 1, "accumulate:torch": 1, "combine:torch": 1}
+
+
+def test_cupy_transport_device_ops_are_the_kernels():
+    from ds_hecate.comm.gpu.device_ops import KernelDeviceOps
+    from ds_hecate.comm.gpu.nccl_comm import CupyTransport
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.gpu.fakes import FakeNccl, ImmediateStreams, LoopbackComm
+    transport = CupyTransport(None, 0, 1, torch.device("cuda", 0), comm=LoopbackComm(), streams=ImmediateStreams(),
+                              nccl=FakeNccl())
+    assert type(transport.device_ops) is KernelDeviceOps and transport.device_ops.launchers.__name__.endswith(
+        "comm.gpu.kernels")
+    assert transport.device_ops.combine is not None
+
+
+def test_training_through_the_cupy_transport_runs_its_kernels_and_matches_torch():
+    """A 1-rank training run over the CuPy transport (fakes for NCCL, the kernels' contracts for the kernels, the
+    CUDA stand-in): the layer call's pack and combine go through the transport's device ops, and the losses are
+    the torch transport's."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.gpu.training import demo_losses
+    from device_shim import cuda_shim
+    with cuda_shim():
+        torch_run = demo_losses("cuda", 2, "torch")
+        cupy_run = demo_losses("cuda", 2, "cupy-fake")
+    assert cupy_run[0] == torch_run[0] and cupy_run[1] == torch_run[1]
+    assert cupy_run[2].get("pack", 0) >= 2 and cupy_run[2].get("combine", 0) >= 2, cupy_run[2]
 
 
 # -- backend selection ---------------------------------------------------------------------------------------------

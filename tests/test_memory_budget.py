@@ -6,10 +6,13 @@ torch: a few training steps run under ``torch.profiler`` with ``profile_memory=T
 allocation and free of the CPU allocator (pointer, bytes, time) with the Python stack that made it. From those
 events alone the test rebuilds, per rank and over the profiled steps:
 
-- ``replica_peak``: the peak of live bytes of the blocks allocated by the *receive side* of SparseAllGather (the
-  ``all_to_all`` under ``Communicator.start_sparse_all_gather``), i.e. the buffers the materialized replicas of
-  other ranks' experts live in, from their allocation (when the gather is issued, a prefetch included) to their
-  free. The stack only attributes a block; its size and lifetime are the allocator's;
+- ``materialized_peak``: the peak of live bytes of the blocks a layer call's experts live in (allocated by
+  ``ds_hecate.comm.collectives.materialized_buffer``: the rank's own experts in the compute dtype, then the replicas
+  of other ranks' experts SparseAllGather receives into them), from their allocation (when the gather is issued, a
+  prefetch included) to their free. The stack only attributes a block; its size and lifetime are the allocator's.
+  ``replica_peak`` is that peak above the zero-budget run's with the same residency (``zero``, or
+  ``zero-rematerialize`` for ``tight-rematerialize``: the same sharding, no replica, its blocks hold the own experts
+  alone), so it counts replicas only;
 - ``expert_peak``: the peak of live bytes of every block whose size is a whole number of experts, wherever it was
   allocated: replica weights and any copy of them, expert gradients, the SparseReduceScatter buffers, the expert
   optimizer's temporaries. The sizes here are chosen so that no activation, index or DeepSpeed buffer is a multiple
@@ -22,12 +25,13 @@ events alone the test rebuilds, per rank and over the profiled steps:
 Runs (2 gloo ranks, a gate skewed towards two experts of rank 0, configured cost model so the plans do not depend
 on this machine's speed): ``tight`` (the budget holds one replica per layer, two layers resident), ``tight-
 rematerialize`` (one replica, one layer resident), ``wide`` (room for many: the positive control) and ``zero`` (the
-same scheduler with a zero budget: no replica at all, the same re-sharding and optimizer work; the baseline). The
-assertions:
+same scheduler with a zero budget: no replica at all, the same re-sharding and optimizer work; the baseline; and
+``zero-rematerialize``, its re-materializing twin). The assertions:
 
-1. ``replica_peak <= budget + TOLERANCE_BYTES`` on every rank of ``tight`` and ``tight-rematerialize`` (the CPU
-   allocator reports the bytes requested: the tolerance is only alignment slack);
-2. ``expert_peak - expert_peak(zero) <= 3 * budget + TOLERANCE_BYTES``: replicas wherever they are copied, plus
+1. ``replica_peak = materialized_peak - materialized_peak(zero) <= budget + TOLERANCE_BYTES`` on every rank of
+   ``tight`` and ``tight-rematerialize`` (the CPU allocator reports the bytes requested: the tolerance is only
+   alignment slack);
+2. ``expert_peak - expert_peak(baseline) <= 3 * budget + TOLERANCE_BYTES``: replicas wherever they are copied, plus
    their gradients and SparseReduceScatter's send copy in backward, which the budget (materialized weights) does not
    cover but which cannot exceed it (one gradient and one send slot per replica);
 3. positive control: ``wide`` materializes more than the tight budget (the budget binds, and the measurement sees
@@ -93,8 +97,8 @@ def cuda_allowance(spec: Spec, budget_bytes: int) -> int:
 
 @dataclass
 class Measured:
-    replica_peak: int          # live bytes of SparseAllGather receive buffers, peak over the profiled steps
-    gathers: int               # receive buffers allocated
+    materialized_peak: int     # live bytes of the layer calls' expert buffers, peak over the profiled steps
+    gathers: int               # expert buffers allocated
     send_peak: int             # live bytes of SparseAllGather send-side blocks (owners' copies on the wire)
     expert_peak: int           # live bytes of blocks a whole number of experts in size, wherever allocated
     process_peak: int          # live bytes of everything allocated in the profiled steps
@@ -140,10 +144,10 @@ _EXPERT_CODE = ("ds_hecate/", "torch/optim/", "torch/autograd/")
 
 
 def replay(events: List[Event], unit: int) -> Dict[str, object]:
-    """Live bytes over time from allocator events alone: everything, SparseAllGather receive and send blocks, and
-    blocks that are a whole number of ``unit`` bytes (experts) in size."""
+    """Live bytes over time from allocator events alone: everything, the layer calls' expert buffers,
+    SparseAllGather's send blocks, and blocks that are a whole number of ``unit`` bytes (experts) in size."""
     live: Dict[int, Tuple[int, Tuple[str, ...]]] = {}
-    totals = {"all": 0, "recv": 0, "send": 0, "expert": 0}
+    totals = {"all": 0, "materialized": 0, "send": 0, "expert": 0}
     peaks = dict(totals)
     gathers, odd = 0, []
     unrecorded = 0
@@ -156,11 +160,13 @@ def replay(events: List[Event], unit: int) -> Dict[str, object]:
                 old, old_kinds = live.pop(ptr)
                 for k in old_kinds:
                     totals[k] -= old
-                unrecorded += "recv" in old_kinds or "expert" in old_kinds
+                unrecorded += "materialized" in old_kinds or "expert" in old_kinds
             kinds = ["all"]
-            if _under(frames, "start_sparse_all_gather"):
-                kinds.append("recv" if _under(frames, "all_to_all") else "send")
-                gathers += kinds[-1] == "recv"
+            if _under(frames, "materialized_buffer"):
+                kinds.append("materialized")
+                gathers += 1
+            elif _under(frames, "start_sparse_all_gather"):
+                kinds.append("send")
             if size % unit == 0 and "send" not in kinds:   # an owner's outgoing copies are reported apart
                 kinds.append("expert")
                 if not frames or not any(code in frames[-1] for code in _EXPERT_CODE):   # the innermost frame
@@ -224,7 +230,7 @@ def measure(rank: int, world_size: int, spec: Spec, cuda: bool = False) -> Measu
         cuda_peak = torch.cuda.max_memory_allocated() - cuda_start
     peaks = replay(allocator_events(prof, "cuda" if cuda else "cpu"), expert_bytes(spec))
     stats = engine.hecate.stats()
-    return Measured(replica_peak=peaks["recv"], gathers=peaks["gathers"], send_peak=peaks["send"],
+    return Measured(materialized_peak=peaks["materialized"], gathers=peaks["gathers"], send_peak=peaks["send"],
                     expert_peak=peaks["expert"], process_peak=peaks["all"], odd_expert_shaped=peaks["odd"][:5],
                     cuda_peak=cuda_peak, reported_peak=stats["memory"]["peak_materialized"],
                     unrecorded_frees=peaks["unrecorded"],
@@ -243,7 +249,13 @@ def _specs() -> Dict[str, Spec]:
                                                      "materialize_budget_mb": budget_mb(BASE, 1, True)}),
         "wide": replace(BASE, hecate={**SCHEDULER, "materialize_budget_mb": budget_mb(BASE, 64)}),
         "zero": replace(BASE, hecate={**SCHEDULER, "materialize_budget_mb": 0.0}),
+        "zero-rematerialize": replace(BASE, hecate={**SCHEDULER, "rematerialize": True, "materialize_budget_mb": 0.0}),
     }
+
+
+#: The zero-budget run each run is measured against (the same residency: re-materialization frees a layer's
+#: experts after its forward, so its own experts are resident for one layer at a time).
+BASELINE = {"tight": "zero", "wide": "zero", "tight-rematerialize": "zero-rematerialize"}
 
 
 def _run(cuda: bool) -> Dict[str, List[Measured]]:
@@ -255,13 +267,15 @@ def _run(cuda: bool) -> Dict[str, List[Measured]]:
 
 
 def _table(results: Dict[str, List[Measured]]) -> str:
-    rows = ["| run | rank | budget | replica peak (allocator) | expert-shaped peak | send peak | process peak | "
-            "Hecate's own peak (whole run) | frees missed |", "|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| run | rank | budget | expert buffers peak (allocator) | replica peak (above zero) | expert-shaped peak "
+            "| send peak | process peak | Hecate's own peak (whole run) | frees missed |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for name, per_rank in results.items():
         for r, m in enumerate(per_rank):
             process = m.process_peak if m.cuda_peak is None else f"{m.cuda_peak} (cuda max_memory_allocated)"
-            rows.append(f"| {name} | {r} | {m.budget} | {m.replica_peak} ({m.gathers} buffers) | {m.expert_peak} | "
-                        f"{m.send_peak} | {process} | {m.reported_peak} | {m.unrecorded_frees} |")
+            replicas = m.materialized_peak - results[BASELINE.get(name, name)][r].materialized_peak
+            rows.append(f"| {name} | {r} | {m.budget} | {m.materialized_peak} ({m.gathers} buffers) | {replicas} | "
+                        f"{m.expert_peak} | {m.send_peak} | {process} | {m.reported_peak} | {m.unrecorded_frees} |")
     return "\n".join(rows)
 
 
@@ -273,15 +287,18 @@ def problems(results: Dict[str, List[Measured]], cuda: bool) -> List[str]:
     found = []
     # 3. The budget binds (unconstrained, the scheduler materializes more) and the measurement sees replicas.
     small = int(budget_mb(BASE, 1) * (1 << 20))
-    if max(m.replica_peak for m in results["wide"]) <= small + slack:
+
+    def replicas(name: str, rank: int) -> int:
+        return results[name][rank].materialized_peak - results[BASELINE[name]][rank].materialized_peak
+    if max(replicas("wide", r) for r in range(WORLD)) <= small + slack:
         found.append(f"positive control: with a wide budget the replicas should exceed {small} bytes")
     for name in ("tight", "tight-rematerialize"):
-        if not any(m.replica_peak > 0 for m in results[name]):
+        if not any(replicas(name, r) > 0 for r in range(WORLD)):
             found.append(f"{name}: no replica was materialized")
-        for rank, (m, zero) in enumerate(zip(results[name], results["zero"])):
-            # 1. Replica receive buffers within the budget, as the allocator saw them.
-            if m.replica_peak > m.budget + slack:
-                found.append(f"{name} rank {rank}: {m.replica_peak} bytes of materialized replicas were live at once "
+        for rank, (m, zero) in enumerate(zip(results[name], results[BASELINE[name]])):
+            # 1. Replica rows of the expert buffers within the budget, as the allocator saw them.
+            if replicas(name, rank) > m.budget + slack:
+                found.append(f"{name} rank {rank}: {replicas(name, rank)} bytes of materialized replicas were live at once "
                              f"(allocator), budget {m.budget} (+{slack}); one expert is {eb} bytes")
             # 2. Expert-shaped memory anywhere, against the same scheduler without replicas.
             if cuda:

@@ -41,12 +41,12 @@ def _train_capturing_gate(rank: int, world_size: int, specs, unwritable) -> list
     seen = []
     original = rt.LayerBinding.run
 
-    def run(self, x, indices, gates):
+    def run(self, x, indices, gates, *args):
         if not rt.in_backward_pass():
             flat = indices.reshape(-1)
             seen.append((self.runtime.bindings.index(self),
                          torch.bincount(flat[flat >= 0].long(), minlength=self.shard.num_experts).tolist()))
-        return original(self, x, indices, gates)
+        return original(self, x, indices, gates, *args)
 
     rt.LayerBinding.run = run
     out = []

@@ -67,11 +67,11 @@ def poison_replica_grad(rank: int, step: int, engine, at_step: int, rank_with_re
         if step == at_step:
             original = binding.reduce_scatter  # the class method, bound
 
-            def poisoned(plan, grads):
-                if expert in grads and plan.placement.owners[expert] != rank:
-                    grads = dict(grads)
-                    grads[expert] = torch.full_like(grads[expert], float("inf"))
-                return original(plan, grads)
+            def poisoned(plan, experts, grads):   # grads: the gathered buffer's gradient, one row per expert
+                if expert in experts and plan.placement.owners[expert] != rank:
+                    grads = grads.clone()
+                    grads[list(experts).index(expert)] = float("inf")
+                return original(plan, experts, grads)
             binding.reduce_scatter = poisoned
         elif step == at_step + 1:
             del binding.reduce_scatter  # back to the class method

@@ -38,7 +38,7 @@ def test_build_runtime_takes_the_device_of_the_local_rank(monkeypatch):
 
     seen = {}
 
-    def capture(requested, group, rank, world, device, timeout_s=None):
+    def capture(requested, group, rank, world, device, timeout_s=None, weight_group=None):
         seen["device"] = device
         raise KeyboardInterrupt  # stop before building the runtime
 
@@ -101,20 +101,6 @@ def test_cupy_module_holds_only_the_transport():
         assert "comm._" not in src and "dist.broadcast" not in src, f"{module.__name__} bypasses the interface"
 
 
-class FakeNccl:
-    """Stand-ins for cupy.cuda.nccl (module constants) and an NCCL communicator over in-process ranks."""
-
-    NCCL_UINT8 = 0
-    NCCL_FLOAT32, NCCL_FLOAT64, NCCL_FLOAT16, NCCL_BFLOAT16, NCCL_INT32, NCCL_INT64 = 1, 2, 3, 4, 5, 6
-    NCCL_SUM, NCCL_MAX, NCCL_MIN, NCCL_PROD = 0, 1, 2, 3
-
-    def groupStart(self):
-        pass
-
-    def groupEnd(self):
-        pass
-
-
 class StallingComm:
     """An NCCL communicator whose operations never complete (a dead peer)."""
 
@@ -130,53 +116,181 @@ class StallingComm:
         self.aborted = True
 
 
-class StalledStreams:
-    """Communication stream stand-in whose completion events never fire."""
+def _fakes():
+    import sys
+    from pathlib import Path
+    root = str(Path(__file__).resolve().parent.parent)
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from benchmarks.gpu import fakes
+    return fakes
 
-    def start(self, tensors):
-        import contextlib
-        return contextlib.nullcontext()
 
-    def handle(self):
-        return 0
+def _stalled(timeout_s, comm=None):
+    """A CuPy transport (2 ranks, rank 0) whose collectives never complete, over the CUDA stand-in."""
+    from ds_hecate.comm.gpu.nccl_comm import CupyTransport
+    fakes = _fakes()
+    return CupyTransport(None, 0, 2, torch.device("cuda", 0), timeout_s=timeout_s, comm=comm or StallingComm(),
+                         streams=fakes.StalledStreams(), nccl=fakes.FakeNccl())
 
-    def done(self):
-        return SimpleNamespace(query=lambda: False)
 
-    def join(self, event):
-        raise AssertionError("joined an event that never completed")
+def _in_thread(body, limit=20):
+    """Run ``body`` in a thread; fail if it is still running after ``limit`` s (the transport hung)."""
+    result = {}
+
+    def run():
+        try:
+            result["value"] = body()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            result["error"] = exc
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(limit)
+    assert not thread.is_alive(), "the CuPy transport waited forever on a stalled collective"
+    return result
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_cupy_transport_timeout_aborts_and_names_the_collective(dtype):
-    """A collective that does not complete within collective_timeout_s aborts the NCCL communicator and raises
-    HecateCollectiveError naming the collective, the layer and the phase (fp16 included: no kernel restriction)."""
+    """A collective that does not complete within collective_timeout_s: the call returns at once (its wait is on
+    the stream, not the host), the watchdog aborts the NCCL communicator off the caller's thread, and the next call
+    raises HecateCollectiveError naming the collective, the stalled NCCL primitive, the layer and the phase (fp16
+    included: no kernel restriction)."""
+    import time
+
     from device_shim import cuda_shim
     from ds_hecate.comm.collectives import Communicator
     from ds_hecate.errors import HecateCollectiveError
-    from ds_hecate.comm.gpu.nccl_comm import CupyTransport
 
     comm_nccl = StallingComm()
-    result = {}
 
     def body():
         with cuda_shim():
-            transport = CupyTransport(None, 0, 2, torch.device("cuda", 0), timeout_s=0.3, comm=comm_nccl,
-                                      streams=StalledStreams(), nccl=FakeNccl())
-            comm = Communicator(None, 0, 2, timeout_s=0.3, transport=transport)
+            comm = Communicator(None, 0, 2, timeout_s=0.3, transport=_stalled(0.3, comm_nccl))
             x = torch.randn(6, 8).to("cuda").to(dtype)
             with comm.during("dispatch of MoE layer 'blocks.1.moe'"):
-                try:
+                start = time.monotonic()
+                comm.all_to_all(x, [3, 3], [3, 3])
+                returned_s = time.monotonic() - start
+                while not comm_nccl.aborted and time.monotonic() - start < 10:
+                    time.sleep(0.01)   # the host does other work; nobody waits on the collective
+                aborted_s = time.monotonic() - start
+                with pytest.raises(HecateCollectiveError) as info:
                     comm.all_to_all(x, [3, 3], [3, 3])
-                except HecateCollectiveError as exc:
-                    result["error"] = str(exc)
-    thread = threading.Thread(target=body, daemon=True)
-    thread.start()
-    thread.join(20)
-    assert not thread.is_alive(), "the CuPy transport waited forever on a stalled collective"
-    message = result.get("error", "")
+        return returned_s, aborted_s, str(info.value)
+    out = _in_thread(body)
+    assert "error" not in out, out.get("error")
+    returned_s, aborted_s, message = out["value"]
+    assert returned_s < 0.3, f"the synchronous call blocked the host for {returned_s:.2f} s"
+    assert comm_nccl.aborted and aborted_s < 3, f"the watchdog aborted after {aborted_s:.2f} s"
     assert "'token all-to-all'" in message and "blocks.1.moe" in message and "dispatch" in message, message
-    assert "collective_timeout_s = 0.3 s" in message and comm_nccl.aborted
+    assert "NCCL all-to-all did not complete within 0.3 s" in message, message
+    assert "collective_timeout_s = 0.3 s" in message
+
+
+def test_cupy_count_exchange_waits_on_the_host_bounded_by_the_timeout():
+    """The count exchange is the one primitive whose result the host reads: its wait blocks the host, and a stalled
+    one ends in HecateCollectiveError within the timeout (never a hang)."""
+    from device_shim import cuda_shim
+    from ds_hecate.comm.collectives import Communicator
+    from ds_hecate.errors import HecateCollectiveError
+    comm_nccl = StallingComm()
+
+    def body():
+        with cuda_shim():
+            comm = Communicator(None, 0, 2, timeout_s=0.3, transport=_stalled(0.3, comm_nccl))
+            with comm.during("MoE layer 'blocks.0.moe'"):
+                comm.exchange_counts(torch.tensor([1, 2]).to("cuda"))
+    out = _in_thread(body)
+    assert isinstance(out.get("error"), HecateCollectiveError), out
+    message = str(out["error"])
+    assert "'token-count exchange'" in message and "NCCL all-gather did not complete within 0.3 s" in message
+    assert comm_nccl.aborted
+
+
+def test_cupy_waits_are_stream_side_and_the_watchdog_polls_off_the_caller_thread():
+    """Every wait but the count exchange's makes the caller's stream wait on the event and returns; only the
+    watchdog's thread queries events. Completed work leaves the watchdog empty, and nothing expires."""
+    import time
+
+    from device_shim import cuda_shim
+    from ds_hecate.comm.collectives import Communicator
+    fakes = _fakes()
+    caller = threading.get_ident()
+    queried_by = []
+
+    class Event(fakes.DoneEvent):
+        def query(self):
+            queried_by.append(threading.get_ident())
+            return True
+
+    class Streams(fakes.ImmediateStreams):
+        def done(self):
+            return Event()
+
+    with cuda_shim():
+        transport = fakes.loopback_transport(torch.device("cuda", 0), timeout_s=5)
+        transport.streams = Streams()
+        comm = Communicator(None, 0, 1, timeout_s=5, transport=transport)
+        x = torch.randn(4, 3).to("cuda")
+        recv = torch.empty_like(x)
+        work = transport.all_to_all(recv, x, [4], [4], True)
+        work.wait()
+        transport.all_reduce(x)
+        transport.broadcast(x, 0)
+        comm.pack([x[0], x[1]], 3, torch.bfloat16)
+        assert torch.equal(recv, x)
+        assert transport.streams.joins == 3
+        start = time.monotonic()
+        while transport.watchdog.pending() and time.monotonic() - start < 5:
+            time.sleep(0.01)
+        assert transport.watchdog.pending() == 0 and transport.failure is None
+        assert queried_by and caller not in queried_by, "the caller's thread polled an event"
+        transport.all_gather(torch.empty(2, dtype=torch.int64, device="cuda"), torch.tensor([1, 2]).to("cuda"))
+        assert caller in queried_by, "the count exchange must wait on the host"
+    assert transport.watchdog._thread.daemon
+
+
+def test_cupy_transport_without_timeout_starts_no_watchdog():
+    from device_shim import cuda_shim
+    fakes = _fakes()
+    with cuda_shim():
+        transport = fakes.loopback_transport(torch.device("cuda", 0), timeout_s=None)
+        x = torch.ones(3).to("cuda")
+        transport.all_reduce(x)
+        out = torch.empty(3, device="cuda")
+        transport.all_gather(out, x)
+    assert transport.watchdog is None and transport.streams.joins == 2 and torch.equal(out, x)
+
+
+def test_cupy_build_communicator_gives_weights_their_own_nccl_communicator_and_stream(monkeypatch):
+    """comm_backend 'cupy' with a weight group: two CuPy transports, each with its own NCCL communicator (created
+    over its own process group) and its own stream."""
+    import sys
+    import types
+
+    import ds_hecate.comm.gpu.backend as backend
+    import ds_hecate.comm.gpu.nccl_comm as nccl_comm
+    fakes = _fakes()
+    cupy, cuda = types.ModuleType("cupy"), types.ModuleType("cupy.cuda")
+    cuda.nccl, cupy.cuda = fakes.FakeNccl(), cuda
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setitem(sys.modules, "cupy.cuda", cuda)
+    groups = []
+
+    def communicator(self):
+        groups.append(self.group)
+        return fakes.LoopbackComm()
+    monkeypatch.setattr(backend, "agree_backend", lambda *a: ("cupy", None))
+    monkeypatch.setattr(backend, "cupy_status", lambda: (True, "cupy (stand-in)"))
+    monkeypatch.setattr(nccl_comm, "CudaStreams", lambda device: fakes.ImmediateStreams())
+    monkeypatch.setattr(nccl_comm.CupyTransport, "_nccl_communicator", communicator)
+    tokens_group, weights_group = object(), object()
+    comm = backend.build_communicator("cupy", tokens_group, 0, 1, torch.device("cuda", 0), timeout_s=9,
+                                      weight_group=weights_group)
+    assert comm.separate_weight_traffic and groups == [tokens_group, weights_group]
+    assert comm.transport.comm is not comm.weights.comm and comm.transport.streams is not comm.weights.streams
+    assert comm.transport.watchdog is not comm.weights.watchdog and comm.weights.timeout_s == 9
 
 
 # -- transport choice agreed by all ranks -------------------------------------------------------------------------

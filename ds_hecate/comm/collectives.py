@@ -1,4 +1,4 @@
-"""Hecate's collectives over its own process group: count exchange, SparseAllGather, SparseReduceScatter, the expert
+"""Hecate's collectives over its own process groups: count exchange, SparseAllGather, SparseReduceScatter, the expert
 move and the ragged token all-to-all, implemented once over a :mod:`~ds_hecate.comm.transport` (torch.distributed, or
 NCCL through CuPy).
 
@@ -6,6 +6,12 @@ All of them are built on a ragged all-to-all with split sizes (gloo has no uneve
 read from the :class:`~ds_hecate.planning.Placement` / :class:`~ds_hecate.planning.LayerPlan`, identical on every
 rank, so every rank issues the same collectives in the same order; a collective is skipped only when the plan says
 it is empty on every rank.
+
+**Two transports.** Weight traffic (SparseAllGather, SparseReduceScatter, the expert move) runs on a transport of
+its own, beside the token traffic (count exchange, token all-to-all): with NCCL two communicators, two streams.
+So backward's token-gradient all-to-all does not queue behind the SparseReduceScatter issued just before it, and
+the next layer's count exchange does not queue behind its prefetched SparseAllGather. Each transport sees its own
+collectives in the same order on every rank, so the pair cannot deadlock.
 """
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ import torch.distributed as dist
 
 from ..errors import HecateCollectiveError, HecateError
 from ..planning import Placement
+from .device import to_device
 from .transport import TorchTransport, Transport
 
 
@@ -47,32 +54,53 @@ class CommCounters:
                 "bytes_dispatch": self.dispatch_bytes, "calls": dict(self.calls)}
 
 
-class PendingGather:
-    """A SparseAllGather in flight; :meth:`wait` returns (expert -> flat tensor, receive buffers of the replicas)."""
+def materialized_buffer(rows: int, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The ``[rows, numel]`` block a layer call's experts live in (tests/test_memory_budget.py finds these blocks by
+    this function's name on the allocator's stack)."""
+    return torch.empty(rows, numel, dtype=dtype, device=device)
 
-    def __init__(self, placement: Placement, finish: Callable[[], Tuple[Dict[int, torch.Tensor],
-                                                                       List[torch.Tensor]]]) -> None:
+
+@dataclass
+class GatheredExperts:
+    """This rank's materialized experts of one layer call, as the rows of one ``[n, numel]`` buffer in the compute
+    dtype: its own experts first (rows ``[0, owned)``, in expert order), then the replicas in the order they
+    arrive (owner rank ascending, then expert). The grouped expert compute reads the buffer as it is."""
+
+    experts: Tuple[int, ...]
+    buffer: torch.Tensor
+    owned: int
+
+    def flats(self) -> Dict[int, torch.Tensor]:
+        """expert -> its row (a view), for consolidation, export and tests."""
+        return dict(zip(self.experts, self.buffer.unbind(0)))
+
+    @property
+    def replica_bytes(self) -> int:
+        return (len(self.experts) - self.owned) * self.buffer.shape[1] * self.buffer.element_size()
+
+    def extended(self, extra: "GatheredExperts") -> "GatheredExperts":
+        """These rows followed by ``extra``'s replicas (calibration's extras, gathered after the gate): one copy."""
+        if len(extra.experts) == extra.owned:
+            return self
+        rows = materialized_buffer(len(self.experts) + len(extra.experts) - extra.owned, self.buffer.shape[1],
+                                   self.buffer.dtype, self.buffer.device)
+        torch.cat([self.buffer, extra.buffer[extra.owned:]], out=rows)
+        return GatheredExperts(self.experts + extra.experts[extra.owned:], rows, self.owned)
+
+
+class PendingGather:
+    """A SparseAllGather in flight; :meth:`wait` returns the :class:`GatheredExperts`."""
+
+    def __init__(self, placement: Placement, finish: Callable[[], GatheredExperts]) -> None:
         self.placement = placement
         self._finish = finish
-        self._result: Optional[Tuple[Dict[int, torch.Tensor], List[torch.Tensor]]] = None
+        self._result: Optional[GatheredExperts] = None
 
-    def wait(self) -> Tuple[Dict[int, torch.Tensor], List[torch.Tensor]]:
+    def wait(self) -> GatheredExperts:
         if self._result is None:
             self._result = self._finish()
             self._finish = None  # type: ignore[assignment]
         return self._result
-
-
-def local_materialized(placement: Placement, rank: int, owned: Dict[int, torch.Tensor],
-                       dtype: torch.dtype) -> Dict[int, torch.Tensor]:
-    """The experts of ``placement`` this rank materializes from its own masters (a view when ``dtype`` is the
-    master's, else a cast copy): the part of a SparseAllGather that never crosses the wire."""
-    result: Dict[int, torch.Tensor] = {}
-    for e in placement.materialized[rank]:
-        if placement.owners[e] == rank:
-            master = owned[e]
-            result[e] = master.detach() if master.dtype == dtype else master.detach().to(dtype)
-    return result
 
 
 @dataclass
@@ -101,24 +129,41 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+def owned_experts_of(placement: Placement, rank: int) -> List[int]:
+    """The experts ``rank`` owns in ``placement``, ascending: the first rows of its gathered buffer and the rows of
+    its gradient accumulator."""
+    return [e for e, owner in enumerate(placement.owners) if owner == rank]
+
+
+def _source_major(lists: Dict[int, List[int]]) -> List[int]:
+    """The experts of per-peer lists in wire order: peer ascending, then list order."""
+    return [e for peer in sorted(lists) for e in lists[peer]]
+
+
 class Communicator:
     """Hecate's collectives, implemented once over a :class:`~ds_hecate.comm.transport.Transport`; one per runtime.
 
-    Every tensor it creates or hands to the transport is on ``self.device`` (the rank's working device), whatever
-    the rank has to send, so every rank takes the same path and issues the same primitives.
+    ``transport`` carries the token traffic, ``weight_transport`` (default: the same) the weight traffic. Every
+    tensor it creates or hands to a transport is on ``self.device`` (the rank's working device), whatever the rank
+    has to send, so every rank takes the same path and issues the same primitives.
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup], rank: int, world_size: int,
                  timeout_s: Optional[float] = None, device: Optional[torch.device] = None,
-                 transport: Optional[Transport] = None) -> None:
+                 transport: Optional[Transport] = None, weight_transport: Optional[Transport] = None) -> None:
         self.group = group
         self.rank = rank
         self.world_size = world_size
         self.timeout_s = timeout_s
         self.transport: Transport = (transport if transport is not None else
                                      TorchTransport(group, rank, world_size, device or torch.device("cpu")))
+        self.weights: Transport = weight_transport if weight_transport is not None else self.transport
         self.device = torch.device(self.transport.device)
         self.activity = "work outside the MoE layers"  # what the caller is doing; named when a collective fails
+
+    @property
+    def separate_weight_traffic(self) -> bool:
+        return self.weights is not self.transport
 
     @contextlib.contextmanager
     def during(self, activity: str):
@@ -148,14 +193,19 @@ class Communicator:
 
     # ------------------------------------------------------------------------------------------------------------
     def all_to_all(self, send: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int],
-                   async_op: bool = False, collective: str = "token all-to-all"):
-        """Ragged all-to-all along dim 0. Returns the receive tensor (and the Work handle when ``async_op``)."""
+                   async_op: bool = False, collective: str = "token all-to-all", out: Optional[torch.Tensor] = None,
+                   transport: Optional[Transport] = None):
+        """Ragged all-to-all along dim 0 (into ``out`` when given, ``sum(recv_splits)`` rows). Returns the receive
+        tensor (and the Work handle when ``async_op``)."""
         if self.world_size == 1:
+            if out is not None:
+                out.copy_(send)
+                send = out
             return (send, None) if async_op else send
-        recv = send.new_empty((sum(recv_splits),) + tuple(send.shape[1:]))
+        recv = out if out is not None else send.new_empty((sum(recv_splits),) + tuple(send.shape[1:]))
         with self._guard(collective):
-            work = self.transport.all_to_all(recv, send.contiguous(), list(recv_splits), list(send_splits),
-                                             async_op)
+            work = (transport or self.transport).all_to_all(recv, send.contiguous(), list(recv_splits),
+                                                            list(send_splits), async_op)
         return (recv, work) if async_op else recv
 
     def wait(self, work, collective: str) -> None:
@@ -166,7 +216,8 @@ class Communicator:
 
     def exchange_counts(self, local_counts: torch.Tensor) -> "np.ndarray":
         """All ranks' per-expert token-expert pair counts as a host ``[ranks, n]`` int64 array (the planner's
-        input; one device-to-host copy, no Python lists: at 1,024 ranks x 256 experts those alone cost ms)."""
+        input; one device-to-host copy, the layer call's only host read, no Python lists: at 1,024 ranks x 256
+        experts those alone cost ms)."""
         local = local_counts.to(device=self.device, dtype=torch.int64).reshape(-1).contiguous()
         if self.world_size == 1:
             return local.cpu().numpy().reshape(1, -1)
@@ -199,91 +250,124 @@ class Communicator:
             return self.transport.all_gather_object(obj)
 
     # ------------------------------------------------------------------------------------------------------------
-    def exchange_chunks(self, sends: Dict[int, List[torch.Tensor]], recv_lists: Dict[int, List[int]],
-                        numel: int, dtype: torch.dtype, async_op: bool,
-                        collective: str) -> Callable[[], Dict[int, List[torch.Tensor]]]:
-        """Send per-destination lists of equal-size flat chunks (cast to ``dtype``, on ``self.device``); returns a
-        function giving the received chunks per source, in ``recv_lists`` order. The one primitive under
+    def exchange_rows(self, send: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int],
+                      numel: int, async_op: bool, collective: str,
+                      out: Optional[torch.Tensor] = None) -> Callable[[], torch.Tensor]:
+        """Weight traffic: rows of ``numel`` elements, ``send_counts[d]`` of them to rank ``d`` (``send`` holds them
+        peer by peer), ``recv_counts[s]`` from rank ``s``; returns a function giving the ``[sum(recv_counts),
+        numel]`` received rows (source-major), written into ``out`` when given. The one primitive under
         SparseAllGather, SparseReduceScatter, the expert move and re-sharding."""
-        send_splits = [len(sends.get(d, ())) * numel for d in range(self.world_size)]
-        recv_splits = [len(recv_lists.get(s, ())) * numel for s in range(self.world_size)]
-        parts = [t.reshape(-1).to(device=self.device, dtype=dtype)
-                 for d in range(self.world_size) for t in sends.get(d, ())]
-        send = torch.cat(parts) if parts else torch.empty(0, dtype=dtype, device=self.device)
-        recv, work = self.all_to_all(send, send_splits, recv_splits, async_op=True, collective=collective)
+        recv_rows = sum(recv_counts)
+        target = out if out is not None else torch.empty(recv_rows, numel, dtype=send.dtype, device=self.device)
+        recv, work = self.all_to_all(send.reshape(-1), [n * numel for n in send_counts],
+                                     [n * numel for n in recv_counts], async_op=True, collective=collective,
+                                     out=target.view(-1), transport=self.weights)
 
-        def finish() -> Dict[int, List[torch.Tensor]]:
+        def finish() -> torch.Tensor:
             self.wait(work, collective)
-            out: Dict[int, List[torch.Tensor]] = {}
-            offset = 0
-            for src in range(self.world_size):
-                for _ in recv_lists.get(src, ()):
-                    out.setdefault(src, []).append(recv.narrow(0, offset, numel))
-                    offset += numel
-            return out
+            return target
         if not async_op:
-            received = finish()
-            return lambda: received
+            finish()
+            return lambda: target
         return finish
 
+    def exchange_chunk_lists(self, sends: Dict[int, List[torch.Tensor]], recv_lists: Dict[int, List[int]],
+                             numel: int, dtype: torch.dtype, collective: str) -> Dict[int, List[torch.Tensor]]:
+        """Per-destination lists of flat chunks out, per-source lists of chunks in (``recv_lists`` order), waited
+        for: the expert move and re-sharding, whose chunks are not experts of a layer call."""
+        parts = [t.to(self.device) for d in sorted(sends) for t in sends[d]]
+        received = self.exchange_rows(self.pack(parts, numel, dtype),
+                                      [len(sends.get(d, ())) for d in range(self.world_size)],
+                                      [len(recv_lists.get(s, ())) for s in range(self.world_size)], numel, False,
+                                      collective)()
+        rows = iter(received.unbind(0))
+        return {src: [next(rows) for _ in recv_lists[src]] for src in sorted(recv_lists)}
+
+    def pack(self, srcs: Sequence[torch.Tensor], numel: int, dtype: torch.dtype,
+             out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``[len(srcs), numel]`` rows of ``srcs`` cast to ``dtype``, in one pass of the transport's chunk ops."""
+        rows = out if out is not None else torch.empty(len(srcs), numel, dtype=dtype, device=self.device)
+        self.weights.device_ops.pack(srcs, rows)
+        return rows
+
     def start_sparse_all_gather(self, placement: Placement, owned: Dict[int, torch.Tensor], numel: int,
-                                dtype: torch.dtype, counters: CommCounters, async_op: bool = True) -> PendingGather:
-        """spAG(P, P'): start materializing this rank's experts of ``placement``; :meth:`PendingGather.wait` gives
-        them as flat ``dtype`` vectors.
+                                dtype: torch.dtype, counters: CommCounters, async_op: bool = True,
+                                include_owned: bool = True) -> PendingGather:
+        """spAG(P, P'): start materializing this rank's experts of ``placement`` into one buffer
+        (:class:`GatheredExperts`); :meth:`PendingGather.wait` gives it.
 
-        Owned experts are local (a view of the fp32 master when ``dtype`` is fp32, else a cast copy); every other
-        materialized expert is sent by its owner, and only the pairs in P' \\ P cross the wire. The wait also
-        returns the receive buffers the replicas view into, so callers can tell when replica memory is freed.
+        Owned experts are packed into the first rows (cast to ``dtype``; left out with ``include_owned=False``, for
+        calibration's extras); every other materialized expert is sent by its owner straight into the remaining
+        rows, and only the pairs in P' \\ P cross the wire.
         """
-        result = local_materialized(placement, self.rank, owned, dtype)
-        if placement.num_moved == 0:
-            return PendingGather(placement, lambda: (result, []))
-        counters.count("allgather")
-        send_lists = {dst: [owned[e] for e in experts] for dst, experts in placement.gather_sends(self.rank).items()}
+        own = owned_experts_of(placement, self.rank) if include_owned else []
         recv_lists = placement.gather_recvs(self.rank)
-        finish_exchange = self.exchange_chunks(send_lists, recv_lists, numel, dtype, async_op, "SparseAllGather")
-        counters.allgather_bytes += sum(len(v) for v in send_lists.values()) * numel * _itemsize(dtype)
+        received = _source_major(recv_lists)
+        buffer = materialized_buffer(len(own) + len(received), numel, dtype, self.device)
+        self.pack([owned[e] for e in own], numel, dtype, out=buffer[:len(own)])
+        gathered = GatheredExperts(tuple(own) + tuple(received), buffer, len(own))
+        if placement.num_moved == 0:
+            return PendingGather(placement, lambda: gathered)
+        counters.count("allgather")
+        send_lists = placement.gather_sends(self.rank)
+        sent = _source_major(send_lists)
+        send = self.pack([owned[e] for e in sent], numel, dtype)
+        counts_to = [len(send_lists.get(d, ())) for d in range(self.world_size)]
+        counts_from = [len(recv_lists.get(s, ())) for s in range(self.world_size)]
+        finish_exchange = self.exchange_rows(send, counts_to, counts_from, numel, async_op, "SparseAllGather",
+                                             out=buffer[len(own):])
+        counters.allgather_bytes += len(sent) * numel * _itemsize(dtype)
 
-        def finish():
-            received = finish_exchange()
-            replicas = {id(c._base): c._base for chunks in received.values() for c in chunks}
-            for src, experts in recv_lists.items():
-                for e, chunk in zip(experts, received[src]):
-                    result[e] = chunk
-            return result, list(replicas.values())
+        def finish() -> GatheredExperts:
+            finish_exchange()
+            return gathered
         return PendingGather(placement, finish)
 
-    def start_sparse_reduce_scatter(self, placement: Placement, grads: Dict[int, torch.Tensor], numel: int,
+    def start_sparse_reduce_scatter(self, placement: Placement, experts: Sequence[int], grads: torch.Tensor,
                                     wire_dtype: torch.dtype, counters: CommCounters,
-                                    async_op: bool = True) -> Callable[[], Dict[int, torch.Tensor]]:
-        """spRS(P', P): sum every materialized copy's gradient onto the expert's owner.
+                                    accumulator: Callable[[], torch.Tensor],
+                                    async_op: bool = True) -> Callable[[], None]:
+        """spRS(P', P): add every materialized copy's gradient into the expert's owner's accumulator.
 
-        ``grads`` holds this rank's gradient for each of its materialized experts. Returns a function that waits
-        for the exchange and gives, for each expert this rank owns, the sum over all ranks (fp32), summed in a fixed
-        order: own copy first, then by source rank.
+        ``grads`` is the gradient of a :class:`GatheredExperts` buffer whose rows hold ``experts`` (its own experts
+        first, in expert order). ``accumulator()`` gives the owner's fp32 ``[owned, numel]`` gradient rows (this
+        rank's owned experts in expert order), into which the returned function adds, in place and in a fixed
+        order: the rank's own copies first, then the received copies by source rank.
         """
-        totals: Dict[int, torch.Tensor] = {}
-        for e in placement.materialized[self.rank]:
-            if placement.owners[e] == self.rank:
-                totals[e] = grads[e].to(torch.float32)
+        numel = grads.shape[1]
+        owned = owned_experts_of(placement, self.rank)
+        if tuple(experts[:len(owned)]) != tuple(owned):
+            raise HecateError(f"SparseReduceScatter on rank {self.rank}: the gradient rows start with experts "
+                              f"{list(experts[:len(owned)])}, not the owned {owned}")
+        own_grads = grads[:len(owned)]
+
+        def add_own() -> torch.Tensor:
+            target = accumulator()
+            if owned:
+                target.add_(own_grads)
+            return target
         if placement.num_moved == 0:
-            return lambda: totals
+            return lambda: (add_own(), None)[1]
         counters.count("reducescatter")
         # As a replica, send to each owner the experts it sent us in spAG (same lists, opposite direction).
-        send_lists = {owner: [grads[e] for e in experts]
-                      for owner, experts in placement.gather_recvs(self.rank).items()}
-        recv_lists = placement.gather_sends(self.rank)
-        finish_exchange = self.exchange_chunks(send_lists, recv_lists, numel, wire_dtype, async_op,
-                                               "SparseReduceScatter")
-        counters.reducescatter_bytes += (sum(len(v) for v in send_lists.values()) * numel
-                                         * _itemsize(wire_dtype))
+        send_lists, recv_lists = placement.gather_recvs(self.rank), placement.gather_sends(self.rank)
+        rows = {e: i for i, e in enumerate(experts)}
+        picks = [rows[e] for e in _source_major(send_lists)]
+        if picks == list(range(len(owned), len(owned) + len(picks))):
+            send = grads[len(owned):len(owned) + len(picks)]   # the replica rows in wire order already: a view
+        else:
+            send = grads.index_select(0, to_device(torch.tensor(picks, dtype=torch.int64), grads.device))
+        send = send.to(wire_dtype)
+        counts_to = [len(send_lists.get(d, ())) for d in range(self.world_size)]
+        counts_from = [len(recv_lists.get(s, ())) for s in range(self.world_size)]
+        finish_exchange = self.exchange_rows(send, counts_to, counts_from, numel, async_op, "SparseReduceScatter")
+        counters.reducescatter_bytes += len(picks) * numel * _itemsize(wire_dtype)
+        row_of_owned = {e: i for i, e in enumerate(owned)}
+        target_rows = [row_of_owned[e] for e in _source_major(recv_lists)]
 
-        def finish() -> Dict[int, torch.Tensor]:
+        def finish() -> None:
             received = finish_exchange()
-            for src in range(self.world_size):
-                for e, chunk in zip(recv_lists.get(src, ()), received.get(src, ())):
-                    totals[e] = totals[e] + chunk.to(torch.float32)
-            return totals
+            self.weights.device_ops.accumulate(add_own(), received, target_rows)
         return finish
 
     def move_experts(self, sources: Sequence[int], owners: Sequence[int], local: Dict[int, torch.Tensor],
@@ -298,7 +382,7 @@ class Communicator:
         kept = {e: local[e].to(device=self.device, dtype=torch.float32).clone() for e in move.kept}
         if any(s != d for s, d in zip(sources, owners)):
             sends = {dst: [local[e] for e in experts] for dst, experts in move.sends.items()}
-            received = self.exchange_chunks(sends, move.recvs, numel, torch.float32, False, "expert move")()
+            received = self.exchange_chunk_lists(sends, move.recvs, numel, torch.float32, "expert move")
             for src, experts in move.recvs.items():
                 for e, chunk in zip(experts, received[src]):
                     kept[e] = chunk.clone()
@@ -306,25 +390,37 @@ class Communicator:
 
 
 class AllToAllTokens(torch.autograd.Function):
-    """Differentiable ragged all-to-all of token rows; backward is the same exchange with the splits swapped."""
+    """Differentiable ragged all-to-all of token rows; backward is the same exchange with the splits swapped.
+
+    ``pad_rows`` zero rows follow the received rows (the combine points dropped slots at them instead of masking);
+    their gradient is dropped in backward.
+    """
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, comm: Communicator, send_splits: List[int], recv_splits: List[int],
-                counters: CommCounters, where: str = "an MoE layer") -> torch.Tensor:
+                counters: CommCounters, where: str = "an MoE layer", pad_rows: int = 0) -> torch.Tensor:
         ctx.comm, ctx.send_splits, ctx.recv_splits, ctx.counters, ctx.where = (comm, send_splits, recv_splits,
                                                                               counters, where)
-        return _token_exchange(comm, x, send_splits, recv_splits, counters)
+        ctx.rows = sum(recv_splits)
+        out = None
+        if pad_rows:
+            out = x.new_empty((ctx.rows + pad_rows,) + tuple(x.shape[1:]))
+            out[ctx.rows:].zero_()
+        return _token_exchange(comm, x, send_splits, recv_splits, counters, out)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         with ctx.comm.during(f"backward of {ctx.where}"):
-            grad_in = _token_exchange(ctx.comm, grad, ctx.recv_splits, ctx.send_splits, ctx.counters)
-        return grad_in, None, None, None, None, None
+            grad_in = _token_exchange(ctx.comm, grad[:ctx.rows], ctx.recv_splits, ctx.send_splits, ctx.counters)
+        return grad_in, None, None, None, None, None, None
 
 
 def _token_exchange(comm: Communicator, x: torch.Tensor, send_splits: List[int], recv_splits: List[int],
-                    counters: CommCounters) -> torch.Tensor:
+                    counters: CommCounters, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     row_bytes = math.prod(x.shape[1:]) * x.element_size()
     counters.dispatch_bytes += row_bytes * sum(s for d, s in enumerate(send_splits) if d != comm.rank)
     counters.count("alltoall")
-    return comm.all_to_all(x, send_splits, recv_splits)
+    if out is None:
+        return comm.all_to_all(x, send_splits, recv_splits)
+    comm.all_to_all(x, send_splits, recv_splits, out=out[:sum(recv_splits)])
+    return out

@@ -2,17 +2,77 @@
 
 :class:`~ds_hecate.comm.collectives.Communicator` implements every Hecate collective (count exchange, SparseAllGather,
 SparseReduceScatter, expert move, ragged token all-to-all) once, on top of the five primitives below, the way
-FSDP2 plugs its all-gather variants under one ``foreach_all_gather``. A transport moves bytes and nothing else:
+FSDP2 plugs its all-gather variants under one ``foreach_all_gather``. A transport moves bytes:
 :class:`TorchTransport` (torch.distributed: NCCL on CUDA, gloo on CPU) and
 :class:`ds_hecate.comm.gpu.nccl_comm.CupyTransport` (NCCL through CuPy). Every tensor handed to a transport lives on
 its ``device``; every rank calls the same primitives in the same order (sizes may be zero).
+
+Beside the primitives a transport names its :class:`DeviceOps`: how the sparse collectives pack experts into a send
+buffer and add received gradients into the owners' accumulators, and the layer call's fused weighted un-permute.
+:class:`DeviceOps` itself is the torch statement (the CPU path, and the contract of the CUDA kernels that
+``ds_hecate.comm.gpu`` plugs in for the CuPy transport).
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional, Protocol, Sequence
+from typing import Any, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+
+from .device import to_device
+
+
+class DeviceOps:
+    """The device work around a transport's collectives, in torch: pack experts into rows, add received rows into
+    accumulators, and (``combine``, None here: the layer call's torch path runs) the weighted un-permute kernel.
+
+    ``pack`` is one pass (``torch.stack`` with a cast into the destination); ``accumulate`` adds received gradient
+    rows into the owner's fp32 accumulator rows in receive order (source rank ascending), the order the reduction
+    is defined in. On the CPU that is one ``index_add_`` (sequential in index order); on CUDA ``index_add_`` with a
+    repeated index is atomic and its order undefined, so the rows are added in rounds whose indices are distinct
+    (one round per replica of the most replicated expert, not per expert).
+    """
+
+    #: ``combine(y, pos, gates) -> out``: ``out[t] = sum_j gates[j, t] * y[pos[j*S + t]]`` with fp32 products and
+    #: sum (``pos < 0``: a dropped slot), cast to ``y.dtype`` (``ds_hecate.comm.gpu.reference.unpermute_combine``);
+    #: forward only, None when the transport has no kernel for it.
+    combine = None
+
+    def pack(self, srcs: Sequence[torch.Tensor], out: torch.Tensor) -> None:
+        """``out[i] = srcs[i]`` flattened and cast to ``out.dtype`` (``out``: ``[len(srcs), numel]``)."""
+        if srcs:   # experts are flat already: no per-expert view op
+            torch.stack([s if s.dim() == 1 else s.reshape(-1) for s in srcs], out=out)
+
+    def accumulate(self, target: torch.Tensor, recv: torch.Tensor, target_rows: Sequence[int]) -> None:
+        """``target[target_rows[i]] += recv[i]`` in fp32, for i ascending (``target``: fp32 ``[n, numel]``)."""
+        if not target_rows:
+            return
+        rows = recv if recv.dtype == target.dtype else recv.to(target.dtype)
+        if target.device.type == "cpu":
+            target.index_add_(0, torch.tensor(list(target_rows), dtype=torch.int64), rows)
+            return
+        for picks, targets in _distinct_rounds(target_rows):
+            source = rows if len(picks) == rows.shape[0] else rows.index_select(
+                0, to_device(torch.tensor(picks, dtype=torch.int64), target.device))
+            target.index_add_(0, to_device(torch.tensor(targets, dtype=torch.int64), target.device), source)
+
+
+def _distinct_rounds(target_rows: Sequence[int]) -> List[Tuple[List[int], List[int]]]:
+    """Split ``i -> target_rows[i]`` into rounds of distinct targets, each target's occurrences in order: round r
+    holds every target's r-th occurrence, as (positions i, targets)."""
+    seen: dict = {}
+    rounds: List[Tuple[List[int], List[int]]] = []
+    for i, t in enumerate(target_rows):
+        r = seen.get(t, 0)
+        seen[t] = r + 1
+        if r == len(rounds):
+            rounds.append(([], []))
+        rounds[r][0].append(i)
+        rounds[r][1].append(t)
+    return rounds
+
+
+TORCH_DEVICE_OPS = DeviceOps()
 
 
 class Work(Protocol):
@@ -27,6 +87,7 @@ class Transport(Protocol):
     device: torch.device
     rank: int
     world_size: int
+    device_ops: DeviceOps
 
     def all_to_all(self, recv: torch.Tensor, send: torch.Tensor, recv_splits: Sequence[int],
                    send_splits: Sequence[int], async_op: bool) -> Optional[Work]: ...
@@ -40,19 +101,27 @@ class Transport(Protocol):
     def all_gather_object(self, obj: Any) -> List[Any]: ...
 
 
+def _all_gather_single(out: torch.Tensor, local: torch.Tensor, group) -> None:
+    """torch 2.13 renamed ``all_gather_into_tensor`` to ``all_gather_single`` (the old name warns); older releases
+    (the GPU machines' torch 2.11) have only the old name. Looked up per call: a test may wrap either."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, local, group=group)
+
+
 class TorchTransport:
     """torch.distributed on one process group (Hecate's own, created with ``collective_timeout_s``)."""
 
     def __init__(self, group: Optional[dist.ProcessGroup], rank: int, world_size: int,
                  device: torch.device) -> None:
         self.group, self.rank, self.world_size, self.device = group, rank, world_size, torch.device(device)
+        self.device_ops = TORCH_DEVICE_OPS
 
     def all_to_all(self, recv, send, recv_splits, send_splits, async_op):
         return dist.all_to_all_single(recv, send, output_split_sizes=list(recv_splits),
                                       input_split_sizes=list(send_splits), group=self.group, async_op=async_op)
 
     def all_gather(self, out, local):
-        dist.all_gather_into_tensor(out, local, group=self.group)
+        _all_gather_single(out, local, group=self.group)
 
     def all_reduce(self, value, op=dist.ReduceOp.SUM):
         dist.all_reduce(value, op=op, group=self.group)

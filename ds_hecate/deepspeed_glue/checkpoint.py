@@ -180,7 +180,7 @@ def prepare_load(rt, checkpoint_dir: str, load_optimizer_states: bool = True) ->
                 if rt.optimizer is not None:
                     rt.optimizer.remove(param)
             shard.owners = owners
-            shard.masters = {}
+            shard.masters, shard.grads = {}, None
             for e, blob in sorted(loaded.get(shard.layer_id, {}).items()):
                 master = blob["master"].to(device=rt.device, dtype=torch.float32).contiguous()
                 param = nn.Parameter(master, requires_grad=False)

@@ -48,13 +48,15 @@ class ExpertOptimizer:
     """Wraps ``optimizer_cls`` over the owned expert masters, one param group per source group."""
 
     def __init__(self, optimizer_cls: type, groups: Sequence[Dict[str, Any]], lr_sources: Sequence[LrSource],
-                 like: Optional[torch.optim.Optimizer] = None):
+                 like: Optional[torch.optim.Optimizer] = None, device: Optional[torch.device] = None):
         if len(groups) != len(lr_sources):
             raise ValueError("one LrSource per expert param group")
         self.lr_sources = list(lr_sources)
         self._initial_step: Optional[List[Dict[str, Any]]] = None  # see add_initial_step
-        # A group may own no expert on this rank (now, or after re-sharding); a zero-size placeholder keeps it.
-        placeholder = [{**g, "params": list(g["params"]) or [nn.Parameter(torch.zeros(0))]} for g in groups]
+        # A group may own no expert on this rank (now, or after re-sharding); a zero-size placeholder keeps it, on
+        # the working device (a fused CUDA optimizer refuses a CPU tensor among its params).
+        placeholder = [{**g, "params": list(g["params"]) or [nn.Parameter(torch.zeros(0, device=device))]}
+                       for g in groups]
         try:
             self.optimizer = optimizer_cls(placeholder)
         except TypeError as exc:

@@ -166,9 +166,14 @@ def build_runtime(hcfg: HecateConfig, ds_config: Dict[str, Any]):
     from .monitor import install_recorders
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    group = dist.new_group(ranks=list(range(world)), timeout=timedelta(seconds=hcfg.collective_timeout_s))
+    timeout = timedelta(seconds=hcfg.collective_timeout_s)
+    group = dist.new_group(ranks=list(range(world)), timeout=timeout)
+    # weight traffic (SparseAllGather / SparseReduceScatter) on a group of its own: its own NCCL communicator and
+    # stream, so token traffic never queues behind it (ds_hecate.comm.collectives)
+    weight_group = dist.new_group(ranks=list(range(world)), timeout=timeout)
     device = working_device(get_accelerator())
-    comm = build_communicator(hcfg.comm_backend, group, rank, world, device, timeout_s=hcfg.collective_timeout_s)
+    comm = build_communicator(hcfg.comm_backend, group, rank, world, device, timeout_s=hcfg.collective_timeout_s,
+                              weight_group=weight_group)
     runtime = HecateRuntime(hcfg, comm, _compute_dtype(ds_config), _ranks_per_node(hcfg, world))
     install_recorders(runtime)
     return runtime
@@ -227,7 +232,7 @@ def attach_engine(engine: Any, runtime: Any, groups: Any) -> None:
             lr_sources.append(lr_source)
         expert_groups[by_group[key]]["params"].extend(shard.masters[e] for e in shard.owned)
         runtime.layer_group[shard.layer_id] = by_group[key]
-    runtime.optimizer = ExpertOptimizer(type(basic), expert_groups, lr_sources, like=basic)
+    runtime.optimizer = ExpertOptimizer(type(basic), expert_groups, lr_sources, like=basic, device=runtime.device)
     initial = getattr(engine.optimizer, "_hecate_initial_hyperparameters", None)
     if initial is not None:  # ZeRO stage 0 fp16/bf16: DeepSpeed's wrapper stepped the dense groups once at build
         runtime.optimizer.add_initial_step(_initial_hyperparameters(lr_sources, dense_groups, initial))

@@ -100,7 +100,7 @@ class StepMetrics:
     def _cumulative(self, binding: "LayerBinding") -> Tuple[float, ...]:
         c = binding.counters
         return (c.allgather_bytes, c.reducescatter_bytes, c.dispatch_bytes, binding.cross_node_rows,
-                *(binding.phase_s[p] for p in PHASES))
+                *binding.phase_seconds().values())   # device time per phase, in PHASES order
 
     def events(self, x: int, global_step: int, steps: int = 1) -> List[Event]:
         """Events at x value ``x`` for the ``steps`` optimizer steps since the last write (per-step means when more

@@ -7,14 +7,14 @@ experts' compute (and, having removed their parameters, their storage) and nothi
 """
 from __future__ import annotations
 
-from typing import Callable, Dict
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..errors import HecateModelError
-from ..experts import ExpertKernel
+from ..experts import ExpertKernel, FFNForm
 
 IMPLEMENTATION = "hecate"
 
@@ -38,16 +38,10 @@ class FusedExpertSlice(nn.Module):
 
 
 def fused_expert_kernel(gate_up_shape: torch.Size, down_shape: torch.Size, act_fn: Callable) -> ExpertKernel:
-    """An :class:`ExpertKernel` for one fused HF expert, with a direct (no module dispatch) fast path that does
-    HF's eager arithmetic: ``gate, up = linear(x, gate_up).chunk(2)``, ``linear(act(gate) * up, down)``."""
-    kernel = ExpertKernel(FusedExpertSlice(gate_up_shape, down_shape, act_fn))
-
-    def run(p: Dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, p["gate_up_proj"]).chunk(2, dim=-1)
-        return F.linear(act_fn(gate) * up, p["down_proj"])
-
-    kernel.fast_path = run
-    return kernel
+    """An :class:`ExpertKernel` for one fused HF expert, whose form does HF's eager arithmetic:
+    ``gate, up = linear(x, gate_up).chunk(2)``, ``linear(act(gate) * up, down)`` (per expert or grouped)."""
+    return ExpertKernel(FusedExpertSlice(gate_up_shape, down_shape, act_fn),
+                        form=FFNForm(act=act_fn, gate_up="gate_up_proj", down="down_proj"))
 
 
 def hecate_experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -59,12 +53,11 @@ def hecate_experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k
         raise HecateModelError(
             f"{type(module).__name__} runs with experts_implementation='{IMPLEMENTATION}' but Hecate has not taken "
             "it over (Hecate sets this itself in deepspeed.initialize with hecate.enabled; do not select it by hand)")
-    num_tokens, hidden = hidden_states.shape
+    num_tokens = hidden_states.shape[0]
     k = top_k_index.shape[-1]
     indices = top_k_index.reshape(num_tokens, k).t()
     weights = top_k_weights.reshape(num_tokens, k).t()
-    y = binding.run(hidden_states, indices, weights)  # [k * T, H], slot order (route, token)
-    out = (y.view(k, num_tokens, hidden) * weights.unsqueeze(-1).to(y.dtype)).sum(0)
+    out = binding.run(hidden_states, indices, weights, "hf")  # HF's arithmetic: weights in the output dtype
     return out.to(hidden_states.dtype)
 
 

@@ -163,17 +163,10 @@ class HFTakeover:
     def layer_experts(self, layer_id: int) -> Dict[str, torch.Tensor]:
         """One experts module's fused tensors on every rank (compute dtype): a SparseAllGather to "every rank
         holds every expert" of that layer only. Collective."""
-        from ..comm.collectives import CommCounters
-        from ..planning import Placement
-
         rt = self.runtime
         rt.drop_pending()
-        shard = self.modules[layer_id][1].__dict__["_hecate_binding"].shard
-        everything = tuple(range(shard.num_experts))
-        placement = Placement(shard.owners, (everything,) * rt.world_size)
-        flats, _ = rt.comm.start_sparse_all_gather(placement, shard.masters, shard.kernel.numel, torch.float32,
-                                                   CommCounters(), async_op=False).wait()
-        return self._fused(layer_id, torch.stack([flats[e] for e in everything]), rt.compute_dtype)
+        binding = self.modules[layer_id][1].__dict__["_hecate_binding"]
+        return self._fused(layer_id, rt.full_layer_weights(binding), rt.compute_dtype)
 
     def full_experts(self) -> List[Dict[str, torch.Tensor]]:
         """Every experts module's fused tensors, on every rank (compute dtype). Collective."""

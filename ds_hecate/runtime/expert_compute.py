@@ -1,35 +1,60 @@
 """The expert compute of one layer call, and the per-token expansions of the plan's segment tables.
 
 Two autograd functions own the expert weights' path through autograd: :class:`Materialize` hands out the gathered
-experts and issues SparseReduceScatter in backward; :class:`RematerializedExperts` (Hecate-RM) keeps no weights
-between forward and backward and gathers them again. The segment expansions turn the planner's per-(source,
-expert) tables into per-row indices on the compute device, with pinned non-blocking copies of the small tables.
+experts (one ``[E, numel]`` buffer) and issues SparseReduceScatter in backward; :class:`RematerializedExperts`
+(Hecate-RM) keeps no weights between forward and backward and gathers them again. Between them the experts run
+grouped (:func:`ds_hecate.ops.grouped_experts.expert_outputs`). The segment expansions turn the planner's
+per-(source, expert) tables into per-row indices on the compute device, with pinned non-blocking copies of the
+small tables and the output sizes known on the host, so none of them reads the device back.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
 
-from ..planning.dispatch_plan import RankDispatch
+from ..comm.collectives import GatheredExperts
 from ..comm.device import to_device
+from ..ops.grouped_experts import RowGroups, expert_outputs
+from ..planning.dispatch_plan import RankDispatch
 
 
-def run_experts(kernel, recv: torch.Tensor, weights: Sequence[torch.Tensor], order: torch.Tensor,
-                 sizes: Sequence[int]) -> torch.Tensor:
-    """Regroup received rows expert-major, run each materialized expert on its rows, restore the received order."""
-    grouped = recv.index_select(0, order)
-    outs, offset = [], 0
-    for weight, size in zip(weights, sizes):
-        outs.append(kernel(weight, grouped.narrow(0, offset, size)))
-        offset += size
-    y_grouped = torch.cat(outs) if outs else grouped
-    return y_grouped.index_select(0, torch.argsort(order))
+@dataclass(frozen=True)
+class ExpertRows:
+    """How the received token rows (source-major, then expert) meet a gathered buffer: ``order`` takes them
+    expert-major in the buffer's row order, ``groups`` cuts that into one group per buffer row (0 rows for a
+    buffer row whose expert this call routes nothing to)."""
+
+    order: torch.Tensor
+    groups: RowGroups
+
+    @staticmethod
+    def of(dispatch: RankDispatch, experts: Sequence[int], device: torch.device) -> "ExpertRows":
+        mine = {e: i for i, e in enumerate(dispatch.mine)}
+        missing = set(mine) - set(experts)
+        if missing:
+            raise RuntimeError(f"the gathered experts {list(experts)} lack {sorted(missing)} of this rank's plan")
+        sources = len(dispatch.order_lengths) // max(len(dispatch.mine), 1)
+        starts = np.asarray(dispatch.order_starts, dtype=np.int64).reshape(len(dispatch.mine), sources)
+        lengths = np.asarray(dispatch.order_lengths, dtype=np.int64).reshape(len(dispatch.mine), sources)
+        held = [mine[e] for e in experts if e in mine]
+        sizes = [int(dispatch.sizes[mine[e]]) if e in mine else 0 for e in experts]
+        return ExpertRows(segment_order(starts[held].reshape(-1), lengths[held].reshape(-1), device),
+                          RowGroups.build(sizes, device, to_device))
+
+
+def run_expert_rows(kernel, buffer: torch.Tensor, recv: torch.Tensor, rows: ExpertRows) -> torch.Tensor:
+    """The experts of ``buffer`` on the received rows, outputs in the received order (one gather, the grouped
+    compute, one scatter back: a fixed number of ops whatever the number of experts)."""
+    grouped = recv.index_select(0, rows.order)
+    out = expert_outputs(kernel, buffer, grouped, rows.groups)
+    return out.new_empty(out.shape).index_copy(0, rows.order, out)
 
 
 class Materialize(torch.autograd.Function):
-    """Forward: hands out the gathered experts. Backward: SparseReduceScatter into the owners' accumulators.
+    """Forward: hands out the gathered experts' buffer. Backward: SparseReduceScatter into the owners' accumulators.
 
     The received token rows pass through unchanged, so this node sits on every rank's backward path (even a rank
     that materializes nothing or receives no token), and its collective is issued on every rank. ``anchor`` always
@@ -37,16 +62,16 @@ class Materialize(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, tokens, anchor, binding, plan, flats):
-        ctx.binding, ctx.plan = binding, plan
-        mine = plan.materialized[binding.runtime.rank]
-        return (tokens.view_as(tokens),) + tuple(flats[e] for e in mine)
+    def forward(ctx, tokens, anchor, binding, plan, gathered: GatheredExperts):
+        ctx.binding, ctx.plan, ctx.experts = binding, plan, gathered.experts
+        ctx.buffer_shape, ctx.buffer_dtype = gathered.buffer.shape, gathered.buffer.dtype
+        return tokens.view_as(tokens), gathered.buffer.view_as(gathered.buffer)
 
     @staticmethod
-    def backward(ctx, grad_tokens, *grad_weights):
-        binding, plan = ctx.binding, ctx.plan
-        mine = plan.materialized[binding.runtime.rank]
-        binding.reduce_scatter(plan, dict(zip(mine, grad_weights)))
+    def backward(ctx, grad_tokens, grad_buffer):
+        if grad_buffer is None:   # no expert row took part (nothing materialized)
+            grad_buffer = grad_tokens.new_zeros(ctx.buffer_shape, dtype=ctx.buffer_dtype)
+        ctx.binding.reduce_scatter(ctx.plan, ctx.experts, grad_buffer)
         return grad_tokens, None, None, None, None
 
 
@@ -59,44 +84,54 @@ class RematerializedExperts(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, recv, anchor, binding, plan, flats, order, sizes):
-        ctx.binding, ctx.plan, ctx.sizes = binding, plan, sizes
-        ctx.save_for_backward(recv, order)
-        mine = plan.materialized[binding.runtime.rank]
+    def forward(ctx, recv, anchor, binding, plan, gathered: GatheredExperts, rows: ExpertRows):
+        ctx.binding, ctx.plan = binding, plan
+        ctx.save_for_backward(recv)
         with torch.no_grad():
-            return run_experts(binding.shard.kernel, recv, [flats[e] for e in mine], order, sizes)
+            return run_expert_rows(binding.shard.kernel, gathered.buffer, recv, rows)
 
     @staticmethod
     def backward(ctx, grad_out):
         binding, plan = ctx.binding, ctx.plan
-        recv, order = ctx.saved_tensors
-        mine = plan.materialized[binding.runtime.rank]
+        (recv,) = ctx.saved_tensors
         with binding.timed("regather"):
-            flats = binding.gather(plan.placement, async_op=False).wait()[0]
-        leaves = [flats[e].detach().requires_grad_(True) for e in mine]
-        rows = recv.detach().requires_grad_(recv.requires_grad)
+            gathered = binding.gather(plan.placement, async_op=False).wait()
+        rows = ExpertRows.of(plan.for_rank(binding.runtime.rank), gathered.experts, recv.device)
+        buffer = gathered.buffer.detach().requires_grad_(True)
+        tokens = recv.detach().requires_grad_(recv.requires_grad)
         with torch.enable_grad():
-            y = run_experts(binding.shard.kernel, rows, leaves, order, ctx.sizes)
-            inputs = leaves + ([rows] if rows.requires_grad else [])
-            grads = torch.autograd.grad(y, inputs, grad_out, allow_unused=True) if inputs else []
-        weight_grads = {e: (g if g is not None else torch.zeros_like(w)) for e, g, w in zip(mine, grads, leaves)}
-        binding.reduce_scatter(plan, weight_grads)
-        grad_rows = grads[len(leaves)] if rows.requires_grad else None
-        return grad_rows, None, None, None, None, None, None
+            y = run_expert_rows(binding.shard.kernel, buffer, tokens, rows)
+            inputs = [buffer] + ([tokens] if tokens.requires_grad else [])
+            grads = torch.autograd.grad(y, inputs, grad_out, allow_unused=True)
+        grad_buffer = grads[0] if grads[0] is not None else torch.zeros_like(buffer)
+        binding.reduce_scatter(plan, gathered.experts, grad_buffer)
+        grad_rows = grads[1] if tokens.requires_grad else None
+        return grad_rows, None, None, None, None, None
 
 
-def expand_segments(values: np.ndarray, lengths: np.ndarray, device: torch.device) -> torch.Tensor:
+def expand_segments(values: np.ndarray, lengths: np.ndarray, device: torch.device,
+                    total: Optional[int] = None) -> torch.Tensor:
     """``values[i]`` repeated ``lengths[i]`` times, expanded on ``device`` (the tables are ranks x experts small;
-    the expansion is per token, so it runs where the tokens are)."""
+    the expansion is per token, so it runs where the tokens are). ``total`` (``sum(lengths)``, computed on the host
+    when not given) sizes the output, so the device is never read."""
+    lengths = np.ascontiguousarray(lengths, dtype=np.int64)
+    total = int(lengths.sum()) if total is None else total
     return torch.repeat_interleave(to_device(torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64)), device),
-                                   to_device(torch.from_numpy(np.ascontiguousarray(lengths, dtype=np.int64)), device))
+                                   to_device(torch.from_numpy(lengths), device), output_size=total)
+
+
+def segment_order(starts: np.ndarray, lengths: np.ndarray, device: torch.device) -> torch.Tensor:
+    """The rows of consecutive segments (segment ``i``: ``lengths[i]`` rows from ``starts[i]``) as one index
+    vector on ``device``: each row is its segment's start plus its offset in it."""
+    starts = np.asarray(starts, dtype=np.int64)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    first_out = np.cumsum(lengths) - lengths
+    total = int(lengths.sum())
+    return (expand_segments(starts - first_out, lengths, device, total)
+            + torch.arange(total, device=device))
 
 
 def expert_major_order(dispatch: RankDispatch, device: torch.device) -> torch.Tensor:
-    """Permutation from the received order (source-major, then expert) to expert-major order, from the plan's
-    segment table (one segment per source and expert held): each row is its segment's start plus its offset in it."""
-    starts = to_device(torch.from_numpy(np.ascontiguousarray(dispatch.order_starts, dtype=np.int64)), device)
-    lengths = to_device(torch.from_numpy(np.ascontiguousarray(dispatch.order_lengths, dtype=np.int64)), device)
-    first_out = torch.cumsum(lengths, 0) - lengths
-    return torch.repeat_interleave(starts - first_out, lengths) + torch.arange(int(sum(dispatch.sizes)),
-                                                                              device=device)
+    """Permutation from the received order (source-major, then expert) to expert-major order (in ``mine`` order),
+    from the plan's segment table (one segment per source and expert held)."""
+    return segment_order(dispatch.order_starts, dispatch.order_lengths, device)

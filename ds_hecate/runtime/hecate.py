@@ -137,7 +137,7 @@ class HecateRuntime:
         pending, self.pending_reductions = self.pending_reductions, []
         for binding, finish in pending:
             with binding.timed("reduce_wait"):
-                binding.shard.accumulate(finish())
+                finish()
 
     def expert_grad_norm(self, grad_divisor: float) -> torch.Tensor:
         """L2 norm over all ranks of the (averaged, still loss-scaled) expert gradients. Collective."""
@@ -222,15 +222,16 @@ class HecateRuntime:
         A SparseAllGather to the placement 'every rank has every expert'; for export, checks and tests, not for
         training (it materializes everything). Not counted as training traffic.
         """
-        out = {}
-        for name, binding in zip(self.layer_names, self.bindings):
-            shard = binding.shard
-            everything = tuple(range(shard.num_experts))
-            placement = Placement(shard.owners, (everything,) * self.world_size)
-            flats, _ = self.comm.start_sparse_all_gather(placement, shard.masters, shard.kernel.numel,
-                                                         torch.float32, CommCounters(), async_op=False).wait()
-            out[name] = torch.stack([flats[e].clone() for e in everything])
-        return out
+        return {name: self.full_layer_weights(binding) for name, binding in zip(self.layer_names, self.bindings)}
+
+    def full_layer_weights(self, binding: LayerBinding) -> torch.Tensor:
+        """One layer's experts as fp32 ``[num_experts, numel]`` in expert order, on every rank. Collective."""
+        shard = binding.shard
+        everything = tuple(range(shard.num_experts))
+        placement = Placement(shard.owners, (everything,) * self.world_size)
+        flats = self.comm.start_sparse_all_gather(placement, shard.masters, shard.kernel.numel, torch.float32,
+                                                  CommCounters(), async_op=False).wait().flats()
+        return torch.stack([flats[e] for e in everything])
 
     # -- introspection ----------------------------------------------------------------------------------------
     def materialized_bytes(self) -> int:

@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from ..comm.collectives import AllToAllTokens, CommCounters, PendingGather
+from ..comm.collectives import AllToAllTokens, CommCounters, GatheredExperts, PendingGather
 from ..errors import HecateError
+from ..ops.combine import weighted_unpermute
 from ..planning import Placement
 from ..planning.balance import estimated_force_balanced_fraction
 from ..planning.cost_model import imbalance, owner_loads, replica_budget
@@ -27,7 +28,7 @@ from ..planning.dispatch_plan import DispatchPlan, rank_tables
 from ..planning.layer_planner import LayerPlanner, PlanInputs, PlannerSettings
 from ..planning.schedule_reuse import ScheduleReuse
 from .phases import PHASES
-from .expert_compute import Materialize, RematerializedExperts, expand_segments, expert_major_order, run_experts
+from .expert_compute import ExpertRows, Materialize, RematerializedExperts, expand_segments, run_expert_rows
 from .shard_store import LayerShard
 from .timing import Intervals, PhaseTimer
 
@@ -59,6 +60,17 @@ def check_gate_health(flags: np.ndarray, layer: str, num_experts: int) -> None:
                       "; every rank stops here (check the inputs and the learning rate of this layer)")
 
 
+def slot_histogram(flat: torch.Tensor, gates: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """This rank's row of the count exchange, built on the device without reading it: token-expert pairs per
+    expert, then the health flags (any non-finite gate value; routes to an expert id outside ``[0, E)``). A scatter
+    into ``E + 2`` bins (dropped slots, the experts, out of range), not ``bincount``, which reads the maximum."""
+    bins = flat.clamp(min=-1, max=num_experts) + 1
+    hist = torch.zeros(num_experts + 2, dtype=torch.int64, device=flat.device).scatter_add_(
+        0, bins, torch.ones_like(bins))
+    nonfinite = (~torch.isfinite(gates)).any().to(torch.int64).reshape(1)
+    return torch.cat([hist[1:num_experts + 1], nonfinite, hist[num_experts + 1:]])
+
+
 class LayerBinding:
     """Connects one ``ds_hecate.MoE`` module to the runtime and to its shard."""
 
@@ -70,7 +82,7 @@ class LayerBinding:
         self.planner = LayerPlanner(PlannerSettings.from_config(runtime.config, runtime.ranks_per_node),
                                     runtime.world_size, shard.num_experts)
         self.counters = CommCounters()
-        self.phase_s: Dict[str, float] = {p: 0.0 for p in PHASES}
+        self.host_phase_s: Dict[str, float] = {p: 0.0 for p in PHASES}   # host time (launches, planning)
         self.pending: Optional[PendingGather] = None
         self.forward_cache: List[Tuple[np.ndarray, DispatchPlan]] = []   # counts and plan of each forward call
         self.last_plan: Optional[DispatchPlan] = None
@@ -80,11 +92,11 @@ class LayerBinding:
         self.recomputes = 0
         self.pairs_processed = 0
         self.gap_time = Intervals(keep=16)   # device time between the previous MoE layer and this one
-        self.device_time = {"compute": Intervals()}   # device time of phases the cost model reads
+        self.device_time = {p: Intervals(keep=0) for p in PHASES}   # device time per phase: stats, cost model
         self.cross_node_rows = 0
         self.avoidable_cross_node_rows = 0
         self.peak_replica_bytes = 0
-        self._live_buffers: List[weakref.ref] = []
+        self._live_buffers: List[Tuple[weakref.ref, int]] = []   # gathered buffers and their replica bytes
         self.top_k = 0  # routes per token, seen at the last call (for the trace header)
 
     # -- helpers -----------------------------------------------------------------------------------------------
@@ -117,38 +129,39 @@ class LayerBinding:
         return PlanInputs(self.shard.owners, self.runtime.step_costs(self), self.replica_budget(), self.cost)
 
     # -- collectives ---------------------------------------------------------------------------------------------
-    def gather(self, placement: Placement, async_op: bool) -> PendingGather:
+    def gather(self, placement: Placement, async_op: bool, include_owned: bool = True) -> PendingGather:
         rt = self.runtime
         pending = rt.comm.start_sparse_all_gather(placement, self.shard.masters, self.shard.kernel.numel,
-                                                  rt.compute_dtype, self.counters, async_op=async_op)
+                                                  rt.compute_dtype, self.counters, async_op=async_op,
+                                                  include_owned=include_owned)
         finish = pending.wait
 
-        def tracked():
-            flats, buffers = finish()
-            self._live_buffers.extend(weakref.ref(t) for t in buffers)
-            live = self.replica_bytes_alive()
-            self.peak_replica_bytes = max(self.peak_replica_bytes, live)
-            rt.note_replica_bytes()
-            return flats, buffers
-        return PendingGather(placement, tracked)
+        return PendingGather(placement, lambda: self._track(finish()))
 
-    def reduce_scatter(self, plan: DispatchPlan, grads: Dict[int, torch.Tensor]) -> None:
-        """Issue the layer's SparseReduceScatter asynchronously; the rest of backward runs while it is in flight,
-        and :meth:`HecateRuntime.flush_reductions` adds the results to the owners' accumulators."""
+    def _track(self, gathered: GatheredExperts) -> GatheredExperts:
+        """Remember a gathered buffer until it is freed (replica memory statistics and budget checks)."""
+        self._live_buffers.append((weakref.ref(gathered.buffer), gathered.replica_bytes))
+        self.peak_replica_bytes = max(self.peak_replica_bytes, self.replica_bytes_alive())
+        self.runtime.note_replica_bytes()
+        return gathered
+
+    def reduce_scatter(self, plan: DispatchPlan, experts, grads: torch.Tensor) -> None:
+        """Issue the layer's SparseReduceScatter asynchronously (``grads``: the gradient of the gathered buffer
+        whose rows hold ``experts``); the rest of backward runs while it is in flight, and
+        :meth:`HecateRuntime.flush_reductions` completes it, adding into the owners' gradient rows in place."""
         rt = self.runtime
         with self.timed("reduce_scatter"):
-            finish = rt.comm.start_sparse_reduce_scatter(plan.placement, grads, self.shard.kernel.numel,
-                                                         rt.reduce_dtype, self.counters)
+            finish = rt.comm.start_sparse_reduce_scatter(plan.placement, experts, grads, rt.reduce_dtype,
+                                                         self.counters, lambda: self.shard.grad_rows(rt.device))
         rt.pending_reductions.append((self, finish))
 
     def replica_bytes_alive(self) -> int:
         """Bytes of this layer's materialized replicas (experts of other ranks) still alive."""
         total, alive = 0, []
-        for ref in self._live_buffers:
-            t = ref()
-            if t is not None:
-                total += t.numel() * t.element_size()
-                alive.append(ref)
+        for ref, replica_bytes in self._live_buffers:
+            if ref() is not None:
+                total += replica_bytes
+                alive.append((ref, replica_bytes))
         self._live_buffers = alive
         return total
 
@@ -183,13 +196,15 @@ class LayerBinding:
         pending = self.pending or self.gather(self.planner.prefetch_placement(inputs), async_op=False)
         self.pending = None
         after = self.planner.plan_call(counts, inputs, pending.placement, rank)
-        extra = None if after.extras is None else self.gather(after.extras, async_op=False)
+        extra = None if after.extras is None else self.gather(after.extras, async_op=False, include_owned=False)
         return after.plan, pending, extra
 
     def _cached_plan(self, counts: np.ndarray) -> DispatchPlan:
-        for i, (cached_counts, plan) in enumerate(self.forward_cache):
+        """The plan of the forward call this recompute replays. Kept until the next model forward: torch's
+        non-reentrant checkpointing may recompute a region twice (backward reaching an auxiliary output, such as
+        the gate's l_aux, before the main path), and every recompute must replay the same plan."""
+        for cached_counts, plan in self.forward_cache:
             if np.array_equal(cached_counts, counts):
-                del self.forward_cache[i]
                 return plan
         raise HecateError(
             f"MoE layer '{self.shard.name}': activation-checkpoint recompute routed tokens differently from the "
@@ -197,11 +212,15 @@ class LayerBinding:
             "and do not change the model between forward and backward)")
 
     # -- one layer call ---------------------------------------------------------------------------------------
-    def run(self, x: torch.Tensor, indices: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
-        """Expert outputs for every (route, token) slot of ``indices`` ([k, S], -1 = dropped); zeros if dropped.
+    def run(self, x: torch.Tensor, indices: torch.Tensor, gates: torch.Tensor,
+            arithmetic: str = "deepspeed") -> torch.Tensor:
+        """The layer's routed-experts output ``[S, H]``: for each token the sum over its routes ``j`` (``indices``:
+        ``[k, S]`` expert ids, -1 = dropped) of ``gates[j, t]`` times the expert's output, combined with the caller's
+        arithmetic (:mod:`ds_hecate.ops.combine`: ``"deepspeed"`` or ``"hf"``).
 
-        ``gates`` only feeds the health check: non-finite gate values or expert ids out of range travel with the
-        count exchange, so every rank learns of a bad rank at the same collective and all raise together.
+        ``gates`` also feeds the health check: non-finite gate values or expert ids out of range travel with the
+        count exchange, so every rank learns of a bad rank at the same collective and all raise together. The
+        count exchange is the call's only host read of the device (``tests/test_host_syncs.py`` counts them).
         """
         rt, shard = self.runtime, self.shard
         rank, num_experts = rt.rank, shard.num_experts
@@ -212,12 +231,8 @@ class LayerBinding:
         num_tokens = x.shape[0]
         self.top_k = indices.shape[0]
         flat = indices.reshape(-1).long()
-        valid_slots = torch.nonzero(flat >= 0).squeeze(1)
-        experts_of_valid = flat.index_select(0, valid_slots)
         with self.timed("counts"):
-            local = torch.bincount(experts_of_valid, minlength=num_experts)
-            health = torch.stack([(~torch.isfinite(gates)).any(), (experts_of_valid >= num_experts).any()])
-            exchanged = rt.comm.exchange_counts(torch.cat([local[:num_experts], health.to(local.dtype)]))
+            exchanged = rt.comm.exchange_counts(slot_histogram(flat, gates, num_experts))
             counts = exchanged[:, :num_experts]   # [ranks, experts] int64 on the host: the planner's input
             check_gate_health(exchanged[:, num_experts:], shard.name, num_experts)
         with self.timed("plan"):
@@ -227,17 +242,19 @@ class LayerBinding:
                 pending, extra = self.gather(plan.placement, async_op=False), None
             else:
                 plan, pending, extra = self._plan(counts)
-                self.forward_cache.append((counts, plan))
+                self.forward_cache.append((counts, plan))   # (DeepSpeed's reentrant checkpointing runs it under no_grad)
         with self.timed("gather"):
-            flats = dict(pending.wait()[0])
+            gathered = pending.wait()
             if extra is not None:
-                flats.update(extra.wait()[0])
+                gathered = self._track(gathered.extended(extra.wait()))
 
         # Send order: by destination, then expert, then slot; the receiver expects (src, expert) segments.
         with self.timed("dispatch"):
-            by_expert = valid_slots.index_select(0, torch.argsort(experts_of_valid, stable=True))
             mine_dispatch = plan.for_rank(rank)
-            dst_of_sorted = expand_segments(mine_dispatch.send_dst, mine_dispatch.send_rows, x.device)
+            routed = int(counts[rank].sum())   # this rank's routed slots, known on the host
+            # expert-major slot order, dropped slots last (sorted by the key num_experts) and cut off
+            by_expert = torch.argsort(torch.where(flat >= 0, flat, num_experts), stable=True)[:routed]
+            dst_of_sorted = expand_segments(mine_dispatch.send_dst, mine_dispatch.send_rows, x.device, routed)
             send_slots = by_expert.index_select(0, torch.argsort(dst_of_sorted, stable=True))
             send_rows = x.index_select(0, send_slots % max(num_tokens, 1))  # on the graph even when empty
             send_splits, recv_splits = mine_dispatch.send_splits, mine_dispatch.recv_splits
@@ -245,19 +262,22 @@ class LayerBinding:
                                         f"MoE layer '{self.shard.name}'")
 
         with self.timed("compute"):
-            order_t, sizes = expert_major_order(mine_dispatch, x.device), mine_dispatch.sizes
+            rows = ExpertRows.of(mine_dispatch, gathered.experts, x.device)
             if rt.config.rematerialize:
-                y_recv = RematerializedExperts.apply(recv, rt.autograd_anchor, self, plan, flats, order_t, sizes)
+                y_recv = RematerializedExperts.apply(recv, rt.autograd_anchor, self, plan, gathered, rows)
             else:
-                recv, *weights = Materialize.apply(recv, rt.autograd_anchor, self, plan, flats)
-                y_recv = run_experts(shard.kernel, recv, weights, order_t, sizes)
+                recv, buffer = Materialize.apply(recv, rt.autograd_anchor, self, plan, gathered)
+                y_recv = run_expert_rows(shard.kernel, buffer, recv, rows)
             # The gathers' last references in this call: with re-materialization the replicas are freed here,
             # before the next layer's prefetch allocates its own (only one layer's replicas are in the budget).
-            del flats, pending, extra
+            del gathered, pending, extra
         with self.timed("combine"):
+            # one zero row after the returned rows: every dropped slot points at it
             y_back = AllToAllTokens.apply(y_recv, rt.comm, recv_splits, send_splits, self.counters,
-                                          f"MoE layer '{self.shard.name}'")
-            out = y_back.new_zeros(flat.numel(), y_back.shape[-1]).index_copy(0, send_slots, y_back)
+                                          f"MoE layer '{self.shard.name}'", 1)
+            pos = torch.full((flat.numel(),), routed, dtype=torch.int64, device=x.device).scatter_(
+                0, send_slots, torch.arange(routed, device=x.device)).view(self.top_k, num_tokens)
+            out = weighted_unpermute(y_back, gates, pos, arithmetic, rt.comm.transport.device_ops.combine)
         if not recompute:   # bookkeeping after the tokens moved: off the critical path (before the next prefetch)
             self.planner.observe(counts)
             self._record(plan, counts)
@@ -286,7 +306,8 @@ class LayerBinding:
                "peak_replica_bytes": self.peak_replica_bytes, **self.counters.as_dict(),
                "cross_node_tokens": self.cross_node_rows,
                "avoidable_cross_node_tokens": self.avoidable_cross_node_rows,
-               "time_s": {k: round(v, 6) for k, v in self.phase_s.items()}}
+               "time_s": {k: round(v, 6) for k, v in self.phase_seconds().items()},
+               "host_time_s": {k: round(v, 6) for k, v in self.host_phase_s.items()}}
         if plan is not None and counts is not None:
             world = self.runtime.world_size
             before = owner_loads(counts, self.shard.owners, world)
@@ -301,6 +322,11 @@ class LayerBinding:
                 "force_balanced_fraction": self.force_balanced_estimate(plan, counts),
             })
         return out
+
+    def phase_seconds(self) -> Dict[str, float]:
+        """Device seconds per phase so far (CUDA events: resolving them is a host synchronisation, so this is for
+        step boundaries and statistics, not the layer call)."""
+        return {p: self.device_time[p].total() for p in PHASES}
 
     def force_balanced_estimate(self, plan: DispatchPlan, counts: np.ndarray) -> float:
         """``stats()``'s ``force_balanced_fraction`` of one executed call: the cost model's estimate of the layer with

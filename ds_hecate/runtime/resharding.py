@@ -94,7 +94,7 @@ def reshard(rt) -> bool:
                                                                param.new_zeros(size - numel)]))
             elif new[e] == rt.rank:
                 recvs.setdefault(old[e], []).append(e)
-        received = rt.comm.exchange_chunks(sends, recvs, size, torch.float32, False, "re-sharding expert move")()
+        received = rt.comm.exchange_chunk_lists(sends, recvs, size, torch.float32, "re-sharding expert move")
         for e in range(shard.num_experts):
             if old[e] != new[e] and old[e] == rt.rank:
                 param = shard.masters.pop(e)
@@ -107,5 +107,6 @@ def reshard(rt) -> bool:
                 if rt.optimizer is not None:
                     rt.optimizer.add(rt.layer_group[shard.layer_id], param, state)
         shard.owners = new
+        shard.grads = None   # empty at a step boundary; the next accumulation lays out the new owned rows
         binding.pending = None
     return True

@@ -1,35 +1,44 @@
 """The CuPy+NCCL backend against the torch backend on the same inputs.
 
-1. One GPU, several simulated ranks: the one Communicator with CUDA tensors over an in-process loopback transport in
-   place of NCCL must give bit-for-bit the CPU Communicator's results (simulated the same way on the same inputs).
-2. Two processes with real NCCL (needs two GPUs: NCCL refuses two ranks on one device): every collective over the
+1. One GPU, several simulated ranks: the one Communicator with CUDA tensors, the CUDA kernels as its device ops
+   (:class:`KernelDeviceOps`: pack, the owners' in-place sum) and an in-process loopback in place of NCCL, must give
+   bit-for-bit the CPU Communicator's results (simulated the same way on the same inputs).
+2. One GPU, one rank, real NCCL through CuPy: every primitive and every Hecate collective; waits that leave the
+   host free; the timeout watchdog.
+3. Two processes with real NCCL (needs two GPUs: NCCL refuses two ranks on one device): every collective over the
    CuPy transport against the torch.distributed (gloo) backend on the same inputs.
 """
+import os
 import random
-from typing import Dict
+import sys
 
+import numpy as np
 import pytest
 import torch
 
 from ds_hecate.comm.collectives import CommCounters, Communicator
+from ds_hecate.comm.gpu.device_ops import KernelDeviceOps
+from ds_hecate.comm.gpu.layout import gather_layout, owned_materialized
 from ds_hecate.comm.gpu.nccl_comm import CupyTransport
 from ds_hecate.planning import Placement
 
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 DEV = torch.device("cuda", 0)
 
 
 class Loopback:
     """In-process ranks on one GPU for the one Communicator: each rank's transport posts its all-to-all buffers;
-    :meth:`flush` moves the data (in place of NCCL)."""
+    :meth:`flush` moves the data (in place of NCCL). Their device ops are the CUDA kernels."""
 
     def __init__(self):
         self.posts = {}
+        self.ops = KernelDeviceOps()
 
     def view(self, rank, world):
         shared = self
 
         class _Transport:
-            device, calls = DEV, 0
+            device, calls, device_ops = DEV, 0, shared.ops
 
             def all_to_all(self, recv, send, recv_splits, send_splits, async_op):
                 self.calls += 1
@@ -67,7 +76,7 @@ class TorchLoop(Communicator):
         super().__init__(None, rank, world)
         self.mailbox, self.replay, self.n = mailbox, replay, 0
 
-    def all_to_all(self, send, send_splits, recv_splits, async_op=False, **kwargs):
+    def all_to_all(self, send, send_splits, recv_splits, async_op=False, out=None, **kwargs):
         self.n += 1
         if not self.replay:
             self.mailbox[(self.rank, self.n)] = (send.clone(), list(send_splits))
@@ -76,6 +85,9 @@ class TorchLoop(Communicator):
             parts = [d.narrow(0, sum(s[:self.rank]), s[self.rank])
                      for d, s in (self.mailbox[(src, self.n)] for src in range(self.world_size))]
             recv = torch.cat(parts)
+        if out is not None:
+            out.copy_(recv)
+            recv = out
         return (recv, None) if async_op else recv
 
 
@@ -91,7 +103,9 @@ def cupy_world(world, start):
     comms = [Communicator(None, r, world, transport=loop.view(r, world)) for r in range(world)]
     finishes = [start(c) for c in comms]
     loop.flush()
-    return [f() for f in finishes]
+    results = [f() for f in finishes]
+    torch.cuda.synchronize()
+    return results, loop.ops.used
 
 
 def placement(seed, world, num_experts):
@@ -110,13 +124,30 @@ def test_sparse_all_gather_matches_torch_backend(seed, dtype):
     masters = torch.randn(num_experts, numel)
     owned = [{e: masters[e].clone() for e in range(num_experts) if p.owners[e] == r} for r in range(world)]
     want = torch_world(world, lambda c: c.start_sparse_all_gather(p, owned[c.rank], numel, dtype,
-                                                                  CommCounters()).wait()[0])
-    got = cupy_world(world, lambda c: c.start_sparse_all_gather(
-        p, {e: t.to(DEV) for e, t in owned[c.rank].items()}, numel, dtype, CommCounters()).wait)
+                                                                  CommCounters()).wait().flats())
+    got, used = cupy_world(world, lambda c: (lambda pending: lambda: pending.wait().flats())(
+        c.start_sparse_all_gather(p, {e: t.to(DEV) for e, t in owned[c.rank].items()}, numel, dtype,
+                                  CommCounters())))
+    assert used.get("pack", 0) > 0 and "pack:torch" not in used, used
     for r in range(world):
-        assert sorted(got[r][0]) == sorted(want[r])
+        assert sorted(got[r]) == sorted(want[r])
         for e in want[r]:
-            assert torch.equal(got[r][0][e].cpu(), want[r][e])
+            assert torch.equal(got[r][e].cpu(), want[r][e])
+
+
+def _reduce_scatter(c, p, grads, numel, wire, device):
+    """Start the SparseReduceScatter of rank ``c.rank``'s gathered-buffer gradient; returns a function giving the
+    owner's accumulator rows (expert -> fp32 row) once done."""
+    own = owned_materialized(p, c.rank)
+    experts = own + gather_layout(p, c.rank).recv_experts
+    rows = torch.stack([grads[c.rank][e] for e in experts]) if experts else torch.empty(0, numel)
+    accumulator = torch.zeros(len(own), numel, device=device)
+    finish = c.start_sparse_reduce_scatter(p, experts, rows.to(device), wire, CommCounters(), lambda: accumulator)
+
+    def done():
+        finish()
+        return dict(zip(own, accumulator.unbind(0)))
+    return done
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -126,10 +157,9 @@ def test_sparse_reduce_scatter_matches_torch_backend(seed, compute, wire):
     world, num_experts, numel = 3, 6, 4099 + 4 * seed
     p = placement(10 + seed, world, num_experts)
     grads = [{e: torch.randn(numel).to(compute) for e in p.materialized[r]} for r in range(world)]
-    want = torch_world(world, lambda c: c.start_sparse_reduce_scatter(p, grads[c.rank], numel, wire,
-                                                                      CommCounters())())
-    got = cupy_world(world, lambda c: c.start_sparse_reduce_scatter(
-        p, {e: g.to(DEV) for e, g in grads[c.rank].items()}, numel, wire, CommCounters()))
+    want = torch_world(world, lambda c: _reduce_scatter(c, p, grads, numel, wire, torch.device("cpu"))())
+    got, used = cupy_world(world, lambda c: _reduce_scatter(c, p, grads, numel, wire, DEV))
+    assert used.get("accumulate", 0) > 0 and "accumulate:torch" not in used, used
     for r in range(world):
         assert sorted(got[r]) == sorted(want[r])
         for e in want[r]:
@@ -142,10 +172,34 @@ def test_token_all_to_all_matches_torch_backend():
     xs = [torch.randn(sum(splits[s]), hidden) for s in range(world)]
     recv_splits = [[splits[s][r] for s in range(world)] for r in range(world)]
     want = torch_world(world, lambda c: c.all_to_all(xs[c.rank], splits[c.rank], recv_splits[c.rank]))
-    got = cupy_world(world, lambda c: (lambda out: (lambda: out))(
+    got, _ = cupy_world(world, lambda c: (lambda out: (lambda: out))(
         c.all_to_all(xs[c.rank].to(DEV), splits[c.rank], recv_splits[c.rank], async_op=True)[0]))
     for r in range(world):
         assert torch.equal(got[r].cpu(), want[r])
+
+
+# -- real NCCL, one rank ---------------------------------------------------------------------------------------------
+def test_one_rank_nccl_primitives_and_collectives():
+    """Every primitive of the CuPy transport and every Hecate collective over it, with real NCCL on one rank."""
+    from benchmarks.gpu import nccl
+    transport = CupyTransport(None, 0, 1, DEV, timeout_s=60)
+    checks = nccl.primitives(transport, DEV)
+    checks.update(nccl.collectives(Communicator(None, 0, 1, transport=transport), DEV))
+    torch.cuda.synchronize()
+    assert all(checks.values()), checks
+    assert transport.failure is None and not transport.aborted
+
+
+def test_waits_leave_the_host_free_and_the_watchdog_aborts_on_the_gpu():
+    """Behind a sleeping caller stream: a synchronous all-reduce and an async wait return to the host at once, the
+    count exchange waits; a primitive that cannot finish before its deadline is aborted by the watchdog."""
+    from benchmarks.gpu.common import Context
+    from benchmarks.gpu.streams import Device, stream_side_waits, watchdog
+    d = Device(Context())
+    waits = stream_side_waits(d)
+    assert waits["ok"], waits
+    fired = watchdog(d)
+    assert fired["ok"], fired
 
 
 # -- real NCCL, two processes --------------------------------------------------------------------------------------
@@ -154,8 +208,10 @@ def _nccl_ranks(rank, world):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.cuda.set_device(rank % torch.cuda.device_count())
     dev = torch.device("cuda", torch.cuda.current_device())
+    weights_group = dist.new_group(list(range(world)), backend="gloo")
     cupy_comm = Communicator(dist.group.WORLD, rank, world,
-                             transport=CupyTransport(dist.group.WORLD, rank, world, dev, timeout_s=120))
+                             transport=CupyTransport(dist.group.WORLD, rank, world, dev, timeout_s=120),
+                             weight_transport=CupyTransport(weights_group, rank, world, dev, timeout_s=120))
     torch_comm = Communicator(dist.group.WORLD, rank, world)
     torch.manual_seed(0)
     num_experts, numel = 8, 20011
@@ -163,17 +219,17 @@ def _nccl_ranks(rank, world):
     masters = torch.randn(num_experts, numel)
     owned = {e: masters[e].clone() for e in range(num_experts) if p.owners[e] == rank}
     checks = {}
-    a = torch_comm.start_sparse_all_gather(p, owned, numel, torch.bfloat16, CommCounters()).wait()[0]
+    a = torch_comm.start_sparse_all_gather(p, owned, numel, torch.bfloat16, CommCounters()).wait().flats()
     b = cupy_comm.start_sparse_all_gather(p, {e: t.to(dev) for e, t in owned.items()}, numel, torch.bfloat16,
-                                          CommCounters()).wait()[0]
+                                          CommCounters()).wait().flats()
     checks["all_gather"] = sorted(a) == sorted(b) and all(torch.equal(a[e], b[e].cpu()) for e in a)
-    grads = {e: torch.randn(numel) for e in p.materialized[rank]}
-    a = torch_comm.start_sparse_reduce_scatter(p, grads, numel, torch.float32, CommCounters())()
-    b = cupy_comm.start_sparse_reduce_scatter(p, {e: g.to(dev) for e, g in grads.items()}, numel, torch.float32,
-                                              CommCounters())()
+    grads = [{e: torch.randn(numel) for e in p.materialized[r]} for r in range(world)]
+    a = _reduce_scatter(torch_comm, p, grads, numel, torch.float32, torch.device("cpu"))()
+    b = _reduce_scatter(cupy_comm, p, grads, numel, torch.float32, dev)()
     checks["reduce_scatter"] = sorted(a) == sorted(b) and all(torch.equal(a[e], b[e].cpu()) for e in a)
     counts = torch.arange(5) * (rank + 1)
-    checks["counts"] = torch_comm.exchange_counts(counts) == cupy_comm.exchange_counts(counts.to(dev))
+    checks["counts"] = bool(np.array_equal(torch_comm.exchange_counts(counts),
+                                           cupy_comm.exchange_counts(counts.to(dev))))
     v = torch.tensor([1.5 * (rank + 1)])
     checks["all_reduce"] = torch.equal(torch_comm.all_reduce(v.clone()), cupy_comm.all_reduce(v.to(dev)).cpu())
     sends = [3 + rank, 5 - rank]
@@ -186,12 +242,13 @@ def _nccl_ranks(rank, world):
     a = torch_comm.move_experts(sources, targets, local, numel)
     b = cupy_comm.move_experts(sources, targets, {e: t.to(dev) for e, t in local.items()}, numel)
     checks["move_experts"] = sorted(a) == sorted(b) and all(torch.equal(a[e], b[e].cpu()) for e in a)
-    return checks
+    torch.cuda.synchronize()
+    return {k: bool(v) for k, v in checks.items()}
 
 
 def test_two_process_nccl_matches_torch_backend():
     if torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs: NCCL refuses two ranks on one device (benchmarks/gpu_check.py tries anyway)")
+        pytest.skip("needs 2 GPUs: NCCL refuses two ranks on one device (benchmarks/gpu_check.py says so)")
     from dist_utils import run_ranks
     for checks in run_ranks(2, _nccl_ranks, timeout=180):
         assert all(checks.values()), checks

@@ -73,7 +73,53 @@ def test_unpermute_combine(dtype, k, hidden):
     gates = torch.rand(k, num_tokens, device=DEV)
     got = K.unpermute_combine(y, pos, gates)
     want = ref.unpermute_combine(y, pos, gates)
-    if k <= 2:  # a sum of two terms has one rounding order
+    assert torch.equal(got, want)   # products rounded, then added in route order, no FMA: bit for bit for any k
+
+
+@pytest.mark.parametrize("numel, offset", [(4096, 0), (1001, 0), (4096, 1)])
+@pytest.mark.parametrize("wire", [torch.float32, torch.bfloat16])
+def test_accumulate(numel, offset, wire):
+    """The in-place owner-side sum (vectorised, scalar and unaligned variants), repeated rows included, bit for
+    bit against its contract (and so against the torch DeviceOps, tests/test_kernels.py)."""
+    torch.manual_seed(5)
+    rows = [3, 0, 3, 1, 3, 0, 2]
+    base = torch.randn(len(rows) * numel + offset, device=DEV).to(wire)
+    recv = base.narrow(0, offset, len(rows) * numel).view(len(rows), numel)   # offset: unaligned received rows
+    storage = torch.randn(4 * numel + offset, device=DEV)
+    target = storage.narrow(0, offset, 4 * numel).view(4, numel)   # offset: an unaligned accumulator
+    want = target.clone()
+    ref.accumulate_rows(want, recv, rows)
+    K.accumulate_rows(target, recv, rows)
+    assert torch.equal(target, want)
+
+
+def test_kernel_device_ops_on_cuda_match_the_torch_device_ops():
+    """What the CuPy transport runs in training: every op through the kernels (none fell back), equal to the torch
+    statement (pack, accumulate) and to the layer call's torch combine."""
+    from ds_hecate.comm.gpu.device_ops import KernelDeviceOps
+    from ds_hecate.comm.transport import TORCH_DEVICE_OPS
+    from ds_hecate.ops.combine import weighted_unpermute
+    ops = KernelDeviceOps()
+    torch.manual_seed(6)
+    srcs = [torch.randn(3000, device=DEV) for _ in range(6)]
+    for dtype in (torch.float32, torch.bfloat16):
+        got, want = (torch.empty(6, 3000, dtype=dtype, device=DEV) for _ in range(2))
+        ops.pack(srcs, got)
+        TORCH_DEVICE_OPS.pack(srcs, want)
         assert torch.equal(got, want)
-    else:
-        torch.testing.assert_close(got, want)
+    rows = [0, 2, 0, 1, 0]
+    for wire in (torch.float32, torch.bfloat16):
+        recv = torch.randn(5, 3000, device=DEV).to(wire)
+        got, want = torch.zeros(3, 3000, device=DEV), torch.zeros(3, 3000, device=DEV)
+        ops.accumulate(got, recv, rows)
+        TORCH_DEVICE_OPS.accumulate(want, recv, rows)
+        assert torch.equal(got, want)
+    k, tokens, hidden = 2, 700, 256
+    y = torch.cat([torch.randn(k * tokens - 9, hidden, device=DEV), torch.zeros(1, hidden, device=DEV)])
+    y = y.to(torch.bfloat16)
+    pos = torch.randperm(k * tokens, device=DEV) % y.shape[0]
+    gates = torch.rand(k, tokens, device=DEV)
+    want = weighted_unpermute(y, gates, pos.view(k, tokens), "deepspeed")
+    got = weighted_unpermute(y, gates, pos.view(k, tokens), "deepspeed", ops.combine)
+    assert torch.equal(got, want)
+    assert ops.used == {"pack": 2, "accumulate": 2, "combine": 1}, ops.used

@@ -55,10 +55,12 @@ SHORT_WATCHDOG = {"DS_HECATE_TEST_TIMEOUT": "120"}
 MUTATIONS: List[Mutation] = [
     Mutation(
         "srs-skips-last-rank", "ds_hecate/comm/collectives.py",
-        (("            for src in range(self.world_size):\n"
-          "                for e, chunk in zip(recv_lists.get(src, ()), received.get(src, ())):\n",
-          "            for src in range(self.world_size - 1):  # MUTATION: the last rank's contribution is dropped\n"
-          "                for e, chunk in zip(recv_lists.get(src, ()), received.get(src, ())):\n"),),
+        (("        target_rows = [row_of_owned[e] for e in _source_major(recv_lists)]\n",
+          "        last = max(recv_lists, default=None)  # MUTATION: the last source rank's contribution is dropped\n"
+          "        recv_lists = {s: (v if s != last else []) for s, v in recv_lists.items()}\n"
+          "        target_rows = [row_of_owned[e] for e in _source_major(recv_lists)]\n"),
+         ("            self.weights.device_ops.accumulate(add_own(), received, target_rows)\n",
+          "            self.weights.device_ops.accumulate(add_own(), received[:len(target_rows)], target_rows)\n")),
         "SparseReduceScatter sums every source's replica gradient onto the owner except the last rank's"),
     Mutation(
         "latest-before-experts", "ds_hecate/deepspeed_glue/engine.py",
@@ -72,12 +74,12 @@ MUTATIONS: List[Mutation] = [
         "without experts); the ordering lives in engine.py (HecateEngine.save_checkpoint), not checkpoint.py"),
     Mutation(
         "replica-gradient-dropped", "ds_hecate/runtime/expert_compute.py",
-        (("        binding.reduce_scatter(plan, dict(zip(mine, grad_weights)))\n",
-          "        grads = dict(zip(mine, grad_weights))\n"
-          "        replicas = [e for e in mine if plan.owners[e] != binding.runtime.rank]\n"
+        (("        ctx.binding.reduce_scatter(ctx.plan, ctx.experts, grad_buffer)\n",
+          "        replicas = [i for i, e in enumerate(ctx.experts) if ctx.plan.owners[e] != ctx.binding.runtime.rank]\n"
           "        if replicas:  # MUTATION: the first replica's gradient never reaches its owner\n"
-          "            grads[replicas[0]] = torch.zeros_like(grads[replicas[0]])\n"
-          "        binding.reduce_scatter(plan, grads)\n"),),
+          "            grad_buffer = grad_buffer.clone()\n"
+          "            grad_buffer[replicas[0]] = 0\n"
+          "        ctx.binding.reduce_scatter(ctx.plan, ctx.experts, grad_buffer)\n"),),
         "a replica's weight gradient is replaced by zeros before SparseReduceScatter"),
     Mutation(
         "token-to-rank-without-expert", "ds_hecate/planning/dispatch_plan.py",
@@ -117,7 +119,7 @@ MUTATIONS: List[Mutation] = [
         env=SHORT_WATCHDOG),
     Mutation(
         "calibration-extras-not-gathered", "ds_hecate/runtime/layer.py",
-        (("        extra = None if after.extras is None else self.gather(after.extras, async_op=False)\n",
+        (("        extra = None if after.extras is None else self.gather(after.extras, async_op=False, include_owned=False)\n",
           "        extra = None  # MUTATION: calibration's extra replicas are planned but never gathered\n"),),
         "after the gate, calibration adds replicas to the plan but their SparseAllGather is never issued",
         env=SHORT_WATCHDOG),
@@ -140,18 +142,18 @@ MUTATIONS: List[Mutation] = [
         "budget-ignored-self-report-hidden", "ds_hecate/runtime/layer.py",
         (("        return PlanInputs(self.shard.owners, self.runtime.step_costs(self), self.replica_budget(), self.cost)\n",
           "        return PlanInputs(self.shard.owners, self.runtime.step_costs(self), 1 << 30, self.cost)  # MUTATION\n"),
-         ("                alive.append(ref)\n"
+         ("                alive.append((ref, replica_bytes))\n"
           "        self._live_buffers = alive\n"
           "        return total\n",
-          "                alive.append(ref)\n"
+          "                alive.append((ref, replica_bytes))\n"
           "        self._live_buffers = alive\n"
           "        return 0  # MUTATION: Hecate's own replica-bytes figure sees nothing\n")),
         "the planner ignores the budget while the statistics still report the configured budget and no replica "
         "bytes: only a measurement from outside Hecate can see it"),
     Mutation(
         "rematerialize-replicas-outlive-layer", "ds_hecate/runtime/layer.py",
-        (("            del flats, pending, extra\n",
-          "            del flats  # MUTATION: the gathers stay referenced until the layer call returns\n"),),
+        (("            del gathered, pending, extra\n",
+          "            del gathered  # MUTATION: the gathers stay referenced until the layer call returns\n"),),
         "with re-materialization, a layer's replicas are still alive when the next layer's prefetch allocates its "
         "own (two layers resident, the budget holds one; the bug fixed on 2026-11-30)"),
     Mutation(
@@ -174,6 +176,23 @@ MUTATIONS: List[Mutation] = [
         (("    return flat.to(compute_dtype).to(torch.float32)\n",
           "    return flat.to(torch.float32)  # MUTATION: masters keep what DeepSpeed's lose in the fp16/bf16 cast\n"),),
         "fp16/bf16: the experts' fp32 masters start from the unrounded weights, DeepSpeed's from the rounded model"),
+    Mutation(
+        "weight-traffic-on-token-communicator", "ds_hecate/comm/gpu/backend.py",
+        (("    weights = TorchTransport(weight_group, rank, world_size, device) if weight_group is not None else None\n",
+          "    weights = None  # MUTATION: SparseAllGather/SparseReduceScatter share the token all-to-all's communicator\n"),),
+        "weight traffic on the token traffic's communicator: backward's token all-to-all queues behind "
+        "SparseReduceScatter"),
+    Mutation(
+        "layer-call-reads-the-device", "ds_hecate/runtime/layer.py",
+        (("            routed = int(counts[rank].sum())   # this rank's routed slots, known on the host\n",
+          "            routed = int((flat >= 0).sum())  # MUTATION: read back from the device (a second sync)\n"),),
+        "the layer call reads a device tensor on the host besides the count exchange (a CUDA synchronisation)"),
+    Mutation(
+        "grouped-rows-in-plan-order", "ds_hecate/runtime/expert_compute.py",
+        (("        held = [mine[e] for e in experts if e in mine]\n",
+          "        held = sorted(mine[e] for e in experts if e in mine)  # MUTATION: rows grouped in plan order\n"),),
+        "the token rows are grouped in the plan's expert order, not the gathered buffer's row order (owned first, "
+        "then replicas by owner): replicas meet the wrong expert's weights"),
 ]
 
 _EXACT2 = "tests/test_exactness.py::test_trajectories_match_data_parallel[2rank]"
@@ -209,6 +228,10 @@ TESTS_FOR: Dict[str, List[str]] = {
                                    "tests/test_resume.py::test_resume_equals_the_uninterrupted_run"],
     "stage0-clip-norm-omits-experts": [_ORACLE2 % "zero0-clip-default"],
     "fp16-masters-not-rounded": ["tests/test_cifar_moe.py::test_tutorial_config_trains_and_tests_like_data_parallel"],
+    "weight-traffic-on-token-communicator": [
+        "tests/test_weight_traffic.py::test_token_gradient_all_to_all_completes_before_a_delayed_reduce_scatter"],
+    "layer-call-reads-the-device": ["tests/test_host_syncs.py::test_one_host_read_per_layer_call_and_none_in_backward"],
+    "grouped-rows-in-plan-order": [_RANDOM2, _ORACLE2 % "zero2-default-skewed", _EXACT2],
 }
 
 

@@ -30,7 +30,7 @@ def cupy_status() -> Tuple[bool, str]:
             from cupy.cuda import nccl
     except Exception as exc:  # ImportError, or a broken CUDA install raising at import
         return False, f"cupy is not importable ({type(exc).__name__}: {exc}); install it with pip install " \
-                      "'ds_hecate[gpu]'"
+                      "'ds_hecate[gpu]' (CUDA 12) or 'ds_hecate[gpu13]' (CUDA 13)"
     try:
         count = cupy.cuda.runtime.getDeviceCount()
     except Exception as exc:  # cupy_backends CUDARuntimeError: no driver / insufficient driver
@@ -39,7 +39,7 @@ def cupy_status() -> Tuple[bool, str]:
         return False, f"cupy {cupy.__version__} is installed but sees no GPU"
     if not getattr(nccl, "available", False):
         return False, f"cupy {cupy.__version__} is installed but cannot load NCCL (libnccl.so.2); install it with " \
-                      "pip install nvidia-nccl-cu12"
+                      "pip install nvidia-nccl-cu12 (or nvidia-nccl-cu13 for CUDA 13)"
     try:
         from .kernels import kernel_dir
         kernel_dir()
@@ -92,16 +92,24 @@ def agree_backend(requested: str, device: torch.device, group, world_size: int) 
 
 
 def build_communicator(requested: str, group, rank: int, world_size: int, device: torch.device,
-                       timeout_s: Optional[float] = None):
-    """The Communicator over the transport all ranks agreed on (see :func:`agree_backend`); logs it once."""
+                       timeout_s: Optional[float] = None, weight_group=None):
+    """The Communicator over the transport all ranks agreed on (see :func:`agree_backend`); logs it once.
+
+    ``weight_group`` (a second process group over the same ranks) gives the weight traffic a transport of its own:
+    a second NCCL communicator, so a second stream; None shares the token transport."""
     from ..collectives import Communicator
+    from ..transport import TorchTransport
 
     backend, why = agree_backend(requested, device, group, world_size)
     if backend == "cupy":
         from .nccl_comm import CupyTransport
         transport = CupyTransport(group, rank, world_size, device, timeout_s=timeout_s)
+        weights = (CupyTransport(weight_group, rank, world_size, device, timeout_s=timeout_s)
+                   if weight_group is not None else None)
         log_rank0(f"communication backend: CuPy+NCCL on {device} ({cupy_status()[1]})")
-        return Communicator(group, rank, world_size, timeout_s=timeout_s, transport=transport)
+        return Communicator(group, rank, world_size, timeout_s=timeout_s, transport=transport,
+                            weight_transport=weights)
     if why is not None:
         log_rank0(f"communication backend: torch.distributed; CuPy+NCCL not used: {why}")
-    return Communicator(group, rank, world_size, timeout_s=timeout_s, device=device)
+    weights = TorchTransport(weight_group, rank, world_size, device) if weight_group is not None else None
+    return Communicator(group, rank, world_size, timeout_s=timeout_s, device=device, weight_transport=weights)

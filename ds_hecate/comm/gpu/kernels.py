@@ -3,7 +3,8 @@
 Sources ship with the package (``ds_hecate/kernels/*.cu`` in an installed copy, ``kernels/`` in a checkout); each
 module is compiled by NVRTC once per process (and by CuPy once per device architecture, cached on disk by CuPy).
 Tensors are handed to CuPy zero-copy through ``__cuda_array_interface__`` (bf16 viewed as int16, since CuPy has
-no bfloat16 dtype); pointer tables (one pointer per expert chunk) are uploaded as small int64 device tensors, pinned and non-blocking.
+no bfloat16 dtype); pointer tables (one pointer per expert chunk) are uploaded as small int64 device tensors, pinned
+and non-blocking.
 
 Every launcher takes torch CUDA tensors and returns/writes torch tensors; the contracts are the functions of the
 same name in :mod:`ds_hecate.comm.gpu.reference`.
@@ -28,7 +29,8 @@ KERNEL_NAMES: Dict[str, List[str]] = {
     "sparse_collectives.cu": (
         [f"{op}_{pair}_v{v}" for pair, vec in (("f32_f32", 4), ("f32_bf16", 4), ("bf16_bf16", 8), ("bf16_f32", 8))
          for op in ("pack", "unpack") for v in (1, vec)]
-        + [f"reduce_{pair}_v{v}" for pair in ("f32_f32", "f32_bf16", "bf16_f32", "bf16_bf16") for v in (1, 4)]),
+        + [f"reduce_{pair}_v{v}" for pair in ("f32_f32", "f32_bf16", "bf16_f32", "bf16_bf16") for v in (1, 4)]
+        + [f"accumulate_{wire}_v{v}" for wire in ("f32", "bf16") for v in (1, 4)]),
     "token_permute.cu": (["expert_histogram"] + [f"permute_rows_u{b}" for b in (16, 8, 4, 2, 1)]
                          + [f"unpermute_combine_{t}_v{v}" for t in ("f32", "bf16") for v in (1, 4)]),
 }
@@ -103,6 +105,7 @@ def _blocks(work_items: int, chunks: int, device: torch.device) -> int:
 
 
 def _aligned(tensors: Sequence[torch.Tensor], bytes_: int = 16) -> bool:
+    """Whether every tensor's first element is ``bytes_``-aligned (what a vector variant needs)."""
     return all(t.data_ptr() % bytes_ == 0 for t in tensors)
 
 
@@ -187,6 +190,29 @@ def reduce_chunks(bases: Sequence[torch.Tensor], recv: torch.Tensor, chunks_per_
             (_cp(_ptr_table(outs, device)), _cp(_ptr_table(bases, device)), _cp(recv), _cp(seg_t), _cp(idx_t),
              _i64(numel)))
     return list(outs)
+
+
+def accumulate_rows(target: torch.Tensor, recv: torch.Tensor, target_rows: Sequence[int]) -> None:
+    """Kernel of :func:`ds_hecate.comm.gpu.reference.accumulate_rows`: ``target[target_rows[i]] += recv[i]`` in
+    fp32, i ascending, in place. Contract (checked by the caller,
+    :class:`~ds_hecate.comm.gpu.device_ops.KernelDeviceOps`, as the other launchers' shapes are): ``target`` a
+    float32 ``[n, numel]``, ``recv`` float32 or bfloat16 with at least ``len(target_rows)`` rows of ``numel``."""
+    from .reference import accumulate_segments
+
+    if not target_rows or target.numel() == 0:
+        return
+    _check([target, recv])
+    numel = target.shape[1]
+    rows, seg_ptr, idx = accumulate_segments(target_rows)
+    if len(rows) > 65535:
+        raise HecateError(f"accumulate_rows: {len(rows)} chunks in one launch; at most 65535 (grid.y)")
+    # One pinned, non-blocking upload for the three index arrays: [rows | seg_ptr | chunk_idx].
+    table = to_device(torch.tensor(rows + seg_ptr + idx, dtype=torch.int64), target.device)
+    rows_t, seg_t, idx_t = table.split([len(rows), len(seg_ptr), len(idx)])
+    vec = 4 if numel % 4 == 0 and _aligned([target]) and _aligned([recv], 4 * recv.element_size()) else 1
+    grid = (_blocks(numel // vec, len(rows), target.device), len(rows))
+    _launch("sparse_collectives.cu", f"accumulate_{_dtype_name(recv.dtype)}_v{vec}", target.device, grid,
+            (THREADS,), (_cp(target), _cp(rows_t), _cp(recv), _cp(seg_t), _cp(idx_t), _i64(numel)))
 
 
 # -- token movement ------------------------------------------------------------------------------------------

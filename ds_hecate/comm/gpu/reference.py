@@ -61,6 +61,36 @@ def reduce_chunks(bases: Sequence[torch.Tensor], recv: torch.Tensor, chunks_per_
     return outs
 
 
+def accumulate_segments(target_rows: Sequence[int]) -> Tuple[List[int], List[int], List[int]]:
+    """CSR form of ``target[target_rows[i]] += recv[i]``, grouped by target row: (rows, seg_ptr, chunk_idx), row
+    ``rows[j]`` (distinct, in first-occurrence order) adds the received chunks ``chunk_idx[seg_ptr[j]:seg_ptr[j+1]]``
+    (ascending: receive order). The host builds it; the kernel gets one row per block row, so no two blocks write
+    one accumulator row and the order of the adds is the list's."""
+    slot: dict = {}
+    lists: List[List[int]] = []
+    for i, t in enumerate(target_rows):
+        j = slot.setdefault(int(t), len(lists))
+        if j == len(lists):
+            lists.append([])
+        lists[j].append(i)
+    seg_ptr, idx = chunk_segments(lists)
+    return list(slot), seg_ptr, idx
+
+
+def accumulate_rows(target: torch.Tensor, recv: torch.Tensor, target_rows: Sequence[int]) -> None:
+    """SparseReduceScatter's in-place sum on the owner (:meth:`ds_hecate.comm.transport.DeviceOps.accumulate`):
+    ``target[target_rows[i]] += fp32(recv[i])`` for i ascending (``target``: fp32 ``[n, numel]``, ``recv``: ``[m,
+    numel]`` in fp32 or bf16), each add rounded in fp32, so an expert received from several ranks sums them in
+    receive order (source rank ascending).
+
+    Kernel: ``accumulate_<wire>_v<V>`` over :func:`accumulate_segments`.
+    """
+    rows, seg_ptr, idx = accumulate_segments(target_rows)
+    for j, row in enumerate(rows):
+        for c in idx[seg_ptr[j]:seg_ptr[j + 1]]:
+            target[row].add_(recv[c].to(torch.float32))
+
+
 def expert_histogram(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
     """``num_experts + 1`` int64 bins: tokens per expert for 0 <= e < E, and in the last bin the count of indices
     >= E (out of range: the runtime's health flag). Negative indices are dropped slots and not counted.
@@ -85,16 +115,23 @@ def slot_positions(send_slots: torch.Tensor, num_slots: int) -> torch.Tensor:
 
 
 def unpermute_combine(y: torch.Tensor, pos: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
-    """Weighted un-permute with the top-k combine: ``out[t] = sum_j gates[j, t] * y[pos[j*S + t]]`` (0 for a dropped
-    slot, ``pos < 0``), fp32 products and sum, cast to ``y.dtype``: the runtime's ``index_copy`` into slot order
-    followed by :func:`ds_hecate.moe_layer.combine_routes` (DeepSpeed's ``_sparse_decode``).
+    """Weighted un-permute with the top-k combine: ``out[t] = sum_j gates[j, t] * y[pos[j*S + t]]`` (``0 * gates[j,
+    t]`` for a dropped slot, ``pos < 0``), each product rounded in fp32 and added in fp32 for j ascending, cast to
+    ``y.dtype``: the runtime's weighted un-permute (:mod:`ds_hecate.ops.combine`, ``"deepspeed"`` arithmetic) and
+    :func:`ds_hecate.moe_layer.combine_routes` (DeepSpeed's ``_sparse_decode``).
 
-    ``gates`` is ``[k, S]``; ``pos`` has ``k * S`` entries. Kernel: ``unpermute_combine_<dtype>_v<V>``.
+    ``gates`` is ``[k, S]``; ``pos`` has ``k * S`` entries. No host read: dropped slots point at a zero row appended
+    to ``y``. Kernel: ``unpermute_combine_<dtype>_v<V>``.
     """
     k, num_tokens = gates.shape
-    pos = pos.reshape(-1).long()
-    valid = pos >= 0
-    slots = y.new_zeros(k * num_tokens, y.shape[-1])
-    slots[valid] = y.index_select(0, pos[valid])
-    routed = slots.view(k, num_tokens, y.shape[-1])
-    return (routed * gates.to(torch.float32).unsqueeze(-1)).sum(0).to(y.dtype)
+    hidden = y.shape[-1]
+    if k == 0:
+        return y.new_zeros(num_tokens, hidden)
+    rows = torch.cat([y.reshape(-1, hidden), y.new_zeros(1, hidden)])
+    pos = pos.reshape(k, num_tokens).long()
+    pos = torch.where(pos < 0, rows.shape[0] - 1, pos)
+    out = None
+    for j in range(k):
+        term = rows.index_select(0, pos[j]).to(torch.float32) * gates[j].to(torch.float32).unsqueeze(-1)
+        out = term if out is None else out.add_(term)
+    return out.to(y.dtype)

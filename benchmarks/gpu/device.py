@@ -1,0 +1,90 @@
+"""Stage ``device``: what the machine is (GPU, torch, CUDA, CuPy and its NCCL) and its ceilings: HBM bandwidth
+nominal (memory clock x bus width, from the device's attributes) and measured (a device-to-device copy), and the
+dense bf16 matrix rate (a large torch matmul), which the later stages report their figures against."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+from .common import (H200_BF16_TFLOPS_DATASHEET, H200_BF16_TFLOPS_MEASURED_HERE, H200_HBM_GBS_DATASHEET, Context,
+                     result)
+
+# CUDA device attributes (cudaDeviceAttr): the memory clock in kHz and the bus width in bits.
+_ATTR_MEMORY_CLOCK_KHZ, _ATTR_BUS_WIDTH_BITS = 36, 37
+
+
+def nominal_hbm_gbs(index: int = 0):
+    """Nominal memory bandwidth in GB/s (2 transfers per clock x bus width), or None if unreadable."""
+    import torch
+    props = torch.cuda.get_device_properties(index)
+    clock, width = getattr(props, "memory_clock_rate", None), getattr(props, "memory_bus_width", None)
+    if not (clock and width):
+        try:
+            import cupy
+            rt = cupy.cuda.runtime
+            clock = rt.deviceGetAttribute(getattr(rt, "cudaDevAttrMemoryClockRate", _ATTR_MEMORY_CLOCK_KHZ), index)
+            width = rt.deviceGetAttribute(getattr(rt, "cudaDevAttrGlobalMemoryBusWidth", _ATTR_BUS_WIDTH_BITS),
+                                          index)
+        except Exception:  # noqa: BLE001 - no CuPy: the figure is left out
+            return None
+    return 2.0 * clock * 1e3 * width / 8 / 1e9
+
+
+def copy_gbs(ctx: Context, device, nbytes: int, repeat: int) -> float:
+    """Bytes read + written per second of a torch device-to-device copy of ``nbytes``."""
+    import torch
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / ctx.timed(lambda: dst.copy_(src), repeat) / 1e9
+
+
+def matmul_tflops(ctx: Context, device, n: int, repeat: int) -> float:
+    """Dense bf16 matrix rate of an ``n x n x n`` product on random data (TFLOP/s)."""
+    import torch
+    a = torch.randn(n, n, device=device).to(torch.bfloat16)
+    b = torch.randn(n, n, device=device).to(torch.bfloat16)
+    return 2 * n ** 3 / ctx.timed(lambda: a @ b, repeat) / 1e12
+
+
+def _nvidia_smi() -> str:
+    tool = shutil.which("nvidia-smi")
+    if tool is None:
+        return "nvidia-smi not on PATH"
+    proc = subprocess.run([tool, "--query-gpu=name,driver_version,memory.total,clocks.max.sm",
+                           "--format=csv,noheader"], capture_output=True, text=True, timeout=10)
+    return (proc.stdout or proc.stderr).strip()
+
+
+def run(ctx: Context) -> dict:
+    import torch
+
+    from ds_hecate.comm.gpu import cupy_status
+    figures = {"torch": torch.__version__, "torch_cuda": torch.version.cuda, "cupy": cupy_status()[1],
+               "cupy_usable": cupy_status()[0], "bf16_tflops_measured_here": H200_BF16_TFLOPS_MEASURED_HERE,
+               "bf16_tflops_datasheet": H200_BF16_TFLOPS_DATASHEET, "hbm_gbs_datasheet": H200_HBM_GBS_DATASHEET}
+    if ctx.dry_run:
+        with ctx.stand_in():
+            dev = torch.device("cuda", 0)
+            gbs = copy_gbs(ctx, dev, 1 << 20, 2)
+            tflops = matmul_tflops(ctx, dev, 128, 2)
+        figures.update(device_name="CPU (CUDA stand-in)", copy_gbs=gbs, bf16_matmul_tflops=tflops,
+                       nominal_hbm_gbs=None)
+        return result(True, f"dry run: stand-in copy {gbs:.1f} GB/s, matmul {tflops:.3f} TFLOP/s (CPU)", **figures)
+    if not torch.cuda.is_available():
+        return result(False, f"torch {torch.__version__} sees no CUDA device", **figures)
+    dev = torch.device("cuda", 0)
+    props = torch.cuda.get_device_properties(0)
+    figures.update(device_name=props.name, gpus=torch.cuda.device_count(), sms=props.multi_processor_count,
+                   memory_gib=round(props.total_memory / 2 ** 30, 1), capability=f"{props.major}.{props.minor}",
+                   nvidia_smi=_nvidia_smi(), nominal_hbm_gbs=nominal_hbm_gbs(0))
+    nbytes = (1 << 28) if ctx.quick else (1 << 30)
+    figures["copy_gbs"] = copy_gbs(ctx, dev, nbytes, 5 if ctx.quick else 10)
+    n = 4096 if ctx.quick else 8192
+    figures["bf16_matmul_n"] = n
+    figures["bf16_matmul_tflops"] = matmul_tflops(ctx, dev, n, 5 if ctx.quick else 10)
+    nominal = figures["nominal_hbm_gbs"]
+    hbm = f"HBM nominal {nominal:,.0f} GB/s" if nominal else "HBM nominal unreadable"
+    summary = (f"{props.name}, {figures['gpus']} GPU(s), torch {torch.__version__} (CUDA {torch.version.cuda}); "
+               f"{hbm}, copy {figures['copy_gbs']:,.0f} GB/s; bf16 matmul {figures['bf16_matmul_tflops']:.0f} "
+               f"TFLOP/s; {figures['cupy']}")
+    return result(True, summary, **figures)

@@ -1,0 +1,142 @@
+"""Stage ``streams``: the CuPy transport's stream handling on the GPU.
+
+1. **Ordering**: the send buffer is written by a kernel queued behind a long sleep on the caller's stream; the
+   transport must start after it (the received data is right). **Ablation**: the same without the transport's
+   event wait must receive the stale buffer (else the check could not see the bug).
+2. **Stream-side waits**: a synchronous all-reduce and an async all-to-all's wait, both behind the sleep, return
+   to the host long before the sleep ends (the host is not blocked), and their results are right once the device
+   catches up; the count exchange's all-gather, whose result the host reads, does block (its bounded host wait).
+3. **Watchdog**: a primitive queued behind a sleep longer than ``timeout_s`` is found overdue by the transport's
+   watchdog thread (the host does nothing meanwhile), which aborts the NCCL communicator; the next call raises
+   ``TimeoutError`` naming the primitive.
+
+Dry run: the same code over the 1-rank fakes under the CUDA stand-in (work runs at once there, so ordering and
+its ablation are not observable and are reported as such); the watchdog over a stream whose events never fire.
+"""
+from __future__ import annotations
+
+import time
+
+from .common import Context, host_seconds, result
+
+SLEEP_S = 0.2
+
+
+class Device:
+    """The GPU (or the stand-in): a delay queued on the caller's stream, and a transport."""
+
+    def __init__(self, ctx: Context) -> None:
+        import torch
+        self.ctx, self.dev = ctx, torch.device("cuda", 0)
+        self.cycles_per_s = None
+
+    def delay(self, seconds: float) -> None:
+        """Queue ``seconds`` of sleep on the caller's stream (nothing under the stand-in)."""
+        import torch
+        if self.ctx.dry_run:
+            return
+        if self.cycles_per_s is None:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            torch.cuda._sleep(10_000_000)
+            end.record()
+            end.synchronize()
+            self.cycles_per_s = 10_000_000 / (start.elapsed_time(end) / 1e3)
+        torch.cuda._sleep(int(seconds * self.cycles_per_s))
+
+    def transport(self, timeout_s, stalled: bool = False):
+        if self.ctx.dry_run:
+            from .fakes import StalledStreams, loopback_transport
+            t = loopback_transport(self.dev, timeout_s=timeout_s)
+            if stalled:
+                t.streams = StalledStreams()
+            return t
+        from ds_hecate.comm.gpu.nccl_comm import CupyTransport
+        return CupyTransport(None, 0, 1, self.dev, timeout_s=timeout_s)
+
+
+def ordering(d: Device, ablate: bool) -> bool:
+    import torch
+    transport = d.transport(60)
+    if ablate and not d.ctx.dry_run:
+        def start(tensors, streams=transport.streams):
+            return torch.cuda.stream(streams.stream)   # no wait_event: the bug this check must catch
+        transport.streams.start = start
+    send = torch.zeros(1 << 20, device=d.dev)
+    recv = torch.empty_like(send)
+    d.ctx.sync()
+    d.delay(SLEEP_S)   # delays the producer on the caller's stream
+    send.fill_(7.0)
+    transport.all_to_all(recv, send, [send.numel()], [send.numel()], False)
+    d.ctx.sync()
+    return bool((recv == 7.0).all())
+
+
+def stream_side_waits(d: Device) -> dict:
+    import torch
+    import torch.distributed as dist
+    transport = d.transport(60)
+    value = torch.full((1024,), 3.0, device=d.dev)
+    send = torch.arange(4096, dtype=torch.float32, device=d.dev).reshape(64, 64)
+    recv = torch.empty_like(send)
+    transport.all_reduce(torch.zeros(1, device=d.dev), dist.ReduceOp.SUM)   # warm-up: NCCL's first call sets up
+    d.ctx.sync()
+    d.delay(SLEEP_S)
+    reduce_s = host_seconds(lambda: transport.all_reduce(value, dist.ReduceOp.SUM))
+    work = transport.all_to_all(recv, send, [64], [64], True)
+    wait_s = host_seconds(work.wait)
+    d.ctx.sync()
+    right = bool((value == 3.0).all()) and bool(torch.equal(recv, send))
+    d.delay(SLEEP_S)
+    counts = torch.empty(4, dtype=torch.int64, device=d.dev)
+    gather_s = host_seconds(lambda: transport.all_gather(counts, torch.arange(4, device=d.dev)))
+    right = right and counts.tolist() == [0, 1, 2, 3]
+    # The sleep is 0.2 s: a stream-side wait returns within a few ms; the count exchange's host wait sits it out.
+    limit = SLEEP_S / 4
+    ok = right and reduce_s < limit and wait_s < limit and (d.ctx.dry_run or gather_s > SLEEP_S / 2)
+    return {"ok": ok, "results_right": right, "all_reduce_host_s": reduce_s, "wait_host_s": wait_s,
+            "count_exchange_host_s": gather_s, "sleep_s": SLEEP_S}
+
+
+def watchdog(d: Device) -> dict:
+    import torch
+    timeout_s = 0.2
+    transport = d.transport(timeout_s, stalled=True)
+    send = torch.ones(256, device=d.dev)
+    recv = torch.empty_like(send)
+    d.ctx.sync()
+    d.delay(5 * timeout_s)   # the primitive cannot complete before its deadline
+    start = time.monotonic()
+    transport.all_to_all(recv, send, [256], [256], False)
+    call_s = time.monotonic() - start
+    while transport.failure is None and time.monotonic() - start < 20 * timeout_s:
+        time.sleep(0.01)
+    fired_s = time.monotonic() - start
+    raised = ""
+    try:
+        transport.all_reduce(send)
+    except TimeoutError as exc:
+        raised = str(exc)
+    d.ctx.sync()
+    ok = (call_s < timeout_s and transport.aborted and "NCCL all-to-all did not complete within 0.2 s" in raised
+          and fired_s < 10 * timeout_s)
+    return {"ok": ok, "call_host_s": call_s, "fired_after_s": fired_s, "aborted": transport.aborted,
+            "next_call_raised": raised, "timeout_s": timeout_s}
+
+
+def run(ctx: Context) -> dict:
+    with ctx.stand_in():
+        d = Device(ctx)
+        out = {"ordering": ordering(d, False), "ordering_ablated": ordering(d, True),
+               "stream_side_waits": stream_side_waits(d), "watchdog": watchdog(d)}
+    out["ordering_observable"] = not ctx.dry_run
+    ok_order = out["ordering"] and (ctx.dry_run or not out["ordering_ablated"])
+    ok = ok_order and out["stream_side_waits"]["ok"] and out["watchdog"]["ok"]
+    w, s = out["watchdog"], out["stream_side_waits"]
+    order = ("ordering not observable under the stand-in" if ctx.dry_run else
+             f"ordering {'right' if out['ordering'] else 'WRONG'}, ablation "
+             f"{'caught' if not out['ordering_ablated'] else 'NOT caught'}")
+    summary = (f"{order}; host blocked {1e3 * max(s['all_reduce_host_s'], s['wait_host_s']):.1f} ms by "
+               f"stream-side waits (count exchange {1e3 * s['count_exchange_host_s']:.0f} ms); watchdog aborted "
+               f"after {w['fired_after_s']:.2f} s (timeout {w['timeout_s']} s)")
+    return result(bool(ok), summary, **out)

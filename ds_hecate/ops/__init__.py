@@ -1,0 +1,3 @@
+"""Device ops of a layer call, one per module (MegaBlocks style): the grouped expert compute and the weighted
+un-permute that combines the routed outputs. torch only; the runtime picks the implementation (grouped GEMM or
+per-expert loop, CUDA kernel or torch) and owns the tables they read."""
