@@ -57,7 +57,9 @@ def combine_routes(y_slots: torch.Tensor, gates: torch.Tensor, out_dtype: torch.
 class MoE(nn.Module):
     """Mixture-of-Experts layer with DeepSpeed's ``MoE`` interface, for Hecate.
 
-    ``ep_size`` is accepted for compatibility and ignored: Hecate decides placement itself.
+    ``ep_size`` is DeepSpeed's: without ``hecate.ep_size`` it is Hecate's group size (each group of ``ep_size``
+    consecutive ranks holds every expert once, the groups replicate each other); placement inside a group is
+    Hecate's.
     ``enable_expert_tensor_parallelism`` and ``use_tutel`` are not supported.
     """
 

@@ -25,6 +25,9 @@ Dimensions (each drawn independently):
 - noisy gate: None, Jitter, RSample
 - residual MoE, gradient accumulation 1-3, gradient clipping, ZeRO stage, experts 4-8, tokens 8-24, steps 3-5,
   Adam's eps (1e-8 or 1e-6: the expert optimizer must follow DeepSpeed's optimizer section)
+- groups (``hecate.ep_size``, issue 25): the default rule, or groups of fewer ranks replicated across the world by
+  expert data parallelism (4 ranks: 2 x 2 or 4 x 1; 8 ranks: 4 x 2 or 2 x 4): the oracle stays plain data
+  parallelism, which every group size must follow. Drawn last, so every other dimension of a seed is unchanged
 """
 from __future__ import annotations
 
@@ -41,6 +44,8 @@ from moe_training import Spec
 from trajectory_checks import assert_same_steps, assert_same_trajectory, oracle_experts_at
 
 PLACEMENTS = ("hecate", "owner", "local", "cost", "shadow", "all")
+#: hecate.ep_size per world size (None: the default rule, one group where the world is at most the experts)
+GROUP_SIZES = {2: (None, None, 1), 4: (None, 2, 2, 1), 8: (None, 2, 4, 4)}
 BIG = 50.0
 FORCE_BIAS = 30.0  # as ds_hecate.testing.workloads.FORCE_BIAS: dominates |logit| and any Gumbel draw
 
@@ -246,6 +251,7 @@ def choices(seed: int, world: int) -> dict:
     c["spec_seed"] = rng.randrange(1 << 20)
     c["bias"] = _skew(c["skew"], rng, c["num_experts"], c["k"], world)
     c["adam_eps"] = rng.choice((1e-8, 1e-6))
+    c["ep_size"] = rng.choice(GROUP_SIZES.get(world, (None,)))
     return c
 
 
@@ -286,7 +292,7 @@ def draw(seed: int, world: int) -> Tuple[Spec, Spec, str]:
     # DeepSpeed's optimizer section as the harness writes it, with Adam's eps drawn (the experts must follow it too)
     oracle = replace(oracle, extra_config={"optimizer": {"type": "AdamW", "params": {
         "lr": oracle.lr, "weight_decay": oracle.weight_decay, "torch_adam": True, "eps": c["adam_eps"]}}})
-    mine = replace(oracle, hecate=c["hecate"])
+    mine = replace(oracle, hecate={**c["hecate"], "ep_size": c["ep_size"]} if c["ep_size"] else c["hecate"])
     noisy = c["noisy"]
     words = [f"placement={c['placement']}", c["hecate_notes"], f"k={c['k']}", c["precision"],
              "forced" if c["forced"] else "learned", f"E={c['num_experts']}",
@@ -297,7 +303,8 @@ def draw(seed: int, world: int) -> Tuple[Spec, Spec, str]:
              f"noisy={noisy}{'(no-op for k=2)' if noisy == 'RSample' and c['k'] == 2 else ''}" if noisy else "",
              "residual" if c["use_residual"] else "", f"gas={c['gas']}", f"steps={c['steps']}",
              f"tokens={c['tokens']}", f"clip={c['clip']}" if c["clip"] else "", f"zero{c['stage']}",
-             f"inf@{c['inject_step']}" if c["fp16_inject"] else "", f"eps={c['adam_eps']:g}"]
+             f"inf@{c['inject_step']}" if c["fp16_inject"] else "", f"eps={c['adam_eps']:g}",
+             f"ep_size={c['ep_size']}" if c["ep_size"] else ""]
     return oracle, mine, " ".join(w for w in words if w)
 
 
@@ -307,7 +314,8 @@ def features(seed: int, world: int) -> set:
     h = c["hecate"]
     out = {("placement", c["placement"]), ("k", c["k"]), ("precision", c["precision"]), ("forced", c["forced"]),
            ("skew", c["skew"]), ("shift", c["shift"]), ("empty", c["empty"]), ("drop", c["drop_tokens"]),
-           ("noisy", c["noisy"]), ("residual", c["use_residual"]), ("gas", c["gas"]), ("rts", c["rts"])}
+           ("noisy", c["noisy"]), ("residual", c["use_residual"]), ("gas", c["gas"]), ("rts", c["rts"]),
+           ("groups", c["ep_size"] is not None)}
     if c["placement"] == "hecate":
         out.add(("hecate-calibration", h["calibration"]))
         out.add(("hecate-reshard", h["reshard_interval"] > 0))

@@ -137,11 +137,18 @@ class Block(nn.Module):
                        drop_tokens=spec.drop_tokens, capacity_factor=spec.capacity_factor,
                        min_capacity=spec.min_capacity, noisy_gate_policy=spec.noisy_gate_policy,
                        use_residual=spec.use_residual, use_rts=False)
-        # Distinct experts (DeepSpeed deep-copies one expert), identical on every rank (same seed).
+        # Distinct experts (DeepSpeed deep-copies one expert), identical on every rank (same seed). With ep_size > 1
+        # DeepSpeed's layer holds num_experts / ep_size local experts, drawn alike on every rank, so expert e has
+        # the values of local expert e mod that: ds_hecate.MoE (all experts on every rank) is given the same.
         experts = (self.moe.experts if spec.native else self.moe.deepspeed_moe.experts.deepspeed_experts)
+        n_local = spec.num_experts // spec.ep_size
         with _full_values(list(experts.parameters())):
-            for p in experts.parameters():
-                nn.init.normal_(p, std=0.3)
+            for expert in list(experts)[:n_local]:
+                for p in expert.parameters():
+                    nn.init.normal_(p, std=0.3)
+            for e, expert in enumerate(list(experts)[n_local:], n_local):
+                for p, q in zip(expert.parameters(), experts[e % n_local].parameters()):
+                    p.data.copy_(q.data)
         if spec.forced_routes:
             self.router = _workloads().route_gate(self.moe)
         elif spec.gate_bias is not None:
@@ -288,10 +295,9 @@ def _inject_inf(engine, rank: int):
     if rank != 0:
         return None
     if getattr(engine, "hecate", None) is not None:
-        def poison_hecate():
-            shard = engine.hecate.bindings[0].shard
-            param = shard.masters[min(shard.masters)]
-            param.grad = torch.full_like(param, float("inf"))
+        def poison_hecate():   # the owner's accumulated gradient rows, in place: with groups they are reduced
+            shard = engine.hecate.bindings[0].shard   # over the expert-data-parallel peers in the step, after this
+            shard.grad_rows(engine.hecate.device)[0].fill_(float("inf"))
         return poison_hecate
     experts = [m for n, m in engine.module.named_modules() if n.endswith("deepspeed_experts")][0]
     param = next(iter(experts.parameters()))
@@ -390,20 +396,35 @@ def independent_grad_norm(engine, world_size: int) -> float:
     per-step comparison (:func:`trajectory_checks.assert_same_steps`) would otherwise have no norm to compare there.
 
     - Oracle (plain DeepSpeed): the L2 norm of every parameter's averaged gradient (experts included: with
-      ``ep_size`` 1 DeepSpeed averages expert gradients over all ranks like dense ones).
+      ``ep_size`` 1 DeepSpeed averages expert gradients over all ranks like dense ones; with ``ep_size`` > 1 a rank
+      holds only its expert-parallel share, reduced over its expert-data-parallel group: their squares are summed
+      over the world and divided by the world / ep_size ranks that hold each).
     - Hecate: dense gradients as above; expert gradients consolidated by the test from the owners' accumulators
-      (each owner holds the sum over ranks of its experts' gradients, what SparseReduceScatter delivered). The
-      test all-reduces them into ``[E, numel]`` per layer over the default group, checks every expert has exactly
-      one owner, and divides by the world size. It does not call ``hecate.expert_grad_norm`` or read the norm
+      (each owner holds the sum over its group's ranks of its experts' gradients, what SparseReduceScatter
+      delivered; with groups the expert-data-parallel sum happens in the step, after this). The test all-reduces
+      them into ``[E, numel]`` per layer over the default group, checks every expert has exactly one owner per
+      group, and divides by the world size. It does not call ``hecate.expert_grad_norm`` or read the norm
       Hecate gives DeepSpeed, so a gradient lost or double-counted on its way to the owner shows here.
 
     Both are divided by the loss scale in force (fp16), so the value is the unscaled norm. Collective (Hecate).
     """
     scale = float(getattr(engine.optimizer, "loss_scale", 1.0) or 1.0)
+    import torch.distributed as dist
+
     sq = torch.zeros((), dtype=torch.float64)
+    expert_sq = torch.zeros((), dtype=torch.float64)
+    ep_sizes = {int(getattr(m, "ep_size", 1)) for m in engine.module.modules() if type(m).__name__ == "MoE"}
+    ep_size = max(ep_sizes) if ep_sizes else 1
     for p in engine.module.parameters():
         if p.grad is not None:
-            sq += p.grad.detach().double().pow(2).sum()
+            part = p.grad.detach().double().pow(2).sum()
+            if ep_size > 1 and getattr(p, "allreduce", True) is False:   # DeepSpeed's expert-parallel share
+                expert_sq += part
+            else:
+                sq += part
+    if ep_size > 1:
+        dist.all_reduce(expert_sq)
+        sq += expert_sq / (world_size // ep_size)
     runtime = getattr(engine, "hecate", None)
     if runtime is not None:
         for full in consolidated_expert_grads(runtime).values():
@@ -418,6 +439,9 @@ def consolidated_expert_grads(runtime) -> Dict[str, torch.Tensor]:
     import torch.distributed as dist
 
     out = {}
+    # with groups (hecate.ep_size) every group's owner holds its group's sum, before the expert-data-parallel
+    # reduction of the step: the world's sum adds them up, and every expert has one owner per group
+    groups = runtime.layout.edp_size
     for name, binding in zip(runtime.layer_names, runtime.bindings):
         shard = binding.shard
         full = torch.zeros(shard.num_experts, shard.kernel.numel, dtype=torch.float32)
@@ -428,8 +452,9 @@ def consolidated_expert_grads(runtime) -> Dict[str, torch.Tensor]:
                 full[e] = master.grad.detach().float().reshape(-1).cpu()
         dist.all_reduce(full)
         dist.all_reduce(holders)
-        if not torch.equal(holders, torch.ones_like(holders)):
-            raise AssertionError(f"layer '{name}': experts held by {holders.tolist()} ranks (each must have one owner)")
+        if not torch.equal(holders, torch.full_like(holders, groups)):
+            raise AssertionError(f"layer '{name}': experts held by {holders.tolist()} ranks (each must have one owner "
+                                 f"in each of the {groups} group(s))")
         out[name] = full
     return out
 

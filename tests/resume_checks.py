@@ -61,7 +61,11 @@ def read_expert_files(tag_dir: str) -> Dict[ExpertKey, dict]:
 
 def dump_expert_state(prefix: str, rank: int, step: int, engine) -> None:
     """Step hook: before the first step this process runs, write the experts this rank owns, with their optimizer
-    state, to ``<prefix>.rank<r>.pt`` (what a load installed)."""
+    state, to ``<prefix>.rank<r>.pt`` (what a load installed). With groups (``hecate.ep_size``) the first group's
+    ranks write them whole (partitioned state gathered from the expert-data-parallel peers, a collective every
+    rank joins), the other groups' ranks write none: every expert is in the dumps once."""
+    from ds_hecate.runtime.edp import whole_masters
+
     path = f"{prefix}.rank{rank}.pt"
     if os.path.exists(path):
         return
@@ -69,11 +73,13 @@ def dump_expert_state(prefix: str, rank: int, step: int, engine) -> None:
     dump = {}
     for binding in rt.bindings:
         shard = binding.shard
-        for e, master in shard.masters.items():
-            state = rt.optimizer.state_of(master) if rt.optimizer is not None else {}
+        masters, states = whole_masters(rt, shard, with_state=True)
+        if rt.layout.edp_index != 0:
+            continue
+        for e, master in masters.items():
             dump[(shard.layer_id, e)] = {"master": master.detach().cpu().clone(),
                                          "state": {k: v.detach().cpu().clone() if torch.is_tensor(v) else v
-                                                   for k, v in state.items()}}
+                                                   for k, v in states[e].items()}}
     torch.save({"step": step, "experts": dump}, path)
 
 

@@ -82,6 +82,9 @@ class FifoTransport:
     def all_reduce(self, value, op=None):
         self._submit(lambda: self.inner.all_reduce(value, op), False)
 
+    def reduce_scatter(self, out, inp):
+        self._submit(lambda: self.inner.reduce_scatter(out, inp), False)
+
     def broadcast(self, value, src):
         self._submit(lambda: self.inner.broadcast(value, src), False)
 

@@ -59,6 +59,10 @@ class LoopbackComm:
         self.calls.append("allReduce")
         self._copy(recv, send, count, dtype)
 
+    def reduceScatter(self, send: int, recv: int, count: int, dtype: int, op: int, stream: int) -> None:  # noqa: N802
+        self.calls.append("reduceScatter")
+        self._copy(recv, send, count, dtype)
+
     def bcast(self, buf: int, count: int, dtype: int, root: int, stream: int) -> None:
         self.calls.append("bcast")
 

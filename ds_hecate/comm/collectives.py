@@ -113,15 +113,17 @@ class ExpertMove:
     recvs: Dict[int, List[int]]
 
     @staticmethod
-    def of(sources: Sequence[int], owners: Sequence[int], rank: int) -> "ExpertMove":
+    def of(sources: Sequence[int], owners: Sequence, rank: int) -> "ExpertMove":
+        """``owners[e]``: the rank, or the ranks (one per group), that end up holding expert ``e``."""
         move = ExpertMove([], {}, {})
-        for e, (src, dst) in enumerate(zip(sources, owners)):
-            if src == dst == rank:
-                move.kept.append(e)
-            elif src == rank:
-                move.sends.setdefault(dst, []).append(e)
-            elif dst == rank:
-                move.recvs.setdefault(src, []).append(e)
+        for e, (src, dsts) in enumerate(zip(sources, owners)):
+            for dst in (dsts if isinstance(dsts, tuple) else (dsts,)):
+                if src == dst == rank:
+                    move.kept.append(e)
+                elif src == rank:
+                    move.sends.setdefault(dst, []).append(e)
+                elif dst == rank:
+                    move.recvs.setdefault(src, []).append(e)
         return move
 
 
@@ -232,6 +234,24 @@ class Communicator:
             with self._guard(collective):
                 self.transport.all_reduce(value, op)
         return value
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, collective: str = "reduce-scatter") -> torch.Tensor:
+        """``out`` = this rank's chunk of the sum over ranks of ``inp`` (``world_size`` chunks of ``out``'s size)."""
+        if self.world_size == 1:
+            out.copy_(inp.view_as(out))
+            return out
+        with self._guard(collective):
+            self.transport.reduce_scatter(out, inp)
+        return out
+
+    def all_gather_into(self, out: torch.Tensor, local: torch.Tensor, collective: str = "all-gather") -> torch.Tensor:
+        """``out`` = every rank's ``local``, rank after rank."""
+        if self.world_size == 1:
+            out.copy_(local.view_as(out))
+            return out
+        with self._guard(collective):
+            self.transport.all_gather(out, local.contiguous())
+        return out
 
     def broadcast(self, value: torch.Tensor, src: int = 0, collective: str = "broadcast") -> torch.Tensor:
         """In-place broadcast from group rank ``src`` of a tensor on ``self.device``."""
@@ -370,17 +390,19 @@ class Communicator:
             self.weights.device_ops.accumulate(add_own(), received, target_rows)
         return finish
 
-    def move_experts(self, sources: Sequence[int], owners: Sequence[int], local: Dict[int, torch.Tensor],
+    def move_experts(self, sources: Sequence[int], owners: Sequence, local: Dict[int, torch.Tensor],
                      numel: int) -> Dict[int, torch.Tensor]:
-        """One-off redistribution: expert e's flat fp32 chunk goes from rank ``sources[e]`` to ``owners[e]``; the
-        results are on ``self.device`` (wherever ``local`` was: a model built on the CPU).
+        """One-off redistribution: expert e's flat fp32 chunk goes from rank ``sources[e]`` to ``owners[e]`` (a rank,
+        or a tuple of ranks: one owner per group, over the world's communicator); the results are on
+        ``self.device`` (wherever ``local`` was: a model built on the CPU).
 
         Used at conversion (experts start replicated, taken from rank 0 as DeepSpeed's broadcast does, or spread
         over expert-parallel ranks) and when re-sharding (chunks then carry optimizer state too).
         """
         move = ExpertMove.of(sources, owners, self.rank)
         kept = {e: local[e].to(device=self.device, dtype=torch.float32).clone() for e in move.kept}
-        if any(s != d for s, d in zip(sources, owners)):
+        # whether anything moves, decided from the arguments (the same on every rank), never from this rank's part
+        if any((s,) != (d if isinstance(d, tuple) else (d,)) for s, d in zip(sources, owners)):
             sends = {dst: [local[e] for e in experts] for dst, experts in move.sends.items()}
             received = self.exchange_chunk_lists(sends, move.recvs, numel, torch.float32, "expert move")
             for src, experts in move.recvs.items():

@@ -1,7 +1,7 @@
 """The small transport interface under Hecate's collectives, and its torch.distributed implementation.
 
 :class:`~ds_hecate.comm.collectives.Communicator` implements every Hecate collective (count exchange, SparseAllGather,
-SparseReduceScatter, expert move, ragged token all-to-all) once, on top of the five primitives below, the way
+SparseReduceScatter, expert move, ragged token all-to-all) once, on top of the six primitives below, the way
 FSDP2 plugs its all-gather variants under one ``foreach_all_gather``. A transport moves bytes:
 :class:`TorchTransport` (torch.distributed: NCCL on CUDA, gloo on CPU) and
 :class:`ds_hecate.comm.gpu.nccl_comm.CupyTransport` (NCCL through CuPy). Every tensor handed to a transport lives on
@@ -96,6 +96,10 @@ class Transport(Protocol):
 
     def all_reduce(self, value: torch.Tensor, op: dist.ReduceOp) -> None: ...
 
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        """``out`` = this rank's ``1/world`` of the sum of every rank's ``inp`` (``inp`` is ``world`` chunks of
+        ``out``'s size, chunk ``r`` for rank ``r``)."""
+
     def broadcast(self, value: torch.Tensor, src: int) -> None: ...
 
     def all_gather_object(self, obj: Any) -> List[Any]: ...
@@ -125,6 +129,9 @@ class TorchTransport:
 
     def all_reduce(self, value, op=dist.ReduceOp.SUM):
         dist.all_reduce(value, op=op, group=self.group)
+
+    def reduce_scatter(self, out, inp):
+        dist.reduce_scatter_tensor(out, inp, group=self.group)
 
     def broadcast(self, value, src):
         global_src = dist.get_global_rank(self.group, src) if self.group is not None else src

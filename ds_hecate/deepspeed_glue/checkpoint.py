@@ -5,12 +5,15 @@ Layout, next to DeepSpeed's own files in ``<save_dir>/<tag>/``::
     hecate/meta.json                      layers (names, parameter layout, sharding), scheduler state, format
     hecate/layer000_expert00003.pt        {"master": fp32 vector, "state": {optimizer state tensors}}
 
-Each owner writes its experts (write to a temporary name, then rename); all ranks meet at a barrier before
-DeepSpeed writes its files and, last, ``latest``, so ``latest`` never names a checkpoint with experts missing.
-Materialized replicas are never saved. Loading reads the files of the experts a rank owns, whatever world size
-saved them (with the saved sharding when the world size is the same, else an even one), validates the model
-against ``meta.json`` and refuses to load partially: any missing, truncated or mismatched file fails on every rank
-with a message naming the layer and expert. Files are read with ``torch.load(weights_only=True)``.
+Each owner of the first group writes its experts (write to a temporary name, then rename); with groups
+(``hecate.ep_size``) every group holds the same experts, so one group's copy is the checkpoint, its expert-data-
+parallel slices gathered first when the expert state is partitioned. All ranks meet at a barrier before DeepSpeed
+writes its files and, last, ``latest``, so ``latest`` never names a checkpoint with experts missing. Materialized
+replicas are never saved. Loading reads the files of the experts a rank owns, whatever world size and group size
+saved them (with the saved sharding when the group size is the same, else an even one; partitioned, each rank
+keeps its slice), validates the model against ``meta.json`` and refuses to load partially: any missing, truncated
+or mismatched file fails on every rank with a message naming the layer and expert. Files are read with
+``torch.load(weights_only=True)``. Checkpoints without a group size (before groups) were one group of their world.
 """
 from __future__ import annotations
 
@@ -46,31 +49,45 @@ def _layer_meta(rt) -> List[Dict[str, Any]]:
             for name, b in zip(rt.layer_names, rt.bindings)]
 
 
+def _planner_state(rt) -> List[Dict[str, Any]]:
+    """Per layer, this group's load window and schedule (each group plans on its own counts)."""
+    return [{"load_history": b.predictor.state_dict()["history"], "schedule": b.schedule.state_dict()}
+            for b in rt.bindings]
+
+
 def save(rt, checkpoint_dir: str) -> None:
-    """Write this rank's experts and (rank 0) the metadata into ``checkpoint_dir/hecate``. Collective."""
+    """Write the first group's experts and (rank 0) the metadata into ``checkpoint_dir/hecate``. Collective."""
+    from ..runtime.edp import whole_masters
+
     rt.drop_pending()
     rt.flush_reductions()
+    layout = rt.layout
     directory = os.path.join(checkpoint_dir, SUBDIR)
     os.makedirs(directory, exist_ok=True)
     for binding in rt.bindings:
         shard = binding.shard
+        masters, states = whole_masters(rt, shard, with_state=True)   # partitioned: collective over the peers
+        if layout.edp_index != 0:   # every group holds the same experts: the first group's copy is saved
+            continue
         for e in shard.owned:
-            master = shard.masters[e]
-            state = rt.optimizer.state_of(master) if rt.optimizer is not None else {}
             # Host copies: the files do not depend on which device (or how many) saved them.
-            _atomic_torch_save({"master": master.detach().cpu().clone(),
+            _atomic_torch_save({"master": masters[e].detach().cpu().clone(),
                                 "state": {k: v.detach().cpu().clone() if torch.is_tensor(v) else v
-                                          for k, v in state.items()}},
+                                          for k, v in states[e].items()}},
                                os.path.join(directory, expert_file(shard.layer_id, e)))
-    if rt.rank == 0:
-        meta = {"format": FORMAT, "world_size": rt.world_size, "layers": _layer_meta(rt),
+    # every group's planner state (the group's rank 0 holds it), for an exact resume on the same layout
+    groups = layout.world.all_gather_object(_planner_state(rt) if rt.rank == 0 else None,
+                                            "checkpoint planner-state gather")
+    if layout.global_rank == 0:
+        meta = {"format": FORMAT, "world_size": layout.groups.world_size, "ep_size": rt.world_size,
+                "layers": _layer_meta(rt), "groups": [g for g in groups if g is not None],
                 "steps_applied": rt.steps_applied, "steps_skipped": rt.steps_skipped, "reshards": rt.reshards,
                 "measured_costs": rt.measured}
         tmp = os.path.join(directory, "meta.json.tmp")
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(meta, f)
         os.replace(tmp, os.path.join(directory, "meta.json"))
-    rt.comm.barrier("checkpoint-save barrier")
+    layout.world.barrier("checkpoint-save barrier")
 
 
 def write_latest(rt, save_dir: str, tag: str, writer: bool) -> None:
@@ -81,7 +98,7 @@ def write_latest(rt, save_dir: str, tag: str, writer: bool) -> None:
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(tag)
         os.replace(tmp, os.path.join(save_dir, "latest"))
-    rt.comm.barrier("checkpoint latest barrier")
+    rt.layout.world.barrier("checkpoint latest barrier")
 
 
 CLIENT_STATE_KEY = "ds_hecate"
@@ -154,19 +171,19 @@ def prepare_load(rt, checkpoint_dir: str, load_optimizer_states: bool = True) ->
                               "saved by a Hecate engine, or the save did not complete")
         meta = read_meta(meta_path)
         _check_meta(rt, meta, checkpoint_dir)
-        same_world = meta["world_size"] == rt.world_size
+        same_group = _saved_group_size(meta) == rt.world_size
         for layer, binding in zip(meta["layers"], rt.bindings):
             shard = binding.shard
-            owners = tuple(layer["owners"]) if same_world else even_sharding(shard.num_experts, rt.world_size)
+            owners = tuple(layer["owners"]) if same_group else even_sharding(shard.num_experts, rt.world_size)
             owners_per_layer.append(owners)
-            if same_world:
+            if same_group:
                 binding.check_saved_schedule(layer.get("schedule", {}))
             for e, owner in enumerate(owners):
                 if owner == rt.rank:
                     loaded.setdefault(shard.layer_id, {})[e] = _read_expert(directory, checkpoint_dir, shard, e)
     except HecateError as exc:
         error = str(exc)
-    gathered = rt.comm.all_gather_object((error, _state_keys(rt, loaded)), "checkpoint-load validation")
+    gathered = rt.layout.world.all_gather_object((error, _state_keys(rt, loaded)), "checkpoint-load validation")
     errors = [m for m, _ in gathered if m]
     if not errors and load_optimizer_states:
         errors = _missing_state(gathered, checkpoint_dir)
@@ -180,29 +197,62 @@ def prepare_load(rt, checkpoint_dir: str, load_optimizer_states: bool = True) ->
                 if rt.optimizer is not None:
                     rt.optimizer.remove(param)
             shard.owners = owners
-            shard.masters, shard.grads = {}, None
-            for e, blob in sorted(loaded.get(shard.layer_id, {}).items()):
-                master = blob["master"].to(device=rt.device, dtype=torch.float32).contiguous()
-                param = nn.Parameter(master, requires_grad=False)
-                shard.masters[e] = param
-                # Per-element states follow the master to the working device; scalars ('step') stay on the CPU.
-                state = {k: v.to(rt.device) if torch.is_tensor(v) and v.numel() == master.numel() else v
+            blobs = dict(sorted(loaded.get(shard.layer_id, {}).items()))
+            shard.set_masters({e: blob["master"].to(device=rt.device, dtype=torch.float32)
+                               for e, blob in blobs.items()},
+                              rt.layout.partition_for(shard.kernel.numel), rt.compute_dtype)
+            part = shard.partition
+            for e, blob in blobs.items():
+                numel = blob["master"].numel()
+                # Per-element states follow the master to the working device (partitioned: this rank's slice);
+                # scalars ('step') stay on the CPU.
+                state = {k: ((part.slice_of(v.to(rt.device).float()) if part is not None else v.to(rt.device))
+                             if torch.is_tensor(v) and v.numel() == numel else v)
                          for k, v in blob["state"].items()} if load_optimizer_states else {}
                 if rt.optimizer is not None:
-                    rt.optimizer.add(rt.layer_group[shard.layer_id], param, state)
-            history = layer["load_history"]
-            if meta["world_size"] != rt.world_size:  # per-source counts do not map to new ranks: keep expert totals
-                history = [[[sum(row[e] for row in m) / rt.world_size for e in range(len(m[0]))]] * rt.world_size
-                           for m in history]
+                    rt.optimizer.add(rt.layer_group[shard.layer_id], shard.masters[e], state)
+            history = _group_history(meta, layer, rt, binding)
             binding.predictor.load_state_dict({"history": history})
         rt.steps_applied = meta["steps_applied"]
         rt.steps_skipped = meta["steps_skipped"]
         rt.reshards = meta["reshards"]
         rt.measured = dict(meta["measured_costs"])
-        same_world = meta["world_size"] == rt.world_size
-        for layer, binding in zip(meta["layers"], rt.bindings):   # after owners and costs: same reuse decisions
-            binding.restore_schedule(layer.get("schedule", {}) if same_world else {})
+        same = _same_layout(meta, rt)
+        for i, (layer, binding) in enumerate(zip(meta["layers"], rt.bindings)):   # after owners and costs
+            group = _group_state(meta, rt)
+            saved = (group[i]["schedule"] if group is not None else layer.get("schedule", {})) if same else {}
+            binding.restore_schedule(saved)   # same reuse decisions as the run that did not stop
     return install
+
+
+def _saved_group_size(meta: Dict[str, Any]) -> int:
+    """The group size a checkpoint was saved with (before groups: one group of its world)."""
+    return int(meta.get("ep_size", meta["world_size"]))
+
+
+def _same_layout(meta: Dict[str, Any], rt) -> bool:
+    return meta["world_size"] == rt.layout.groups.world_size and _saved_group_size(meta) == rt.world_size
+
+
+def _group_state(meta: Dict[str, Any], rt) -> Optional[List[Dict[str, Any]]]:
+    """This rank's group's saved planner state (same layout only), or None where the checkpoint has none."""
+    groups = meta.get("groups")
+    if not _same_layout(meta, rt) or not groups:
+        return None
+    return groups[rt.layout.edp_index]
+
+
+def _group_history(meta: Dict[str, Any], layer: Dict[str, Any], rt, binding) -> list:
+    """The load window this group resumes with: its own on the same layout; otherwise the expert totals of the
+    saved window spread over this group's ranks (per-source counts do not map to new ranks)."""
+    group = _group_state(meta, rt)
+    if group is not None:
+        return group[binding.shard.layer_id]["load_history"]
+    history = layer["load_history"]
+    if _same_layout(meta, rt):
+        return history
+    world = rt.world_size
+    return [[[sum(row[e] for row in m) / world for e in range(len(m[0]))]] * world for m in history]
 
 
 def _state_keys(rt, loaded: Dict[int, Dict[int, Dict[str, Any]]]) -> Dict[tuple, str]:

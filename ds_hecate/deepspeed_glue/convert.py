@@ -39,6 +39,23 @@ def find_moe_layers(model: nn.Module) -> List[Tuple[str, nn.Module]]:
     return found
 
 
+def moe_layer_shapes(model: nn.Module) -> Tuple[List[int], List[int]]:
+    """(the ``ep_size`` each MoE layer was built with, the expert count of each) before anything is taken over:
+    what the group rule (``hecate.ep_size``'s default) reads. Hugging Face experts carry no ``ep_size``."""
+    layers = find_moe_layers(model)
+    if layers:
+        return [int(getattr(m, "ep_size", 1) or 1) for _, m in layers], [int(m.num_experts) for _, m in layers]
+    if _is_transformers_model(model):
+        from ..hf.takeover import find_experts_modules
+        counts = []
+        for _, module, arch in find_experts_modules(model):
+            gate_up = getattr(module, arch.gate_up, None)
+            if gate_up is not None:
+                counts.append(int(tuple(getattr(gate_up, "ds_shape", gate_up.shape))[0]))
+        return [], counts
+    return [], []
+
+
 def _expert_sources(layer: MoE, world_size: int) -> Tuple[int, ...]:
     """Rank to take each expert's initial weights from, matching DeepSpeed's broadcast at initialize.
 
@@ -79,12 +96,11 @@ def _take_over_gathered(name: str, layer: MoE, experts: List[nn.Module], runtime
     expert_param_ids = {id(p) for expert in experts for p in expert.parameters()}
     local = {e: kernel.flatten(expert) for e, expert in zip(layer.local_expert_ids, experts)}
     local = {e: initial_master(flat, runtime.compute_dtype) for e, flat in local.items()}
-    sources = _expert_sources(layer, runtime.world_size)
-    owners = even_sharding(layer.num_experts, runtime.world_size)
-    masters = runtime.comm.move_experts(sources, owners, local, kernel.numel)
+    sources = _expert_sources(layer, runtime.layout.groups.world_size)
+    owners = even_sharding(layer.num_experts, runtime.world_size)   # inside the rank's group
     shard = LayerShard(layer_id=len(runtime.bindings), name=name, num_experts=layer.num_experts, kernel=kernel,
                        owners=owners, rank=runtime.rank)
-    shard.set_masters(masters)
+    runtime.take_experts(shard, sources, local)
     layer.binding = runtime.add_layer(name, shard, layer.hidden_size)
     del layer.experts  # expert parameters leave the module: DeepSpeed never sees them
     layer.expert_kernel = kernel

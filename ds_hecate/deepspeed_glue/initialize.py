@@ -139,7 +139,7 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
         raise HecateConfigError("deepspeed.initialize requires a model")
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
                                distributed_port=distributed_port, dist_init_required=dist_init_required)
-    runtime = build_runtime(hcfg, stripped)
+    runtime = build_runtime(hcfg, stripped, model)
     from .convert import convert_model, prune_expert_params
     layer_param_ids = convert_model(model, runtime)
     names = dict(enumerate(runtime.layer_names))
@@ -156,27 +156,62 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
     return engine, engine_optimizer, dataloader, scheduler
 
 
-def build_runtime(hcfg: HecateConfig, ds_config: Dict[str, Any]):
-    """Hecate's process group (its own communicator, with its own timeout) and an empty runtime with its observers
-    (step metrics, routing trace) installed."""
+def build_runtime(hcfg: HecateConfig, ds_config: Dict[str, Any], model: Optional[torch.nn.Module] = None):
+    """Hecate's process groups (its own communicators, with their own timeout) and an empty runtime with its
+    observers (step metrics, routing trace) installed.
+
+    The group size ``G`` (``hecate.ep_size``, else the rule of :func:`ds_hecate.planning.groups.resolve_ep_size` on
+    ``model``'s MoE layers) splits the world into groups of consecutive ranks. Per group two process groups: token
+    traffic, and weight traffic on its own (its own NCCL communicator and stream, so token traffic never queues
+    behind it: ds_hecate.comm.collectives); with more than one group also the world's and, per local rank, its
+    expert-data-parallel peers' (``ds_hecate.runtime.edp``). ``new_group`` is collective over the whole world, so
+    every rank creates every group, in the same order."""
     from deepspeed.accelerator import get_accelerator
 
+    from ..comm.collectives import Communicator
     from ..comm.gpu import build_communicator
+    from ..planning.groups import ExpertGroups, resolve_ep_size
+    from ..runtime.edp import GroupLayout
     from ..runtime.hecate import HecateRuntime
+    from .convert import moe_layer_shapes
     from .monitor import install_recorders
 
     rank, world = dist.get_rank(), dist.get_world_size()
+    rpn = _ranks_per_node(hcfg, world)
+    ep_sizes, experts = moe_layer_shapes(model) if model is not None else ([], [])
+    group_size, warning = (resolve_ep_size(hcfg.ep_size, ep_sizes, world, experts, rpn) if experts
+                           else (hcfg.ep_size or world, None))
+    if warning:
+        log_rank0(f"warning: {warning}")
+    groups = ExpertGroups(world, group_size, rpn)
     timeout = timedelta(seconds=hcfg.collective_timeout_s)
-    group = dist.new_group(ranks=list(range(world)), timeout=timeout)
-    # weight traffic (SparseAllGather / SparseReduceScatter) on a group of its own: its own NCCL communicator and
-    # stream, so token traffic never queues behind it (ds_hecate.comm.collectives)
-    weight_group = dist.new_group(ranks=list(range(world)), timeout=timeout)
     device = working_device(get_accelerator())
-    comm = build_communicator(hcfg.comm_backend, group, rank, world, device, timeout_s=hcfg.collective_timeout_s,
-                              weight_group=weight_group)
-    runtime = HecateRuntime(hcfg, comm, _compute_dtype(ds_config), _ranks_per_node(hcfg, world))
+    if groups.num_groups == 1:
+        group = dist.new_group(ranks=list(range(world)), timeout=timeout)
+        weight_group = dist.new_group(ranks=list(range(world)), timeout=timeout)
+        comm = build_communicator(hcfg.comm_backend, group, rank, world, device,
+                                  timeout_s=hcfg.collective_timeout_s, weight_group=weight_group)
+        layout = GroupLayout.single(comm, rpn)
+    else:
+        tokens = [dist.new_group(ranks=list(r), timeout=timeout) for r in groups.all_groups()]
+        weights = [dist.new_group(ranks=list(r), timeout=timeout) for r in groups.all_groups()]
+        peers = [dist.new_group(ranks=list(groups.edp_peers(local)), timeout=timeout) for local in range(group_size)]
+        world_group = dist.new_group(ranks=list(range(world)), timeout=timeout)
+        mine, local = groups.group_of(rank), groups.local_rank(rank)
+        comm = build_communicator(hcfg.comm_backend, tokens[mine], local, group_size, device,
+                                  timeout_s=hcfg.collective_timeout_s, weight_group=weights[mine])
+        world_comm = Communicator(world_group, rank, world, timeout_s=hcfg.collective_timeout_s, device=device)
+        edp = Communicator(peers[local], mine, groups.num_groups, timeout_s=hcfg.collective_timeout_s,
+                           device=device)
+        layout = GroupLayout(groups, rank, world_comm, edp, partitioned=_zero_stage(ds_config) >= 1)
+    runtime = HecateRuntime(hcfg, comm, _compute_dtype(ds_config), rpn, layout)
     install_recorders(runtime)
     return runtime
+
+
+def _zero_stage(cfg: Dict[str, Any]) -> int:
+    zero = cfg.get("zero_optimization") or {}
+    return int(zero.get("stage", 0)) if isinstance(zero, dict) else 0
 
 
 def working_device(accelerator: Any) -> torch.device:

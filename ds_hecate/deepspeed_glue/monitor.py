@@ -201,15 +201,16 @@ def install_recorders(runtime: "HecateRuntime") -> None:
     if not runtime.config.trace_file:
         return
     problem = None
-    if runtime.rank == 0:
+    world = runtime.layout.world
+    if world.rank == 0:   # rank 0 of the world (with groups it records its group's calls)
         try:
             runtime.trace = TraceRecorder(runtime, runtime.config.trace_file)
             runtime.observers.append(runtime.trace.observe)
         except HecateConfigError as exc:
             problem = str(exc)
     # Only rank 0 writes, but every rank must stop if it cannot (the others would wait in the next collective).
-    if runtime.world_size > 1:
-        problem = runtime.comm.all_gather_object(problem)[0]
+    if world.world_size > 1:
+        problem = world.all_gather_object(problem)[0]
     if problem is not None:
         raise HecateConfigError(problem)
 

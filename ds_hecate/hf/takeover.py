@@ -83,12 +83,11 @@ def _take_over(name: str, module: nn.Module, arch: MoEArchitecture, runtime) -> 
     kernel = fused_expert_kernel(full_gu.shape[1:], full_d.shape[1:], module.act_fn)
     local = {e: initial_master(torch.cat([full_gu[e].reshape(-1), full_d[e].reshape(-1)]), runtime.compute_dtype)
              for e in range(num_experts)}
-    owners = even_sharding(num_experts, runtime.world_size)
-    # Rank 0's weights, as DeepSpeed's broadcast at initialize gives every dense parameter.
-    masters = runtime.comm.move_experts((0,) * num_experts, owners, local, kernel.numel)
+    owners = even_sharding(num_experts, runtime.world_size)   # inside the rank's group
     shard = LayerShard(layer_id=len(runtime.bindings), name=name, num_experts=num_experts, kernel=kernel,
                        owners=owners, rank=runtime.rank)
-    shard.set_masters(masters)
+    # Rank 0's weights, as DeepSpeed's broadcast at initialize gives every dense parameter.
+    runtime.take_experts(shard, (0,) * num_experts, local)
     binding = runtime.add_layer(name, shard, full_gu.shape[2])
     removed = {id(gate_up), id(down)}
     del module._parameters[arch.gate_up]
@@ -200,7 +199,7 @@ class HFTakeover:
                 state = consolidated(*args, **kwargs)
             finally:
                 takeover.export_enabled = True
-            rank0 = takeover.runtime.rank == 0
+            rank0 = takeover.runtime.layout.global_rank == 0
             names = {id(m): n for n, m in engine.module.named_modules()}
             for layer_id, fused in enumerate(takeover.full_experts()):
                 if rank0:

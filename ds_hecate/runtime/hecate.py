@@ -2,6 +2,8 @@
 
 A layer call is :class:`~ds_hecate.runtime.layer.LayerBinding`'s; this module holds what spans layers and steps:
 prefetch order, gradient norm and the expert optimizer step, cost profiling and re-shard triggers, consolidation.
+With groups (``hecate.ep_size``) ``comm``, ``rank`` and ``world_size`` are the rank's group's (what its layers plan
+and gather over) and :attr:`HecateRuntime.layout` holds the world and expert-data-parallel side (:mod:`.edp`).
 Observers (step metrics, routing trace) are registered by whoever builds the runtime
 (:func:`ds_hecate.deepspeed_glue.initialize.build_runtime`), not imported here.
 """
@@ -18,6 +20,7 @@ from ..logging_utils import logger
 from ..planning import CommCostModel, Placement
 from ..planning.cost_model import StepCostModel, scheduler_costs
 from ..planning.dispatch_plan import DispatchPlan
+from .edp import GroupLayout, reduce_gradients, refresh_weights, whole_masters
 from .layer import LayerBinding, in_backward_pass
 from .phases import PHASES
 from .profiling import WARM_PROFILE_STEP, expert_work, measure_costs
@@ -30,18 +33,33 @@ if TYPE_CHECKING:   # installed by the DeepSpeed glue (initialize); the runtime 
 __all__ = ["HecateRuntime", "LayerBinding", "PHASES"]
 
 
+def group_ranks_per_node(group_size: int, ranks_per_node: int) -> int:
+    """Ranks per node as a group's planner sees its ``group_size`` consecutive ranks: the group itself when it fits
+    in a node, whole nodes when it spans several; a group that splits nodes (accepted with a warning) plans with the
+    largest common block."""
+    if ranks_per_node % group_size == 0:
+        return group_size
+    if group_size % ranks_per_node == 0:
+        return ranks_per_node
+    import math
+    return math.gcd(group_size, ranks_per_node)
+
+
 class HecateRuntime:
     """Everything Hecate holds on one rank: process group, shards, plans, expert optimizer and statistics."""
 
     def __init__(self, config: HecateConfig, comm: Communicator, compute_dtype: torch.dtype,
-                 ranks_per_node: int) -> None:
+                 ranks_per_node: int, layout: Optional[GroupLayout] = None) -> None:
         self.config = config
-        self.comm = comm
-        self.rank = comm.rank
-        self.world_size = comm.world_size
+        self.comm = comm   # the rank's group (token and weight traffic of its layer calls)
+        self.rank = comm.rank   # in the group
+        self.world_size = comm.world_size   # the group's size, hecate.ep_size
+        self.layout = layout if layout is not None else GroupLayout.single(comm, ranks_per_node)
         self.compute_dtype = compute_dtype
         self.reduce_dtype = torch.float32 if config.reduce_dtype == "fp32" else torch.bfloat16
-        self.ranks_per_node = ranks_per_node
+        self.global_ranks_per_node = ranks_per_node
+        self.ranks_per_node = group_ranks_per_node(self.world_size, ranks_per_node)   # the group's node layout
+        self._reduced = False   # the EDP reduction of this accumulation window has run
         self.device = comm.device   # the rank's working device: every tensor Hecate creates lives there
         self.clock = DeviceClock(self.device)
         self.store = ExpertShardStore(self.device)
@@ -78,6 +96,14 @@ class HecateRuntime:
         self.bindings.append(binding)
         self.layer_names.append(name)
         return binding
+
+    def take_experts(self, shard: LayerShard, sources: Sequence[int], local: Dict[int, torch.Tensor]) -> None:
+        """Give ``shard`` its owned experts at take-over: expert ``e`` comes from global rank ``sources[e]`` (the
+        rank whose copy DeepSpeed would have broadcast) to its owner in every group, then, partitioned, each peer
+        keeps its slice. Collective over the world."""
+        owners = self.layout.owners_everywhere(shard.owners)
+        masters = self.layout.world.move_experts(sources, owners, local, shard.kernel.numel)
+        shard.set_masters(masters, self.layout.partition_for(shard.kernel.numel), self.compute_dtype)
 
     def comm_cost_model(self, shard: LayerShard, hidden_size: int) -> CommCostModel:
         act = torch.empty((), dtype=self.compute_dtype).element_size()
@@ -139,11 +165,26 @@ class HecateRuntime:
             with binding.timed("reduce_wait"):
                 finish()
 
-    def expert_grad_norm(self, grad_divisor: float) -> torch.Tensor:
-        """L2 norm over all ranks of the (averaged, still loss-scaled) expert gradients. Collective."""
+    def reduce_across_groups(self) -> None:
+        """At the accumulation boundary, once: the group's reductions flushed, then the EDP reduction (sum over the
+        groups: :func:`.edp.reduce_gradients`). Collective."""
         self.flush_reductions()
+        if not self._reduced:
+            reduce_gradients(self)
+            self._reduced = True
+
+    def expert_grad_norm(self, grad_divisor: float) -> torch.Tensor:
+        """L2 norm over all ranks of the (averaged, still loss-scaled) expert gradients, each counted once: whole
+        gradients of one group (unpartitioned, every group holds the same sums), or every peer's slice. Collective
+        over the world."""
+        self.reduce_across_groups()
+        layout = self.layout
+        counted = layout.edp_size == 1 or layout.partitioned or layout.edp_index == 0
         sq = self.store.grad_sq_sum() / (grad_divisor * grad_divisor)
-        return self.comm.all_reduce(sq.reshape(1), collective="expert gradient-norm all-reduce").reshape(()).sqrt()
+        if not counted:
+            sq = torch.zeros_like(sq)
+        return layout.world.all_reduce(sq.reshape(1),
+                                       collective="expert gradient-norm all-reduce").reshape(()).sqrt()
 
     def apply_step(self, applied: bool, dp_world_size: int, loss_scale: float, clip: float,
                    hyperparameters: Sequence[dict]) -> None:
@@ -153,7 +194,7 @@ class HecateRuntime:
         (scheduled lr/betas per expert group) are the values from before
         DeepSpeed's step, the ones that applied to it.
         """
-        self.flush_reductions()
+        self.reduce_across_groups()
         try:
             self._note_nonfinite_grads()
             if not applied:
@@ -166,10 +207,12 @@ class HecateRuntime:
                     combined *= max(1.0, (total / loss_scale + 1e-6) / clip)
             if self.optimizer is not None:
                 self.optimizer.step(1.0 / (dp_world_size * combined), hyperparameters)
+            refresh_weights(self)   # partitioned: the updated slices, whole, before the next SparseAllGather
             self.steps_applied += 1
         finally:
             self.store.zero_grads()
             self.last_total_norm = None
+            self._reduced = False
 
     def _note_nonfinite_grads(self) -> None:
         """NaN/Inf in this rank's expert gradients: counted and named in the statistics, and logged. Whether the
@@ -225,11 +268,13 @@ class HecateRuntime:
         return {name: self.full_layer_weights(binding) for name, binding in zip(self.layer_names, self.bindings)}
 
     def full_layer_weights(self, binding: LayerBinding) -> torch.Tensor:
-        """One layer's experts as fp32 ``[num_experts, numel]`` in expert order, on every rank. Collective."""
+        """One layer's experts as fp32 ``[num_experts, numel]`` in expert order, on every rank. Collective (the
+        EDP peers gather partitioned masters first; then each group gathers its owners' experts)."""
         shard = binding.shard
         everything = tuple(range(shard.num_experts))
         placement = Placement(shard.owners, (everything,) * self.world_size)
-        flats = self.comm.start_sparse_all_gather(placement, shard.masters, shard.kernel.numel, torch.float32,
+        masters, _ = whole_masters(self, shard)
+        flats = self.comm.start_sparse_all_gather(placement, masters, shard.kernel.numel, torch.float32,
                                                   CommCounters(), async_op=False).wait().flats()
         return torch.stack([flats[e] for e in everything])
 
@@ -238,7 +283,7 @@ class HecateRuntime:
         return sum(b.replica_bytes_alive() for b in self.bindings)
 
     def memory_bytes(self) -> Dict[str, int]:
-        return {"expert_master": self.store.master_bytes(),
+        return {"expert_master": self.store.master_bytes(), "expert_weights": self.store.weight_bytes(),
                 "expert_optimizer_state": self.optimizer.state_bytes() if self.optimizer else 0,
                 "expert_grad": self.store.grad_bytes(),
                 "materialized": self.materialized_bytes(),
@@ -250,8 +295,12 @@ class HecateRuntime:
         total = CommCounters()
         for b in self.bindings:
             total.add(b.counters)
-        return {"world_size": self.world_size, "ranks_per_node": self.ranks_per_node,
-                "nodes": self.world_size // self.ranks_per_node, "placement": self.config.placement,
+        layout = self.layout
+        return {"world_size": layout.groups.world_size, "ranks_per_node": self.global_ranks_per_node,
+                "nodes": layout.groups.world_size // self.global_ranks_per_node,
+                "ep_size": self.world_size, "expert_data_parallel_size": layout.edp_size,
+                "group": layout.edp_index, "group_rank": self.rank,
+                "expert_state_partitioned": layout.partitioned, "placement": self.config.placement,
                 "layers": [b.stats() for b in self.bindings], "comm": total.as_dict(),
                 "memory": self.memory_bytes(), "steps_applied": self.steps_applied,
                 "steps_skipped": self.steps_skipped, "reshards": self.reshards,
@@ -261,9 +310,15 @@ class HecateRuntime:
     def summary(self) -> str:
         experts = sum(s.num_experts for s in self.store.layers)
         params = sum(s.num_experts * s.kernel.numel for s in self.store.layers)
-        nodes = self.world_size // self.ranks_per_node
+        layout = self.layout
+        world = layout.groups.world_size
+        nodes = world // self.global_ranks_per_node
+        groups = (f"; groups of {self.world_size} consecutive ranks (hecate.ep_size) x {layout.edp_size} "
+                  f"expert-data-parallel replicas, expert state "
+                  f"{'partitioned over' if layout.partitioned else 'whole on'} each replica"
+                  if layout.edp_size > 1 else "")
         return (f"Hecate took over {len(self.bindings)} MoE layer(s) with {experts} experts "
-                f"({params:,} expert parameters) on {self.world_size} rank(s) in {nodes} node(s); "
+                f"({params:,} expert parameters) on {world} rank(s) in {nodes} node(s){groups}; "
                 f"placement={self.config.placement}, compute dtype={str(self.compute_dtype).replace('torch.', '')}")
 
     def __str__(self) -> str:

@@ -131,7 +131,7 @@ class LayerBinding:
     # -- collectives ---------------------------------------------------------------------------------------------
     def gather(self, placement: Placement, async_op: bool, include_owned: bool = True) -> PendingGather:
         rt = self.runtime
-        pending = rt.comm.start_sparse_all_gather(placement, self.shard.masters, self.shard.kernel.numel,
+        pending = rt.comm.start_sparse_all_gather(placement, self.shard.weights, self.shard.kernel.numel,
                                                   rt.compute_dtype, self.counters, async_op=async_op,
                                                   include_owned=include_owned)
         finish = pending.wait

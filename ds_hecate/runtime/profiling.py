@@ -4,8 +4,8 @@ non-MoE compute time that hides a layer's SparseAllGather (T_nonMoE in the paper
 Measured at the first optimizer step, so planning can start, and again at step :data:`WARM_PROFILE_STEP` from the
 work of the steps in between: the first step is cold (allocations, first-call kernel set-up) and on a CPU its
 compute per pair reads about twice the steady value, which would make the scheduler over-value replicas. Every rank
-measures; the mean is broadcast from rank 0 so every rank plans with identical floats (identical plans are what
-keeps the collectives matched). Every figure is device time (CUDA events on CUDA, see :mod:`ds_hecate.runtime.timing`) and
+measures (the link inside its group); the mean over the world is broadcast from rank 0 so every rank of every group
+plans with identical floats (identical plans are what keeps the collectives matched). Every figure is device time (CUDA events on CUDA, see :mod:`ds_hecate.runtime.timing`) and
 every tensor handed to a collective is on the communicator's device.
 """
 from __future__ import annotations
@@ -53,9 +53,10 @@ def measure_costs(rt, since: Optional[Tuple[int, float]] = None) -> Dict[str, fl
     non_moe = sum(gaps) / len(gaps) if gaps else 0.0
     link = _probe_link_gbps(rt)
     values = torch.tensor([per_pair, non_moe, link], dtype=torch.float64).to(rt.comm.device)
-    rt.comm.all_reduce(values, collective="cost measurement all-reduce")
-    values /= rt.world_size
-    rt.comm.broadcast(values, 0, collective="cost measurement broadcast")
+    world = rt.layout.world   # every group plans with the same figures (re-sharding must agree across groups)
+    world.all_reduce(values, collective="cost measurement all-reduce")
+    values /= world.world_size
+    world.broadcast(values, 0, collective="cost measurement broadcast")
     per_pair, non_moe, link = values.tolist()
     out = {"non_moe_time_s": non_moe, "profiled_at_step": float(rt.global_steps)}
     if per_pair > 0:

@@ -1,9 +1,12 @@
 """Heterogeneous re-sharding at a step boundary: new owners for experts, moving master weights and optimizer state
 together, so no rank keeps a stale copy of either.
 
-Owners come from :func:`ds_hecate.planning.heterogeneous.heterogeneous_sharding` on the load window, identical on
-every rank. Each moved expert travels as one fp32 chunk ``[master | vector states | scalar states]``; the state
-layout (which optimizer-state keys are per-element vectors and which are scalars) is agreed across ranks first.
+Owners come from :func:`ds_hecate.planning.heterogeneous.heterogeneous_sharding` on the load window summed over the
+groups (one small all-reduce over the expert-data-parallel peers), identical on every rank of every group, so every
+group keeps the same owners and the EDP peers stay regular. Each moved expert travels inside its group as one fp32
+chunk ``[master | vector states | scalar states]`` (partitioned over the peers, each peer moves its slice to the
+same-index peer of the new owner: the same group); the state layout (which optimizer-state keys are per-element
+vectors and which are scalars) is agreed across ranks first.
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from torch import nn
 from ..errors import HecateError
 from ..planning.heterogeneous import heterogeneous_sharding
 from ..comm.device import to_device
+from .edp import refresh_weights
 
 StateLayout = Tuple[Tuple[str, ...], Tuple[str, ...]]  # (vector keys, scalar keys)
 
@@ -22,7 +26,7 @@ StateLayout = Tuple[Tuple[str, ...], Tuple[str, ...]]  # (vector keys, scalar ke
 def _local_layout(rt) -> StateLayout:
     if rt.optimizer is None:
         return (), ()
-    for p in rt.store.parameters():
+    for p in rt.store.parameters():   # masters: whole experts, or their slices
         state = rt.optimizer.state_of(p)
         if state:
             vectors = tuple(sorted(k for k, v in state.items() if torch.is_tensor(v) and v.numel() == p.numel()))
@@ -32,7 +36,7 @@ def _local_layout(rt) -> StateLayout:
 
 
 def agree_state_layout(rt) -> StateLayout:
-    gathered = rt.comm.all_gather_object(_local_layout(rt), "re-sharding layout exchange")
+    gathered = rt.layout.world.all_gather_object(_local_layout(rt), "re-sharding layout exchange")
     layouts = [tuple(map(tuple, layout)) for layout in gathered]
     known = {layout for layout in layouts if layout != ((), ())}
     if len(known) > 1:
@@ -68,6 +72,13 @@ def _unpack(chunk: torch.Tensor, numel: int, layout: StateLayout) -> Tuple[nn.Pa
 def reshard(rt) -> bool:
     """Re-shard every layer if the heterogeneous plan changed; returns whether anything moved. Collective."""
     loads = [b.predictor.expert_loads() or [0.0] * b.shard.num_experts for b in rt.bindings]
+    if rt.layout.edp is not None:   # every group decides from the same loads: the sum over the groups
+        summed = to_device(torch.tensor([x for layer in loads for x in layer], dtype=torch.float64), rt.device)
+        rt.layout.edp.all_reduce(summed, collective="re-sharding load all-reduce")
+        flat, loads = summed.tolist(), []
+        for b in rt.bindings:
+            loads.append(flat[:b.shard.num_experts])
+            flat = flat[b.shard.num_experts:]
     degrees = [min(rt.step_costs(b).overlap_degree, b.shard.num_experts) for b in rt.bindings]
     new_owners = heterogeneous_sharding(loads, rt.world_size, rt.ranks_per_node, degrees)
     changed = [i for i, b in enumerate(rt.bindings) if tuple(new_owners[i]) != tuple(b.shard.owners)]
@@ -79,7 +90,7 @@ def reshard(rt) -> bool:
         binding = rt.bindings[i]
         shard = binding.shard
         old, new = shard.owners, tuple(new_owners[i])
-        numel = shard.kernel.numel
+        numel = shard.master_numel   # the whole expert, or this rank's slice of it
         size = numel * (1 + len(layout[0])) + chunk_numel_extra
         sends: Dict[int, List[torch.Tensor]] = {}
         recvs: Dict[int, List[int]] = {}
@@ -108,5 +119,9 @@ def reshard(rt) -> bool:
                     rt.optimizer.add(rt.layer_group[shard.layer_id], param, state)
         shard.owners = new
         shard.grads = None   # empty at a step boundary; the next accumulation lays out the new owned rows
+        if shard.partition is not None:   # the new owners' whole weights, gathered from the moved slices
+            shard.weight_rows = torch.empty(len(shard.owned), shard.kernel.numel, dtype=rt.compute_dtype,
+                                            device=rt.device)
         binding.pending = None
+    refresh_weights(rt, [rt.bindings[i].shard for i in changed])
     return True

@@ -125,12 +125,10 @@ MUTATIONS: List[Mutation] = [
         env=SHORT_WATCHDOG),
     Mutation(
         "shard-store-experts-rotated", "ds_hecate/runtime/shard_store.py",
-        (("        self.masters = {e: nn.Parameter(flats[e].to(torch.float32).contiguous(), requires_grad=False)\n"
-          "                        for e in expected}\n",
+        (("        whole = {e: flats[e].to(torch.float32).contiguous() for e in expected}\n",
           "        # MUTATION: each owned expert id holds the next owned expert's weights\n"
-          "        self.masters = {e: nn.Parameter(flats[expected[(i + 1) % len(expected)]].to(torch.float32)\n"
-          "                                        .contiguous(), requires_grad=False)\n"
-          "                        for i, e in enumerate(expected)}\n"),),
+          "        whole = {e: flats[expected[(i + 1) % len(expected)]].to(torch.float32).contiguous()\n"
+          "                 for i, e in enumerate(expected)}\n"),),
         "the shard store files an owned expert's master under the wrong expert id"),
     Mutation(
         "budget-ignored", "ds_hecate/runtime/layer.py",
@@ -176,6 +174,20 @@ MUTATIONS: List[Mutation] = [
         (("    return flat.to(compute_dtype).to(torch.float32)\n",
           "    return flat.to(torch.float32)  # MUTATION: masters keep what DeepSpeed's lose in the fp16/bf16 cast\n"),),
         "fp16/bf16: the experts' fp32 masters start from the unrounded weights, DeepSpeed's from the rounded model"),
+    Mutation(
+        "edp-reduction-skipped", "ds_hecate/runtime/edp.py",
+        (("    if layout.edp is None:\n        return\n    for binding in rt.bindings:\n",
+          "    if layout.edp is not None or layout.edp is None:  # MUTATION: the groups never sum their gradients\n"
+          "        return\n    for binding in rt.bindings:\n"),),
+        "with groups, each group steps its experts from its own group's gradients: the expert-data-parallel "
+        "reduction across the groups is skipped"),
+    Mutation(
+        "edp-state-gathered-out-of-order", "ds_hecate/runtime/edp.py",
+        (("    whole = gathered.permute(1, 2, 0, 3)",
+          "    whole = gathered.flip(0).permute(1, 2, 0, 3)  # MUTATION: the peers' slices joined in reverse\n"
+          "    whole = whole"),),
+        "a checkpoint (and consolidation) joins the expert-data-parallel peers' slices of master and optimizer "
+        "state in the wrong order"),
     Mutation(
         "weight-traffic-on-token-communicator", "ds_hecate/comm/gpu/backend.py",
         (("    weights = TorchTransport(weight_group, rank, world_size, device) if weight_group is not None else None\n",
@@ -228,6 +240,8 @@ TESTS_FOR: Dict[str, List[str]] = {
                                    "tests/test_resume.py::test_resume_equals_the_uninterrupted_run"],
     "stage0-clip-norm-omits-experts": [_ORACLE2 % "zero0-clip-default"],
     "fp16-masters-not-rounded": ["tests/test_cifar_moe.py::test_tutorial_config_trains_and_tests_like_data_parallel"],
+    "edp-reduction-skipped": ["tests/test_oracle_groups.py::test_follows_deepspeed_expert_parallelism_step_by_step"],
+    "edp-state-gathered-out-of-order": ["tests/test_checkpoint_groups.py"],
     "weight-traffic-on-token-communicator": [
         "tests/test_weight_traffic.py::test_token_gradient_all_to_all_completes_before_a_delayed_reduce_scatter"],
     "layer-call-reads-the-device": ["tests/test_host_syncs.py::test_one_host_read_per_layer_call_and_none_in_backward"],

@@ -322,6 +322,11 @@ class CupyTransport:
         self._launch("all-reduce", [value], lambda s: self.comm.allReduce(
             value.data_ptr(), value.data_ptr(), value.numel(), self._dtype(value.dtype), self._ops[op], s), False)
 
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        """Expert-data-parallel gradient reduction at the accumulation boundary (sum)."""
+        self._launch("reduce-scatter", [out, inp], lambda s: self.comm.reduceScatter(
+            inp.data_ptr(), out.data_ptr(), out.numel(), self._dtype(out.dtype), self.nccl.NCCL_SUM, s), False)
+
     def broadcast(self, value: torch.Tensor, src: int) -> None:
         self._launch("broadcast", [value], lambda s: self.comm.bcast(
             value.data_ptr(), value.numel(), self._dtype(value.dtype), src, s), False)
