@@ -267,7 +267,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--full", action="store_true", help="seeds 0..199 on 2 ranks + 0..99 on 4 ranks")
     parser.add_argument("--seeds", type=int, default=None,
                         help="run this many consecutive seeds from --start (default: the covering CI set)")
-    parser.add_argument("--world", type=int, choices=(2, 4), default=None, help="only this world size")
+    parser.add_argument("--world", type=int, choices=(2, 4, 8), default=None, help="only this world size")
     parser.add_argument("--start", type=int, default=0, help="first seed (with --seeds)")
     parser.add_argument("--list", default=None, help="comma-separated seeds to run (instead of --seeds/--full)")
     parser.add_argument("--chunk", type=int, default=CHUNK, help="seeds per set of processes")
