@@ -97,6 +97,8 @@ LARGE_CASES: Tuple[Case, ...] = (
     Case("h100-128x8", "deepseek-v3", "W3", systems=_FEW, ep_size=8),
     Case("h100-128x8", "deepseek-v3", "W1", systems=_FEW, ep_size=64),
     Case("h100-128x8", "deepseek-v3", "W3", systems=_FEW, ep_size=64),
+    Case("h100-128x8", "deepseek-v3", "W1", systems=_FEW, ep_size=256),
+    Case("h100-128x8", "deepseek-v3", "W3", systems=_FEW, ep_size=256),
 )
 
 
@@ -356,6 +358,7 @@ def grid_lines(grid: List[Dict[str, Any]]) -> List[str]:
 
 def large_lines(large: List[Dict[str, Any]]) -> List[str]:
     """Figure-bearing sentences about the 1,024-GPU cases, computed from them and the presets."""
+    from ds_hecate.config import HecateConfig, wire_dtype
     from ds_hecate.planning.cost_model import replica_budget
     from ds_hecate.sim.presets import resolve_cluster, resolve_model
 
@@ -394,9 +397,11 @@ def large_lines(large: List[Dict[str, Any]]) -> List[str]:
                    f"layer per rank for Hecate and {b_rm} for Hecate-RM.")
         s = rec["systems"]
         if "ep" in s and "hecate" in s:
+            wire = wire_dtype(HecateConfig(enabled=True).reduce_dtype, "bf16", "expert_data_parallel")
             out.append(f"  - expert-gradient reduction over the {peers} peers, per step, exposed: EP "
                        f"{ms(s['ep'], 'edp_reduce'):.0f} ms (bf16 gradients, DeepSpeed's default), Hecate "
-                       f"{ms(s['hecate'], 'edp_reduce'):.0f} ms (its fp32 accumulators, sent in `reduce_dtype` fp32).")
+                       f"{ms(s['hecate'], 'edp_reduce'):.0f} ms (its fp32 accumulators sent in {wire}: "
+                       "`reduce_dtype` auto).")
     for rec in large:
         s = rec["systems"]
         if not all(k in s for k in ("ep", "hecate", "ideal")):
@@ -404,8 +409,9 @@ def large_lines(large: List[Dict[str, Any]]) -> List[str]:
         gib = lambda k: s[k]["peak_memory_bytes"] / (1 << 30)   # noqa: E731
         out.append(f"- {rec['model']} {rec['label']}: model state per rank Hecate {gib('hecate'):.1f} GiB, EP "
                    f"{gib('ep'):.1f} GiB ({(gib('hecate') / gib('ep') - 1) * 100:+.0f}%): owned experts "
-                   f"{gib('ideal') - gib('ep'):+.1f} GiB (fp32 gradient accumulators where DeepSpeed keeps bf16 "
-                   f"gradients), replicas {gib('hecate') - gib('ideal'):+.1f} GiB.")
+                   f"{gib('ideal') - gib('ep'):+.1f} GiB (the fp32 gradient partitioned over the peers, plus two "
+                   f"layers' whole rows in the last backward, where DeepSpeed's ZeRO-1 keeps whole bf16 gradients), "
+                   f"replicas {gib('hecate') - gib('ideal'):+.1f} GiB.")
     for rec in large:
         s = rec["systems"]
         if "ep" not in s:
@@ -446,7 +452,7 @@ def planning_lines(recs: List[Dict[str, Any]], charged: bool) -> List[str]:
                      for r, s in cells]
         charged_x = [s["speedup_vs_ep"] for _, s in cells]
         out.append(f"- {name}'s host planning (critical path per layer call plus the search where the non-MoE compute "
-                   f"does not hide it, timed on this machine and charged to its step): "
+                   f"does not hide it, in this thread's CPU time on this machine, charged to its step): "
                    f"{_rng(ms, lambda v: f'{v:.2f}')} ms per step, {_rng(share, lambda v: f'{v:.1f}')}% of it; speedup "
                    f"over EP {_rng(charged_x, _x)} with it, {_rng(uncharged, _x)} without.")
     return out

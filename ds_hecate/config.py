@@ -55,8 +55,11 @@ class HecateConfig(BaseModel):
         200000.0, ge=0, le=1e9,
         description="Budget of the prediction-driven search, which runs off the critical path (after the previous "
                     "layer, while its kernels run), in estimated microseconds counted identically on every rank.")
-    rematerialize: bool = Field(
-        False, description="Release materialized experts after forward and gather them again for backward.")
+    rematerialize: Optional[bool] = Field(
+        None, description="Release materialized experts after forward and gather them again for backward (true), "
+                          "keep them until backward (false); null: re-materialize only where keeping every layer's "
+                          "replicas resident leaves each layer fewer replica slots per rank than a quarter of the "
+                          "experts a rank owns, while one layer at a time leaves more.")
     prefetch: bool = Field(True, description="Issue a layer's SparseAllGather before its gate (after the previous "
                                              "MoE layer) so it overlaps the non-MoE compute.")
     reshard_interval: int = Field(
@@ -80,8 +83,12 @@ class HecateConfig(BaseModel):
                     "divide the world size. null: the converted MoE layers' ep_size when above 1, else the world "
                     "when it is at most the number of experts, else the largest divisor of the world that is at "
                     "most the number of experts and does not split a node (ds_hecate.planning.groups).")
-    reduce_dtype: Literal["fp32", "bf16"] = Field(
-        "fp32", description="Dtype of expert gradients on the wire in SparseReduceScatter.")
+    reduce_dtype: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="Dtype of expert gradients on the wire: SparseReduceScatter and, with groups, the "
+                            "reduction over the expert-data-parallel peers. 'auto': SparseReduceScatter in fp32 "
+                            "(replica gradients summed as data parallelism sums them), the expert-data-parallel "
+                            "reduction in bf16 when the model trains in bf16 (as DeepSpeed reduces bf16 gradients), "
+                            "else fp32. Accumulation is fp32.")
     collective_timeout_s: float = Field(
         600.0, gt=0, le=86400.0, description="Timeout of Hecate's own process group, in seconds.")
     log_conversion: bool = Field(True, description="Log one line (rank 0) saying what Hecate took over.")
@@ -97,6 +104,24 @@ class HecateConfig(BaseModel):
         "auto", description="Transport of Hecate's collectives: 'cupy' (NCCL through CuPy on its own CUDA stream, "
                             "with ds_hecate's CUDA kernels), 'torch' (torch.distributed), 'auto' (cupy when the "
                             "tensors are on CUDA and CuPy with NCCL works, else torch, logging why).")
+
+
+WIRE_STAGES = ("sparse_reduce_scatter", "expert_data_parallel")
+
+
+def wire_dtype(reduce_dtype: str, compute: str, stage: str) -> str:
+    """``"fp32"`` or ``"bf16"``: the dtype expert gradients travel in at ``stage`` (one of :data:`WIRE_STAGES`), for
+    ``hecate.reduce_dtype`` and the model's compute dtype (``"fp32"``, ``"bf16"`` or ``"fp16"``).
+
+    ``auto``: SparseReduceScatter in fp32, because it sums replica gradients that data parallelism would have summed
+    in fp32 inside one expert's backward (and because bf16 there makes replicas look cheaper than the token traffic
+    they save, to a planner that does not yet count that traffic); the reduction over expert-data-parallel peers in
+    the compute dtype when it is bf16, as DeepSpeed's own bf16 gradient reduction for its EP x EDP groups."""
+    if stage not in WIRE_STAGES:
+        raise ValueError(f"stage must be one of {WIRE_STAGES}, got {stage!r}")
+    if reduce_dtype == "auto":
+        return "bf16" if compute == "bf16" and stage == "expert_data_parallel" else "fp32"
+    return reduce_dtype
 
 
 HECATE_KEY = "hecate"

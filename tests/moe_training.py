@@ -295,9 +295,12 @@ def _inject_inf(engine, rank: int):
     if rank != 0:
         return None
     if getattr(engine, "hecate", None) is not None:
-        def poison_hecate():   # the owner's accumulated gradient rows, in place: with groups they are reduced
-            shard = engine.hecate.bindings[0].shard   # over the expert-data-parallel peers in the step, after this
-            shard.grad_rows(engine.hecate.device)[0].fill_(float("inf"))
+        def poison_hecate():   # in place, what the expert optimizer will read: the master's gradient (a view of
+            shard = engine.hecate.bindings[0].shard   # the owner's rows, or with groups of its reduced slice)
+            master = shard.masters[min(shard.masters)]
+            if master.grad is None:
+                shard.grad_rows(engine.hecate.device)
+            master.grad.fill_(float("inf"))
         return poison_hecate
     experts = [m for n, m in engine.module.named_modules() if n.endswith("deepspeed_experts")][0]
     param = next(iter(experts.parameters()))

@@ -48,13 +48,17 @@ def test_tutorial_config_trains_and_tests_like_data_parallel(runs):
     for rank, (oracle, mine, ds_ep) in enumerate(runs):
         lo, lm = torch.tensor(oracle["losses"]), torch.tensor(mine["losses"])
         assert len(lm) == STEPS
-        # The first 20 steps equal (measured: bit for bit; the expert masters start from the same fp16-rounded
-        # values as DeepSpeed's). Then fp16 rounding (DeepSpeed all-reduces expert gradients in fp16, Hecate sums
-        # them in fp32) now and then flips a learned top-1 route, which moves one step's loss; DeepSpeed's own
-        # ep_size 2 run moves as much (the control below). So the trajectory is held per 10-step window at the fp16
-        # tolerance and per step against that control.
-        first = ((lo[:20] - lm[:20]).abs() / lo[:20]).max().item()
-        assert first <= 1e-5, f"rank {rank}: first 20 steps differ by {first:.3e}: {lo[:20]} vs {lm[:20]}"
+        # The first 10 steps equal bit for bit (the expert masters start from the same fp16-rounded values as
+        # DeepSpeed's), the next 10 within one fp16 ulp of the loss. Then fp16 rounding (DeepSpeed all-reduces
+        # expert gradients in fp16, Hecate sums them in fp32) now and then flips a learned top-1 route, which moves
+        # one step's loss; DeepSpeed's own ep_size 2 run moves as much (the control below). When the first such
+        # one-ulp step comes depends on the CPU's fp16 kernels (measured: none in 20 steps on one 2-vCPU host, step
+        # 18 on another, where DeepSpeed's ep_size 2 run first moves at step 25). So the trajectory is held per
+        # 10-step window at the fp16 tolerance and per step against that control.
+        first = ((lo[:10] - lm[:10]).abs() / lo[:10]).max().item()
+        assert first == 0.0, f"rank {rank}: first 10 steps differ by {first:.3e}: {lo[:10]} vs {lm[:10]}"
+        early = ((lo[:20] - lm[:20]).abs() / lo[:20]).max().item()
+        assert early <= 2.0 ** -10, f"rank {rank}: steps 10-19 differ by {early:.3e}: {lo[:20]} vs {lm[:20]}"
         window = ((lo.view(-1, 10).mean(1) - lm.view(-1, 10).mean(1)).abs() / lo.view(-1, 10).mean(1)).max().item()
         assert window <= LOSS_RTOL, f"rank {rank}: 10-step mean loss rel diff {window:.3e}"
         rel = ((lo - lm).abs() / lo.abs()).max().item()

@@ -20,9 +20,9 @@ KNOWN_KEYS = ("enabled", "placement", "load_window", "materialize_budget_mb", "o
               "monitor_interval", "trace_file", "comm_backend")
 DEFAULTS = dict(enabled=False, placement="hecate", load_window=5, materialize_budget_mb=1024.0, overlap_degree=None,
                 calibration=True, replan_tolerance=0.05, plan_budget_us=None, search_budget_us=200000.0,
-                rematerialize=False, prefetch=True, reshard_interval=100,
+                rematerialize=None, prefetch=True, reshard_interval=100,
                 compute_s_per_pair=None, link_gbps=None, inter_node_gbps=None, non_moe_time_s=None,
-                ranks_per_node=None, ep_size=None, reduce_dtype="fp32", collective_timeout_s=600.0, log_conversion=True,
+                ranks_per_node=None, ep_size=None, reduce_dtype="auto", collective_timeout_s=600.0, log_conversion=True,
                 monitor=True, monitor_interval=1, trace_file=None, comm_backend="auto")
 PLACEMENTS = ["hecate", "cost", "owner", "local", "shadow", "all"]
 
@@ -137,6 +137,8 @@ def test_where_is_used_in_messages():
     ("reduce_dtype", "fp8"),
     ("reduce_dtype", "fp16"),
     ("reduce_dtype", None),
+    ("rematerialize", "yes"),
+    ("rematerialize", 1),
     ("log_conversion", "no"),
     ("log_conversion", 0),
 ])
@@ -340,11 +342,11 @@ _keys = st.one_of(st.sampled_from(KNOWN_KEYS), st.text(max_size=12), st.integers
                                                                  "Enabled", " enabled", "enabled "]))
 _VALID = {
     "enabled": st.booleans(), "log_conversion": st.booleans(),
-    "placement": st.sampled_from(PLACEMENTS), "reduce_dtype": st.sampled_from(["fp32", "bf16"]),
+    "placement": st.sampled_from(PLACEMENTS), "reduce_dtype": st.sampled_from(["auto", "fp32", "bf16"]),
     "load_window": st.integers(1, 10000), "materialize_budget_mb": st.floats(0, 1e9),
     "overlap_degree": st.one_of(st.none(), st.integers(0, 1 << 20)), "calibration": st.booleans(),
     "replan_tolerance": st.floats(0.0, 1.0), "plan_budget_us": st.none() | st.floats(0.0, 1e9),
-    "search_budget_us": st.floats(0.0, 1e9), "rematerialize": st.booleans(), "prefetch": st.booleans(), "reshard_interval": st.integers(0, 1 << 30),
+    "search_budget_us": st.floats(0.0, 1e9), "rematerialize": st.none() | st.booleans(), "prefetch": st.booleans(), "reshard_interval": st.integers(0, 1 << 30),
     "compute_s_per_pair": st.one_of(st.none(), st.floats(1e-12, 1.0)),
     "link_gbps": st.one_of(st.none(), st.floats(1e-3, 1e6)),
     "inter_node_gbps": st.one_of(st.none(), st.floats(1e-3, 1e6)),
@@ -383,7 +385,7 @@ def _check_parsed(cfg):
     assert type(cfg.load_window) is int and cfg.load_window >= 1
     assert isinstance(cfg.materialize_budget_mb, float) and cfg.materialize_budget_mb >= 0
     assert type(cfg.reshard_interval) is int and cfg.reshard_interval >= 0
-    assert cfg.reduce_dtype in ("fp32", "bf16")
+    assert cfg.reduce_dtype in ("auto", "fp32", "bf16")
     assert cfg.ranks_per_node is None or (type(cfg.ranks_per_node) is int and cfg.ranks_per_node >= 1)
     assert cfg.ep_size is None or (type(cfg.ep_size) is int and 1 <= cfg.ep_size <= 1 << 30)
     assert isinstance(cfg.collective_timeout_s, float) and 0 < cfg.collective_timeout_s <= 86400.0
@@ -466,3 +468,21 @@ def test_huge_valid_int_is_accepted():
     cfg = parse_hecate_section({"ranks_per_node": 10 ** 5000})
     assert cfg.ranks_per_node == 10 ** 5000
     assert math.isfinite(cfg.collective_timeout_s)
+
+
+def test_rematerialize_null_resolves_by_slots_per_owned_expert():
+    """null: re-materialize where resident slots are under a quarter of a rank's experts and one layer at a time
+    buys more; explicit values win."""
+    from ds_hecate.planning.cost_model import resolve_rematerialize
+
+    mib = 1 << 20
+    # 58 layers of 84 MiB experts and 8 GiB: 1 resident slot per layer
+    assert resolve_rematerialize(None, 8192, [84 * mib] * 58, [32] * 58) is True    # 1 slot for 32 experts
+    assert resolve_rematerialize(None, 8192, [84 * mib] * 58, [4] * 58) is False    # 1 slot for 4
+    assert resolve_rematerialize(None, 8192, [84 * mib] * 58, [1] * 58) is False
+    # no resident slot at all (Mixtral-like): re-materializing is the only way the budget helps
+    assert resolve_rematerialize(None, 8192, [336 * mib] * 32, [1] * 32) is True
+    # a budget too small even for one layer: nothing to gain
+    assert resolve_rematerialize(None, 10, [84 * mib] * 58, [32] * 58) is False
+    assert resolve_rematerialize(False, 8192, [84 * mib] * 58, [32] * 58) is False
+    assert resolve_rematerialize(True, 1e9, [mib], [1]) is True

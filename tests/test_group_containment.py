@@ -8,6 +8,8 @@ count exchange's all-gather), with the global ranks of the process group it ran 
 - 4 ranks, DeepSpeed layers built with ``ep_size=2`` (so 2 groups of 2): every count exchange, SparseAllGather,
   SparseReduceScatter and token all-to-all involved exactly the rank's own group; the gradient reduction and the
   weights' all-gather involved exactly its EDP peers (ranks ``r mod 2 + 2k``); replicas did move (not vacuous);
+  and (ZeRO-2: partitioned state) by the end of each backward every layer's whole fp32 gradient rows were
+  released, reduce-scattered into this rank's slices layer by layer during backward;
 - 2 ranks, 8 experts (the default rule: one group, today's whole-world FSSDP): every collective ran over the whole
   world, and no EDP communicator exists.
 """
@@ -63,13 +65,16 @@ def _record(rank: int, world: int, spec: Spec) -> Dict[str, object]:
     torch.manual_seed(spec.seed)
     model = TinyMoE(spec)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config(spec))
+    released = []   # after each backward: every layer's whole gradient rows released, its slices there
     for step in range(spec.steps):
         x, y, used = rank_batch(spec, step, 0, rank, world, torch.float32)
         engine.backward(engine(x, y, used))
+        shards = [b.shard for b in engine.hecate.bindings]
+        released.append(all(s.grads is None and s.slice_grads is not None for s in shards if s.owned))
         engine.step()
     stats = engine.hecate.stats()
     return {"records": records, "replicas": sum(layer["replicas"] for layer in stats["layers"]),
-            "edp": engine.hecate.layout.edp is not None, "ep_size": stats["ep_size"]}
+            "edp": engine.hecate.layout.edp is not None, "ep_size": stats["ep_size"], "released": released}
 
 
 def test_layer_calls_stay_in_the_group_and_edp_work_between_peers():
@@ -86,6 +91,8 @@ def test_layer_calls_stay_in_the_group_and_edp_work_between_peers():
         edp = [(name, ranks) for name, ranks in out["records"] if name.startswith("expert-data-parallel")]
         assert edp and all(ranks == peers for _, ranks in edp), f"rank {rank}: {edp[:5]} (peers {peers})"
         assert out["edp"] and out["ep_size"] == 2
+        # ZeRO-2 with groups: the EDP reduce-scatter ran layer by layer inside backward, the whole fp32 rows are gone
+        assert out["released"] == [True] * spec.steps, out["released"]
 
 
 def test_one_group_issues_only_whole_world_collectives():

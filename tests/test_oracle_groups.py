@@ -83,6 +83,8 @@ def test_runs_as_two_groups_of_two(runs, name):
         stats = r["hecate_stats"]
         assert (stats["ep_size"], stats["expert_data_parallel_size"], stats["group"]) == (2, 2, rank // 2), stats
         assert stats["expert_state_partitioned"] == (spec.stage >= 1)
+        assert stats["reduce_dtype"] == {"sparse_reduce_scatter": "float32",   # reduce_dtype auto
+                                         "expert_data_parallel": "bfloat16" if spec.bf16 else "float32"}
         assert all(len(layer["owners"]) == 8 and set(layer["owners"]) == {0, 1} for layer in stats["layers"])
     if name == "zero2-default-skewed":
         assert any(sum(s["replicas"]) for r in mine for s in r["states"])

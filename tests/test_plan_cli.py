@@ -99,8 +99,9 @@ def test_plan_cli_breakdown_and_warning(tmp_path):
 
 def test_plan_partitions_expert_state_over_expert_data_parallel_peers(tmp_path):
     """Mixtral-8x7B on 1,024 ranks: the runtime's rule picks ep_size 8 (one node per group, 128 peers per expert).
-    Under ZeRO >= 1 each peer keeps 1/128 of the fp32 master and the Adam state, whole bf16 weights and whole fp32
-    gradient accumulators; under ZeRO-0 every peer keeps the whole state. An ep_size that does not divide the
+    Under ZeRO >= 1 each peer keeps 1/128 of the fp32 master, gradient and Adam state and whole bf16 weights, plus
+    two layers' whole fp32 gradient rows in the backward that ends the window; under ZeRO-0 every peer keeps the
+    whole state. An ep_size that does not divide the
     world is refused naming the key."""
     from ds_hecate.config import HecateConfig
     from ds_hecate.sim.model_state import ADAM
@@ -113,7 +114,7 @@ def test_plan_partitions_expert_state_over_expert_data_parallel_peers(tmp_path):
     plan = plan_memory(model, hecate, 1024, 8, 1, "bf16", ADAM)
     assert (plan.ep_size, plan.edp_size) == (8, 128) and plan.owned_experts == [layers] * 1024
     assert plan.expert_memory_bytes(5) == {"expert_weights": layers * numel * 2, "expert_master": layers * part * 4,
-                                           "expert_grad": layers * numel * 4,
+                                           "expert_grad": layers * part * 4 + 2 * numel * 4,
                                            "expert_optimizer_state": layers * (part * 8 + 4),
                                            "materialize_budget": 1 << 30}
     assert plan_memory(model, HecateConfig(enabled=True, ep_size=4), 1024, 8, 1, "bf16", ADAM).edp_size == 256

@@ -84,7 +84,7 @@ def _simulated_plans(world: int, experts: int, sequence: list):
                       device_tflops=1.0, device_memory_gb=1.0, overlaps_compute=False)
     model = ModelShape(name="test", moe_layers=1, hidden_size=HIDDEN, ffn_size=FFN, num_experts=experts, top_k=1,
                        vocab_size=8, seq_len=8, expert_bias=True)
-    ctx = SimContext(cluster=cluster, model=model, world=world, rpn=world, tokens=64, compute_b=4, grad_b=4,
+    ctx = SimContext(cluster=cluster, model=model, world=world, rpn=world, tokens=64, compute_b=4, grad_b=4, edp_grad_b=4,
                      s_per_pair=1e-6, t_fwd=0.0, hecate=parse_hecate_section(COST_KEYS), optimizer=ADAM,
                      zero_stage=0, precision="fp32")
     system = HecateSystem(ctx, rematerialize=False)

@@ -95,8 +95,14 @@ class HecateEngine(DeepSpeedEngine):
         self._global_grad_norm = total
 
     def backward(self, loss, *args, **kwargs):
-        result = super().backward(loss, *args, **kwargs)
-        self.hecate.flush_reductions()  # expert gradients complete on their owners at the end of every backward
+        # the last micro-batch of a window: with groups and partitioned expert state the reductions over the
+        # expert-data-parallel peers run during this backward, layer by layer (HecateRuntime.flush_reductions)
+        self.hecate.at_boundary = self.is_gradient_accumulation_boundary()
+        try:
+            result = super().backward(loss, *args, **kwargs)
+            self.hecate.flush_reductions()  # expert gradients complete on their owners at the end of every backward
+        finally:
+            self.hecate.at_boundary = False
         return result
 
     def step(self, lr_kwargs=None):

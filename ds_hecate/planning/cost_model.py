@@ -131,6 +131,31 @@ def imbalance(loads: Sequence[float]) -> float:
 
 
 # -- budgets from the config ---------------------------------------------------------------------------------------
+def resolve_rematerialize(setting: Optional[bool], materialize_budget_mb: float, expert_bytes: Sequence[int],
+                          experts_per_rank: Sequence[int]) -> bool:
+    """``hecate.rematerialize`` for a model whose layers' experts are ``expert_bytes`` each (compute dtype) and whose
+    ranks own up to ``experts_per_rank`` experts of each layer: as set, or (null) true exactly when keeping every
+    layer's replicas resident leaves each layer fewer replica slots per rank than a quarter of the experts a rank
+    owns, while one layer at a time leaves more.
+
+    Why a quarter: a hot rank's load is spread over the experts it owns, so relieving it takes replicas of a good
+    share of them; below a quarter the resident slots cannot take enough of it for the planner to keep them (its
+    ``min_gain``: DeepSeek-V3 at ``ep_size`` 8 gets 1 slot for 32 owned experts and places nothing), and the one
+    more SparseAllGather per replica that re-materialization costs in backward buys slots that do. Simulated at
+    1,024 H100s with the default 8 GiB budget (``ds-hecate simulate --config`` with ``rematerialize`` false against
+    ``hecate-rm``): DeepSeek-V3 at ``ep_size`` 8 (1 slot for 32 experts) W3 1.00x of EP resident, 1.08x
+    re-materialized, W1 1.11x both; at 64 (1 slot for 4) W3 1.46x against 1.44x, W1 1.87x both; at 256 (1 for 1)
+    W3 1.82x against 1.79x; Mixtral-8x7B (no resident slot) 1.00x against 1.46x. One decision
+    for every layer, so the budget's split stays what ``replica_budget`` assumes."""
+    if setting is not None or not expert_bytes:
+        return bool(setting)
+    layers = len(expert_bytes)
+    resident = [replica_budget(materialize_budget_mb, b, layers, False) for b in expert_bytes]
+    one_layer = [replica_budget(materialize_budget_mb, b, layers, True) for b in expert_bytes]
+    return (all(4 * r < k for r, k in zip(resident, experts_per_rank))
+            and any(o > r for o, r in zip(one_layer, resident)))
+
+
 def replica_budget(materialize_budget_mb: float, expert_bytes: int, num_layers: int, rematerialize: bool) -> int:
     """Replicas one layer may hold per rank: the budget split over the layers resident at once (all layers, or
     one with re-materialization), in experts of ``expert_bytes`` (compute dtype)."""

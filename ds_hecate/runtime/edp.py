@@ -5,8 +5,8 @@ A rank's layer calls (count exchange, SparseAllGather, SparseReduceScatter, toke
 on its group's communicators, with ranks numbered inside the group; no token leaves its group. Across groups the
 ranks with the same local rank own the same experts (``ds_hecate.planning.groups.ExpertGroups``). At the gradient
 accumulation boundary each owner's expert gradients, summed over its group by SparseReduceScatter, are summed over
-its EDP peers: ZeRO stage 0 all-reduces them and every peer steps the whole expert; ZeRO stage 1 and above
-reduce-scatter them, each peer steps its ``1/R`` slice of the master and optimizer state, and the updated slices are
+its EDP peers (in ``hecate.reduce_dtype`` on the wire): ZeRO stage 0 all-reduces them and every peer steps the
+whole expert; ZeRO stage 1 and above reduce-scatter them, each peer steps its ``1/R`` slice of the master and optimizer state, and the updated slices are
 all-gathered into the whole weights before the next SparseAllGather (``LayerShard.partition``).
 
 Everything here is collective over the EDP peers (or, where it says so, the world), called in the same order on
@@ -70,24 +70,42 @@ class GroupLayout:
 def reduce_gradients(rt: "HecateRuntime") -> None:
     """Sum every owner's expert gradients over its EDP peers (after the group's SparseReduceScatters are flushed):
     an all-reduce of the whole rows, or partitioned a reduce-scatter into this peer's slices. Collective over the
-    EDP peers, one call per layer in layer order; a no-op with one group."""
-    layout = rt.layout
-    if layout.edp is None:
+    EDP peers, one call per layer in layer order, except for the layers :func:`reduce_layer` already handed over in
+    backward (the same layers on every peer); a no-op with one group."""
+    if rt.layout.edp is None:
         return
     for binding in rt.bindings:
         shard = binding.shard
-        if not shard.owned:   # the same on every peer: peers own the same experts
+        if shard.grads is None and shard.slice_grads is not None:   # reduced early, in backward
             continue
-        rows = shard.grad_rows(rt.device)   # zeros if this window ran no backward through the layer
-        with layout.edp.during(f"the expert-data-parallel gradient reduction of MoE layer '{shard.name}'"):
-            if shard.partition is None:
-                layout.edp.all_reduce(rows, collective="expert-data-parallel gradient all-reduce")
-            else:
-                part = shard.partition
-                out = torch.empty(rows.shape[0], part.size, dtype=rows.dtype, device=rows.device)
-                layout.edp.reduce_scatter(out, part.padded(rows).view(-1, part.size),
-                                          collective="expert-data-parallel gradient reduce-scatter")
-                shard.set_slice_grads(out)
+        reduce_layer(rt, shard)
+
+
+def reduce_layer(rt: "HecateRuntime", shard: LayerShard) -> None:
+    """One layer's EDP reduction (see :func:`reduce_gradients`). Partitioned, the whole fp32 rows are released once
+    their slices are taken (a layer reduced twice, say a layer called twice per forward, adds the second slices to
+    the first). Collective over the EDP peers."""
+    layout = rt.layout
+    if layout.edp is None or not shard.owned:   # the same on every peer: peers own the same experts
+        return
+    rows = shard.grad_rows(rt.device)   # zeros if this window ran no backward through the layer
+    wire = rt.edp_reduce_dtype   # hecate.reduce_dtype: bf16 halves the traffic, as DeepSpeed's bf16 reduction
+    with layout.edp.during(f"the expert-data-parallel gradient reduction of MoE layer '{shard.name}'"):
+        if shard.partition is None:
+            sent = rows if wire == rows.dtype else rows.to(wire)
+            layout.edp.all_reduce(sent, collective="expert-data-parallel gradient all-reduce")
+            if sent is not rows:
+                rows.copy_(sent)
+            return
+        part = shard.partition
+        out = torch.empty(rows.shape[0], part.size, dtype=wire, device=rows.device)
+        layout.edp.reduce_scatter(out, part.padded(rows.to(wire)).view(-1, part.size),
+                                  collective="expert-data-parallel gradient reduce-scatter")
+    slices = out if out.dtype == torch.float32 else out.float()
+    if shard.slice_grads is not None:
+        slices = shard.slice_grads.add_(slices)
+    shard.set_slice_grads(slices)
+    shard.grads = None   # the whole rows are this peer's slices now: freed before the next layer's arrive
 
 
 def refresh_weights(rt: "HecateRuntime", shards: Optional[List[LayerShard]] = None) -> None:

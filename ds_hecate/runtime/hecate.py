@@ -15,12 +15,12 @@ import numpy as np
 import torch
 
 from ..comm.collectives import CommCounters, Communicator
-from ..config import HecateConfig
+from ..config import HecateConfig, wire_dtype
 from ..logging_utils import logger
 from ..planning import CommCostModel, Placement
-from ..planning.cost_model import StepCostModel, scheduler_costs
+from ..planning.cost_model import StepCostModel, resolve_rematerialize, scheduler_costs
 from ..planning.dispatch_plan import DispatchPlan
-from .edp import GroupLayout, reduce_gradients, refresh_weights, whole_masters
+from .edp import GroupLayout, reduce_gradients, reduce_layer, refresh_weights, whole_masters
 from .layer import LayerBinding, in_backward_pass
 from .phases import PHASES
 from .profiling import WARM_PROFILE_STEP, expert_work, measure_costs
@@ -56,10 +56,15 @@ class HecateRuntime:
         self.world_size = comm.world_size   # the group's size, hecate.ep_size
         self.layout = layout if layout is not None else GroupLayout.single(comm, ranks_per_node)
         self.compute_dtype = compute_dtype
-        self.reduce_dtype = torch.float32 if config.reduce_dtype == "fp32" else torch.bfloat16
+        compute = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(compute_dtype, "fp32")
+        wire = {"bf16": torch.bfloat16, "fp32": torch.float32}
+        self.reduce_dtype = wire[wire_dtype(config.reduce_dtype, compute, "sparse_reduce_scatter")]
+        self.edp_reduce_dtype = wire[wire_dtype(config.reduce_dtype, compute, "expert_data_parallel")]
         self.global_ranks_per_node = ranks_per_node
         self.ranks_per_node = group_ranks_per_node(self.world_size, ranks_per_node)   # the group's node layout
         self._reduced = False   # the EDP reduction of this accumulation window has run
+        #: the backward in progress ends an accumulation window (set by the engine; reductions may go early)
+        self.at_boundary = False
         self.device = comm.device   # the rank's working device: every tensor Hecate creates lives there
         self.clock = DeviceClock(self.device)
         self.store = ExpertShardStore(self.device)
@@ -96,6 +101,14 @@ class HecateRuntime:
         self.bindings.append(binding)
         self.layer_names.append(name)
         return binding
+
+    @property
+    def rematerialize(self) -> bool:
+        """``hecate.rematerialize``, resolved for this model (null: see
+        :func:`ds_hecate.planning.cost_model.resolve_rematerialize`)."""
+        return resolve_rematerialize(self.config.rematerialize, self.config.materialize_budget_mb,
+                                     [b.expert_bytes for b in self.bindings],
+                                     [-(-b.shard.num_experts // self.world_size) for b in self.bindings])
 
     def take_experts(self, shard: LayerShard, sources: Sequence[int], local: Dict[int, torch.Tensor]) -> None:
         """Give ``shard`` its owned experts at take-over: expert ``e`` comes from global rank ``sources[e]`` (the
@@ -158,12 +171,25 @@ class HecateRuntime:
         self.peak_replica_bytes = max(self.peak_replica_bytes, live)
 
     # -- gradient norm and step -------------------------------------------------------------------------------
-    def flush_reductions(self) -> None:
-        """Wait for every SparseReduceScatter issued in backward (in issue order) and accumulate the results."""
-        pending, self.pending_reductions = self.pending_reductions, []
-        for binding, finish in pending:
+    def flush_reductions(self, keep: int = 0) -> None:
+        """Wait for the SparseReduceScatters issued in backward (in issue order, all but the ``keep`` newest) and
+        accumulate the results. At the accumulation boundary with partitioned expert state each completed layer
+        goes on to its EDP reduction at once (:func:`.edp.reduce_layer`), so its whole fp32 gradient rows live only
+        until then, as ZeRO-2 reduces gradients during backward instead of keeping them whole."""
+        count = max(0, len(self.pending_reductions) - keep)
+        done, self.pending_reductions = self.pending_reductions[:count], self.pending_reductions[count:]
+        eager = self.at_boundary and self.layout.partitioned
+        for binding, finish in done:
             with binding.timed("reduce_wait"):
                 finish()
+            if eager:
+                reduce_layer(self, binding.shard)
+
+    def issued_reduction(self) -> None:
+        """A layer's SparseReduceScatter was just issued: with partitioned state at the boundary, complete the ones
+        issued before it (the newest stays in flight beside the rest of backward). Collective, in backward order."""
+        if self.at_boundary and self.layout.partitioned:
+            self.flush_reductions(keep=1)
 
     def reduce_across_groups(self) -> None:
         """At the accumulation boundary, once: the group's reductions flushed, then the EDP reduction (sum over the
@@ -301,6 +327,9 @@ class HecateRuntime:
                 "ep_size": self.world_size, "expert_data_parallel_size": layout.edp_size,
                 "group": layout.edp_index, "group_rank": self.rank,
                 "expert_state_partitioned": layout.partitioned, "placement": self.config.placement,
+                "rematerialize": self.rematerialize,
+                "reduce_dtype": {"sparse_reduce_scatter": str(self.reduce_dtype).replace("torch.", ""),
+                                 "expert_data_parallel": str(self.edp_reduce_dtype).replace("torch.", "")},
                 "layers": [b.stats() for b in self.bindings], "comm": total.as_dict(),
                 "memory": self.memory_bytes(), "steps_applied": self.steps_applied,
                 "steps_skipped": self.steps_skipped, "reshards": self.reshards,
@@ -319,7 +348,8 @@ class HecateRuntime:
                   if layout.edp_size > 1 else "")
         return (f"Hecate took over {len(self.bindings)} MoE layer(s) with {experts} experts "
                 f"({params:,} expert parameters) on {world} rank(s) in {nodes} node(s){groups}; "
-                f"placement={self.config.placement}, compute dtype={str(self.compute_dtype).replace('torch.', '')}")
+                f"placement={self.config.placement}, compute dtype={str(self.compute_dtype).replace('torch.', '')}"
+                f"{', rematerialize' if self.rematerialize else ''}")
 
     def __str__(self) -> str:
         return self.summary()

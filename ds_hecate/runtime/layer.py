@@ -112,7 +112,7 @@ class LayerBinding:
         """Replicas this layer may hold per rank within ``materialize_budget_mb``."""
         rt = self.runtime
         return replica_budget(rt.config.materialize_budget_mb, self.expert_bytes, len(rt.bindings),
-                              rt.config.rematerialize)
+                              rt.rematerialize)
 
     @property
     def predictor(self):
@@ -154,6 +154,7 @@ class LayerBinding:
             finish = rt.comm.start_sparse_reduce_scatter(plan.placement, experts, grads, rt.reduce_dtype,
                                                          self.counters, lambda: self.shard.grad_rows(rt.device))
         rt.pending_reductions.append((self, finish))
+        rt.issued_reduction()
 
     def replica_bytes_alive(self) -> int:
         """Bytes of this layer's materialized replicas (experts of other ranks) still alive."""
@@ -263,7 +264,7 @@ class LayerBinding:
 
         with self.timed("compute"):
             rows = ExpertRows.of(mine_dispatch, gathered.experts, x.device)
-            if rt.config.rematerialize:
+            if rt.rematerialize:
                 y_recv = RematerializedExperts.apply(recv, rt.autograd_anchor, self, plan, gathered, rows)
             else:
                 recv, buffer = Materialize.apply(recv, rt.autograd_anchor, self, plan, gathered)

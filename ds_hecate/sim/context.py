@@ -20,7 +20,8 @@ class SimContext:
     rpn: int
     tokens: int
     compute_b: int
-    grad_b: int
+    grad_b: int                         # bytes per gradient element in SparseReduceScatter
+    edp_grad_b: int                     # ... in the reduction over expert-data-parallel peers
     s_per_pair: float
     t_fwd: float                        # non-MoE forward time per block (T_nonMoE)
     hecate: HecateConfig

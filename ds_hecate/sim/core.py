@@ -30,15 +30,16 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from ..config import HecateConfig
+from ..config import HecateConfig, wire_dtype
 from ..errors import HecateError
 from ..planning.balance import force_uniform_steps
 from ..planning.groups import resolve_ep_size
 from ..tools.trace import read_trace
 from .context import SimContext
-from .model_state import ADAM, OptimizerStateLayout, dense_state_bytes, ep_expert_state_bytes, owned_expert_state
+from .model_state import (ADAM, OptimizerStateLayout, dense_state_bytes, ep_expert_state_bytes, owned_expert_state,
+                          transient_grad_bytes)
 from .presets import Cluster, ModelShape, resolve_cluster, resolve_model
-from .systems import SYSTEMS, make_system
+from .systems import SYSTEMS, make_system, rematerializes
 from .workloads import WORKLOADS, routing_counts
 
 __all__ = ["ADAM", "SYSTEMS", "SimResult", "SystemResult", "format_table", "simulate"]
@@ -147,18 +148,19 @@ def _memory(system: str, ctx: SimContext, replicas_per_layer: List[np.ndarray], 
     layers = ctx.model.moe_layers
     owned = ctx.owned_per_rank * layers
     if system in ("hecate", "hecate-rm", "ideal"):
-        experts = owned * owned_expert_state(ctx.numel, ctx.edp_size, ctx.zero_stage, ctx.precision,
-                                             ctx.optimizer).total
+        experts = (owned * owned_expert_state(ctx.numel, ctx.edp_size, ctx.zero_stage, ctx.precision,
+                                              ctx.optimizer).total
+                   + transient_grad_bytes(ctx.numel, ctx.owned_per_rank, ctx.edp_size, ctx.zero_stage))
     else:
         experts = ep_expert_state_bytes(owned * ctx.numel, ctx.edp_size, ctx.zero_stage, ctx.precision, ctx.optimizer)
     extra = 0.0
     if replicas_per_layer:
         reps = np.stack(replicas_per_layer)          # [layers, world], max over steps per layer
         param, grad = ctx.numel * ctx.compute_b, ctx.numel * ctx.grad_b
-        if system == "hecate":
-            extra = float((reps.sum(axis=0) * param + reps.max(axis=0) * grad).max())
-        elif system == "hecate-rm":
+        if system in ("hecate", "hecate-rm") and rematerializes(ctx, system):   # one layer's replicas at a time
             extra = float((reps.max(axis=0) * (param + grad)).max())
+        elif system == "hecate":
+            extra = float((reps.sum(axis=0) * param + reps.max(axis=0) * grad).max())
         elif system == "fastermoe":
             extra = float((reps.sum(axis=0) * (param + grad)).max())
     if system == "flexmoe":   # reserved slots keep a full optimizer state each
@@ -290,13 +292,19 @@ def _group_classes(counts, layer: int, ctx: SimContext) -> List[List[int]]:
     return list(by_history.values())
 
 
+def _wire_bytes(hecate: HecateConfig, precision: str, stage: str) -> int:
+    return 4 if wire_dtype(hecate.reduce_dtype, precision, stage) == "fp32" else 2
+
+
 def _context(cl: Cluster, mdl: ModelShape, tokens: int, hecate: HecateConfig, zero_stage: int, precision: str,
              optimizer: OptimizerStateLayout, spag: str, planner_costs: Optional[Dict[str, float]],
              charge_planning: bool, ep_size: int) -> SimContext:
     """The simulated setting: unit costs from the cluster's FLOP rate unless it carries measured ones."""
     flops = cl.device_tflops * 1e12
     return SimContext(cluster=cl, model=mdl, world=cl.world_size, rpn=cl.devices_per_node, tokens=tokens,
-                      compute_b=4 if precision == "fp32" else 2, grad_b=4 if hecate.reduce_dtype == "fp32" else 2,
+                      compute_b=4 if precision == "fp32" else 2,
+                      grad_b=_wire_bytes(hecate, precision, "sparse_reduce_scatter"),
+                      edp_grad_b=_wire_bytes(hecate, precision, "expert_data_parallel"),
                       s_per_pair=cl.compute_s_per_pair or 6.0 * mdl.expert_params / flops,
                       t_fwd=(cl.non_moe_time_s if cl.non_moe_time_s is not None
                              else mdl.non_moe_flops_per_layer(tokens) / 3.0 / flops),

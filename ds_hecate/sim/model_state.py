@@ -11,9 +11,11 @@ disagree. Pure Python.
   one group (``edp_size`` 1) that is all, one copy in the job. With ``R = edp_size`` expert-data-parallel peers and
   ZeRO stage 1 or above, each peer steps ``1/R`` of the master and optimizer state after a reduce-scatter of the
   gradient, and the updated weights are all-gathered into a full copy in the compute dtype (what SparseAllGather
-  sends and the owner computes with); the gradient accumulator stays whole, since SparseReduceScatter adds every
-  replica's gradient into it during backward and the reduction over peers runs at the accumulation boundary.
-  ZeRO stage 0 all-reduces the gradient and every peer steps the full expert.
+  sends and the owner computes with). The gradient is kept as this peer's fp32 slice: in the backward that ends an
+  accumulation window each layer's whole fp32 rows are reduce-scattered as soon as its SparseReduceScatter is done
+  and released, so at most two layers' whole rows exist at once (:func:`transient_grad_bytes`; with gradient
+  accumulation the rows of the earlier micro-batches stay whole until then). ZeRO stage 0 all-reduces the
+  gradient and every peer steps the full expert.
 """
 from __future__ import annotations
 
@@ -66,7 +68,7 @@ class ExpertState:
 
     expert_weights: int            # full copy in the compute dtype (only with EDP-partitioned masters)
     expert_master: int             # fp32 master (or this rank's 1/R partition of it)
-    expert_grad: int               # fp32 gradient accumulator (whole)
+    expert_grad: int               # fp32 gradient accumulator (whole, or partitioned this rank's slice)
     expert_optimizer_state: int    # the expert optimizer's state (or its 1/R partition)
 
     @property
@@ -98,7 +100,15 @@ def owned_expert_state(numel: int, edp_size: int, zero_stage: int, precision: st
         weights, master = numel * compute_b, part * MASTER_BYTES_PER_PARAM
     else:                                                 # fp32: the all-gathered master is the weights
         weights, master = 0, numel * MASTER_BYTES_PER_PARAM
-    return ExpertState(weights, master, grad, optimizer.bytes_for(part))
+    return ExpertState(weights, master, part * GRAD_BYTES_PER_PARAM, optimizer.bytes_for(part))
+
+
+def transient_grad_bytes(numel: int, owned_per_layer: int, edp_size: int, zero_stage: int) -> int:
+    """Partitioned: the whole fp32 gradient rows alive at once in the window's last backward (two layers': the one
+    being reduce-scattered and the next one arriving); otherwise none beyond :func:`owned_expert_state`."""
+    if not partitions_over_edp(edp_size, zero_stage):
+        return 0
+    return 2 * owned_per_layer * numel * GRAD_BYTES_PER_PARAM
 
 
 def ep_expert_state_bytes(numel: int, edp_size: int, zero_stage: int, precision: str,

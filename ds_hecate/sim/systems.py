@@ -16,7 +16,7 @@ from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ..errors import HecateError
-from ..planning.cost_model import replica_budget
+from ..planning.cost_model import replica_budget, resolve_rematerialize
 from ..planning.dispatch_plan import rank_tables
 from ..planning.layer_planner import LayerPlanner, PlanInputs, PlannerSettings
 from ..planning.placement import POLICIES
@@ -227,6 +227,17 @@ class _FlexMoE(_EPFamily):
         return self.mats[g], moved
 
 
+def rematerializes(ctx: SimContext, system: str) -> bool:
+    """Whether a Hecate system re-materializes: always for ``hecate-rm``; for ``hecate`` the config's
+    ``rematerialize`` as the runtime resolves it (null: where the resident budget is too small to help, see
+    :func:`ds_hecate.planning.cost_model.resolve_rematerialize`)."""
+    if system == "hecate-rm":
+        return True
+    return system == "hecate" and resolve_rematerialize(ctx.hecate.rematerialize, ctx.hecate.materialize_budget_mb,
+                                                        [ctx.numel * ctx.compute_b] * ctx.model.moe_layers,
+                                                        [ctx.owned_per_rank] * ctx.model.moe_layers)
+
+
 class _GroupPlanner:
     """Hecate in one group (or one class of groups routed identically at every step): the runtime's own
     :class:`LayerPlanner` on a world of the group's ``G`` ranks, with the runtime's budget and cost formulas."""
@@ -255,16 +266,16 @@ class _GroupPlanner:
 
     def step(self, counts: np.ndarray) -> Tuple[LayerTime, float]:
         """(layer time of this group, host planning seconds charged to its step)."""
-        started = time.perf_counter()
+        started = time.thread_time()   # CPU time of this thread: not what other processes on the machine take
         placement = self.planner.prefetch_placement(self.inputs)
-        search_s = time.perf_counter() - started
+        search_s = time.thread_time() - started
         # as the runtime: one Placement object per schedule, its dispatch tables built with the prefetch
         prefetched = self.last_prefetched = self.placements.setdefault(placement.materialized, placement)
         rank_tables(prefetched, self.rpn, 0)
         mat = prefetched.holders
-        started = time.perf_counter()
+        started = time.thread_time()
         after = self.planner.plan_call(counts.astype(np.int64), self.inputs, prefetched, 0)
-        critical_s = time.perf_counter() - started
+        critical_s = time.thread_time() - started
         self.planner.observe(counts)
         self.last_plan = after.plan
         late = None
@@ -292,7 +303,7 @@ class HecateSystem(_System):
         self.classes = [list(c) for c in (group_classes or [range(len(self.groups))])]
         self.planners = [_GroupPlanner(ctx, rematerialize) for _ in self.classes]
         owned = ctx.owned_per_rank * ctx.numel
-        self.edp_reduce_s = edp_reduction_time(ctx, owned * ctx.grad_b, owned * ctx.compute_b)
+        self.edp_reduce_s = edp_reduction_time(ctx, owned * ctx.edp_grad_b, owned * ctx.compute_b)
         self.note = ""
         if self.planners[0].starved():
             # the budget is a hard cap in the runtime: no layout beyond it
@@ -347,7 +358,7 @@ def make_system(system: str, ctx: SimContext, group_classes: Optional[Sequence[S
     if system == "flexmoe":
         return _FlexMoE(ctx)
     if system in ("hecate", "hecate-rm"):
-        return HecateSystem(ctx, rematerialize=system == "hecate-rm", group_classes=group_classes)
+        return HecateSystem(ctx, rematerialize=rematerializes(ctx, system), group_classes=group_classes)
     if system == "ideal":
         return _Ideal(ctx)
     raise HecateError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")

@@ -19,11 +19,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
-from ..planning.cost_model import StepCostModel, replica_budget, scheduler_costs
+from ..config import wire_dtype
+from ..planning.cost_model import StepCostModel, replica_budget, resolve_rematerialize, scheduler_costs
 from ..planning.groups import ExpertGroups, resolve_ep_size
 from ..planning.heterogeneous import slots_per_rank
 from ..planning.sharding import even_sharding
-from ..sim.model_state import OptimizerStateLayout, compute_bytes, dense_state_bytes, owned_expert_state
+from ..sim.model_state import (OptimizerStateLayout, compute_bytes, dense_state_bytes, owned_expert_state,
+                               transient_grad_bytes)
 
 __all__ = ["MemoryPlan", "format_plan", "optimizer_layout_from_ds_config", "plan_memory", "probe_optimizer_state"]
 
@@ -148,8 +150,10 @@ def plan_memory(model: Any, hecate: Any, world_size: int, ranks_per_node: int, z
               if owners_per_layer is None else [tuple(o) for o in owners_per_layer])
     owned_local = [sum(list(o).count(r) for o in owners) for r in range(group_size)]
     owned = [owned_local[groups.local_rank(r)] for r in range(world_size)]
+    most_per_layer = max(list(o).count(r) for o in owners for r in range(group_size))   # one layer, fullest rank
+    transient = transient_grad_bytes(numel, most_per_layer, groups.edp_size, zero_stage)
     state = owned_expert_state(numel, groups.edp_size, zero_stage, precision, optimizer)
-    reduce_b = 4 if hecate.reduce_dtype == "fp32" else 2
+    reduce_b = 4 if wire_dtype(hecate.reduce_dtype, precision, "sparse_reduce_scatter") == "fp32" else 2
     expert_bytes_compute = numel * compute_b
     dense_p, dense_g, dense_o = dense_state_bytes(model.dense_params, world_size, zero_stage, precision,
                                                   optimizer.bytes_per_param)
@@ -176,12 +180,14 @@ def plan_memory(model: Any, hecate: Any, world_size: int, ranks_per_node: int, z
         optimizer=optimizer.name, dense_params=model.dense_params, expert_params_per_expert=numel,
         owned_experts=owned, dense_param_bytes=dense_p, dense_grad_bytes=dense_g, dense_optimizer_bytes=dense_o,
         expert_master=[n * state.expert_master for n in owned],
-        expert_grad=[n * state.expert_grad for n in owned],
+        expert_grad=[n * state.expert_grad + (transient if n else 0) for n in owned],
         expert_optimizer_state=[n * state.expert_optimizer_state for n in owned],
         expert_weights=[n * state.expert_weights for n in owned],
         materialize_budget=int(hecate.materialize_budget_mb * (1 << 20)),
         replica_budget_per_layer=replica_budget(hecate.materialize_budget_mb, expert_bytes_compute, model.moe_layers,
-                                                hecate.rematerialize),
+                                                resolve_rematerialize(hecate.rematerialize, hecate.materialize_budget_mb,
+                                                                      [expert_bytes_compute] * model.moe_layers,
+                                                                      [most_per_layer] * model.moe_layers)),
         replica_bytes_per_expert=expert_bytes_compute,
         overlap_degree=min(costs.overlap_degree, model.num_experts), overlap_source=overlap_source, costs=costs,
         ep_size=group_size, edp_size=groups.edp_size, notes=notes)

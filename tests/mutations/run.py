@@ -176,11 +176,23 @@ MUTATIONS: List[Mutation] = [
         "fp16/bf16: the experts' fp32 masters start from the unrounded weights, DeepSpeed's from the rounded model"),
     Mutation(
         "edp-reduction-skipped", "ds_hecate/runtime/edp.py",
-        (("    if layout.edp is None:\n        return\n    for binding in rt.bindings:\n",
-          "    if layout.edp is not None or layout.edp is None:  # MUTATION: the groups never sum their gradients\n"
-          "        return\n    for binding in rt.bindings:\n"),),
+        (("    if layout.edp is None or not shard.owned:   # the same on every peer: peers own the same experts\n",
+          "    if True:  # MUTATION: the groups never sum their gradients\n"),),
         "with groups, each group steps its experts from its own group's gradients: the expert-data-parallel "
         "reduction across the groups is skipped"),
+    Mutation(
+        "edp-reduction-deferred-to-the-step", "ds_hecate/runtime/hecate.py",
+        (("        eager = self.at_boundary and self.layout.partitioned\n",
+          "        eager = False  # MUTATION: whole gradient rows kept until the step\n"),),
+        "partitioned expert state: the expert-data-parallel reduction waits for the accumulation boundary, so every "
+        "layer's whole fp32 gradient rows stay alive through the backward"),
+    Mutation(
+        "quota-replicas-off-their-node", "ds_hecate/planning/scheduler.py",
+        (("        order = np.lexsort((np.arange(search.world), rounded, node != node[r]))",
+          "        order = np.lexsort((np.arange(search.world), rounded))  # MUTATION: least loaded anywhere\n"
+          "        order = order"),),
+        "the scheduler's quota move puts each tied bottleneck's replica on the least-loaded rank anywhere, not on "
+        "its own node first"),
     Mutation(
         "edp-state-gathered-out-of-order", "ds_hecate/runtime/edp.py",
         (("    whole = gathered.permute(1, 2, 0, 3)",
@@ -241,6 +253,9 @@ TESTS_FOR: Dict[str, List[str]] = {
     "stage0-clip-norm-omits-experts": [_ORACLE2 % "zero0-clip-default"],
     "fp16-masters-not-rounded": ["tests/test_cifar_moe.py::test_tutorial_config_trains_and_tests_like_data_parallel"],
     "edp-reduction-skipped": ["tests/test_oracle_groups.py::test_follows_deepspeed_expert_parallelism_step_by_step"],
+    "edp-reduction-deferred-to-the-step": [
+        "tests/test_group_containment.py::test_layer_calls_stay_in_the_group_and_edp_work_between_peers"],
+    "quota-replicas-off-their-node": ["tests/test_quota_move.py::test_quota_places_on_the_bottleneck_node_first"],
     "edp-state-gathered-out-of-order": ["tests/test_checkpoint_groups.py"],
     "weight-traffic-on-token-communicator": [
         "tests/test_weight_traffic.py::test_token_gradient_all_to_all_completes_before_a_delayed_reduce_scatter"],
