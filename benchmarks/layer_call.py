@@ -60,6 +60,11 @@ SHAPES: Dict[str, LayerShape] = {
     # CPU-sized: the same 4,096 routed rows over 8 or 64 experts (acceptance 1 of issue 24)
     "swiglu-8": LayerShape(hidden=128, ffn=256, experts=8, top_k=2, tokens=2048),
     "swiglu-64": LayerShape(hidden=128, ffn=256, experts=64, top_k=2, tokens=2048),
+    # where the CPU's grouped GEMM starts to pay (its crossover against the loop sets ops.grouped_experts' CPU rule)
+    "swiglu-16": LayerShape(hidden=128, ffn=256, experts=16, top_k=2, tokens=2048),
+    "swiglu-32": LayerShape(hidden=128, ffn=256, experts=32, top_k=2, tokens=2048),
+    # the real 2-rank benchmark's layer (benchmarks/run.py: hidden 128, SwiGLU 512, 8 experts), all on one rank
+    "bench-8": LayerShape(hidden=128, ffn=512, experts=8, top_k=2, tokens=2048),
     # Qwen3-30B-A3B: hidden 2048, moe_intermediate_size 768, 128 experts, top-8 (one rank holds them all)
     "qwen3-30b-a3b": LayerShape(hidden=2048, ffn=768, experts=128, top_k=8, tokens=4096),
     # DeepSeek-V3: hidden 7168, moe_intermediate_size 2048, top-8 of 256 experts; one of 8 EP ranks holds 32

@@ -13,8 +13,8 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
-from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.utils.checkpoint
@@ -540,3 +540,19 @@ def run_specs(world_size: int, specs: List[Spec], timeout: Optional[float] = Non
     per_rank = (run_ranks(world_size, train_many, list(specs)) if timeout is None else
                 run_ranks(world_size, train_many, list(specs), timeout=timeout))
     return [[per_rank[r][i] for r in range(world_size)] for i in range(len(specs))]
+
+
+def run_against_oracles(world_size: int, cases: Dict[str, Tuple[Spec, dict, Any]], oracle_of: Callable[[Spec], Spec],
+                        timeout: float) -> Dict[str, Tuple[List[dict], List[dict]]]:
+    """For each case ``name -> (spec, hecate section, tolerances)``: (the oracle's results, Hecate's results). The
+    distinct oracles (``oracle_of(spec)``: plain DeepSpeed) run first on processes of their own, so no Hecate import
+    touches them, then every case with ``hecate = {"enabled": True, **section}``."""
+    oracles: List[Spec] = []
+    for spec, _, _ in cases.values():
+        if oracle_of(spec) not in oracles:
+            oracles.append(oracle_of(spec))
+    mine = [replace(spec, hecate={"enabled": True, **section}) for spec, section, _ in cases.values()]
+    oracle_runs = run_specs(world_size, oracles, timeout=timeout)
+    hecate_runs = run_specs(world_size, mine, timeout=timeout)
+    return {name: (oracle_runs[oracles.index(oracle_of(spec))], hecate_runs[i])
+            for i, (name, (spec, _, _)) in enumerate(cases.items())}

@@ -28,7 +28,7 @@ from typing import Dict, List, Tuple
 
 import pytest
 
-from moe_training import Spec, run_specs
+from moe_training import Spec, run_against_oracles
 from trajectory_checks import assert_same_steps
 
 # Small on purpose: process start-up and engine construction dominate, so many specs share one process set.
@@ -140,15 +140,7 @@ def oracle_of(spec: Spec) -> Spec:
 
 
 def _run(world: int, cases: Dict[str, Case]) -> Dict[str, Tuple[List[dict], List[dict]]]:
-    oracles: List[Spec] = []
-    for spec, _, _ in cases.values():
-        if oracle_of(spec) not in oracles:
-            oracles.append(oracle_of(spec))
-    mine = [replace(spec, hecate={"enabled": True, **section}) for spec, section, _ in cases.values()]
-    oracle_runs = run_specs(world, oracles, timeout=240)   # processes of their own: DeepSpeed only
-    hecate_runs = run_specs(world, mine, timeout=240)
-    return {name: (oracle_runs[oracles.index(oracle_of(spec))], hecate_runs[i])
-            for i, (name, (spec, _, _)) in enumerate(cases.items())}
+    return run_against_oracles(world, cases, oracle_of, timeout=240)
 
 
 CASES = {2: _cases_2(), 4: _cases_4()}

@@ -25,7 +25,7 @@ from typing import Dict, List, Tuple
 
 import pytest
 
-from moe_training import Spec, run_specs
+from moe_training import Spec, run_against_oracles
 from trajectory_checks import assert_same_steps
 
 WORLD = 4
@@ -53,15 +53,7 @@ def oracle_of(spec: Spec) -> Spec:
 
 @pytest.fixture(scope="module")
 def runs() -> Dict[str, Tuple[List[dict], List[dict]]]:
-    oracles: List[Spec] = []
-    for spec, _, _ in CASES.values():
-        if oracle_of(spec) not in oracles:
-            oracles.append(oracle_of(spec))
-    mine = [replace(spec, hecate={"enabled": True, **section}) for spec, section, _ in CASES.values()]
-    oracle_runs = run_specs(WORLD, oracles, timeout=300)   # processes of their own: DeepSpeed only
-    hecate_runs = run_specs(WORLD, mine, timeout=300)
-    return {name: (oracle_runs[oracles.index(oracle_of(spec))], hecate_runs[i])
-            for i, (name, (spec, _, _)) in enumerate(CASES.items())}
+    return run_against_oracles(WORLD, CASES, oracle_of, timeout=300)
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -1,0 +1,95 @@
+"""``ops/grouped_experts.expert_outputs``: grouped GEMM and the per-expert loop give the same outputs and gradients
+on the CPU (bit for bit for Linear-act-Linear in fp32 and bf16; SwiGLU's fused w1/w3 GEMM sums the input gradient's
+two products inside one GEMM, so that one gradient may differ by a rounding). The training suites run whichever
+path the rule takes (grouped GEMM for FFN experts where torch has it); here both paths meet on every FFN form
+(SwiGLU fused, Linear-act-Linear, biased, empty groups, unaligned operands), forced with DS_HECATE_GROUPED_MM."""
+from __future__ import annotations
+
+from typing import List
+
+import pytest
+import torch
+from torch import nn
+
+from ds_hecate.experts import ExpertKernel, SwiGLUExpert
+from ds_hecate.ops import grouped_experts
+from ds_hecate.ops.grouped_experts import RowGroups, expert_outputs, grouped_available
+
+pytestmark = pytest.mark.skipif(not hasattr(torch.nn.functional, "grouped_mm"), reason="torch without grouped_mm")
+
+
+def _experts(kind: str, n: int, hidden: int = 32, ffn: int = 64) -> List[nn.Module]:
+    torch.manual_seed(0)
+    if kind == "swiglu":
+        return [SwiGLUExpert(hidden, ffn) for _ in range(n)]
+    if kind == "swiglu-bias":
+        return [SwiGLUExpert(hidden, ffn, bias=True) for _ in range(n)]
+    bias = kind == "linear-bias"
+    return [nn.Sequential(nn.Linear(hidden, ffn, bias=bias), nn.GELU(), nn.Linear(ffn, hidden, bias=bias))
+            for _ in range(n)]
+
+
+def _run(kind: str, sizes: List[int], dtype: torch.dtype, mode: str, monkeypatch):
+    """(grouped GEMM taken, output, row gradient, expert-buffer gradient) of one call in ``mode``."""
+    monkeypatch.setenv(grouped_experts.GROUPED_MM_ENV, "1" if mode == "grouped" else "0")
+    grouped_experts.grouped_mm_supported.cache_clear()
+    experts = _experts(kind, len(sizes))
+    kernel = ExpertKernel(experts[0])
+    buffer = torch.stack([kernel.flatten(e) for e in experts]).to(dtype).requires_grad_(True)
+    torch.manual_seed(1)
+    rows = torch.randn(sum(sizes), 32).to(dtype).requires_grad_(True)
+    groups = RowGroups.build(sizes, rows.device)
+    used = grouped_available(kernel, buffer)
+    out = expert_outputs(kernel, buffer, rows, groups)
+    grad_out = torch.randn_like(out)
+    d_rows, d_buffer = torch.autograd.grad(out, (rows, buffer), grad_out)
+    grouped_experts.grouped_mm_supported.cache_clear()
+    return used, out.detach(), d_rows, d_buffer
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["swiglu", "linear"])
+def test_grouped_equals_loop(kind, dtype, monkeypatch):
+    sizes = [5, 0, 17, 1, 0, 9, 3, 12]   # empty groups included
+    used_g, *grouped = _run(kind, sizes, dtype, "grouped", monkeypatch)
+    used_l, *loop = _run(kind, sizes, dtype, "loop", monkeypatch)
+    assert used_g and not used_l
+    for a, b, what in zip(grouped, loop, ("output", "row gradient", "expert gradient")):
+        if kind == "swiglu" and what == "row gradient":   # dx = dh1 W1 + dh3 W3 in one fused GEMM: one rounding
+            tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=2 ** -7)
+            torch.testing.assert_close(a, b, **tol)
+        else:
+            assert torch.equal(a, b), f"{kind} {dtype} {what}: max diff {(a.float() - b.float()).abs().max()}"
+
+
+@pytest.mark.parametrize("kind", ["swiglu-bias", "linear-bias"])
+def test_grouped_biased_fp32_equals_loop(kind, monkeypatch):
+    sizes = [4, 7, 0, 11]
+    used_g, *grouped = _run(kind, sizes, torch.float32, "grouped", monkeypatch)
+    _, *loop = _run(kind, sizes, torch.float32, "loop", monkeypatch)
+    assert used_g
+    for a, b in zip(grouped, loop):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_biased_half_precision_takes_the_loop(monkeypatch):
+    used, *_ = _run("swiglu-bias", [3, 4], torch.bfloat16, "grouped", monkeypatch)
+    assert not used
+
+
+def test_unaligned_rows_fall_back_to_the_loop_with_the_same_result(monkeypatch):
+    """Rows starting 1 element into their storage (not 16-byte aligned) cannot take grouped GEMM: the loop runs."""
+    sizes = [6, 2, 9]
+    _, *aligned = _run("swiglu", sizes, torch.float32, "loop", monkeypatch)
+    monkeypatch.setenv(grouped_experts.GROUPED_MM_ENV, "1")
+    experts = _experts("swiglu", len(sizes))
+    kernel = ExpertKernel(experts[0])
+    buffer = torch.stack([kernel.flatten(e) for e in experts]).requires_grad_(True)
+    torch.manual_seed(1)
+    rows = torch.randn(sum(sizes), 32)
+    storage = torch.empty(rows.numel() + 1)
+    shifted = storage[1:].view(rows.shape)
+    shifted.copy_(rows)
+    shifted.requires_grad_(True)
+    out = expert_outputs(kernel, buffer, shifted, RowGroups.build(sizes, shifted.device))
+    assert torch.equal(out.detach(), aligned[0])
