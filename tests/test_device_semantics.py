@@ -21,6 +21,14 @@ HIDDEN, EXPERTS, TOKENS, STEPS = 16, 4, 24, 4
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+@pytest.fixture(autouse=True)
+def _one_expert_path(monkeypatch):
+    """The CPU run and the stand-in CUDA run must compute alike: on the CPU, calls with few experts take the
+    per-expert loop and "cuda" takes grouped GEMM (ops/grouped_experts), so both runs are held to grouped GEMM (what
+    a GPU runs; the ranks inherit the environment)."""
+    monkeypatch.setenv("DS_HECATE_GROUPED_MM", "1")
+
+
 class Net(nn.Module):
     def __init__(self, kind: str) -> None:
         super().__init__()

@@ -1,7 +1,8 @@
 """``ops/grouped_experts.expert_outputs``: grouped GEMM and the per-expert loop give the same outputs and gradients
 on the CPU (bit for bit for Linear-act-Linear in fp32 and bf16; SwiGLU's fused w1/w3 GEMM sums the input gradient's
-two products inside one GEMM, so that one gradient may differ by a rounding). The training suites run whichever
-path the rule takes (grouped GEMM for FFN experts where torch has it); here both paths meet on every FFN form
+two products inside one GEMM, so that one gradient may differ by a rounding), re-materialization's recomputing
+backward equals autograd through the call, and the device rule picks between them. The training suites run
+on the CPU with few experts per call, where the rule takes the loop; here both paths meet on every FFN form
 (SwiGLU fused, Linear-act-Linear, biased, empty groups, unaligned operands), forced with DS_HECATE_GROUPED_MM."""
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from torch import nn
 
 from ds_hecate.experts import ExpertKernel, SwiGLUExpert
 from ds_hecate.ops import grouped_experts
-from ds_hecate.ops.grouped_experts import RowGroups, expert_outputs, grouped_available
+from ds_hecate.ops.grouped_experts import (CPU_GROUPED_MIN_EXPERTS, RowGroups, expert_outputs, grouped_available,
+                                          recomputed_expert_grads)
 
 pytestmark = pytest.mark.skipif(not hasattr(torch.nn.functional, "grouped_mm"), reason="torch without grouped_mm")
 
@@ -32,7 +34,6 @@ def _experts(kind: str, n: int, hidden: int = 32, ffn: int = 64) -> List[nn.Modu
 def _run(kind: str, sizes: List[int], dtype: torch.dtype, mode: str, monkeypatch):
     """(grouped GEMM taken, output, row gradient, expert-buffer gradient) of one call in ``mode``."""
     monkeypatch.setenv(grouped_experts.GROUPED_MM_ENV, "1" if mode == "grouped" else "0")
-    grouped_experts.grouped_mm_supported.cache_clear()
     experts = _experts(kind, len(sizes))
     kernel = ExpertKernel(experts[0])
     buffer = torch.stack([kernel.flatten(e) for e in experts]).to(dtype).requires_grad_(True)
@@ -43,7 +44,6 @@ def _run(kind: str, sizes: List[int], dtype: torch.dtype, mode: str, monkeypatch
     out = expert_outputs(kernel, buffer, rows, groups)
     grad_out = torch.randn_like(out)
     d_rows, d_buffer = torch.autograd.grad(out, (rows, buffer), grad_out)
-    grouped_experts.grouped_mm_supported.cache_clear()
     return used, out.detach(), d_rows, d_buffer
 
 
@@ -93,3 +93,48 @@ def test_unaligned_rows_fall_back_to_the_loop_with_the_same_result(monkeypatch):
     shifted.requires_grad_(True)
     out = expert_outputs(kernel, buffer, shifted, RowGroups.build(sizes, shifted.device))
     assert torch.equal(out.detach(), aligned[0])
+
+
+@pytest.mark.parametrize("mode", ["grouped", "loop"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["swiglu", "linear-bias", "generic"])
+def test_recomputed_gradients_equal_autograd_through_the_call(kind, dtype, mode, monkeypatch):
+    """Re-materialization's backward (:func:`recomputed_expert_grads`: the loop one expert's gradient at a time,
+    written into one buffer) gives exactly what autograd through :func:`expert_outputs` gives, in either mode, for
+    the fast path and for a generic module; an expert without rows gets a zero gradient row."""
+    monkeypatch.setenv(grouped_experts.GROUPED_MM_ENV, "1" if mode == "grouped" else "0")
+    sizes = [3, 0, 8, 5]
+    if kind == "generic":
+        torch.manual_seed(0)
+        experts = [nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.LayerNorm(64), nn.Linear(64, 32))
+                   for _ in sizes]
+    else:
+        experts = _experts(kind, len(sizes))
+    kernel = ExpertKernel(experts[0])
+    assert (kernel.form is None) == (kind == "generic")
+    buffer = torch.stack([kernel.flatten(e) for e in experts]).to(dtype)
+    torch.manual_seed(1)
+    rows = torch.randn(sum(sizes), 32).to(dtype)
+    grad_out = torch.randn(sum(sizes), 32).to(dtype)
+    groups = RowGroups.build(sizes, rows.device)
+    b, r = buffer.clone().requires_grad_(True), rows.clone().requires_grad_(True)
+    expected = torch.autograd.grad(expert_outputs(kernel, b, r, groups), (b, r), grad_out)
+    for want_rows in (True, False):
+        d_buffer, d_rows = recomputed_expert_grads(kernel, buffer, rows, groups, grad_out, want_rows)
+        assert torch.equal(d_buffer, expected[0]), f"{kind} {dtype} {mode} expert gradient"
+        assert (d_rows is None) != want_rows
+        assert not want_rows or torch.equal(d_rows, expected[1]), f"{kind} {dtype} {mode} row gradient"
+    assert not d_buffer[1].any()
+
+
+def test_cpu_rule_takes_grouped_gemm_only_with_many_experts(monkeypatch):
+    monkeypatch.delenv(grouped_experts.GROUPED_MM_ENV, raising=False)
+    kernel = ExpertKernel(SwiGLUExpert(32, 48))
+    few = torch.zeros(CPU_GROUPED_MIN_EXPERTS - 1, kernel.numel)
+    many = torch.zeros(CPU_GROUPED_MIN_EXPERTS, kernel.numel)
+    assert not grouped_available(kernel, few)
+    assert grouped_available(kernel, many)
+    monkeypatch.setenv(grouped_experts.GROUPED_MM_ENV, "1")
+    assert grouped_available(kernel, few)
+    monkeypatch.setenv(grouped_experts.GROUPED_MM_ENV, "0")
+    assert not grouped_available(kernel, many)

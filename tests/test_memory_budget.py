@@ -35,19 +35,29 @@ same scheduler with a zero budget: no replica at all, the same re-sharding and o
    their gradients and SparseReduceScatter's send copy in backward, which the budget (materialized weights) does not
    cover but which cannot exceed it (one gradient and one send slot per replica);
 3. positive control: ``wide`` materializes more than the tight budget (the budget binds, and the measurement sees
-   replicas at all), and ``tight`` materializes some.
+   replicas at all), and ``tight`` materializes some;
+4. Hecate's own ``peak_materialized`` (whole run, warm-up included) within the budget on ``tight`` and ``tight-
+   rematerialize``: what it tracks are the allocated blocks, the rows reserved for calibration's extras counted.
 
 The profiler records frees only on the threads it follows; gloo's worker thread drops a collective's tensors
 after completing it, sometimes after the Python side let go, and that free goes unrecorded. :func:`replay` then
-counts the block until the allocator hands its address out again (an upper bound), and :func:`measure_and_check`
-accepts a pass but re-measures a failure that such a block may have caused (up to three runs).
+counts the block until the allocator hands its address out again or, never handed out again, to the end (an upper
+bound; both count as a missed free). :func:`measure_and_check` fails at once on a problem of a run and rank that
+missed no free, and re-measures one that did: it fails only if the problem recurs in every attempt (up to five;
+with re-materialization a block is dropped right after its gather completes, and on a busy 2-vCPU host a third to
+a half of the attempts miss one such free on some rank).
 
 On CUDA (needs two GPUs: NCCL refuses two ranks on one device; skipped otherwise) 1 and 3 are the same with the
 caching allocator's events (tolerance: its 512-byte rounding per buffer) and 2 reads ``torch.cuda.max_memory_allocated``
 against the ``zero`` run with :func:`cuda_allowance`.
 
+``tight-calibrating`` and its baseline ``zero-calibrating`` route by forced draws whose hot pair moves two experts
+on every step, so the load window mispredicts and calibration extends the prefetched placement after the gate
+(asserted: some call of the profiled steps is extended); the extras must land in rows the prefetch reserved.
+
 The fault injections that show the test bites (a budget that is ignored, also with Hecate's own figures hidden; the
-re-materialization overlap fixed on 2026-11-30) are mutations in ``tests/mutations/run.py``.
+re-materialization overlap fixed on 2026-11-30; the calibration extension that copied the prefetched buffer, fixed
+on 2026-12-01) are mutations in ``tests/mutations/run.py``.
 """
 from __future__ import annotations
 
@@ -59,7 +69,7 @@ from typing import Dict, List, Optional, Tuple
 import pytest
 import torch
 
-from moe_training import Spec, TinyMoE, ds_config, rank_batch
+from moe_training import Spec, TinyMoE, ds_config, force_routes, rank_batch
 
 WORLD = 2
 WARM_STEPS = 4        # the load window fills and a re-shard happens (reshard_interval 3) before measuring
@@ -104,7 +114,8 @@ class Measured:
     process_peak: int          # live bytes of everything allocated in the profiled steps
     odd_expert_shaped: List[str]   # expert-shaped blocks allocated outside expert code (should be none)
     cuda_peak: Optional[int]   # torch.cuda.max_memory_allocated() above the start of the profiled steps
-    reported_peak: int         # Hecate's own figure (diagnostics only, never asserted)
+    reported_peak: int         # Hecate's own figure, whole run (assertion 4)
+    extensions: int            # layer calls calibration extended after the gate, in the profiled steps
     unrecorded_frees: int      # replica or expert-shaped blocks whose free the profiler missed (see replay)
     budget: int                # bytes, as configured
     replica_budget: List[int]  # per layer, Hecate's split (diagnostics)
@@ -180,6 +191,9 @@ def replay(events: List[Event], unit: int) -> Dict[str, object]:
         for k in kinds:
             totals[k] += size
             peaks[k] = max(peaks[k], totals[k])
+    # A block whose free went unrecorded and whose address was not handed out again is still live here; so may be a
+    # legitimate prefetch for the step after the profiled ones. Either way the peak may be an upper bound: counted.
+    unrecorded += sum(1 for _, kinds in live.values() if "materialized" in kinds)
     return {**peaks, "gathers": gathers, "odd": odd, "unrecorded": unrecorded}
 
 
@@ -208,6 +222,9 @@ def measure(rank: int, world_size: int, spec: Spec, cuda: bool = False) -> Measu
 
     def step(s: int) -> None:
         x, y, used = rank_batch(spec, s, 0, rank, world_size, torch.float32)
+        if spec.forced_routes:   # the hot pair moves on every step: the prediction misses, calibration extends
+            force_routes(engine.module, replace(spec, gate_bias=rotated(spec.gate_bias, 2 * s)), s, 0, rank,
+                         world_size)
         loss = engine(x.to(device), y.to(device), None if used is None else used.to(device))
         engine.backward(loss)
         engine.step()
@@ -215,6 +232,7 @@ def measure(rank: int, world_size: int, spec: Spec, cuda: bool = False) -> Measu
     for s in range(WARM_STEPS):
         step(s)
     gc.collect()
+    extended_before = sum(b.extensions for b in engine.hecate.bindings)
     cuda_start = None
     if cuda:
         torch.cuda.synchronize()
@@ -234,6 +252,7 @@ def measure(rank: int, world_size: int, spec: Spec, cuda: bool = False) -> Measu
                     expert_peak=peaks["expert"], process_peak=peaks["all"], odd_expert_shaped=peaks["odd"][:5],
                     cuda_peak=cuda_peak, reported_peak=stats["memory"]["peak_materialized"],
                     unrecorded_frees=peaks["unrecorded"],
+                    extensions=sum(b.extensions for b in engine.hecate.bindings) - extended_before,
                     budget=stats["memory"]["materialize_budget"],
                     replica_budget=[layer["replica_budget"] for layer in stats["layers"]])
 
@@ -250,12 +269,22 @@ def _specs() -> Dict[str, Spec]:
         "wide": replace(BASE, hecate={**SCHEDULER, "materialize_budget_mb": budget_mb(BASE, 64)}),
         "zero": replace(BASE, hecate={**SCHEDULER, "materialize_budget_mb": 0.0}),
         "zero-rematerialize": replace(BASE, hecate={**SCHEDULER, "rematerialize": True, "materialize_budget_mb": 0.0}),
+        "tight-calibrating": replace(BASE, forced_routes=True,
+                                     hecate={**SCHEDULER, "materialize_budget_mb": budget_mb(BASE, 2)}),
+        "zero-calibrating": replace(BASE, forced_routes=True, hecate={**SCHEDULER, "materialize_budget_mb": 0.0}),
     }
+
+
+def rotated(bias: Tuple[float, ...], shift: int) -> Tuple[float, ...]:
+    """``bias`` moved ``shift`` experts to the right (cyclically)."""
+    shift %= len(bias)
+    return tuple(bias[-shift:] + bias[:-shift]) if shift else tuple(bias)
 
 
 #: The zero-budget run each run is measured against (the same residency: re-materialization frees a layer's
 #: experts after its forward, so its own experts are resident for one layer at a time).
-BASELINE = {"tight": "zero", "wide": "zero", "tight-rematerialize": "zero-rematerialize"}
+BASELINE = {"tight": "zero", "wide": "zero", "tight-rematerialize": "zero-rematerialize",
+            "tight-calibrating": "zero-calibrating"}
 
 
 def _run(cuda: bool) -> Dict[str, List[Measured]]:
@@ -268,19 +297,23 @@ def _run(cuda: bool) -> Dict[str, List[Measured]]:
 
 def _table(results: Dict[str, List[Measured]]) -> str:
     rows = ["| run | rank | budget | expert buffers peak (allocator) | replica peak (above zero) | expert-shaped peak "
-            "| send peak | process peak | Hecate's own peak (whole run) | frees missed |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+            "| send peak | process peak | Hecate's own peak (whole run) | frees missed | extended calls |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, per_rank in results.items():
         for r, m in enumerate(per_rank):
             process = m.process_peak if m.cuda_peak is None else f"{m.cuda_peak} (cuda max_memory_allocated)"
             replicas = m.materialized_peak - results[BASELINE.get(name, name)][r].materialized_peak
             rows.append(f"| {name} | {r} | {m.budget} | {m.materialized_peak} ({m.gathers} buffers) | {replicas} | "
-                        f"{m.expert_peak} | {m.send_peak} | {process} | {m.reported_peak} | {m.unrecorded_frees} |")
+                        f"{m.expert_peak} | {m.send_peak} | {process} | {m.reported_peak} | {m.unrecorded_frees} | {m.extensions} |")
     return "\n".join(rows)
 
 
-def problems(results: Dict[str, List[Measured]], cuda: bool) -> List[str]:
-    """The assertions below, as messages (empty: all hold)."""
+Problem = Tuple[Optional[Tuple[str, int]], str]
+
+
+def problems(results: Dict[str, List[Measured]], cuda: bool) -> List[Problem]:
+    """The assertions below, as (run and rank the problem is about, or None for the positive controls; message),
+    empty where all hold."""
     table = _table(results)
     eb = expert_bytes(BASE)
     slack = 8 * CUDA_ROUNDING if cuda else TOLERANCE_BYTES
@@ -291,41 +324,54 @@ def problems(results: Dict[str, List[Measured]], cuda: bool) -> List[str]:
     def replicas(name: str, rank: int) -> int:
         return results[name][rank].materialized_peak - results[BASELINE[name]][rank].materialized_peak
     if max(replicas("wide", r) for r in range(WORLD)) <= small + slack:
-        found.append(f"positive control: with a wide budget the replicas should exceed {small} bytes")
-    for name in ("tight", "tight-rematerialize"):
+        found.append((None, f"positive control: with a wide budget the replicas should exceed {small} bytes"))
+    if not any(m.extensions for m in results["tight-calibrating"]):
+        found.append((None, "tight-calibrating: calibration extended no layer call in the profiled steps"))
+    for name in ("tight", "tight-rematerialize", "tight-calibrating"):
         if not any(replicas(name, r) > 0 for r in range(WORLD)):
-            found.append(f"{name}: no replica was materialized")
+            found.append((None, f"{name}: no replica was materialized"))
         for rank, (m, zero) in enumerate(zip(results[name], results[BASELINE[name]])):
             # 1. Replica rows of the expert buffers within the budget, as the allocator saw them.
             if replicas(name, rank) > m.budget + slack:
-                found.append(f"{name} rank {rank}: {replicas(name, rank)} bytes of materialized replicas were live at once "
-                             f"(allocator), budget {m.budget} (+{slack}); one expert is {eb} bytes")
+                found.append(((name, rank), f"{name} rank {rank}: {replicas(name, rank)} bytes of materialized replicas were live at once "
+                             f"(allocator), budget {m.budget} (+{slack}); one expert is {eb} bytes"))
+            # 4. Hecate's own figure (the whole run, unprofiled warm-up steps included) within the budget too: the
+            # blocks it tracks are the allocations, reserved rows counted. A calibration extension that copied the
+            # prefetched buffer held both at once (CI, 2026-12-01: two and three replicas under budgets of one and two).
+            if m.reported_peak > m.budget:
+                found.append(((name, rank), f"{name} rank {rank}: Hecate reports {m.reported_peak} bytes of replicas "
+                              f"live at once, budget {m.budget}"))
             # 2. Expert-shaped memory anywhere, against the same scheduler without replicas.
             if cuda:
                 allowance = cuda_allowance(BASE, m.budget)
                 if m.cuda_peak - zero.cuda_peak > allowance:
-                    found.append(f"{name} rank {rank}: max_memory_allocated is {m.cuda_peak - zero.cuda_peak} bytes "
-                                 f"above the zero-budget run, more than {allowance}")
+                    found.append(((name, rank), f"{name} rank {rank}: max_memory_allocated is "
+                                  f"{m.cuda_peak - zero.cuda_peak} bytes above the zero-budget run, more than {allowance}"))
             elif m.expert_peak - zero.expert_peak > 3 * m.budget + slack:
-                found.append(f"{name} rank {rank}: {m.expert_peak - zero.expert_peak} bytes more expert-shaped memory "
-                             f"than without replicas, more than 3 x budget ({m.budget}: weights, their gradients, "
-                             "SparseReduceScatter's send copy)")
-    return [f"{p}:\n{table}" for p in found]
+                found.append(((name, rank), f"{name} rank {rank}: {m.expert_peak - zero.expert_peak} bytes more "
+                              f"expert-shaped memory than without replicas, more than 3 x budget ({m.budget}: weights, "
+                              "their gradients, SparseReduceScatter's send copy)"))
+    return [(key, f"{p}:\n{table}") for key, p in found]
 
 
-def measure_and_check(cuda: bool, attempts: int = 3) -> Dict[str, List[Measured]]:
-    """Run and check; a failure counts only from a complete measurement. Where the profiler missed the free of a
-    replica or expert-shaped block, the replay counts the block until its address is handed out again, an upper
-    bound: a pass stands, a failure is measured again (a real excess, as the mutations inject, recurs; a missed
-    free on a busy host does not)."""
+def measure_and_check(cuda: bool, attempts: int = 5) -> Dict[str, List[Measured]]:
+    """Run and check. Where the profiler missed the free of a replica or expert-shaped block, the replay counts the
+    block until its address is handed out again (or to the end), an upper bound: a problem of a run and rank whose
+    measurement missed no free stands at once; one whose measurement missed a free is measured again, and fails only
+    if it recurs in every attempt (a real excess, as the mutations inject, recurs; a missed free on a busy host
+    does not, and it strikes one run and rank at a time)."""
+    recurring: Optional[Dict[Tuple[str, int], str]] = None
     for attempt in range(1, attempts + 1):
         results = _run(cuda)
         print(f"\nattempt {attempt}:\n{_table(results)}")
         found = problems(results, cuda)
-        complete = not any(m.unrecorded_frees for ms in results.values() for m in ms)
-        if not found or complete:
-            break
-    assert not found, "\n".join(found)
+        certain = [text for key, text in found if key is None or not results[key[0]][key[1]].unrecorded_frees]
+        assert not certain, "\n".join(certain)
+        now = {key: text for key, text in found}
+        recurring = now if recurring is None else {k: t for k, t in now.items() if k in recurring}
+        if not recurring:
+            return results
+    assert not recurring, "in every attempt, each with a missed free:\n" + "\n".join(recurring.values())
     return results
 
 

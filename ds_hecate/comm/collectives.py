@@ -64,28 +64,50 @@ def materialized_buffer(rows: int, numel: int, dtype: torch.dtype, device: torch
 class GatheredExperts:
     """This rank's materialized experts of one layer call, as the rows of one ``[n, numel]`` buffer in the compute
     dtype: its own experts first (rows ``[0, owned)``, in expert order), then the replicas in the order they
-    arrive (owner rank ascending, then expert). The grouped expert compute reads the buffer as it is."""
+    arrive (owner rank ascending, then expert). The grouped expert compute reads the buffer as it is.
+
+    ``block`` is the allocation the buffer is the first rows of; rows after them are reserved for calibration's
+    extras (:meth:`extended`), which are received straight into them: extending a prefetched placement after the
+    gate copies nothing, so the replicas never live twice (a copy would hold the prefetched rows and the extended
+    buffer at once, up to twice the memory budget)."""
 
     experts: Tuple[int, ...]
     buffer: torch.Tensor
     owned: int
+    block: Optional[torch.Tensor] = None
 
     def flats(self) -> Dict[int, torch.Tensor]:
         """expert -> its row (a view), for consolidation, export and tests."""
         return dict(zip(self.experts, self.buffer.unbind(0)))
 
     @property
+    def spare_rows(self) -> int:
+        """Rows reserved after the buffer's for calibration's extras."""
+        return 0 if self.block is None else self.block.shape[0] - self.buffer.shape[0]
+
+    @property
     def replica_bytes(self) -> int:
-        return (len(self.experts) - self.owned) * self.buffer.shape[1] * self.buffer.element_size()
+        """Bytes of the block's replica rows, the reserved ones included (they are allocated)."""
+        rows = len(self.experts) - self.owned + self.spare_rows
+        return rows * self.buffer.shape[1] * self.buffer.element_size()
+
+    def spare(self, rows: int) -> torch.Tensor:
+        """The first ``rows`` reserved rows, for the extras' SparseAllGather to receive into."""
+        if rows > self.spare_rows:
+            raise HecateError(f"calibration's extras need {rows} replica row(s) and {self.spare_rows} are reserved: "
+                              "the calibrated placement exceeds the replica budget the prefetch reserved for it")
+        start = self.buffer.shape[0]
+        return self.block[start:start + rows]
 
     def extended(self, extra: "GatheredExperts") -> "GatheredExperts":
-        """These rows followed by ``extra``'s replicas (calibration's extras, gathered after the gate): one copy."""
-        if len(extra.experts) == extra.owned:
+        """These rows followed by ``extra``'s replicas, received into this block's reserved rows (no copy)."""
+        added = len(extra.experts) - extra.owned
+        if added == 0:
             return self
-        rows = materialized_buffer(len(self.experts) + len(extra.experts) - extra.owned, self.buffer.shape[1],
-                                   self.buffer.dtype, self.buffer.device)
-        torch.cat([self.buffer, extra.buffer[extra.owned:]], out=rows)
-        return GatheredExperts(self.experts + extra.experts[extra.owned:], rows, self.owned)
+        if extra.owned or extra.buffer.data_ptr() != self.spare(added).data_ptr():
+            raise HecateError("calibration's extras were not received into the rows reserved for them")
+        rows = len(self.experts) + added
+        return GatheredExperts(self.experts + extra.experts, self.block[:rows], self.owned, self.block)
 
 
 class PendingGather:
@@ -312,20 +334,32 @@ class Communicator:
 
     def start_sparse_all_gather(self, placement: Placement, owned: Dict[int, torch.Tensor], numel: int,
                                 dtype: torch.dtype, counters: CommCounters, async_op: bool = True,
-                                include_owned: bool = True) -> PendingGather:
+                                include_owned: bool = True, spare_rows: int = 0,
+                                into: Optional[GatheredExperts] = None) -> PendingGather:
         """spAG(P, P'): start materializing this rank's experts of ``placement`` into one buffer
         (:class:`GatheredExperts`); :meth:`PendingGather.wait` gives it.
 
         Owned experts are packed into the first rows (cast to ``dtype``; left out with ``include_owned=False``, for
         calibration's extras); every other materialized expert is sent by its owner straight into the remaining
         rows, and only the pairs in P' \\ P cross the wire.
+
+        ``spare_rows`` reserves rows after these in the same block for calibration's extras; their gather passes
+        ``into`` (the prefetched :class:`GatheredExperts`, with ``include_owned=False``) and receives into them.
         """
         own = owned_experts_of(placement, self.rank) if include_owned else []
         recv_lists = placement.gather_recvs(self.rank)
         received = _source_major(recv_lists)
-        buffer = materialized_buffer(len(own) + len(received), numel, dtype, self.device)
+        rows = len(own) + len(received)
+        if into is not None:
+            if own:
+                raise HecateError("a gather into reserved rows carries replicas only (include_owned=False)")
+            block = None
+            buffer = into.spare(rows)
+        else:
+            block = materialized_buffer(rows + spare_rows, numel, dtype, self.device)
+            buffer = block[:rows]
         self.pack([owned[e] for e in own], numel, dtype, out=buffer[:len(own)])
-        gathered = GatheredExperts(tuple(own) + tuple(received), buffer, len(own))
+        gathered = GatheredExperts(tuple(own) + tuple(received), buffer, len(own), block)
         if placement.num_moved == 0:
             return PendingGather(placement, lambda: gathered)
         counters.count("allgather")

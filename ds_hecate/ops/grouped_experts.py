@@ -6,7 +6,8 @@ is one grouped GEMM over all experts (``torch.nn.functional.grouped_mm``): a fix
 whatever the number of experts, where a per-expert loop launches about 5 kernels forward and 21 backward per
 expert. The loop remains the path for generic ``nn.Module`` experts, for a torch release or device without
 grouped GEMM, for operands grouped GEMM cannot take (16-byte alignment), for biased experts in fp16/bf16 (see
-:func:`grouped_available`), and can be forced with ``DS_HECATE_GROUPED_MM=0`` (benchmarks compare both).
+:func:`grouped_available`), and on the CPU for calls with few experts (:data:`CPU_GROUPED_MIN_EXPERTS`).
+``DS_HECATE_GROUPED_MM=0`` forces the loop, ``=1`` grouped GEMM wherever it runs (benchmarks compare both).
 
 Biases are added per row from the expert's bias row; their gradient is a segment sum (deterministic: no atomics).
 """
@@ -23,8 +24,17 @@ import torch.nn.functional as F
 
 from ..experts import ExpertKernel
 
-#: Set to "0" to run experts in a per-expert loop even where grouped GEMM is available.
+#: "0": run experts in a per-expert loop even where grouped GEMM is available; "1": grouped GEMM wherever it runs,
+#: whatever the number of experts; unset: the rule of :func:`grouped_available`.
 GROUPED_MM_ENV = "DS_HECATE_GROUPED_MM"
+
+#: On the CPU a launch costs nothing and the CPU's grouped GEMM is one GEMM per group plus its own bookkeeping, so
+#: it pays only with many experts per call. Measured (``python -m benchmarks.layer_call``, 2-vCPU Xeon, fp32,
+#: hidden 128): the experts' own fwd+bwd 19.5 ms grouped against 17.3 ms looped with 8 experts, 19.4 against 20.5
+#: with 16, 30.9 against 32.4 with 64; the real 2-rank benchmark (8 experts, 4 to 6 per rank and call) ran 3-5%
+#: slower end to end with grouped GEMM. On CUDA, where each of the loop's ~26 kernels per expert is a launch,
+#: grouped GEMM is always taken.
+CPU_GROUPED_MIN_EXPERTS = 16
 
 
 @dataclass(frozen=True)
@@ -61,7 +71,7 @@ class RowGroups:
 def grouped_mm_supported(device_type: str, device_index: Optional[int], dtype: torch.dtype) -> bool:
     """Whether this torch release runs ``F.grouped_mm`` forward and backward on this device and dtype (one tiny
     trial per process and key; False rather than an error when it cannot)."""
-    if os.environ.get(GROUPED_MM_ENV, "1") == "0" or not hasattr(F, "grouped_mm"):
+    if not hasattr(F, "grouped_mm"):
         return False
     device = torch.device(device_type, device_index) if device_index is not None else torch.device(device_type)
     try:
@@ -121,12 +131,16 @@ def grouped_available(kernel: ExpertKernel, buffer: torch.Tensor) -> bool:
 
     Biased experts in fp16/bf16 take the loop: ``F.linear`` rounds ``x W^T + b`` once, a grouped GEMM followed by
     the bias add would round twice (about half an ulp on every element: the oracle tests see it). The FFN experts
-    of the MoE models that matter on GPUs have no biases."""
+    of the MoE models that matter on GPUs have no biases. On the CPU, unless ``DS_HECATE_GROUPED_MM`` says
+    otherwise, only calls with at least :data:`CPU_GROUPED_MIN_EXPERTS` experts take grouped GEMM."""
     form = kernel.form
     if form is None or buffer.shape[0] == 0:
         return False
     biased = any(b is not None for b in (form.up_bias, form.gate_bias, form.down_bias))
     if biased and buffer.dtype != torch.float32:
+        return False
+    forced = os.environ.get(GROUPED_MM_ENV)   # read per call: the cached feature check below must not hold it
+    if forced == "0" or (forced is None and buffer.device.type == "cpu" and buffer.shape[0] < CPU_GROUPED_MIN_EXPERTS):
         return False
     return grouped_mm_supported(buffer.device.type, buffer.device.index, buffer.dtype)
 
@@ -134,13 +148,18 @@ def grouped_available(kernel: ExpertKernel, buffer: torch.Tensor) -> bool:
 def expert_outputs(kernel: ExpertKernel, buffer: torch.Tensor, rows: torch.Tensor, groups: RowGroups) -> torch.Tensor:
     """Outputs of expert ``j`` (row ``j`` of ``buffer``) on its ``groups.sizes[j]`` consecutive rows of ``rows``,
     concatenated in the same order. Differentiable in ``rows`` and ``buffer``."""
-    if grouped_available(kernel, buffer):
-        form = kernel.form
-        fuse = form.fusable(kernel.names)
-        weights = kernel.grouped_views(buffer, fuse)
-        if _aligned([rows, *weights.values()]):
-            return form.run(_grouped_projection(weights, groups), rows, fuse)
+    weights = _grouped_weights(kernel, buffer, rows)
+    if weights is not None:
+        return kernel.form.run(_grouped_projection(weights, groups), rows, kernel.form.fusable(kernel.names))
     return _loop(kernel, buffer, rows, groups.sizes)
+
+
+def _grouped_weights(kernel: ExpertKernel, buffer: torch.Tensor, rows: torch.Tensor) -> Optional[dict]:
+    """The grouped GEMM's weight operands, or None where this call takes the loop."""
+    if not grouped_available(kernel, buffer):
+        return None
+    weights = kernel.grouped_views(buffer, kernel.form.fusable(kernel.names))
+    return weights if _aligned([rows, *weights.values()]) else None
 
 
 def _grouped_projection(weights, groups: RowGroups):
@@ -160,3 +179,34 @@ def _loop(kernel: ExpertKernel, buffer: torch.Tensor, rows: torch.Tensor, sizes:
     """One expert at a time (``unbind``/``split`` views: no zero-filling backward)."""
     outs = [kernel(flat, x) for flat, x in zip(buffer.unbind(0), rows.split(list(sizes)))]
     return torch.cat(outs) if outs else rows
+
+
+def recomputed_expert_grads(kernel: ExpertKernel, buffer: torch.Tensor, rows: torch.Tensor, groups: RowGroups,
+                            grad_out: torch.Tensor, want_rows: bool) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The gradients of :func:`expert_outputs` for ``buffer`` and (with ``want_rows``) ``rows``, recomputing the
+    forward: re-materialization's backward, which runs inside the outer backward (no graph outlives the call).
+
+    Grouped GEMM: one graph, one ``autograd.grad``. The loop: one expert's graph at a time, its gradient written
+    into its row of one ``[E, numel]`` result, where autograd through ``unbind`` would keep every expert's gradient
+    until ``unbind``'s backward stacks them: two copies of the layer's expert gradients at once, which the replica
+    budget's bound (tests/test_memory_budget.py) does not allow. Same ops on the same operands as autograd through
+    the loop, so the same numbers."""
+    buffer, rows = buffer.detach(), rows.detach()
+    with torch.enable_grad():
+        if _grouped_weights(kernel, buffer, rows) is not None:
+            leaf, x = buffer.requires_grad_(True), rows.requires_grad_(want_rows)
+            got = torch.autograd.grad(expert_outputs(kernel, leaf, x, groups), [leaf] + ([x] if want_rows else []),
+                                      grad_out, allow_unused=True)
+            d_buffer = got[0] if got[0] is not None else torch.zeros_like(buffer)
+            return d_buffer, ((got[1] if got[1] is not None else torch.zeros_like(rows)) if want_rows else None)
+        d_buffer = torch.empty_like(buffer)
+        d_rows = torch.empty_like(rows) if want_rows else None
+        sizes = list(groups.sizes)
+        row_grads = d_rows.split(sizes) if want_rows else [None] * len(sizes)
+        for i, (flat, x, g) in enumerate(zip(buffer.unbind(0), rows.split(sizes), grad_out.split(sizes))):
+            flat, x = flat.requires_grad_(True), x.requires_grad_(want_rows)
+            got = torch.autograd.grad(kernel(flat, x), [flat] + ([x] if want_rows else []), g, allow_unused=True)
+            d_buffer[i].copy_(got[0]) if got[0] is not None else d_buffer[i].zero_()
+            if want_rows:
+                row_grads[i].copy_(got[1]) if got[1] is not None else row_grads[i].zero_()
+        return d_buffer, d_rows

@@ -17,7 +17,7 @@ import torch
 
 from ..comm.collectives import GatheredExperts
 from ..comm.device import to_device
-from ..ops.grouped_experts import RowGroups, expert_outputs
+from ..ops.grouped_experts import RowGroups, expert_outputs, recomputed_expert_grads
 from ..planning.dispatch_plan import RankDispatch
 
 
@@ -97,15 +97,17 @@ class RematerializedExperts(torch.autograd.Function):
         with binding.timed("regather"):
             gathered = binding.gather(plan.placement, async_op=False).wait()
         rows = ExpertRows.of(plan.for_rank(binding.runtime.rank), gathered.experts, recv.device)
-        buffer = gathered.buffer.detach().requires_grad_(True)
-        tokens = recv.detach().requires_grad_(recv.requires_grad)
-        with torch.enable_grad():
-            y = run_expert_rows(binding.shard.kernel, buffer, tokens, rows)
-            inputs = [buffer] + ([tokens] if tokens.requires_grad else [])
-            grads = torch.autograd.grad(y, inputs, grad_out, allow_unused=True)
-        grad_buffer = grads[0] if grads[0] is not None else torch.zeros_like(buffer)
-        binding.reduce_scatter(plan, gathered.experts, grad_buffer)
-        grad_rows = grads[1] if tokens.requires_grad else None
+        # run_expert_rows backwards: its index_copy's backward selects the output gradient in expert-major order,
+        # its index_select's backward adds the rows' gradients back into the received order (as autograd would)
+        experts = gathered.experts
+        grad_buffer, grad_grouped = recomputed_expert_grads(
+            binding.shard.kernel, gathered.buffer, recv.index_select(0, rows.order), rows.groups,
+            grad_out.index_select(0, rows.order), recv.requires_grad)
+        del gathered   # the re-gathered weights go before the reduce-scatter allocates its send copy
+        binding.reduce_scatter(plan, experts, grad_buffer)
+        grad_rows = None
+        if recv.requires_grad:
+            grad_rows = torch.zeros_like(recv).index_add_(0, rows.order, grad_grouped)
         return grad_rows, None, None, None, None, None
 
 

@@ -90,6 +90,7 @@ class LayerBinding:
         self.calls = 0
         self.prefetch_hits = 0
         self.recomputes = 0
+        self.extensions = 0   # calls whose prefetched placement calibration extended (extras in the reserved rows)
         self.pairs_processed = 0
         self.gap_time = Intervals(keep=16)   # device time between the previous MoE layer and this one
         self.device_time = {p: Intervals(keep=0) for p in PHASES}   # device time per phase: stats, cost model
@@ -129,18 +130,39 @@ class LayerBinding:
         return PlanInputs(self.shard.owners, self.runtime.step_costs(self), self.replica_budget(), self.cost)
 
     # -- collectives ---------------------------------------------------------------------------------------------
-    def gather(self, placement: Placement, async_op: bool, include_owned: bool = True) -> PendingGather:
+    def gather(self, placement: Placement, async_op: bool, spare_rows: int = 0) -> PendingGather:
+        """SparseAllGather of ``placement`` into a block with ``spare_rows`` reserved for calibration's extras."""
         rt = self.runtime
         pending = rt.comm.start_sparse_all_gather(placement, self.shard.weights, self.shard.kernel.numel,
                                                   rt.compute_dtype, self.counters, async_op=async_op,
-                                                  include_owned=include_owned)
+                                                  spare_rows=spare_rows)
         finish = pending.wait
 
         return PendingGather(placement, lambda: self._track(finish()))
 
+    def gather_extras(self, extras: Placement, into: GatheredExperts) -> GatheredExperts:
+        """Calibration's extras, received into the rows ``into`` reserved for them: the extended buffer (its
+        memory was tracked with ``into``'s block)."""
+        rt = self.runtime
+        extra = rt.comm.start_sparse_all_gather(extras, self.shard.weights, self.shard.kernel.numel, rt.compute_dtype,
+                                                self.counters, async_op=False, include_owned=False, into=into).wait()
+        self.extensions += len(extra.experts) > 0
+        return into.extended(extra)
+
+    def spare_rows_for(self, placement: Placement, inputs: PlanInputs) -> int:
+        """Rows a prefetched gather reserves for calibration's extras: what the replica budget leaves this rank
+        beyond the prefetched replicas, at most the experts it does not hold (0 without calibration)."""
+        if not self.planner.settings.calibration:
+            return 0
+        held = int(placement.holders[self.runtime.rank].sum())
+        owned = sum(1 for o in placement.owners if o == self.runtime.rank)
+        return max(0, min(inputs.replica_budget - (held - owned), len(placement.owners) - held))
+
     def _track(self, gathered: GatheredExperts) -> GatheredExperts:
-        """Remember a gathered buffer until it is freed (replica memory statistics and budget checks)."""
-        self._live_buffers.append((weakref.ref(gathered.buffer), gathered.replica_bytes))
+        """Remember a gathered block until it is freed (replica memory statistics and budget checks), its reserved
+        rows counted: they are allocated."""
+        block = gathered.block if gathered.block is not None else gathered.buffer
+        self._live_buffers.append((weakref.ref(block), gathered.replica_bytes))
         self.peak_replica_bytes = max(self.peak_replica_bytes, self.replica_bytes_alive())
         self.runtime.note_replica_bytes()
         return gathered
@@ -185,20 +207,22 @@ class LayerBinding:
                 placement = self.planner.prefetch_placement(self.plan_inputs())
                 # the dispatch tables of this placement, so the call after the gate only divides counts
                 rank_tables(placement, self.runtime.ranks_per_node, self.runtime.rank)
-            self.pending = self.gather(placement, async_op=True)
+            self.pending = self.gather(placement, async_op=True,
+                                       spare_rows=self.spare_rows_for(placement, self.plan_inputs()))
 
-    def _plan(self, counts: np.ndarray) -> Tuple[DispatchPlan, PendingGather, Optional[PendingGather]]:
-        """Plan this call; returns (plan, gather of the main placement, gather of calibration extras or None)."""
+    def _plan(self, counts: np.ndarray) -> Tuple[DispatchPlan, PendingGather, Optional[Placement]]:
+        """Plan this call; returns (plan, gather of the prefetched placement, calibration's extras or None)."""
         inputs, rank = self.plan_inputs(), self.runtime.rank
         if not self.planner.prefetches:
             after = self.planner.plan_call(counts, inputs, None, rank)
             return after.plan, self.gather(after.plan.placement, async_op=False), None
         self.prefetch_hits += self.pending is not None
-        pending = self.pending or self.gather(self.planner.prefetch_placement(inputs), async_op=False)
-        self.pending = None
+        if self.pending is None:
+            placement = self.planner.prefetch_placement(inputs)
+            self.pending = self.gather(placement, async_op=False, spare_rows=self.spare_rows_for(placement, inputs))
+        pending, self.pending = self.pending, None
         after = self.planner.plan_call(counts, inputs, pending.placement, rank)
-        extra = None if after.extras is None else self.gather(after.extras, async_op=False, include_owned=False)
-        return after.plan, pending, extra
+        return after.plan, pending, after.extras
 
     def _cached_plan(self, counts: np.ndarray) -> DispatchPlan:
         """The plan of the forward call this recompute replays. Kept until the next model forward: torch's
@@ -247,7 +271,7 @@ class LayerBinding:
         with self.timed("gather"):
             gathered = pending.wait()
             if extra is not None:
-                gathered = self._track(gathered.extended(extra.wait()))
+                gathered = self.gather_extras(extra, gathered)
 
         # Send order: by destination, then expert, then slot; the receiver expects (src, expert) segments.
         with self.timed("dispatch"):
@@ -302,7 +326,7 @@ class LayerBinding:
         plan, counts = self.last_plan, self.last_counts
         out = {"name": self.shard.name, "num_experts": self.shard.num_experts, "owners": list(self.shard.owners),
                "owned_experts": self.shard.owned, "forward_calls": self.calls, "prefetch_hits": self.prefetch_hits,
-               "recomputes": self.recomputes, "replica_budget": self.replica_budget(),
+               "extensions": self.extensions, "recomputes": self.recomputes, "replica_budget": self.replica_budget(),
                "schedule_searches": self.schedule.searches, "schedule_reuses": self.schedule.reuses,
                "peak_replica_bytes": self.peak_replica_bytes, **self.counters.as_dict(),
                "cross_node_tokens": self.cross_node_rows,

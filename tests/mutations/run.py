@@ -119,8 +119,8 @@ MUTATIONS: List[Mutation] = [
         env=SHORT_WATCHDOG),
     Mutation(
         "calibration-extras-not-gathered", "ds_hecate/runtime/layer.py",
-        (("        extra = None if after.extras is None else self.gather(after.extras, async_op=False, include_owned=False)\n",
-          "        extra = None  # MUTATION: calibration's extra replicas are planned but never gathered\n"),),
+        (("                gathered = self.gather_extras(extra, gathered)\n",
+          "                pass  # MUTATION: calibration's extra replicas are planned but never gathered\n"),),
         "after the gate, calibration adds replicas to the plan but their SparseAllGather is never issued",
         env=SHORT_WATCHDOG),
     Mutation(
@@ -133,7 +133,7 @@ MUTATIONS: List[Mutation] = [
     Mutation(
         "budget-ignored", "ds_hecate/runtime/layer.py",
         (("        return replica_budget(rt.config.materialize_budget_mb, self.expert_bytes, len(rt.bindings),\n"
-          "                              rt.config.rematerialize)\n",
+          "                              rt.rematerialize)\n",
           "        return 1 << 30  # MUTATION: materialize_budget_mb is ignored\n"),),
         "the runtime's replica budget is huge whatever materialize_budget_mb says"),
     Mutation(
@@ -148,6 +148,14 @@ MUTATIONS: List[Mutation] = [
           "        return 0  # MUTATION: Hecate's own replica-bytes figure sees nothing\n")),
         "the planner ignores the budget while the statistics still report the configured budget and no replica "
         "bytes: only a measurement from outside Hecate can see it"),
+    Mutation(
+        "calibration-extension-copies", "ds_hecate/comm/collectives.py",
+        (("        return GatheredExperts(self.experts + extra.experts, self.block[:rows], self.owned, self.block)\n",
+          "        copy = materialized_buffer(rows, self.buffer.shape[1], self.buffer.dtype, self.buffer.device)\n"
+          "        copy.copy_(self.block[:rows])  # MUTATION: the extended buffer is a copy (the code before 2026-12-01)\n"
+          "        return GatheredExperts(self.experts + extra.experts, copy, self.owned)\n"),),
+        "extending the prefetched placement after the gate copies the prefetched rows and the extras into a new "
+        "buffer, so both live at once (up to twice the budget; CI saw it on 2026-12-01)"),
     Mutation(
         "rematerialize-replicas-outlive-layer", "ds_hecate/runtime/layer.py",
         (("            del gathered, pending, extra\n",
@@ -246,6 +254,7 @@ TESTS_FOR: Dict[str, List[str]] = {
     # check passes; only the allocator's view catches it.
     "budget-ignored-self-report-hidden": [_MEMORY],
     "rematerialize-replicas-outlive-layer": [_MEMORY],
+    "calibration-extension-copies": [_MEMORY],
     "node-discovery-ignores-local-size": ["tests/test_initialize.py::test_ranks_per_node_from_the_launcher_environment"],
     # also killed by tests/test_hf.py::test_trainer_resume_from_checkpoint_is_exact (the Trainer loads the same way)
     "load-drops-optimizer-state": ["tests/test_universal.py::test_every_expert_arrives_with_its_optimizer_state",
