@@ -149,6 +149,21 @@ MUTATIONS: List[Mutation] = [
         "the planner ignores the budget while the statistics still report the configured budget and no replica "
         "bytes: only a measurement from outside Hecate can see it"),
     Mutation(
+        "planning-charged-in-wall-time", "ds_hecate/sim/systems.py",
+        (("        started = time.thread_time()   # CPU time of this thread: not what other processes on the machine take\n"
+          "        placement = self.planner.prefetch_placement(self.inputs)\n"
+          "        search_s = time.thread_time() - started\n",
+          "        started = time.perf_counter()   # MUTATION: wall time, which other processes stretch\n"
+          "        placement = self.planner.prefetch_placement(self.inputs)\n"
+          "        search_s = time.perf_counter() - started\n"),
+         ("        started = time.thread_time()\n"
+          "        after = self.planner.plan_call(counts.astype(np.int64), self.inputs, prefetched, 0)\n"
+          "        critical_s = time.thread_time() - started\n",
+          "        started = time.perf_counter()  # MUTATION\n"
+          "        after = self.planner.plan_call(counts.astype(np.int64), self.inputs, prefetched, 0)\n"
+          "        critical_s = time.perf_counter() - started\n")),
+        "the simulator charges host planning in wall time, so its tables move with the machine's load (issue 26)"),
+    Mutation(
         "calibration-extension-copies", "ds_hecate/comm/collectives.py",
         (("        return GatheredExperts(self.experts + extra.experts, self.block[:rows], self.owned, self.block)\n",
           "        copy = materialized_buffer(rows, self.buffer.shape[1], self.buffer.dtype, self.buffer.device)\n"
@@ -255,6 +270,7 @@ TESTS_FOR: Dict[str, List[str]] = {
     "budget-ignored-self-report-hidden": [_MEMORY],
     "rematerialize-replicas-outlive-layer": [_MEMORY],
     "calibration-extension-copies": [_MEMORY],
+    "planning-charged-in-wall-time": ["tests/test_sim.py::test_planning_charge_does_not_move_with_the_machines_load"],
     "node-discovery-ignores-local-size": ["tests/test_initialize.py::test_ranks_per_node_from_the_launcher_environment"],
     # also killed by tests/test_hf.py::test_trainer_resume_from_checkpoint_is_exact (the Trainer loads the same way)
     "load-drops-optimizer-state": ["tests/test_universal.py::test_every_expert_arrives_with_its_optimizer_state",
