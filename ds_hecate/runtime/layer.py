@@ -131,7 +131,8 @@ class LayerBinding:
 
     # -- collectives ---------------------------------------------------------------------------------------------
     def gather(self, placement: Placement, async_op: bool, spare_rows: int = 0) -> PendingGather:
-        """SparseAllGather of ``placement`` into a block with ``spare_rows`` reserved for calibration's extras."""
+        """SparseAllGather of ``placement`` into a block with ``spare_rows`` reserved for calibration's extras
+        (:meth:`gather_prefetched` sizes them)."""
         rt = self.runtime
         pending = rt.comm.start_sparse_all_gather(placement, self.shard.weights, self.shard.kernel.numel,
                                                   rt.compute_dtype, self.counters, async_op=async_op,
@@ -149,14 +150,17 @@ class LayerBinding:
         self.extensions += len(extra.experts) > 0
         return into.extended(extra)
 
-    def spare_rows_for(self, placement: Placement, inputs: PlanInputs) -> int:
-        """Rows a prefetched gather reserves for calibration's extras: what the replica budget leaves this rank
-        beyond the prefetched replicas, at most the experts it does not hold (0 without calibration)."""
-        if not self.planner.settings.calibration:
-            return 0
-        held = int(placement.holders[self.runtime.rank].sum())
-        owned = sum(1 for o in placement.owners if o == self.runtime.rank)
-        return max(0, min(inputs.replica_budget - (held - owned), len(placement.owners) - held))
+    def gather_prefetched(self, placement: Placement, inputs: PlanInputs, async_op: bool) -> PendingGather:
+        """The gather of a prefetched placement, reserving rows for calibration's extras: what the replica budget
+        leaves this rank beyond the prefetched replicas, at most the experts it does not hold (none without
+        calibration)."""
+        spare = 0
+        if self.planner.settings.calibration:
+            rank = self.runtime.rank
+            held = len(placement.materialized[rank])
+            owned = sum(1 for o in placement.owners if o == rank)
+            spare = max(0, min(inputs.replica_budget - (held - owned), len(placement.owners) - held))
+        return self.gather(placement, async_op, spare_rows=spare)
 
     def _track(self, gathered: GatheredExperts) -> GatheredExperts:
         """Remember a gathered block until it is freed (replica memory statistics and budget checks), its reserved
@@ -204,11 +208,11 @@ class LayerBinding:
     def start_prefetch(self) -> None:
         if self.pending is None and self.planner.prefetches:
             with self.timed("plan"):  # the scheduler's search runs here, after the previous layer
-                placement = self.planner.prefetch_placement(self.plan_inputs())
+                inputs = self.plan_inputs()
+                placement = self.planner.prefetch_placement(inputs)
                 # the dispatch tables of this placement, so the call after the gate only divides counts
                 rank_tables(placement, self.runtime.ranks_per_node, self.runtime.rank)
-            self.pending = self.gather(placement, async_op=True,
-                                       spare_rows=self.spare_rows_for(placement, self.plan_inputs()))
+            self.pending = self.gather_prefetched(placement, inputs, async_op=True)
 
     def _plan(self, counts: np.ndarray) -> Tuple[DispatchPlan, PendingGather, Optional[Placement]]:
         """Plan this call; returns (plan, gather of the prefetched placement, calibration's extras or None)."""
@@ -218,8 +222,7 @@ class LayerBinding:
             return after.plan, self.gather(after.plan.placement, async_op=False), None
         self.prefetch_hits += self.pending is not None
         if self.pending is None:
-            placement = self.planner.prefetch_placement(inputs)
-            self.pending = self.gather(placement, async_op=False, spare_rows=self.spare_rows_for(placement, inputs))
+            self.pending = self.gather_prefetched(self.planner.prefetch_placement(inputs), inputs, async_op=False)
         pending, self.pending = self.pending, None
         after = self.planner.plan_call(counts, inputs, pending.placement, rank)
         return after.plan, pending, after.extras
