@@ -203,7 +203,7 @@ def test_planning_charge_does_not_move_with_the_machines_load():
     """Issue 26, item 6: host planning is charged in the simulating thread's CPU time, not wall time, so the same
     cell gives the same figures on an idle machine and beside CPU-burning processes (one per core: they take the
     cores, the simulation's wall time grows by about half on 2 vCPUs, its CPU time does not). Charged in wall
-    time (``time.perf_counter`` in ``sim/systems.py``) the busy run's planning comes out about 1.5x the idle one's."""
+    time (``time.perf_counter`` in ``sim/systems.py``) the busy run's planning came out 2.0-2.3x the idle one's."""
     import os
     import time
 
