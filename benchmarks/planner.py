@@ -55,9 +55,10 @@ END = "<!-- END planner -->"
 TOKENS_PER_RANK = 8192
 RANKS_PER_NODE = 8
 REPLICAS_PER_RANK = 4
-#: an H100-class expert (7168 x 2048 SwiGLU, bf16) on 50 GB/s: what makes replicas worth their transfer
-COSTS = StepCostModel(compute_s_per_pair=0.66e-6, token_transfer_s=1.1e-6, expert_transfer_s=3.5e-3,
-                      overlap_s=2e-3)
+#: an H100-class expert (7168 x 2048 SwiGLU, bf16): 50 GB/s per GPU across nodes, 450 GB/s NVLink inside one (the
+#: scheduler prices each link apart, issue 26), copies relayed beyond 4 replicas (hecate.fanout's default)
+COSTS = StepCostModel(compute_s_per_pair=0.66e-6, token_transfer_s=1.1e-6 / 9, expert_transfer_s=3.5e-3 / 9,
+                      overlap_s=2e-3, token_transfer_inter_s=1.1e-6, expert_transfer_inter_s=3.5e-3, fanout=4)
 
 
 def draw_counts(rng: np.random.Generator, ranks: int, experts: int, top_k: int, skew: Optional[np.ndarray]):
@@ -90,10 +91,10 @@ class CallSequence:
         self.skew = zipf(self.rng, experts) if load != "balanced" else None
         self.rpn = min(RANKS_PER_NODE, ranks)
         self.rank = ranks // 2 + 1 if ranks > 1 else 0     # not rank 0: nothing special about it
-        self.window = LoadPredictor(self.cfg.load_window)
+        self.window = LoadPredictor(self.cfg.load_window, self.cfg.load_predictor)
         for _ in range(self.cfg.load_window):
             self.window.push(self.draw())
-        self.schedule = ScheduleReuse(self.cfg.replan_tolerance, self.cfg.load_window)
+        self.schedule = ScheduleReuse(self.cfg.replan_tolerance)
 
     def draw(self, call: Optional[int] = None) -> np.ndarray:
         """The counts of ``call`` (None: a draw of the stationary distribution)."""
@@ -207,8 +208,9 @@ def markdown(res: dict) -> str:
              f"{RANKS_PER_NODE} ranks per node, budgets at their defaults (`plan_budget_us` "
              f"{_budget_words(res['results'][0]['plan_budget_us'])}, `search_budget_us` "
              f"{res['results'][0]['search_budget_us']:.0f}); cost model of an H100-class expert "
-             f"({COSTS.compute_s_per_pair * 1e6:.2f} us per pair, {COSTS.expert_transfer_s * 1e3:.1f} ms per expert "
-             "transfer).",
+             f"({COSTS.compute_s_per_pair * 1e6:.2f} us per pair, {COSTS.slowest_expert_transfer_s * 1e3:.1f} ms "
+             f"per expert transfer across nodes, {COSTS.expert_transfer_s * 1e3:.2f} ms inside one, fan-out "
+             f"{COSTS.fanout}).",
              "", "| ranks x experts | top-k | load | critical path median / p99 (us) | calibration searched / "
              "changed the placement (calls) | search median / p99 (us) | explicit routes, before (us) |",
              "|---|---|---|---|---|---|---|"]

@@ -240,12 +240,13 @@ def summary_row(rec: Dict[str, Any]) -> List[str]:
     s = rec["systems"]
     ep, hc, rm = s["ep"], s["hecate"], s["hecate-rm"]
     bb = best_baseline(rec)
+    best = s[bb[0]] if bb else {"imbalance": float("nan")}
     return [rec["cluster"], rec["model"], rec["workload"], f"{ep['step_time_s'] * 1e3:.0f}",
             f"{hc['step_time_s'] * 1e3:.0f}", _x(hc["speedup_vs_ep"]), _x(rm["speedup_vs_ep"]),
             f"{bb[0]} {_x(bb[1])}" if bb else "n/a", f"{hc['fraction_of_ideal'] * 100:.1f}%",
-            f"{ep['imbalance']:.2f} -> {hc['imbalance']:.2f}",
+            " / ".join(f"{x['imbalance']:.2f}" for x in (ep, best, hc, rm)),
             f"{_gib(ep['peak_memory_bytes'])} / {_gib(hc['peak_memory_bytes'])} / {_gib(rm['peak_memory_bytes'])}",
-            f"{_pct(ep.get('force_balanced_fraction'))} / {_pct(hc.get('force_balanced_fraction'))}"]
+            " / ".join(_pct(x.get("force_balanced_fraction")) for x in (ep, best, hc, rm))]
 
 
 def _pct(v: Optional[float]) -> str:
@@ -253,8 +254,8 @@ def _pct(v: Optional[float]) -> str:
 
 
 SUMMARY_HEADER = ("| cluster | model | workload | EP ms | Hecate ms | Hecate vs EP | Hecate-RM vs EP | "
-                  "best baseline vs EP | Hecate of ideal | imbalance EP -> Hecate | memory GiB | "
-                  "of force-balanced EP / Hecate |")
+                  "best baseline vs EP | Hecate of ideal | imbalance EP / best / Hecate / Hecate-RM | memory GiB | "
+                  "of force-balanced EP / best / Hecate / Hecate-RM |")
 LARGE_HEADER = ("| case | system | step ms | vs EP | of ideal | peak GiB/rank | imbalance | replicas/layer | "
                 "of force-balanced | ep_size | EDP reduce ms |")
 

@@ -34,6 +34,11 @@ class HecateConfig(BaseModel):
                      "experts broadcast to every rank after the gate) and 'all' (every expert on every rank, "
                      "ZeRO-3 style)."))
     load_window: int = Field(5, ge=1, le=10000, description="Iterations in the load-prediction sliding window.")
+    load_predictor: Literal["robust", "mean"] = Field(
+        "robust", description="How the window predicts the next call: 'robust' averages the observations that agree "
+                              "with the window's majority (a one-step burst is left out; a lasting move is followed "
+                              "once most of the window has seen it) and prefetches nothing speculative while the "
+                              "newest call is an outlier; 'mean' averages every observation (the paper's rule).")
     materialize_budget_mb: float = Field(
         1024.0, ge=0, le=1e9, description="Per-rank memory for materialized replicas of other ranks' experts (MiB).")
     overlap_degree: Optional[int] = Field(
@@ -60,6 +65,12 @@ class HecateConfig(BaseModel):
                           "keep them until backward (false); null: re-materialize only where keeping every layer's "
                           "replicas resident leaves each layer fewer replica slots per rank than a quarter of the "
                           "experts a rank owns, while one layer at a time leaves more.")
+    fanout: int = Field(
+        4, ge=0, le=1 << 20,
+        description="Tree fan-out of the sparse collectives: an expert with more replicas than this is relayed through "
+                    "its holders (one copy per node across the NICs, then inside each node), each rank forwarding at "
+                    "most this many copies across nodes and this many inside its node, and its gradients are "
+                    "summed back up the same tree in fp32; 0: the owner sends and receives every copy itself.")
     prefetch: bool = Field(True, description="Issue a layer's SparseAllGather before its gate (after the previous "
                                              "MoE layer) so it overlaps the non-MoE compute.")
     reshard_interval: int = Field(

@@ -252,6 +252,10 @@ def choices(seed: int, world: int) -> dict:
     c["bias"] = _skew(c["skew"], rng, c["num_experts"], c["k"], world)
     c["adam_eps"] = rng.choice((1e-8, 1e-6))
     c["ep_size"] = rng.choice(GROUP_SIZES.get(world, (None,)))
+    # drawn last, so that the draws above stay what earlier campaigns drew for the same seed
+    c["fanout"] = rng.choice((0, 1, 2, 4))
+    c["ranks_per_node"] = rng.choice((None, 2)) if world % 2 == 0 else None
+    c["load_predictor"] = rng.choice(("robust", "mean"))
     return c
 
 
@@ -292,7 +296,10 @@ def draw(seed: int, world: int) -> Tuple[Spec, Spec, str]:
     # DeepSpeed's optimizer section as the harness writes it, with Adam's eps drawn (the experts must follow it too)
     oracle = replace(oracle, extra_config={"optimizer": {"type": "AdamW", "params": {
         "lr": oracle.lr, "weight_decay": oracle.weight_decay, "torch_adam": True, "eps": c["adam_eps"]}}})
-    mine = replace(oracle, hecate={**c["hecate"], "ep_size": c["ep_size"]} if c["ep_size"] else c["hecate"])
+    section = {**c["hecate"], "fanout": c["fanout"], "load_predictor": c["load_predictor"]}
+    if c["ranks_per_node"]:
+        section["ranks_per_node"] = c["ranks_per_node"]
+    mine = replace(oracle, hecate={**section, "ep_size": c["ep_size"]} if c["ep_size"] else section)
     noisy = c["noisy"]
     words = [f"placement={c['placement']}", c["hecate_notes"], f"k={c['k']}", c["precision"],
              "forced" if c["forced"] else "learned", f"E={c['num_experts']}",
@@ -304,7 +311,8 @@ def draw(seed: int, world: int) -> Tuple[Spec, Spec, str]:
              "residual" if c["use_residual"] else "", f"gas={c['gas']}", f"steps={c['steps']}",
              f"tokens={c['tokens']}", f"clip={c['clip']}" if c["clip"] else "", f"zero{c['stage']}",
              f"inf@{c['inject_step']}" if c["fp16_inject"] else "", f"eps={c['adam_eps']:g}",
-             f"ep_size={c['ep_size']}" if c["ep_size"] else ""]
+             f"ep_size={c['ep_size']}" if c["ep_size"] else "", f"fanout={c['fanout']}",
+             f"rpn={c['ranks_per_node']}" if c["ranks_per_node"] else "", f"predictor={c['load_predictor']}"]
     return oracle, mine, " ".join(w for w in words if w)
 
 
@@ -315,7 +323,8 @@ def features(seed: int, world: int) -> set:
     out = {("placement", c["placement"]), ("k", c["k"]), ("precision", c["precision"]), ("forced", c["forced"]),
            ("skew", c["skew"]), ("shift", c["shift"]), ("empty", c["empty"]), ("drop", c["drop_tokens"]),
            ("noisy", c["noisy"]), ("residual", c["use_residual"]), ("gas", c["gas"]), ("rts", c["rts"]),
-           ("groups", c["ep_size"] is not None)}
+           ("groups", c["ep_size"] is not None), ("relayed", c["fanout"] > 0),
+           ("nodes", c["ranks_per_node"] is not None)}
     if c["placement"] == "hecate":
         out.add(("hecate-calibration", h["calibration"]))
         out.add(("hecate-reshard", h["reshard_interval"] > 0))

@@ -112,3 +112,31 @@ def test_expert_data_parallel_start_groups_experts_by_expert_parallel_rank():
     assert start == ((0,), (1,), (2,), (3,), (0,), (1,))
     assert expert_data_parallel_start(4, 4, 8, (0, 1, 2, 3)) is None
     assert expert_data_parallel_start(4, 6, 0, (0, 1, 2, 3)) is None    # ranks 4 and 5 would need one replica
+
+
+def _replicas(placement) -> int:
+    return sum(len(m) for m in placement.materialized) - len(placement.owners)
+
+
+@pytest.mark.parametrize("predictor", ["robust", "mean"])
+def test_nothing_speculative_is_prefetched_while_the_newest_call_disagrees(predictor):
+    """Stationary hot expert 0: replicas are prefetched for it. A one-step burst on expert 5: the next call
+    prefetches only the owners (the newest call is an outlier; calibration plans from the counts), and the robust
+    window goes back to expert 0's replicas on the call after, where the mean still carries a fifth of the burst."""
+    world, experts = 4, 8
+    planner = LayerPlanner(PlannerSettings(ranks_per_node=4, load_predictor=predictor), world, experts)
+    inputs = _inputs(world, experts)
+    for seed in range(5):
+        planner.observe(_hot(world, experts, 0, seed))
+    steady = planner.prefetch_placement(inputs)
+    assert _replicas(steady) > 0
+    burst = _hot(world, experts, 5, 99) * 4
+    planner.observe(burst)
+    after_burst = planner.prefetch_placement(inputs)
+    if predictor == "robust":
+        assert _replicas(after_burst) == 0                   # the newest call disagrees with the window
+        planner.observe(_hot(world, experts, 0, 100))
+        assert planner.prefetch_placement(inputs).materialized == steady.materialized
+    else:
+        assert _replicas(after_burst) > 0                    # the mean's newest call always "agrees"
+        assert any(5 in m and planner.prediction is not None for m in after_burst.materialized)

@@ -7,7 +7,7 @@ allocation and free of the CPU allocator (pointer, bytes, time) with the Python 
 events alone the test rebuilds, per rank and over the profiled steps:
 
 - ``materialized_peak``: the peak of live bytes of the blocks a layer call's experts live in (allocated by
-  ``ds_hecate.comm.collectives.materialized_buffer``: the rank's own experts in the compute dtype, then the replicas
+  ``ds_hecate.comm.buffers.materialized_buffer``: the rank's own experts in the compute dtype, then the replicas
   of other ranks' experts SparseAllGather receives into them), from their allocation (when the gather is issued, a
   prefetch included) to their free. The stack only attributes a block; its size and lifetime are the allocator's.
   ``replica_peak`` is that peak above the zero-budget run's with the same residency (``zero``, or
@@ -173,7 +173,7 @@ def replay(events: List[Event], unit: int) -> Dict[str, object]:
                     totals[k] -= old
                 unrecorded += "materialized" in old_kinds or "expert" in old_kinds
             kinds = ["all"]
-            if _under(frames, "materialized_buffer"):
+            if _under(frames, "materialized_buffer", "buffers.py"):
                 kinds.append("materialized")
                 gathers += 1
             elif _under(frames, "start_sparse_all_gather"):

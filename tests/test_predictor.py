@@ -1,6 +1,7 @@
 """The load window (ds_hecate.planning.predictor.LoadPredictor): what the planner predicts the next call from."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -98,3 +99,55 @@ def test_predictor_state_dict_of_empty_predictor():
     q = LoadPredictor(3)
     q.load_state_dict(LoadPredictor(3).state_dict())
     assert q.predict() is None and len(q) == 0
+
+
+# -- the robust window (hecate.load_predictor "robust", the planner's default) ---------------------------------------
+def _uniform(world=4, experts=8, n=100.0):
+    return [[n] * experts for _ in range(world)]
+
+
+def _hot(expert, world=4, experts=8, n=100.0, extra=700.0):
+    rows = _uniform(world, experts, n)
+    for row in rows:
+        row[expert] += extra
+    return rows
+
+
+def test_robust_window_leaves_a_burst_out_and_says_the_newest_call_disagreed():
+    p = LoadPredictor(5, "robust")
+    for _ in range(4):
+        p.push(_uniform())
+    p.push(_hot(3))                                       # a one-step burst
+    assert p.predict() == _uniform() and not p.newest_agrees
+    p.push(_uniform())                                    # gone again: the burst is still in the window, left out
+    assert p.predict() == _uniform() and p.newest_agrees
+    mean = LoadPredictor(5, "mean")
+    for m in [_uniform()] * 4 + [_hot(3), _uniform()]:
+        mean.push(m)
+    assert mean.predict() != _uniform() and mean.newest_agrees   # the paper's mean carries a fifth of the burst
+
+
+def test_robust_window_follows_a_lasting_move_once_most_of_the_window_saw_it():
+    p = LoadPredictor(5, "robust")
+    for _ in range(5):
+        p.push(_hot(0))
+    moved = []
+    for _ in range(4):
+        p.push(_hot(5))                                   # the hot spot moved for good
+        moved.append((p.predict() == _hot(5), p.newest_agrees))
+    # 1 and 2 of 5 calls: still the old routing (the newest disagrees, so nothing speculative is prefetched);
+    # from 3 of 5 on: the new routing, averaged over the calls that saw it
+    assert moved == [(False, False), (False, False), (True, True), (True, True)]
+
+
+def test_robust_window_without_a_majority_averages_everything():
+    p = LoadPredictor(3, "robust")
+    for m in (_hot(0), _hot(3), _hot(6)):
+        p.push(m)
+    everything = np.mean(np.array([_hot(0), _hot(3), _hot(6)]), axis=0).tolist()
+    assert p.predict() == everything and not p.newest_agrees
+
+
+def test_unknown_predictor_is_refused():
+    with pytest.raises(ValueError, match="load predictor"):
+        LoadPredictor(5, "median")

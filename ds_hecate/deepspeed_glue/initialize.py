@@ -220,7 +220,12 @@ def _destroy_at_exit(groups: list) -> None:
     such a work aborts the process ("terminate called without an active exception", exit -6; seen in CI on the
     Trainer autoload test, 2026-12-01; torch's own discussion: pytorch/pytorch#179291). Destroying the groups from
     an atexit handler joins those threads first. Local to each rank (no collective); a no-op where the script
-    already destroyed every group."""
+    already destroyed every group.
+
+    On gloo the default group goes too: a completed gloo collective on it alone aborts the same way at exit
+    (pytorch/pytorch#190489), and the abort came back in CI after Hecate's own groups were destroyed (the Trainer
+    under ``accelerate launch``, whose scripts never destroy the default group). Not on NCCL, where a peer that left
+    first could make the destruction wait."""
     import atexit
 
     def destroy() -> None:
@@ -231,6 +236,11 @@ def _destroy_at_exit(groups: list) -> None:
                 dist.destroy_process_group(g)
             except (RuntimeError, ValueError):   # already destroyed by the script
                 pass
+        try:
+            if dist.is_initialized() and dist.get_backend() == "gloo":
+                dist.destroy_process_group()
+        except (RuntimeError, ValueError):
+            pass
     atexit.register(destroy)
 
 

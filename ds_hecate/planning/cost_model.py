@@ -8,12 +8,14 @@ the report and the memory plan read them from here, never the reverse.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .dispatch import rank_loads
+from .dispatch import dispatch_flows
+from .fanout import tree_transfers
+from .plan import holders_matrix
 
 
 @dataclass(frozen=True)
@@ -52,19 +54,94 @@ class StepCostModel:
     token_transfer_s: one token row leaving (or entering) a rank, all four all-to-all passes together.
     expert_transfer_s: one expert through SparseAllGather + SparseReduceScatter on one rank's link.
     overlap_s: communication time hidden behind the non-MoE compute before the layer (T_nonMoE).
+    token_transfer_inter_s, expert_transfer_inter_s: the same over the links between nodes, per rank's share of
+    its node's NICs (the node's ranks share them). None: one link for everything at the first two prices (one
+    node, or a model that does not tell the links apart). Set, the first two are the price on the links inside a
+    node, and a rank's transfer time is that of its slowest link (:func:`link_seconds`): a token kept on its node
+    costs NVLink time, not NIC time, so a replica that keeps tokens home is worth what it saves.
+    fanout: ``hecate.fanout``, how the sparse collectives forward copies (:mod:`.fanout`): with more replicas of an
+    expert than this, holders relay them, and their links carry the copies its owner's would (0: the owner sends
+    every copy).
     """
 
     compute_s_per_pair: float
     token_transfer_s: float
     expert_transfer_s: float
     overlap_s: float = 0.0
+    token_transfer_inter_s: Optional[float] = None
+    expert_transfer_inter_s: Optional[float] = None
+    fanout: int = 0
+
+    @property
+    def two_links(self) -> bool:
+        return self.token_transfer_inter_s is not None or self.expert_transfer_inter_s is not None
+
+    @property
+    def slowest_expert_transfer_s(self) -> float:
+        """One expert over the slowest link (the NICs' per-rank share on more than one node)."""
+        return self.expert_transfer_s if self.expert_transfer_inter_s is None else self.expert_transfer_inter_s
+
+    def single_link(self) -> "StepCostModel":
+        """The same costs with every transfer priced at the slowest link (what a model that does not tell the
+        links apart sees: the FasterMoE-style baseline's latency model)."""
+        if not self.two_links:
+            return self
+        token = self.token_transfer_s if self.token_transfer_inter_s is None else self.token_transfer_inter_s
+        return replace(self, token_transfer_s=token, expert_transfer_s=self.slowest_expert_transfer_s,
+                       token_transfer_inter_s=None, expert_transfer_inter_s=None)
 
     @property
     def overlap_degree(self) -> int:
-        """t in the paper: experts a rank can move while the preceding non-MoE compute runs."""
-        if self.expert_transfer_s <= 0:
+        """t in the paper: experts a rank can move while the preceding non-MoE compute runs (over the slowest
+        link)."""
+        if self.slowest_expert_transfer_s <= 0:
             return 1 << 30
-        return int(self.overlap_s / self.expert_transfer_s)
+        return int(self.overlap_s / self.slowest_expert_transfer_s)
+
+
+def _node_max(a, b, ranks_per_node: int):
+    """Per rank, the larger of its node's totals of ``a`` and ``b`` (``[..., world]`` arrays)."""
+    world = a.shape[-1]
+    starts = np.arange(0, world, ranks_per_node)
+    node = np.arange(world) // ranks_per_node
+    return np.maximum(np.add.reduceat(a, starts, axis=-1), np.add.reduceat(b, starts, axis=-1))[..., node]
+
+
+def link_seconds(costs: StepCostModel, ranks_per_node: int, unit_s: float, unit_inter_s: Optional[float],
+                 intra_in, intra_out, inter_in, inter_out):
+    """Per-rank seconds of moving units (token rows or experts) in and out, ``[..., world]`` arrays of counts, the
+    ``inter`` ones crossing nodes. One link (``unit_inter_s`` None): the larger direction of all units at
+    ``unit_s``. Two: the slower of the rank's own links inside the node (``unit_s`` each) and its node's NICs,
+    which the node's ranks share (the node's larger direction at ``unit_inter_s`` per rank share) -- the
+    simulator's link model (:func:`ds_hecate.sim.machine.link_time`), so the search optimises what is timed."""
+    if unit_inter_s is None:
+        return np.maximum(intra_in + inter_in, intra_out + inter_out) * unit_s
+    own = np.maximum(intra_in, intra_out) * unit_s
+    nics = _node_max(np.asarray(inter_in, dtype=np.float64), np.asarray(inter_out, dtype=np.float64),
+                     ranks_per_node) * (unit_inter_s / ranks_per_node)
+    return np.maximum(own, nics)
+
+
+def rank_seconds(costs: StepCostModel, ranks_per_node: int, processed, tokens, early, late):
+    """Per-rank layer time as the scheduler sees it: expert compute, token all-to-all, and the expert transfers
+    the preceding compute does not hide (``early``: prefetched, hidden up to ``overlap_s``; ``late``: gathered
+    after the gate, exposed). ``tokens``, ``early`` and ``late`` are (in-intra, out-intra, in-inter, out-inter)
+    count arrays (token rows received and sent; replicas received and sent by their senders), ``[..., world]``."""
+    token_s = link_seconds(costs, ranks_per_node, costs.token_transfer_s, costs.token_transfer_inter_s, *tokens)
+    hidden = link_seconds(costs, ranks_per_node, costs.expert_transfer_s, costs.expert_transfer_inter_s, *early)
+    exposed = np.maximum(0.0, hidden - costs.overlap_s) + link_seconds(
+        costs, ranks_per_node, costs.expert_transfer_s, costs.expert_transfer_inter_s, *late)
+    return processed * costs.compute_s_per_pair + token_s + exposed
+
+
+def replica_transfers(replicas, owners, ranks_per_node: int, fanout: int = 0):
+    """(in-intra, out-intra, in-inter, out-inter) expert transfers per rank for the ``[world, experts]`` bool matrix
+    of replicas (owners excluded): each copy is received by its rank and sent by its expert's owner, or with more
+    replicas than ``fanout`` by the holder that relays it (:func:`~.fanout.tree_transfers`), inside the node when
+    both are on one."""
+    owners = np.asarray(owners, dtype=np.int64)
+    per_expert = tree_transfers(np.asarray(replicas, dtype=bool).T, owners, ranks_per_node, fanout)
+    return tuple(part.sum(axis=0) for part in per_expert)
 
 
 @dataclass(frozen=True)
@@ -82,38 +159,29 @@ class LayerEstimate:
 def estimate_layer(counts: Sequence[Sequence[float]], owners: Sequence[int], materialized: Sequence[Sequence[int]],
                    costs: StepCostModel, ranks_per_node: int,
                    prefetched: Optional[Sequence[Sequence[int]]] = None) -> LayerEstimate:
-    """Estimated time of one layer under a placement.
+    """Estimated time of one layer under a placement: its slowest rank (:func:`rank_seconds`).
 
     Replicas listed in ``prefetched`` were gathered ahead of time (hidden up to ``overlap_s``); others are gathered
     on the critical path (calibration), fully exposed.
     """
     world = len(counts)
-    per_expert, sent, received = rank_loads(counts, materialized, ranks_per_node)
-    processed = [sum(row) for row in per_expert]
-    moved_in = [0] * world
-    moved_out = [0] * world
-    exposed_in = [0] * world
-    exposed_out = [0] * world
-    for r, experts in enumerate(materialized):
-        early = set(prefetched[r]) if prefetched is not None else None
-        for e in experts:
-            o = owners[e]
-            if o == r:
-                continue
-            if early is None or e in early:
-                moved_in[r] += 1
-                moved_out[o] += 1
-            else:
-                exposed_in[r] += 1
-                exposed_out[o] += 1
-    times = []
-    for r in range(world):
-        hidden_comm = max(moved_in[r], moved_out[r]) * costs.expert_transfer_s
-        exposed = max(0.0, hidden_comm - costs.overlap_s)
-        exposed += max(exposed_in[r], exposed_out[r]) * costs.expert_transfer_s
-        tokens = max(sent[r], received[r]) * costs.token_transfer_s
-        times.append(processed[r] * costs.compute_s_per_pair + tokens + exposed)
-    return LayerEstimate(max(times), tuple(processed), tuple(times))
+    num_experts = len(owners)
+    pairs = np.asarray(counts, dtype=np.float64).reshape(world, num_experts)
+    mat = holders_matrix(materialized, world, num_experts)
+    if (~mat.any(axis=0) & (pairs.sum(axis=0) != 0)).any():
+        raise ValueError("estimate_layer: an expert with token-expert pairs is materialized nowhere")
+    flows = dispatch_flows(pairs.T, mat.T, ranks_per_node)
+    processed = flows.processed.sum(axis=0)
+    sent, received = flows.sent.sum(axis=0), flows.received.sum(axis=0)
+    sent_i, received_i = flows.sent_inter.sum(axis=0), flows.received_inter.sum(axis=0)
+    tokens = (received - received_i, sent - sent_i, received_i, sent_i)
+    replicas = mat.copy()
+    replicas[np.asarray(owners, dtype=np.int64), np.arange(num_experts)] = False
+    early_mask = replicas if prefetched is None else replicas & holders_matrix(prefetched, world, num_experts)
+    early = replica_transfers(early_mask, owners, ranks_per_node, costs.fanout)
+    late = replica_transfers(replicas & ~early_mask, owners, ranks_per_node, costs.fanout)
+    times = rank_seconds(costs, ranks_per_node, processed, tokens, early, late)
+    return LayerEstimate(float(times.max()), tuple(processed.tolist()), tuple(times.tolist()))
 
 
 def owner_loads(counts: Sequence[Sequence[int]], owners: Sequence[int], world_size: int) -> List[int]:
@@ -168,19 +236,26 @@ def scheduler_costs(config: Any, measured: Mapping[str, float], world_size: int,
     """The scheduler's cost model from the ``hecate`` config and measured values (configured values win).
 
     ``expert_bytes``: one expert through SparseAllGather + SparseReduceScatter; ``token_bytes``: one token row
-    through the four all-to-all passes. Bandwidth is the inter-node one on more than one node (the paper's t uses
-    the slowest link). A measured T_nonMoE hides communication only where collectives run beside compute (CUDA
-    streams); on a CPU the same cores do both, so nothing is hidden unless the user says otherwise.
+    through the four all-to-all passes. On one node one link prices everything (``link_gbps``). On more than one,
+    two: ``link_gbps`` inside a node and ``inter_node_gbps`` (per rank, the node's NICs shared by its ranks;
+    measured ``inter_node_gbps`` next, else ``link_gbps``) between nodes, each rank charged for its slowest link
+    (:func:`rank_seconds`). The paper's t uses the slowest link. A measured T_nonMoE hides communication only
+    where collectives run beside compute (CUDA streams); on a CPU the same cores do both, so nothing is hidden
+    unless the user says otherwise.
     """
     cfg, m = config, measured
-    bw = (cfg.inter_node_gbps if world_size > ranks_per_node and cfg.inter_node_gbps else
-          cfg.link_gbps) or m.get("link_gbps", 10.0)
-    bytes_per_s = bw * 1e9
-    expert_s = expert_bytes / bytes_per_s
+    intra_bps = (cfg.link_gbps or m.get("link_gbps", 10.0)) * 1e9
+    inter_bps = None
+    if world_size > ranks_per_node:
+        inter_bps = (cfg.inter_node_gbps or m.get("inter_node_gbps") or cfg.link_gbps or m.get("link_gbps", 10.0)) * 1e9
+    slowest_expert_s = expert_bytes / (inter_bps or intra_bps)
     measured_overlap = m.get("non_moe_time_s", 0.0) if overlaps_compute else 0.0
     overlap_s = cfg.non_moe_time_s if cfg.non_moe_time_s is not None else measured_overlap
     if cfg.overlap_degree is not None:
-        overlap_s = cfg.overlap_degree * expert_s
+        overlap_s = cfg.overlap_degree * slowest_expert_s
     return StepCostModel(compute_s_per_pair=cfg.compute_s_per_pair or m.get("compute_s_per_pair", 1e-6),
-                         token_transfer_s=token_bytes / bytes_per_s, expert_transfer_s=expert_s,
-                         overlap_s=overlap_s)
+                         token_transfer_s=token_bytes / intra_bps, expert_transfer_s=expert_bytes / intra_bps,
+                         overlap_s=overlap_s,
+                         token_transfer_inter_s=None if inter_bps is None else token_bytes / inter_bps,
+                         expert_transfer_inter_s=None if inter_bps is None else expert_bytes / inter_bps,
+                         fanout=cfg.fanout)

@@ -41,6 +41,7 @@ class PlannerSettings:
     calibration: bool = True
     replan_tolerance: float = 0.05
     load_window: int = 5
+    load_predictor: str = "robust"
     search_budget_us: Optional[float] = None
     plan_budget_us: Optional[float] = None
     ranks_per_node: int = 1
@@ -49,6 +50,7 @@ class PlannerSettings:
     def from_config(cls, config: Any, ranks_per_node: int) -> "PlannerSettings":
         return cls(policy=config.placement, calibration=config.calibration,
                    replan_tolerance=config.replan_tolerance, load_window=config.load_window,
+                   load_predictor=config.load_predictor,
                    search_budget_us=config.search_budget_us, plan_budget_us=config.plan_budget_us,
                    ranks_per_node=ranks_per_node)
 
@@ -89,8 +91,8 @@ class LayerPlanner:
         self.settings = settings
         self.world = world
         self.num_experts = num_experts
-        self.predictor = LoadPredictor(settings.load_window)
-        self.schedule = ScheduleReuse(settings.replan_tolerance, settings.load_window)
+        self.predictor = LoadPredictor(settings.load_window, settings.load_predictor)
+        self.schedule = ScheduleReuse(settings.replan_tolerance)
         self.prediction: Optional[np.ndarray] = None   # the load window's prediction for the next call
         self._start: Tuple[Any, Optional[Materialized]] = (None, None)   # (its inputs, the start layout)
 
@@ -112,13 +114,15 @@ class LayerPlanner:
         return self._start[1]
 
     def prefetch_placement(self, inputs: PlanInputs) -> Placement:
-        """The ``hecate`` placement for the next call, from the load window. Before any observation, and while the
-        window keeps mispredicting with calibration on (calibration then plans from the actual counts), nothing
-        speculative: the owners, plus the start layout with more ranks than experts."""
+        """The ``hecate`` placement for the next call, from the load window. Before any observation, and with
+        calibration on while the newest call disagrees with the window (a burst, or routing that just moved:
+        calibration then plans from the actual counts), nothing speculative: the owners, plus the start layout with
+        more ranks than experts. Why: replicas gathered for loads that do not come cost transfers and leave
+        calibration less room."""
         s = self.settings
         predicted = self.prediction = self.predictor.predict_array()
         start = self.start_layout(inputs)
-        if predicted is None or (s.calibration and not self.schedule.predictions_reliable):
+        if predicted is None or (s.calibration and not self.predictor.newest_agrees):
             if predicted is not None:
                 self.schedule.reset()   # what is prefetched now is no schedule: calibration must not trust one
             if start is None:

@@ -18,6 +18,7 @@ bandwidth) rather than the byte-only :class:`CommCostModel`; callers look this u
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable, Dict, Optional, Sequence, Union
 
 from .cost_model import CommCostModel, StepCostModel, estimate_layer
@@ -65,13 +66,18 @@ def shadow_placement(counts, owners, cost: Optional[StepCostModel] = None) -> Ma
     FasterMoE grows n one expert at a time, hottest first, while its latency model falls, and stops at the first
     n that does not help. Its model (compute of the busiest worker, token traffic, and one broadcast per shadow on
     the critical path, since the decision is taken after the gate) is the scheduler's :func:`estimate_layer` with
-    nothing prefetched, so the baseline is judged with the same cost numbers as Hecate. Deterministic: ties in
+    nothing prefetched, every transfer on the slowest link (:meth:`StepCostModel.single_link`: its model does
+    not tell NVLink from the NICs) and each shadow a ring broadcast, so the baseline is judged with the same cost
+    numbers as Hecate. Deterministic: ties in
     load break on the expert id.
     """
     if not isinstance(cost, StepCostModel):
         raise ValueError("placement 'shadow' needs a StepCostModel (compute and transfer seconds), got "
                          f"{type(cost).__name__}")
     world, num_experts = len(counts), len(owners)
+    # FasterMoE's model: every transfer on one link (the slowest), each shadow a ring broadcast (every rank receives
+    # it once and forwards it once: a chain, fan-out 1), as the simulator times it
+    cost = replace(cost.single_link(), fanout=1)
     base = _owned(owners, world)
     nothing_prefetched = tuple(() for _ in range(world))
     load = [sum(row[e] for row in counts) for e in range(num_experts)]

@@ -6,8 +6,7 @@ calibration pay?). Everything here is a deterministic function of loads every ra
 """
 from __future__ import annotations
 
-from collections import deque
-from typing import Deque, Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -61,14 +60,12 @@ class ScheduleReuse:
     ``tolerance`` 0 re-plans on every change. All inputs are identical on every rank, so every rank makes the same
     choice. ``planned_for`` tells calibration which loads the prefetched placement assumed.
 
-    It also keeps score of the prediction (:meth:`after_gate`): a call *missed* when its actual counts moved more
-    than ``tolerance`` from the predicted loads and would leave the ranks' compute imbalanced under the prefetched
-    placement. While more than half of the last ``window`` calls missed, :attr:`predictions_reliable` is false and
-    the runtime prefetches no speculative replica (calibration plans from the actual counts instead): replicas
-    gathered for loads that do not come cost transfers and leave calibration less room.
+    After each gate it scores the prediction (:meth:`after_gate`) to decide whether calibration can pay. Whether a
+    prediction is worth prefetching for at all is the load window's own judgement
+    (:attr:`~.predictor.LoadPredictor.newest_agrees`).
     """
 
-    def __init__(self, tolerance: float, window: int = 5) -> None:
+    def __init__(self, tolerance: float) -> None:
         if not 0.0 <= tolerance <= 1.0:
             raise ValueError(f"ScheduleReuse: tolerance must be in [0, 1], got {tolerance}")
         self.tolerance = tolerance
@@ -77,7 +74,6 @@ class ScheduleReuse:
         self._key: Optional[tuple] = None
         self.searches = 0
         self.reuses = 0
-        self.misses: Deque[bool] = deque(maxlen=max(1, window))
         self._noise: Optional[float] = None   # sampling_noise(planned_for), computed with the search
         self._planned_total: Optional[float] = None   # planned_for's sum, scored against on every call
         #: the last loads :meth:`schedule` was asked about (the prediction) and their sum, taken before the gate so
@@ -131,11 +127,6 @@ class ScheduleReuse:
         return (self.planned_for is not None
                 and load_shift(self.planned_for, counts, self._planned_total) <= self.miss_threshold())
 
-    @property
-    def predictions_reliable(self) -> bool:
-        """Whether at most half of the recent calls missed their prediction (see the class docstring)."""
-        return 2 * sum(self.misses) <= len(self.misses)
-
     def after_gate(self, predicted: Optional[Sequence[Sequence[float]]], counts: Sequence[Sequence[float]],
                    materialized: Sequence[Sequence[int]], ranks_per_node: int) -> bool:
         """Score this call's prediction and say whether calibration (a re-plan after the gate) can pay.
@@ -145,7 +136,7 @@ class ScheduleReuse:
         that placement they leave the ranks' expert compute imbalanced (max/mean) by more
         than the tolerance: a balanced step has nothing to fix, and the search would only cost time (about a
         millisecond per layer on a CPU). ``predicted``: the load window's prediction for this call (None before the
-        first observation: not scored)."""
+        first observation)."""
         actual = np.asarray(counts, dtype=np.float64)     # one conversion for both scores
         total = self._asked[1] if predicted is not None and predicted is self._asked[0] else None
         mispredicted = (predicted is not None
@@ -158,8 +149,6 @@ class ScheduleReuse:
             holders = holders_matrix(materialized, *actual.shape)
             per_rank = dispatch_flows(actual.T, holders.T, ranks_per_node).processed.sum(axis=0)
             imbalanced = imbalance(per_rank.tolist()) > 1.0 + self.tolerance
-        if predicted is not None:
-            self.misses.append(mispredicted and imbalanced)
         return off_plan and imbalanced
 
     def reset(self) -> None:
@@ -168,7 +157,7 @@ class ScheduleReuse:
 
     def state_dict(self) -> dict:
         """What a resumed run needs to make the same reuse decisions (bitwise resume)."""
-        state: dict = {"misses": [bool(m) for m in self.misses]}
+        state: dict = {}
         if self.placement is not None:
             state.update(planned_for=np.asarray(self.planned_for).tolist(),
                          placement=[list(r) for r in self.placement],
@@ -201,9 +190,7 @@ class ScheduleReuse:
                         start: Optional[Sequence[Sequence[int]]] = None) -> None:
         """Restore :meth:`state_dict`; the owners come from the state (the schedule may predate a re-sharding, which
         the next call then notices), the rest of the situation (``start`` included) from the caller."""
-        self.reset()
-        self.misses.clear()
-        self.misses.extend(bool(m) for m in state.get("misses", []))
+        self.reset()   # an older checkpoint's "misses" record (a retired rule) is ignored
         if "placement" in state:
             self._plan_for(np.array(state["planned_for"], dtype=np.float64))
             self.placement = tuple(tuple(int(e) for e in r) for r in state["placement"])

@@ -20,8 +20,10 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple, Union
 
 import numpy as np
+import numpy.ma  # noqa: F401  np.unique imports it on its first call (10 ms), which would land on a layer call
 
-from .cost_model import LayerEstimate, StepCostModel
+from .cost_model import LayerEstimate, StepCostModel, rank_seconds
+from .fanout import tree_transfers
 from .dispatch import dispatch_flows
 from .plan import Materialized, holders_matrix
 
@@ -53,9 +55,10 @@ def _profile(est: LayerEstimate) -> Tuple[float, ...]:
 class _Search:
     """State of :func:`schedule_materialization`'s greedy search, vectorised with numpy.
 
-    Per expert it keeps the dispatch columns (pairs processed, rows sent and received per rank), so a candidate
-    move, which changes the holders of one expert only, is evaluated by replacing that expert's columns; all
-    candidate moves of a search step are evaluated in one batch.
+    Per expert it keeps the dispatch columns (pairs processed, rows sent and received per rank, and the part of
+    those that crosses nodes), so a candidate move, which changes the holders of one expert only, is evaluated by
+    replacing that expert's columns; all candidate moves of a search step are evaluated in one batch. Rank times
+    are :func:`~.cost_model.rank_seconds`, the formula :func:`~.cost_model.estimate_layer` uses.
     """
 
     def __init__(self, counts, owners, costs: StepCostModel, ranks_per_node: int, start, prefetched) -> None:
@@ -75,24 +78,42 @@ class _Search:
         self.owner_mask = np.zeros_like(self.mat)
         self.owner_mask[self.owners, np.arange(self.num_experts)] = True
         flows = dispatch_flows(self.counts.T, self.mat.T, ranks_per_node)
-        self.proc, self.sent, self.recv = flows.processed, flows.sent, flows.received   # [experts, world]
+        # [experts, world] each: processed, sent, received, sent across nodes, received across nodes
+        self.cols = [flows.processed, flows.sent, flows.received, flows.sent_inter, flows.received_inter]
+        self.early_cols, self.late_cols = self._transfer_columns(np.arange(self.num_experts), self.mat.T)
         self.refresh()
 
     def refresh(self) -> None:
-        replicas = self.mat & ~self.owner_mask
-        early, late = replicas & self.early, replicas & ~self.early
-        self.moved_in = early.sum(axis=1).astype(np.float64)
-        self.exposed_in = late.sum(axis=1).astype(np.float64)
-        self.moved_out = np.bincount(self.owners, weights=early.sum(axis=0), minlength=self.world)
-        self.exposed_out = np.bincount(self.owners, weights=late.sum(axis=0), minlength=self.world)
-        self.tot = (self.proc.sum(axis=0), self.sent.sum(axis=0), self.recv.sum(axis=0))
-        self.times = self.rank_times(*self.tot, self.moved_in, self.moved_out, self.exposed_in, self.exposed_out)
+        self.early_xfer = self.early_cols.sum(axis=1)   # [4, world]
+        self.late_xfer = self.late_cols.sum(axis=1)
+        self.tot = [c.sum(axis=0) for c in self.cols]
+        self.times = self.rank_times(self.tot, self.early_xfer, self.late_xfer)
 
-    def rank_times(self, processed, sent, received, moved_in, moved_out, exposed_in, exposed_out):
-        c = self.costs
-        hidden = np.maximum(moved_in, moved_out) * c.expert_transfer_s
-        exposed = np.maximum(0.0, hidden - c.overlap_s) + np.maximum(exposed_in, exposed_out) * c.expert_transfer_s
-        return processed * c.compute_s_per_pair + np.maximum(sent, received) * c.token_transfer_s + exposed
+    def _transfer_columns(self, experts, holders):
+        """Expert transfers of ``experts`` with holder rows ``holders`` (``[k, world]``), prefetched and late:
+        two ``[4, k, world]`` arrays (in-intra, out-intra, in-inter, out-inter), the relay trees included."""
+        early = self.early[:, experts].T
+        owners = self.owners[experts]
+        fanout = self.costs.fanout
+        return (np.stack(tree_transfers(holders & early, owners, self.rpn, fanout)),
+                np.stack(tree_transfers(holders & ~early, owners, self.rpn, fanout)))
+
+    @property
+    def proc(self):
+        return self.cols[0]
+
+    def rank_times(self, tot, early, late):
+        """Rank times for ``tot``: processed, sent, received, sent and received across nodes; ``early``/``late``:
+        expert transfers (in-intra, out-intra, in-inter, out-inter), stacked on the first axis. Arrays may carry a
+        leading move axis."""
+        processed, sent, received, sent_i, received_i = tot
+        tokens = (received - received_i, sent - sent_i, received_i, sent_i)
+        return rank_seconds(self.costs, self.rpn, processed, tokens, tuple(early), tuple(late))
+
+    def _moved_columns(self, experts, added):
+        holders = added | self.mat[:, experts].T
+        flows = dispatch_flows(self.counts[:, experts].T, holders, self.rpn)
+        return [flows.processed, flows.sent, flows.received, flows.sent_inter, flows.received_inter]
 
     def evaluate(self, moves: Sequence[Tuple[int, Tuple[int, ...]]]):
         """Rank times ``[len(moves), world]`` after each move (expert e added on a rank set), all in one batch."""
@@ -101,40 +122,21 @@ class _Search:
         added = np.zeros((k, self.world), dtype=bool)
         for i, (_, ranks) in enumerate(moves):
             added[i, list(ranks)] = True
-        holders = added | self.mat[:, experts].T
-        flows = dispatch_flows(self.counts[:, experts].T, holders, self.rpn)
-        p, s, r = self.tot
-        processed = p - self.proc[experts] + flows.processed
-        sent = s - self.sent[experts] + flows.sent
-        received = r - self.recv[experts] + flows.received
-        early = self.early[:, experts].T
-        add_early, add_late = added & early, added & ~early
-        moved_in, exposed_in = self.moved_in + add_early, self.exposed_in + add_late
-        # only the expert's owner sends more
-        rows, owners = np.arange(k), self.owners[experts]
-        moved_out = np.tile(self.moved_out, (k, 1))
-        exposed_out = np.tile(self.exposed_out, (k, 1))
-        moved_out[rows, owners] += add_early.sum(axis=1)
-        exposed_out[rows, owners] += add_late.sum(axis=1)
-        return self.rank_times(processed, sent, received, moved_in, moved_out, exposed_in, exposed_out)
+        new = self._moved_columns(experts, added)
+        tot = [t - c[experts] + n for t, c, n in zip(self.tot, self.cols, new)]
+        early, late = self._transfer_columns(experts, added | self.mat[:, experts].T)
+        return self.rank_times(tot, self.early_xfer[:, None, :] - self.early_cols[:, experts] + early,
+                               self.late_xfer[:, None, :] - self.late_cols[:, experts] + late)
 
     def evaluate_many(self, pairs: Sequence[Tuple[int, int]]):
         """Rank times ``[world]`` after adding every (expert, rank) of ``pairs`` at once (several experts: their
         dispatch columns are independent, so the changed columns are summed in one batch)."""
         experts, added = self._grouped(pairs)
-        holders = added | self.mat[:, experts].T
-        flows = dispatch_flows(self.counts[:, experts].T, holders, self.rpn)
-        p, s, r = self.tot
-        processed = p - self.proc[experts].sum(axis=0) + flows.processed.sum(axis=0)
-        sent = s - self.sent[experts].sum(axis=0) + flows.sent.sum(axis=0)
-        received = r - self.recv[experts].sum(axis=0) + flows.received.sum(axis=0)
-        early = self.early[:, experts].T
-        add_early, add_late = added & early, added & ~early
-        owners = self.owners[experts]
-        moved_out = self.moved_out + np.bincount(owners, weights=add_early.sum(axis=1), minlength=self.world)
-        exposed_out = self.exposed_out + np.bincount(owners, weights=add_late.sum(axis=1), minlength=self.world)
-        return self.rank_times(processed, sent, received, self.moved_in + add_early.sum(axis=0), moved_out,
-                               self.exposed_in + add_late.sum(axis=0), exposed_out)
+        new = self._moved_columns(experts, added)
+        tot = [t - c[experts].sum(axis=0) + n.sum(axis=0) for t, c, n in zip(self.tot, self.cols, new)]
+        early, late = self._transfer_columns(experts, added | self.mat[:, experts].T)
+        return self.rank_times(tot, self.early_xfer - self.early_cols[:, experts].sum(axis=1) + early.sum(axis=1),
+                               self.late_xfer - self.late_cols[:, experts].sum(axis=1) + late.sum(axis=1))
 
     def _grouped(self, pairs: Sequence[Tuple[int, int]]):
         by_expert: dict = {}
@@ -154,7 +156,11 @@ class _Search:
         for i, e in enumerate(experts.tolist()):
             self.mat[added[i], e] = True
         flows = dispatch_flows(self.counts[:, experts].T, self.mat[:, experts].T, self.rpn)
-        self.proc[experts], self.sent[experts], self.recv[experts] = flows.processed, flows.sent, flows.received
+        for c, n in zip(self.cols, (flows.processed, flows.sent, flows.received, flows.sent_inter,
+                                    flows.received_inter)):
+            c[experts] = n
+        self.early_cols[:, experts], self.late_cols[:, experts] = self._transfer_columns(experts,
+                                                                                         self.mat[:, experts].T)
         self.refresh()
 
     def frozen(self, mat=None) -> Materialized:
@@ -185,17 +191,18 @@ class SearchWork:
     Ranks must reach the same placement, so the search cannot stop on a clock: each rank's wall time differs.
     It counts work instead, in estimated microseconds of this module's numpy search: a setup per
     (rank, expert) cell, a fixed cost per step, and a cost per evaluated (move, rank) cell. The constants were
-    fitted on a 2-vCPU EPYC host to the 90th percentile of measured setups and steps (8 to 256 ranks, 8 to 256
-    experts, fresh and calibration searches; ``python -m benchmarks.search_work`` re-measures them), so a budget
+    fitted on a 2-vCPU Intel Xeon host to the 90th percentile of measured setups and steps (8 to 256 ranks, 8 to 256
+    experts, fresh and calibration searches, the two-link objective with relay trees of issue 26; ``python -m
+    benchmarks.search_work --fit`` re-measures them), so a budget
     holds there on nine searches in ten; a faster host finishes inside it sooner, a slower one overruns it by its
     slowness, never by a different decision.
     """
 
-    setup_us: float = 280.0
-    setup_us_per_cell: float = 0.055
-    step_us: float = 440.0
+    setup_us: float = 290.0
+    setup_us_per_cell: float = 0.0975
+    step_us: float = 680.0
     step_us_per_cell: float = 0.003
-    move_us_per_cell: float = 0.1
+    move_us_per_cell: float = 0.115
 
     def setup_cost_us(self, world: int, num_experts: int) -> float:
         """Building the search state: the dispatch columns of every (rank, expert) cell."""
@@ -234,18 +241,25 @@ class RelativeBudget:
 def _candidate_moves(search: "_Search", best_times, extra, budget_per_rank: int, ranks_per_node: int,
                      candidate_experts: int, candidate_ranks: int):
     """Moves for the experts that load the bottleneck rank most: one replica on one open rank, one on every open
-    rank of a node, one on every open rank. With more open ranks than ``candidate_ranks``, single replicas and
-    node groups are tried only on the least-loaded open ranks (and their nodes): beyond a few dozen ranks the
-    full set costs ranks^2 per step for moves that cannot beat the idlest ranks."""
+    rank of a node, one on every open rank, and (on more than one node) one on the least-loaded open rank of every
+    node that lacks the expert. With more open ranks than ``candidate_ranks``, single replicas and node groups are
+    tried only on the least-loaded open ranks (and their nodes): beyond a few dozen ranks the full set costs
+    ranks^2 per step for moves that cannot beat the idlest ranks.
+
+    Why one per node: with the NICs priced apart from NVLink, the replicas that keep an expert's tokens on their
+    node cost one NIC transfer per node, while every open rank costs one per rank; a search with only the latter
+    took it first for a hot expert owned by one rank and ran into its owner's NICs (simulated a100-4x8 gpt-moe-s
+    W1: 62 replicas, 3.37x of EP, against 26 and 5.7x with this move)."""
     bottleneck = int(np.argmax(best_times))   # first (lowest) rank among the slowest
     load_on_bottleneck = search.proc[:, bottleneck]
     loaded = np.flatnonzero(load_on_bottleneck > 0)
     hot = sorted(loaded.tolist(), key=lambda e: (-load_on_bottleneck[e], e))[:candidate_experts]
     moves = set()
+    several_nodes = search.world > ranks_per_node
     for e in hot:
         open_ranks = np.flatnonzero(~search.mat[:, e] & (extra < budget_per_rank))
+        by_time = open_ranks[np.lexsort((open_ranks, _round12(best_times[open_ranks])))]
         if open_ranks.size > candidate_ranks:
-            by_time = open_ranks[np.lexsort((open_ranks, _round12(best_times[open_ranks])))]
             singles = np.sort(by_time[:candidate_ranks])
             nodes = np.unique(singles // ranks_per_node)
         else:
@@ -259,6 +273,13 @@ def _candidate_moves(search: "_Search", best_times, extra, budget_per_rank: int,
                 moves.add((e, in_node))
         if open_ranks.size:
             moves.add((e, tuple(int(d) for d in open_ranks)))
+        if several_nodes and by_time.size:
+            node_of = by_time // ranks_per_node
+            _, first = np.unique(node_of, return_index=True)       # least-loaded open rank of each node
+            lacking = ~np.isin(node_of[first], np.flatnonzero(search.mat[:, e]) // ranks_per_node)
+            picks = tuple(sorted(int(d) for d in by_time[first][lacking]))
+            if picks:
+                moves.add((e, picks))
     return sorted(moves)
 
 
@@ -272,9 +293,9 @@ def _quota_move(search: "_Search", best_times, extra, budget_per_rank: int) -> O
     a node), spending the slots the other bottlenecks needed, and at scale a step costs milliseconds, so the search
     budget runs out first. The slowest time is shared by many ranks there (a quarter of 256 experts hot: 64 tied
     owners); this is UltraEP's quota idea as one candidate beside the others, taken only when it gives the better
-    profile. Own node first because the objective does not yet price token traffic: least-loaded anywhere sent
-    tokens off their node (simulated a100-4x8 gpt-moe-s W1: 3.08x of EP against 3.90x node-first). None when the
-    slowest time is not shared or no rank is open."""
+    profile. Own node first: a replica on the bottleneck's node takes its tokens over NVLink, one elsewhere over
+    the NICs (before the objective priced the links apart, least-loaded anywhere measured 3.08x of EP against 3.90x
+    node-first on simulated a100-4x8 gpt-moe-s W1). None when the slowest time is not shared or no rank is open."""
     rounded = _round12(best_times)
     tied = np.flatnonzero(rounded == rounded.max())
     if tied.size < 2:

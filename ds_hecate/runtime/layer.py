@@ -25,6 +25,7 @@ from ..planning import Placement
 from ..planning.balance import estimated_force_balanced_fraction
 from ..planning.cost_model import imbalance, owner_loads, replica_budget
 from ..planning.dispatch_plan import DispatchPlan, rank_tables
+from ..planning.fanout import RelayPlan
 from ..planning.layer_planner import LayerPlanner, PlanInputs, PlannerSettings
 from ..planning.schedule_reuse import ScheduleReuse
 from .phases import PHASES
@@ -84,7 +85,8 @@ class LayerBinding:
         self.counters = CommCounters()
         self.host_phase_s: Dict[str, float] = {p: 0.0 for p in PHASES}   # host time (launches, planning)
         self.pending: Optional[PendingGather] = None
-        self.forward_cache: List[Tuple[np.ndarray, DispatchPlan]] = []   # counts and plan of each forward call
+        #: each forward call's counts, plan and the gathers that built its buffer (prefetched placement, extras)
+        self.forward_cache: List[Tuple[np.ndarray, DispatchPlan, Placement, Optional[Placement]]] = []
         self.last_plan: Optional[DispatchPlan] = None
         self.last_counts: Optional[np.ndarray] = None
         self.calls = 0
@@ -130,13 +132,19 @@ class LayerBinding:
         return PlanInputs(self.shard.owners, self.runtime.step_costs(self), self.replica_budget(), self.cost)
 
     # -- collectives ---------------------------------------------------------------------------------------------
+    def relay(self, placement: Placement) -> RelayPlan:
+        """How ``placement``'s copies travel (``hecate.fanout``): the relay trees, flat below the threshold. The
+        reduction of a calibrated call uses the tree of its whole placement, whatever trees its two gathers took:
+        any tree returns every copy's gradient to its owner."""
+        return RelayPlan.of(placement, self.runtime.ranks_per_node, self.runtime.config.fanout)
+
     def gather(self, placement: Placement, async_op: bool, spare_rows: int = 0) -> PendingGather:
         """SparseAllGather of ``placement`` into a block with ``spare_rows`` reserved for calibration's extras
         (:meth:`gather_prefetched` sizes them)."""
         rt = self.runtime
         pending = rt.comm.start_sparse_all_gather(placement, self.shard.weights, self.shard.kernel.numel,
                                                   rt.compute_dtype, self.counters, async_op=async_op,
-                                                  spare_rows=spare_rows)
+                                                  spare_rows=spare_rows, relay=self.relay(placement))
         finish = pending.wait
 
         return PendingGather(placement, lambda: self._track(finish()))
@@ -146,7 +154,8 @@ class LayerBinding:
         memory was tracked with ``into``'s block)."""
         rt = self.runtime
         extra = rt.comm.start_sparse_all_gather(extras, self.shard.weights, self.shard.kernel.numel, rt.compute_dtype,
-                                                self.counters, async_op=False, include_owned=False, into=into).wait()
+                                                self.counters, async_op=False, include_owned=False, into=into,
+                                                relay=self.relay(extras)).wait()
         self.extensions += len(extra.experts) > 0
         return into.extended(extra)
 
@@ -178,7 +187,8 @@ class LayerBinding:
         rt = self.runtime
         with self.timed("reduce_scatter"):
             finish = rt.comm.start_sparse_reduce_scatter(plan.placement, experts, grads, rt.reduce_dtype,
-                                                         self.counters, lambda: self.shard.grad_rows(rt.device))
+                                                         self.counters, lambda: self.shard.grad_rows(rt.device),
+                                                         relay=self.relay(plan.placement))
         rt.pending_reductions.append((self, finish))
         rt.issued_reduction()
 
@@ -227,13 +237,14 @@ class LayerBinding:
         after = self.planner.plan_call(counts, inputs, pending.placement, rank)
         return after.plan, pending, after.extras
 
-    def _cached_plan(self, counts: np.ndarray) -> DispatchPlan:
-        """The plan of the forward call this recompute replays. Kept until the next model forward: torch's
+    def _cached_plan(self, counts: np.ndarray) -> Tuple[DispatchPlan, Placement, Optional[Placement]]:
+        """The plan of the forward call this recompute replays, with the placements its buffer was gathered from
+        (the prefetched one, and calibration's extras or None). Kept until the next model forward: torch's
         non-reentrant checkpointing may recompute a region twice (backward reaching an auxiliary output, such as
         the gate's l_aux, before the main path), and every recompute must replay the same plan."""
-        for cached_counts, plan in self.forward_cache:
+        for cached_counts, plan, prefetched, extras in self.forward_cache:
             if np.array_equal(cached_counts, counts):
-                return plan
+                return plan, prefetched, extras
         raise HecateError(
             f"MoE layer '{self.shard.name}': activation-checkpoint recompute routed tokens differently from the "
             "forward pass; recompute must reproduce the gate (keep torch.utils.checkpoint's preserve_rng_state=True "
@@ -265,12 +276,16 @@ class LayerBinding:
             check_gate_health(exchanged[:, num_experts:], shard.name, num_experts)
         with self.timed("plan"):
             if recompute:
+                # The same gathers as the forward's, so the buffer holds its experts in the same rows (one gather of
+                # the whole placement would order them otherwise, and checkpointing checks every saved shape)
                 self.recomputes += 1
-                plan = self._cached_plan(counts)
-                pending, extra = self.gather(plan.placement, async_op=False), None
+                plan, prefetched, extra = self._cached_plan(counts)
+                spare = 0 if extra is None else sum(1 for _, dst in extra.gather_pairs if dst == rank)
+                pending = self.gather(prefetched, async_op=False, spare_rows=spare)
             else:
                 plan, pending, extra = self._plan(counts)
-                self.forward_cache.append((counts, plan))   # (DeepSpeed's reentrant checkpointing runs it under no_grad)
+                # (DeepSpeed's reentrant checkpointing runs the forward under no_grad)
+                self.forward_cache.append((counts, plan, pending.placement, extra))
         with self.timed("gather"):
             gathered = pending.wait()
             if extra is not None:

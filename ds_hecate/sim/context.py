@@ -67,12 +67,15 @@ class SimContext:
         return 4 + 4 + self.optimizer.bytes_per_param
 
     def measured(self, world: int) -> Dict[str, float]:
-        """The measured costs a runtime planning a ``world``-rank domain would hold (inter-node bandwidth per
-        device when the domain spans nodes)."""
+        """The measured costs a runtime planning a ``world``-rank domain would hold: the link inside a node, and
+        the inter-node bandwidth per device when the domain spans nodes."""
         if self.planner_costs is not None:
             return dict(self.planner_costs)
-        link = self.cluster.inter_node_gbps_per_device if world > self.rpn else self.cluster.intra_node_gbps
-        return {"link_gbps": link, "compute_s_per_pair": self.s_per_pair, "non_moe_time_s": self.t_fwd}
+        out = {"link_gbps": self.cluster.intra_node_gbps, "compute_s_per_pair": self.s_per_pair,
+               "non_moe_time_s": self.t_fwd}
+        if world > self.rpn:
+            out["inter_node_gbps"] = self.cluster.inter_node_gbps_per_device
+        return out
 
     def step_costs(self, world: int) -> StepCostModel:
         """The cost model the runtime would build for a ``world``-rank domain on this cluster (the runtime's own

@@ -15,7 +15,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..planning.cost_model import imbalance
+from ..planning.cost_model import imbalance, replica_transfers
 from ..planning.dispatch import dispatch_flows
 from ..planning.plan import holders_matrix, owned_experts
 from .context import SimContext
@@ -52,7 +52,8 @@ def layer_time(ctx: SimContext, counts: np.ndarray, mat: np.ndarray, owners: np.
     """Time of one layer call: ``counts`` [world, experts] routed over placement ``mat`` [world, experts] (bool)
     with sharded placement ``owners``. ``mode`` says how replicas travel: ``prefetch`` (Hecate: SparseAllGather
     before the gate, hidden behind T_nonMoE; SparseReduceScatter behind the backward non-MoE compute), ``rm``
-    (the same plus a second gather in backward), ``critical`` (FasterMoE: broadcast after the gate and reduce, both
+    (the same plus a second gather in backward; both relay copies through holders beyond ``hecate.fanout``
+    replicas of an expert, as the runtime does), ``critical`` (FasterMoE: broadcast after the gate and reduce, both
     exposed), ``persistent`` (FlexMoE: replicas stay; their gradients are all-reduced in backward). ``late``: replicas
     (a subset of ``mat``) gathered after the gate (Hecate's calibration), on the critical path."""
     world, num_experts = counts.shape
@@ -67,8 +68,7 @@ def layer_time(ctx: SimContext, counts: np.ndarray, mat: np.ndarray, owners: np.
     owner_mask = np.zeros_like(mat)
     owner_mask[owners, np.arange(num_experts)] = True
     replicas = mat & ~owner_mask
-    node_idx = np.arange(world) // rpn
-    same_node = node_idx[:, None] == node_idx[owners][None, :]
+    fanout = ctx.hecate.fanout if mode in ("prefetch", "rm") else 0
 
     def phase(rep: np.ndarray, nbytes: int) -> np.ndarray:
         if ctx.spag == "ring":
@@ -80,10 +80,9 @@ def layer_time(ctx: SimContext, counts: np.ndarray, mat: np.ndarray, owners: np.
             crossing = (on_node & (on_node.sum(axis=0) > 1)).sum(axis=1).astype(float)
             return link_time(ctx, world, rep.sum(axis=1).astype(float), hold.sum(axis=1).astype(float), crossing,
                           crossing, nbytes)
-        i_intra = (rep & same_node).sum(axis=1).astype(float)
-        i_inter = (rep & ~same_node).sum(axis=1).astype(float)
-        o_intra = np.bincount(owners, weights=(rep & same_node).sum(axis=0), minlength=world)
-        o_inter = np.bincount(owners, weights=(rep & ~same_node).sum(axis=0), minlength=world)
+        # Hecate's sparse collectives relay through holders beyond hecate.fanout copies (planning.fanout); the
+        # baselines' owners send every copy
+        i_intra, o_intra, i_inter, o_inter = replica_transfers(rep, owners, rpn, fanout)
         return link_time(ctx, world, i_intra, o_intra, node_sum(i_inter, world, rpn), node_sum(o_inter, world, rpn),
                       nbytes)
 

@@ -249,7 +249,8 @@ class _GroupPlanner:
         self.owners = np.asarray(even_sharding(ctx.model.num_experts, group))
         self.rpn = min(ctx.rpn, group)
         settings = PlannerSettings(policy="hecate", calibration=h.calibration, replan_tolerance=h.replan_tolerance,
-                                   load_window=h.load_window, search_budget_us=h.search_budget_us,
+                                   load_window=h.load_window, load_predictor=h.load_predictor,
+                                   search_budget_us=h.search_budget_us,
                                    plan_budget_us=h.plan_budget_us, ranks_per_node=self.rpn)
         self.planner = LayerPlanner(settings, group, ctx.model.num_experts)
         self.budget = replica_budget(h.materialize_budget_mb, ctx.numel * ctx.compute_b, ctx.model.moe_layers,

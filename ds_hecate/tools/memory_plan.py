@@ -161,8 +161,9 @@ def plan_memory(model: Any, hecate: Any, world_size: int, ranks_per_node: int, z
     measured: Dict[str, float] = {}
     overlap_source = "config"
     if cluster is not None:   # the planner of a group sees a world of its G ranks
-        measured["link_gbps"] = (cluster.inter_node_gbps_per_device if group_size > ranks_per_node
-                                 else cluster.intra_node_gbps)
+        measured["link_gbps"] = cluster.intra_node_gbps
+        if group_size > ranks_per_node:
+            measured["inter_node_gbps"] = cluster.inter_node_gbps_per_device
         tokens = model.tokens_per_rank
         measured["compute_s_per_pair"] = (cluster.compute_s_per_pair or
                                           6.0 * numel / (cluster.device_tflops * 1e12))
@@ -238,7 +239,7 @@ def format_plan(plan: MemoryPlan, model: Any, device_memory_gb: float) -> str:
         f"scheduler: memory cap {plan.replica_budget_per_layer} replica(s) per layer per rank "
         f"({plan.replica_bytes_per_expert / (1 << 20):.1f} MiB each), overlap degree t = {plan.overlap_degree} "
         f"(from {plan.overlap_source}: T_nonMoE {plan.costs.overlap_s * 1e3:.2f} ms, expert transfer "
-        f"{plan.costs.expert_transfer_s * 1e3:.2f} ms)",
+        f"{plan.costs.slowest_expert_transfer_s * 1e3:.2f} ms)",
     ]
     if max(plan.owned_experts) - min(plan.owned_experts) > 1:
         balanced = max(slots_per_rank(sum(plan.owned_experts), plan.world_size))

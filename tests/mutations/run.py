@@ -164,7 +164,7 @@ MUTATIONS: List[Mutation] = [
           "        critical_s = time.perf_counter() - started\n")),
         "the simulator charges host planning in wall time, so its tables move with the machine's load (issue 26)"),
     Mutation(
-        "calibration-extension-copies", "ds_hecate/comm/collectives.py",
+        "calibration-extension-copies", "ds_hecate/comm/buffers.py",
         (("        return GatheredExperts(self.experts + extra.experts, self.block[:rows], self.owned, self.block)\n",
           "        copy = materialized_buffer(rows, self.buffer.shape[1], self.buffer.dtype, self.buffer.device)\n"
           "        copy.copy_(self.block[:rows])  # MUTATION: the extended buffer is a copy (the code before 2026-12-01)\n"
@@ -209,6 +209,27 @@ MUTATIONS: List[Mutation] = [
           "        eager = False  # MUTATION: whole gradient rows kept until the step\n"),),
         "partitioned expert state: the expert-data-parallel reduction waits for the accumulation boundary, so every "
         "layer's whole fp32 gradient rows stay alive through the backward"),
+    Mutation(
+        "objective-ignores-links", "ds_hecate/planning/scheduler.py",
+        (("        self.costs = costs\n", "        self.costs = costs.single_link()  # MUTATION: one link for all\n"),),
+        "the search prices every token row and expert at the slowest link, as before issue 26: a copy that keeps "
+        "tokens on their node is worth no more than one beside the owner"),
+    Mutation(
+        "relay-skips-a-hop", "ds_hecate/comm/relay.py",
+        (("            _add_rows(comm, partial, received, passed, [partial_row[arrived[i]] for i in passed])\n",
+          "            pass  # MUTATION: a relay passes up its own gradient without its children's\n"),),
+        "tree fan-out: a relay forwards its own copy's gradient to its parent without adding the partial sums its "
+        "children sent it (one hop of the reduction tree skipped)"),
+    Mutation(
+        "relay-gather-stops-after-the-first-stage", "ds_hecate/comm/relay.py",
+        (("        for s in range(1, len(relay.stages)):\n            stage(s, False)()\n",
+          "        pass  # MUTATION: the relays never forward\n"),),
+        "tree fan-out: SparseAllGather runs only the owners' stage; ranks further down the trees keep unwritten rows"),
+    Mutation(
+        "scheduler-charges-the-flat-fan-out", "ds_hecate/planning/cost_model.py",
+        (("    early = replica_transfers(early_mask, owners, ranks_per_node, costs.fanout)\n",
+          "    early = replica_transfers(early_mask, owners, ranks_per_node, 0)  # MUTATION: no relay trees\n"),),
+        "the scheduler's estimate charges every copy to its owner although the collectives relay it"),
     Mutation(
         "quota-replicas-off-their-node", "ds_hecate/planning/scheduler.py",
         (("        order = np.lexsort((np.arange(search.world), rounded, node != node[r]))",
@@ -280,6 +301,12 @@ TESTS_FOR: Dict[str, List[str]] = {
     "edp-reduction-skipped": ["tests/test_oracle_groups.py::test_follows_deepspeed_expert_parallelism_step_by_step"],
     "edp-reduction-deferred-to-the-step": [
         "tests/test_group_containment.py::test_layer_calls_stay_in_the_group_and_edp_work_between_peers"],
+    "objective-ignores-links": ["tests/test_links.py::test_search_keeps_a_hot_experts_tokens_on_their_node"],
+    "relay-skips-a-hop": ["tests/test_fanout.py::test_relayed_collectives_deliver_and_sum_every_copy"],
+    "relay-gather-stops-after-the-first-stage": [
+        "tests/test_fanout.py::test_relayed_collectives_deliver_and_sum_every_copy"],
+    "scheduler-charges-the-flat-fan-out": [
+        "tests/test_fanout.py::test_scheduler_charges_the_tree_not_the_flat_fan_out"],
     "quota-replicas-off-their-node": ["tests/test_quota_move.py::test_quota_places_on_the_bottleneck_node_first"],
     "edp-state-gathered-out-of-order": ["tests/test_checkpoint_groups.py"],
     "weight-traffic-on-token-communicator": [

@@ -1,0 +1,176 @@
+"""Tree fan-out of the sparse collectives: who forwards an expert to whom.
+
+Flat, an expert's owner sends every copy itself in SparseAllGather and receives every replica's gradient itself in
+SparseReduceScatter, so with many replicas its link serialises the layer's weight traffic (a one-step burst shadowed
+on 31 ranks: 31 sends from one rank, 24 of them through its node's NICs). With more replicas than ``fanout``
+(``hecate.fanout``), the copies relay through replica holders instead, in a tree that crosses nodes once per node:
+
+- each node holding the expert has a leader: the owner on its own node, elsewhere its lowest-ranked holder;
+- the leaders form a ``fanout``-ary tree rooted at the owner (nodes ascending): leader ``i`` (the owner is 0) hangs
+  under leader ``(i - 1) // fanout``;
+- inside each node the holders form a ``fanout``-ary tree under the leader (leader first, then ranks ascending).
+
+So a rank sends at most ``fanout`` copies of an expert across nodes and ``fanout`` inside its node, whatever the
+replica count. SparseAllGather runs the tree top-down, one stage per depth; SparseReduceScatter runs it bottom-up,
+each relay adding its children's fp32 partial sums to its own gradient in a fixed order (its own first, then the
+children's by rank) before passing the sum to its parent. With at most ``fanout`` replicas (or ``fanout`` 0) the
+tree is flat: the owner sends every copy, as before.
+
+:class:`RelayPlan` is the explicit tree the runtime runs; :func:`tree_transfers` counts the same tree's transfers
+per rank, vectorised, for the scheduler's cost and the simulator (tests/test_fanout.py holds them equal). Pure:
+numpy only, identical on every rank.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Dict, List, Sequence, Tuple
+
+import numpy as np
+
+from .plan import Placement
+
+#: (expert, sender, receiver) of one SparseAllGather copy
+Edge = Tuple[int, int, int]
+
+
+def relay_parents(owner: int, holders: Sequence[int], ranks_per_node: int, fanout: int) -> Dict[int, int]:
+    """replica holder -> the rank it receives the expert from (see the module docstring); ``holders`` may include
+    the owner."""
+    replicas = sorted(r for r in set(holders) if r != owner)
+    if fanout <= 0 or len(replicas) <= fanout:
+        return {r: owner for r in replicas}
+    by_node: Dict[int, List[int]] = {}
+    for r in replicas:
+        by_node.setdefault(r // ranks_per_node, []).append(r)
+    home = owner // ranks_per_node
+    by_node[home] = [owner] + by_node.get(home, [])
+    parents: Dict[int, int] = {}
+    leaders = [owner] + [by_node[n][0] for n in sorted(by_node) if n != home]
+    for i in range(1, len(leaders)):
+        parents[leaders[i]] = leaders[(i - 1) // fanout]
+    for members in by_node.values():
+        for j in range(1, len(members)):
+            parents[members[j]] = members[(j - 1) // fanout]
+    return parents
+
+
+@dataclass(frozen=True)
+class RelayPlan:
+    """The SparseAllGather copies of one placement by stage: ``stages[s]`` holds the sorted (expert, sender,
+    receiver) edges whose receiver is ``s + 1`` hops from the owner. Every rank computes the same plan, so every
+    rank issues ``len(stages)`` exchanges in each sparse collective."""
+
+    stages: Tuple[Tuple[Edge, ...], ...]
+
+    @staticmethod
+    def of(placement: Placement, ranks_per_node: int, fanout: int) -> "RelayPlan":
+        return _relay_plan(placement, max(1, int(ranks_per_node)), int(fanout))
+
+    @property
+    def relayed(self) -> bool:
+        """Whether any copy is forwarded by a replica holder (else the flat owner-sends-all exchange)."""
+        return len(self.stages) > 1
+
+    def sends(self, rank: int, stage: int) -> Dict[int, List[int]]:
+        """receiver -> experts (ascending) ``rank`` sends at ``stage``."""
+        out: Dict[int, List[int]] = {}
+        for e, src, dst in self.stages[stage]:
+            if src == rank:
+                out.setdefault(dst, []).append(e)
+        return out
+
+    def recvs(self, rank: int, stage: int) -> Dict[int, List[int]]:
+        """sender -> experts (ascending) ``rank`` receives at ``stage``."""
+        out: Dict[int, List[int]] = {}
+        for e, src, dst in self.stages[stage]:
+            if dst == rank:
+                out.setdefault(src, []).append(e)
+        return out
+
+    def received_order(self, rank: int) -> List[int]:
+        """The experts ``rank`` receives, in the order its replica rows hold them: stage by stage, each stage
+        sender-major (sender ascending, then expert). One stage: the flat order (owner ascending, then expert)."""
+        return [e for s in range(len(self.stages)) for _, es in sorted(self.recvs(rank, s).items()) for e in es]
+
+    def children(self, rank: int) -> Dict[int, List[int]]:
+        """expert -> the ranks ``rank`` forwards it to (ascending), over all stages."""
+        out: Dict[int, List[int]] = {}
+        for stage in self.stages:
+            for e, src, dst in stage:
+                if src == rank:
+                    out.setdefault(e, []).append(dst)
+        return {e: sorted(d) for e, d in out.items()}
+
+
+@lru_cache(maxsize=256)
+def _relay_plan(placement: Placement, ranks_per_node: int, fanout: int) -> RelayPlan:
+    holders: Dict[int, List[int]] = {}
+    for e, dst in placement.gather_pairs:
+        holders.setdefault(e, []).append(dst)
+    depth_edges: Dict[int, List[Edge]] = {}
+    for e, replicas in holders.items():
+        owner = placement.owners[e]
+        parents = relay_parents(owner, replicas, ranks_per_node, fanout)
+        depth = {owner: 0}
+        for r in sorted(parents, key=lambda r: _hops(r, parents, owner)):
+            depth[r] = depth[parents[r]] + 1
+            depth_edges.setdefault(depth[r], []).append((e, parents[r], r))
+    return RelayPlan(tuple(tuple(sorted(depth_edges[d])) for d in sorted(depth_edges)))
+
+
+def _hops(rank: int, parents: Dict[int, int], owner: int) -> int:
+    hops = 0
+    while rank != owner:
+        rank = parents[rank]
+        hops += 1
+    return hops
+
+
+def tree_transfers(holders: np.ndarray, owners: np.ndarray, ranks_per_node: int, fanout: int):
+    """Per rank, the copies of :func:`relay_parents`' trees it receives and sends, inside its node and across
+    nodes: ``(in_intra, out_intra, in_inter, out_inter)``, each ``[K, world]`` float, for ``K`` experts with holder
+    rows ``holders`` (``[K, world]`` bool, owners included or not) owned by ``owners`` (``[K]``). What the scheduler
+    and the simulator charge a placement's SparseAllGather (and, reversed, its SparseReduceScatter)."""
+    holders = np.asarray(holders, dtype=bool)
+    k, world = holders.shape
+    owners = np.asarray(owners, dtype=np.int64)
+    rows = np.arange(k)
+    node = np.arange(world) // ranks_per_node
+    own = np.zeros((k, world), dtype=bool)
+    own[rows, owners] = True
+    rep = holders & ~own
+    held = rep | own
+    same = node[None, :] == node[owners][:, None]
+    flat = (rep.sum(axis=1) <= fanout) if fanout > 0 else np.ones(k, dtype=bool)
+
+    out_intra = np.zeros((k, world))
+    out_inter = np.zeros((k, world))
+    # flat: the owner sends every copy
+    out_intra[rows, owners] = (rep & same).sum(axis=1)
+    out_inter[rows, owners] = (rep & ~same).sum(axis=1)
+    in_intra = (rep & same).astype(np.float64)
+    in_inter = (rep & ~same).astype(np.float64)
+    if not flat.all() and fanout > 0:
+        starts = np.arange(0, world, ranks_per_node)
+        counts = np.cumsum(held, axis=1)
+        before = np.concatenate([np.zeros((k, 1), dtype=counts.dtype), counts[:, starts[1:] - 1]], axis=1)
+        index = counts - before[:, node] - 1            # position among its node's holders, ranks ascending
+        # on the owner's node the owner comes first: holders ranked below it move one down
+        index = np.where(same & held & (np.arange(world)[None, :] < owners[:, None]), index + 1, index)
+        index[rows, owners] = 0
+        per_node = np.add.reduceat(held.astype(np.int64), starts, axis=1)
+        members = per_node[:, node]
+        t_out_intra = np.where(held, np.clip(members - 1 - index * fanout, 0, fanout), 0)
+        t_in_intra = held & (index >= 1)
+        leader_nodes = (per_node > 0) & (np.arange(len(starts))[None, :] != node[owners][:, None])
+        position = np.cumsum(leader_nodes, axis=1)       # 1-based among the other nodes' leaders
+        others = leader_nodes.sum(axis=1)
+        leader = held & (index == 0)
+        inter_index = np.where(own, 0, position[:, node])
+        t_out_inter = np.where(leader, np.clip(others[:, None] - inter_index * fanout, 0, fanout), 0)
+        t_in_inter = leader & ~own
+        tree = ~flat
+        out_intra[tree], in_intra[tree] = t_out_intra[tree], t_in_intra[tree]
+        out_inter[tree], in_inter[tree] = t_out_inter[tree], t_in_inter[tree]
+    return in_intra, out_intra, in_inter, out_inter
