@@ -201,7 +201,7 @@ def test_host_planning_is_charged_to_hecate_only():
 
 def test_planning_charge_does_not_move_with_the_machines_load():
     """Issue 26, item 6: host planning is charged in the simulating thread's CPU time, not wall time, so the same
-    cell gives the same figures on an idle machine and beside CPU-burning processes (one per core: they take the
+    cell gives about the same figures on an idle machine and beside CPU-burning processes (one per core: they take the
     cores, the simulation's wall time grows by about half on 2 vCPUs, its CPU time does not). Charged in wall
     time (``time.perf_counter`` in ``sim/systems.py``) the busy run's planning came out 2.0-2.3x the idle one's."""
     import os
@@ -222,7 +222,9 @@ def test_planning_charge_does_not_move_with_the_machines_load():
     planning = [r.systems["hecate"].breakdown_s["host_planning"] for r in (idle, busy)]
     assert planning[0] > 0
     assert wall > 1.2 * cpu, f"the burners did not load the machine (wall {wall:.2f} s, CPU {cpu:.2f} s)"
-    assert planning[1] == pytest.approx(planning[0], rel=0.1), planning
+    # CPU time still moves beside the burners (shared caches and clock of a 2-vCPU host: 13% in CI on 2026-12-01,
+    # with issue 26's heavier search steps); wall time doubles, which 25% still tells apart
+    assert planning[1] == pytest.approx(planning[0], rel=0.25), planning
     assert busy.systems["hecate"].step_time_s == pytest.approx(idle.systems["hecate"].step_time_s, rel=0.02)
 
 
