@@ -74,18 +74,18 @@ class RelayPlan:
 
     def sends(self, rank: int, stage: int) -> Dict[int, List[int]]:
         """receiver -> experts (ascending) ``rank`` sends at ``stage``."""
-        out: Dict[int, List[int]] = {}
-        for e, src, dst in self.stages[stage]:
-            if src == rank:
-                out.setdefault(dst, []).append(e)
-        return out
+        return self._peers(rank, stage, mine=1, peer=2)
 
     def recvs(self, rank: int, stage: int) -> Dict[int, List[int]]:
         """sender -> experts (ascending) ``rank`` receives at ``stage``."""
+        return self._peers(rank, stage, mine=2, peer=1)
+
+    def _peers(self, rank: int, stage: int, mine: int, peer: int) -> Dict[int, List[int]]:
+        """The edges of ``stage`` whose field ``mine`` (1: sender, 2: receiver) is ``rank``, as peer -> experts."""
         out: Dict[int, List[int]] = {}
-        for e, src, dst in self.stages[stage]:
-            if dst == rank:
-                out.setdefault(src, []).append(e)
+        for edge in self.stages[stage]:
+            if edge[mine] == rank:
+                out.setdefault(edge[peer], []).append(edge[0])
         return out
 
     def received_order(self, rank: int) -> List[int]:
