@@ -79,6 +79,8 @@ def _errors_worker(rank: int, world: int) -> dict:
     engine, *_ = ds_hecate.initialize(model=moe(), config=cfg())
     out["explicit"] = type(engine).__name__
     out["stats"] = engine.hecate.stats()
+    from ds_hecate.comm import exit_guard
+    out["exit_guard"] = (exit_guard._registered, len(exit_guard._groups))
     reference = sum(p.numel() for p in moe().parameters())
     out["num_parameters"] = (ds_hecate.num_parameters(engine.module), reference)
     disabled = ds_config(replace(spec, hecate={"enabled": False}))
@@ -121,6 +123,12 @@ def test_every_spelling_turns_hecate_on(outcomes):
     assert outcomes["top_level_alias"] == "HecateEngine"
     assert outcomes["explicit"] == "HecateEngine"
     assert outcomes["disabled"] == ("DeepSpeedEngine", False)
+
+
+def test_initialize_registers_the_exit_guard_with_hecates_groups(outcomes):
+    """Without the guard a CPU run may abort at exit (tests/test_exit_guard.py); every engine registers it."""
+    registered, groups = outcomes["exit_guard"]
+    assert registered and groups >= 2, outcomes["exit_guard"]
 
 
 def test_engine_exposes_runtime_statistics(outcomes):

@@ -19,6 +19,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from ..comm.exit_guard import release_gloo_works_at_exit
 from ..config import HecateConfig, split_hecate_section
 from ..errors import HecateConfigError, HecateUnsupportedError
 from ..logging_utils import log_rank0, quiet_renamed_all_gather_warning
@@ -192,7 +193,7 @@ def build_runtime(hcfg: HecateConfig, ds_config: Dict[str, Any], model: Optional
         comm = build_communicator(hcfg.comm_backend, group, rank, world, device,
                                   timeout_s=hcfg.collective_timeout_s, weight_group=weight_group)
         layout = GroupLayout.single(comm, rpn)
-        _destroy_at_exit([group, weight_group])
+        release_gloo_works_at_exit([group, weight_group])
     else:
         tokens = [dist.new_group(ranks=list(r), timeout=timeout) for r in groups.all_groups()]
         weights = [dist.new_group(ranks=list(r), timeout=timeout) for r in groups.all_groups()]
@@ -205,43 +206,10 @@ def build_runtime(hcfg: HecateConfig, ds_config: Dict[str, Any], model: Optional
         edp = Communicator(peers[local], mine, groups.num_groups, timeout_s=hcfg.collective_timeout_s,
                            device=device)
         layout = GroupLayout(groups, rank, world_comm, edp, partitioned=_zero_stage(ds_config) >= 1)
-        _destroy_at_exit(tokens + weights + peers + [world_group])
+        release_gloo_works_at_exit(tokens + weights + peers + [world_group])
     runtime = HecateRuntime(hcfg, comm, _compute_dtype(ds_config), rpn, layout)
     install_recorders(runtime)
     return runtime
-
-
-def _destroy_at_exit(groups: list) -> None:
-    """Destroy Hecate's process groups at interpreter exit, while the interpreter is still whole.
-
-    Why: Hecate issues asynchronous gloo collectives (prefetched SparseAllGathers, SparseReduceScatters); gloo's
-    worker threads may still hold a completed work, with its tensors, when a script ends without
-    ``destroy_process_group`` (the Hugging Face Trainer never calls it). Destroyed during interpreter finalization,
-    such a work aborts the process ("terminate called without an active exception", exit -6; seen in CI on the
-    Trainer autoload test, 2026-12-01; torch's own discussion: pytorch/pytorch#179291). Destroying the groups from
-    an atexit handler joins those threads first. Local to each rank (no collective); a no-op where the script
-    already destroyed every group.
-
-    On gloo the default group goes too: a completed gloo collective on it alone aborts the same way at exit
-    (pytorch/pytorch#190489), and the abort came back in CI after Hecate's own groups were destroyed (the Trainer
-    under ``accelerate launch``, whose scripts never destroy the default group). Not on NCCL, where a peer that left
-    first could make the destruction wait."""
-    import atexit
-
-    def destroy() -> None:
-        if not dist.is_initialized():
-            return
-        for g in groups:
-            try:
-                dist.destroy_process_group(g)
-            except (RuntimeError, ValueError):   # already destroyed by the script
-                pass
-        try:
-            if dist.is_initialized() and dist.get_backend() == "gloo":
-                dist.destroy_process_group()
-        except (RuntimeError, ValueError):
-            pass
-    atexit.register(destroy)
 
 
 def _zero_stage(cfg: Dict[str, Any]) -> int:

@@ -221,6 +221,12 @@ MUTATIONS: List[Mutation] = [
         "tree fan-out: a relay forwards its own copy's gradient to its parent without adding the partial sums its "
         "children sent it (one hop of the reduction tree skipped)"),
     Mutation(
+        "exit-guard-skips-the-grace", "ds_hecate/comm/exit_guard.py",
+        (("        time.sleep(GLOO_WORKER_GRACE_S)\n",
+          "        pass  # MUTATION: no grace for gloo's worker threads\n"),),
+        "exit guard: gloo's worker threads never get the GIL before finalization, so a work they release at exit "
+        "aborts the process (the Trainer's exit abort)"),
+    Mutation(
         "relay-gather-stops-after-the-first-stage", "ds_hecate/comm/relay.py",
         (("        for s in range(1, len(relay.stages)):\n            stage(s, False)()\n",
           "        pass  # MUTATION: the relays never forward\n"),),
@@ -302,6 +308,7 @@ TESTS_FOR: Dict[str, List[str]] = {
     "edp-reduction-deferred-to-the-step": [
         "tests/test_group_containment.py::test_layer_calls_stay_in_the_group_and_edp_work_between_peers"],
     "objective-ignores-links": ["tests/test_links.py::test_search_keeps_a_hot_experts_tokens_on_their_node"],
+    "exit-guard-skips-the-grace": ["tests/test_exit_guard.py::test_the_guard_lets_the_ranks_exit_cleanly"],
     "relay-skips-a-hop": ["tests/test_fanout.py::test_relayed_collectives_deliver_and_sum_every_copy"],
     "relay-gather-stops-after-the-first-stage": [
         "tests/test_fanout.py::test_relayed_collectives_deliver_and_sum_every_copy"],
