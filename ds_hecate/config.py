@@ -71,6 +71,11 @@ class HecateConfig(BaseModel):
                     "its holders (one copy per node across the NICs, then inside each node), each rank forwarding at "
                     "most this many copies across nodes and this many inside its node, and its gradients are "
                     "summed back up the same tree in fp32; 0: the owner sends and receives every copy itself.")
+    relay_chunks: int = Field(
+        4, ge=1, le=1024,
+        description="Pieces each relayed expert row is cut into past the trees' first stage, so the levels pipeline "
+                    "(one exchange carries a chunk of one level beside the next chunk of the level above); 1: level by "
+                    "level, each level waiting for the whole rows of the one above.")
     prefetch: bool = Field(True, description="Issue a layer's SparseAllGather before its gate (after the previous "
                                              "MoE layer) so it overlaps the non-MoE compute.")
     reshard_interval: int = Field(

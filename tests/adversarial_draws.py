@@ -256,6 +256,7 @@ def choices(seed: int, world: int) -> dict:
     c["fanout"] = rng.choice((0, 1, 2, 4))
     c["ranks_per_node"] = rng.choice((None, 2)) if world % 2 == 0 else None
     c["load_predictor"] = rng.choice(("robust", "mean"))
+    c["relay_chunks"] = rng.choice((1, 3, 4, 64))
     return c
 
 
@@ -296,7 +297,8 @@ def draw(seed: int, world: int) -> Tuple[Spec, Spec, str]:
     # DeepSpeed's optimizer section as the harness writes it, with Adam's eps drawn (the experts must follow it too)
     oracle = replace(oracle, extra_config={"optimizer": {"type": "AdamW", "params": {
         "lr": oracle.lr, "weight_decay": oracle.weight_decay, "torch_adam": True, "eps": c["adam_eps"]}}})
-    section = {**c["hecate"], "fanout": c["fanout"], "load_predictor": c["load_predictor"]}
+    section = {**c["hecate"], "fanout": c["fanout"], "load_predictor": c["load_predictor"],
+               "relay_chunks": c["relay_chunks"]}
     if c["ranks_per_node"]:
         section["ranks_per_node"] = c["ranks_per_node"]
     mine = replace(oracle, hecate={**section, "ep_size": c["ep_size"]} if c["ep_size"] else section)
@@ -311,7 +313,7 @@ def draw(seed: int, world: int) -> Tuple[Spec, Spec, str]:
              "residual" if c["use_residual"] else "", f"gas={c['gas']}", f"steps={c['steps']}",
              f"tokens={c['tokens']}", f"clip={c['clip']}" if c["clip"] else "", f"zero{c['stage']}",
              f"inf@{c['inject_step']}" if c["fp16_inject"] else "", f"eps={c['adam_eps']:g}",
-             f"ep_size={c['ep_size']}" if c["ep_size"] else "", f"fanout={c['fanout']}",
+             f"ep_size={c['ep_size']}" if c["ep_size"] else "", f"fanout={c['fanout']}/{c['relay_chunks']}",
              f"rpn={c['ranks_per_node']}" if c["ranks_per_node"] else "", f"predictor={c['load_predictor']}"]
     return oracle, mine, " ".join(w for w in words if w)
 

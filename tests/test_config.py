@@ -15,10 +15,10 @@ from ds_hecate.config import HecateConfig, parse_hecate_section, split_hecate_se
 from ds_hecate.errors import HecateConfigError, HecateError
 
 KNOWN_KEYS = ("enabled", "placement", "load_window", "load_predictor", "materialize_budget_mb", "overlap_degree", "calibration",
-              "replan_tolerance", "plan_budget_us", "search_budget_us", "rematerialize", "fanout", "prefetch", "reshard_interval", "compute_s_per_pair", "link_gbps", "inter_node_gbps",
+              "replan_tolerance", "plan_budget_us", "search_budget_us", "rematerialize", "fanout", "relay_chunks", "prefetch", "reshard_interval", "compute_s_per_pair", "link_gbps", "inter_node_gbps",
               "non_moe_time_s", "ranks_per_node", "ep_size", "reduce_dtype", "collective_timeout_s", "log_conversion", "monitor",
               "monitor_interval", "trace_file", "comm_backend")
-DEFAULTS = dict(enabled=False, placement="hecate", load_window=5, load_predictor="robust", fanout=4,
+DEFAULTS = dict(enabled=False, placement="hecate", load_window=5, load_predictor="robust", fanout=4, relay_chunks=4,
                 materialize_budget_mb=1024.0, overlap_degree=None,
                 calibration=True, replan_tolerance=0.05, plan_budget_us=None, search_budget_us=200000.0,
                 rematerialize=None, prefetch=True, reshard_interval=100,
@@ -47,7 +47,7 @@ def test_defaults():
 
 
 def test_full_valid_section():
-    raw = dict(enabled=True, placement="local", load_window=3, load_predictor="mean", fanout=2, materialize_budget_mb=12.5, overlap_degree=2,
+    raw = dict(enabled=True, placement="local", load_window=3, load_predictor="mean", fanout=2, relay_chunks=3, materialize_budget_mb=12.5, overlap_degree=2,
                calibration=False, replan_tolerance=0.2, plan_budget_us=250.0, search_budget_us=0.0, rematerialize=True, prefetch=False, reshard_interval=7,
                compute_s_per_pair=1e-6,
                link_gbps=100.0, inter_node_gbps=12.5, non_moe_time_s=0.01, ranks_per_node=8, ep_size=64,
@@ -345,7 +345,7 @@ _VALID = {
     "enabled": st.booleans(), "log_conversion": st.booleans(),
     "placement": st.sampled_from(PLACEMENTS), "reduce_dtype": st.sampled_from(["auto", "fp32", "bf16"]),
     "load_window": st.integers(1, 10000), "load_predictor": st.sampled_from(["robust", "mean"]),
-    "fanout": st.integers(0, 1 << 20), "materialize_budget_mb": st.floats(0, 1e9),
+    "fanout": st.integers(0, 1 << 20), "relay_chunks": st.integers(1, 1024), "materialize_budget_mb": st.floats(0, 1e9),
     "overlap_degree": st.one_of(st.none(), st.integers(0, 1 << 20)), "calibration": st.booleans(),
     "replan_tolerance": st.floats(0.0, 1.0), "plan_budget_us": st.none() | st.floats(0.0, 1e9),
     "search_budget_us": st.floats(0.0, 1e9), "rematerialize": st.none() | st.booleans(), "prefetch": st.booleans(), "reshard_interval": st.integers(0, 1 << 30),

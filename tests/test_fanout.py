@@ -100,12 +100,19 @@ def test_scheduler_charges_the_tree_not_the_flat_fan_out():
     assert tree.time_s < flat.time_s
 
 
-def _collectives(rank, world, placement, fanout, numel, seed):
+def _collectives(rank, world, placement, fanout, numel, seed, rpn=2, chunks=1, float_grads=False):
     import torch.distributed as dist
     from ds_hecate.comm.collectives import CommCounters, Communicator
     dist.init_process_group("gloo", rank=rank, world_size=world)
     comm = Communicator(None, rank, world)
-    plan = RelayPlan.of(placement, 2, fanout)
+    plan = RelayPlan.of(placement, rpn, fanout, chunks)
+    exchanges = []
+    exchange_rows = comm.exchange_rows
+
+    def counted(*args, **kwargs):
+        exchanges.append(args[4] if len(args) > 4 else kwargs.get("async_op"))
+        return exchange_rows(*args, **kwargs)
+    comm.exchange_rows = counted
     gen = torch.Generator().manual_seed(seed)
     weights = torch.randint(-50, 50, (len(placement.owners), numel), generator=gen).float()
     owned = {e: weights[e].clone() for e, o in enumerate(placement.owners) if o == rank}
@@ -113,13 +120,18 @@ def _collectives(rank, world, placement, fanout, numel, seed):
     pending = comm.start_sparse_all_gather(placement, owned, numel, torch.float32, counters, relay=plan)
     gathered = pending.wait()
     # every copy's gradient: a per-(rank, expert) integer pattern, so sums are exact in fp32 whatever the order
-    grads = torch.stack([torch.full((numel,), float(1 + rank * 7 + e)) for e in gathered.experts])
+    if float_grads:   # sums whose rounding depends on their order: chunking must not change it
+        grads = torch.stack([torch.randn(numel, generator=torch.Generator().manual_seed(seed * 1000 + rank * 37 + e))
+                             for e in gathered.experts])
+    else:
+        grads = torch.stack([torch.full((numel,), float(1 + rank * 7 + e)) for e in gathered.experts])
     accumulator = torch.zeros(gathered.owned, numel)
     comm.start_sparse_reduce_scatter(placement, gathered.experts, grads, torch.float32, counters,
                                      lambda: accumulator, relay=plan)()
     return {"rows": {e: row.clone() for e, row in gathered.flats().items()}, "weights": weights,
             "sums": dict(zip(gathered.experts[:gathered.owned], accumulator.unbind(0))),
-            "stages": len(plan.stages), "sent": counters.allgather_bytes}
+            "stages": len(plan.stages), "sent": counters.allgather_bytes, "exchanges": len(exchanges),
+            "sent_back": counters.reducescatter_bytes}
 
 
 @pytest.mark.parametrize("fanout", [0, 1, 2])
@@ -145,3 +157,47 @@ def test_relayed_collectives_deliver_and_sum_every_copy(fanout):
         assert (0, 2, 3) in RelayPlan.of(placement, 2, 1).stages[1]
         flat = run_ranks(world, _collectives, placement, 0, numel, 11)
         assert sum(r["sent"] for r in results) == sum(r["sent"] for r in flat)
+
+
+def test_pipelined_relay_is_bit_equal_to_level_by_level_and_takes_fewer_rounds():
+    """4 ranks in one node, fan-out 1: an expert on every rank travels down a chain of depth 3 (owner -> a -> b ->
+    c), so the pipelined exchanges carry chunks of two levels at once. Whatever ``relay_chunks`` (3 and 4 do not
+    divide the rows, 64 exceeds them), every rank receives its owners' weights bit for bit and every owner's
+    gradient sum is bit-equal to the level-by-level one (random floats: a changed summation order shows), in
+    ``1 + (D - 2 + chunks)`` exchanges per collective on every rank."""
+    world, numel = 4, 10
+    owners = (0, 1, 2, 3, 0)
+    mat = ((0, 1, 4), (0, 1, 4), (0, 1, 2, 4), (0, 1, 3, 4))   # experts 0, 1 and 4 on every rank: chains of 3
+    placement = Placement(owners, mat)
+    plan = RelayPlan.of(placement, 4, 1)
+    assert len(plan.stages) == 3
+    runs = {c: run_ranks(world, _collectives, placement, 1, numel, 5, 4, c, True) for c in (1, 3, 4, 64)}
+    weights = runs[1][0]["weights"]
+    for chunks, results in runs.items():
+        pieces = min(chunks, numel)
+        for r, res in enumerate(results):
+            for e, row in res["rows"].items():
+                assert torch.equal(row, weights[e]), f"chunks {chunks} rank {r} expert {e}"
+            for e, total in res["sums"].items():
+                assert torch.equal(total, runs[1][r]["sums"][e]), f"chunks {chunks} owner {r} expert {e}"
+            # gather: the first stage, then D - 2 + chunks pipelined; the reduction the same
+            assert res["exchanges"] == 2 * (1 + 3 - 2 + pieces), (chunks, res["exchanges"])
+            assert res["sent"] == runs[1][r]["sent"] and res["sent_back"] == runs[1][r]["sent_back"]
+    flat = run_ranks(world, _collectives, placement, 0, numel, 5, 4, 1, True)
+    for r, res in enumerate(runs[4]):
+        for e, total in res["sums"].items():
+            torch.testing.assert_close(total, flat[r]["sums"][e], rtol=1e-5, atol=1e-5)
+
+
+def test_pipeline_schedule():
+    """Exchange t carries chunk t - (s - 1) of every stage s >= 1 that has it: each (stage, chunk) once, a
+    level's chunk one exchange after the level above delivered it."""
+    edges = tuple((((0, 0, s + 1),) for s in range(4)))
+    plan = RelayPlan(edges, 3)
+    rounds = plan.pipeline(3)
+    assert len(rounds) == 4 - 2 + 3
+    seen = {pair: t for t, active in enumerate(rounds) for pair in active}
+    assert sorted(seen) == [(s, c) for s in range(1, 4) for c in range(3)]
+    assert all(seen[(s + 1, c)] == seen[(s, c)] + 1 for s in range(1, 3) for c in range(3))
+    assert RelayPlan(edges[:1], 3).pipeline(3) == []
+

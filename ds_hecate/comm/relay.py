@@ -1,21 +1,25 @@
 """SparseAllGather and SparseReduceScatter through relay trees (:mod:`ds_hecate.planning.fanout`).
 
 The flat collectives (:class:`~ds_hecate.comm.collectives.Communicator`) send every copy from its owner in one
-exchange. With relayed copies the same primitive runs once per stage of the trees: top-down for the gather, each rank
-forwarding rows it received at an earlier stage; bottom-up for the reduction, each relay adding its children's fp32
-partial sums to its own copy's gradient before passing the sum up. Every rank computes the same
-:class:`~ds_hecate.planning.fanout.RelayPlan`, so every rank issues the same number of exchanges, empty or not. The
-first stage is issued when the collective starts (asynchronously if asked); the later ones read what the earlier
-delivered, so they run when the collective is waited for.
+exchange. With relayed copies the same primitive runs over the stages of the trees: top-down for the gather, each
+rank forwarding rows it received at an earlier stage; bottom-up for the reduction, each relay adding its children's
+fp32 partial sums to its own copy's gradient before passing the sum up. The first stage (the owners' sends; in the
+reduction the deepest level's) travels whole and is issued when the collective starts (asynchronously if asked);
+the deeper stages read what the earlier delivered, so they run when the collective is waited for, pipelined: each
+expert row is cut into ``hecate.relay_chunks`` column slices and one exchange carries chunk ``c`` of one level
+beside chunk ``c + 1`` of the level above, so a tree of depth ``D`` costs about ``1 + (D - 2) / chunks`` whole-row
+transfers past the first stage instead of ``D - 1`` (:meth:`~ds_hecate.planning.fanout.RelayPlan.pipeline`).
+Slices cut columns only, so every element is summed in the same order whatever the chunk count. Every rank computes
+the same :class:`~ds_hecate.planning.fanout.RelayPlan`, so every rank issues the same exchanges, empty or not.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from ..planning import Placement
-from ..planning.fanout import RelayPlan
+from ..planning.fanout import RelayPlan, chunk_bounds
 from .buffers import CommCounters, GatheredExperts, PendingGather, _itemsize, _source_major, owned_experts_of
 from .device import to_device
 
@@ -26,7 +30,8 @@ if TYPE_CHECKING:
 def relayed_all_gather(comm: "Communicator", placement: Placement, owned: Dict[int, torch.Tensor], numel: int,
                         dtype: torch.dtype, counters: CommCounters, async_op: bool, include_owned: bool,
                         spare_rows: int, into: Optional[GatheredExperts], relay: RelayPlan) -> PendingGather:
-    """:meth:`Communicator.start_sparse_all_gather` through the relay trees: stage by stage, top-down; the replica
+    """:meth:`Communicator.start_sparse_all_gather` through the relay trees, top-down: the first stage whole (the
+    owners' sends, issued now), the deeper ones pipelined in row chunks (:meth:`RelayPlan.pipeline`); the replica
     rows in the relay plan's order (:meth:`RelayPlan.received_order`)."""
     own = owned_experts_of(placement, comm.rank) if include_owned else []
     received = relay.received_order(comm.rank)
@@ -40,22 +45,27 @@ def relayed_all_gather(comm: "Communicator", placement: Placement, owned: Dict[i
     for s in range(len(relay.stages)):
         offsets.append(offsets[-1] + sum(len(v) for v in relay.recvs(comm.rank, s).values()))
 
-    def stage(s: int, async_op: bool) -> Callable[[], torch.Tensor]:
-        send_lists, recv_lists = relay.sends(comm.rank, s), relay.recvs(comm.rank, s)
-        sent = _source_major(send_lists)
-        # an owner sends its weights; a relay forwards the row it received at an earlier stage
-        send = comm.pack([owned[e] if placement.owners[e] == comm.rank else buffer[row_of[e]] for e in sent],
-                         numel, dtype)
-        counters.allgather_bytes += len(sent) * numel * _itemsize(dtype)
-        return comm.exchange_rows(send, [len(send_lists.get(d, ())) for d in range(comm.world_size)],
-                                  [len(recv_lists.get(r, ())) for r in range(comm.world_size)], numel,
-                                  async_op, "SparseAllGather", out=buffer[offsets[s]:offsets[s + 1]])
-    first = stage(0, async_op)
+    def source(e: int) -> torch.Tensor:
+        """What this rank sends of expert ``e``: an owner its weights, a relay the row it received earlier."""
+        return owned[e].reshape(-1) if placement.owners[e] == comm.rank else buffer[row_of[e]]
+
+    send_lists = relay.sends(comm.rank, 0)
+    sent = _source_major(send_lists)
+    counters.allgather_bytes += len(sent) * numel * _itemsize(dtype)
+    first = comm.exchange_rows(comm.pack([source(e) for e in sent], numel, dtype),
+                               [len(send_lists.get(d, ())) for d in range(comm.world_size)],
+                               [len(v) for v in _per_peer(relay.recvs(comm.rank, 0), comm.world_size)], numel,
+                               async_op, "SparseAllGather", out=buffer[offsets[0]:offsets[1]])
+
+    def receive(stage: int, src: int, lo: int, hi: int, rows: torch.Tensor) -> None:
+        start = offsets[stage] + _rows_before(relay.recvs(comm.rank, stage), src)
+        buffer[start:start + rows.shape[0], lo:hi].copy_(rows)
 
     def finish() -> GatheredExperts:
         first()
-        for s in range(1, len(relay.stages)):
-            stage(s, False)()
+        _pipelined(comm, relay, numel, dtype, "SparseAllGather", counters, "allgather_bytes",
+                   sends_of=lambda s: relay.sends(comm.rank, s), recvs_of=lambda s: relay.recvs(comm.rank, s),
+                   row=source, receive=receive)
         return gathered
     return PendingGather(placement, finish)
 
@@ -64,9 +74,11 @@ def relayed_reduce_scatter(comm: "Communicator", placement: Placement, experts: 
                             wire_dtype: torch.dtype, counters: CommCounters,
                             add_own: Callable[[], torch.Tensor], owned: List[int], async_op: bool,
                             relay: RelayPlan) -> Callable[[], None]:
-    """:meth:`Communicator.start_sparse_reduce_scatter` up the relay trees, deepest stage first: a relay's fp32 partial sum
-    starts as its own copy's gradient and adds its children's sums (child rank ascending) before it goes to
-    its parent; the owner adds its own copy first, then its children's sums, into its accumulator."""
+    """:meth:`Communicator.start_sparse_reduce_scatter` up the relay trees, deepest stage first (whole, issued now),
+    the shallower ones pipelined in row chunks as the gather's deeper ones: a relay's fp32 partial sum starts as
+    its own copy's gradient and adds its children's sums (child rank ascending) before each chunk goes to its
+    parent; the owner adds its own copy first, then its children's sums, into its accumulator. Chunks cut the
+    rows into column slices, so every element is summed in the same order whatever ``relay_chunks`` is."""
     numel = grads.shape[1]
     rows = {e: i for i, e in enumerate(experts)}
     relayed = sorted(e for e in relay.children(comm.rank) if placement.owners[e] != comm.rank)
@@ -77,40 +89,91 @@ def relayed_reduce_scatter(comm: "Communicator", placement: Placement, experts: 
     counters.count("reducescatter")
     counters.count("relayed_reducescatter")
     target: List[Optional[torch.Tensor]] = [None]
-
-    def stage(s: int, async_op: bool) -> Callable[[], None]:
-        # stage s's copies in reverse: each receiver sends its sum to the rank it received the expert from
-        send_lists, recv_lists = relay.recvs(comm.rank, s), relay.sends(comm.rank, s)
-        sent = _source_major(send_lists)
-        send = comm.pack([partial[partial_row[e]] if e in partial_row else grads[rows[e]] for e in sent],
-                         numel, wire_dtype)
-        counters.reducescatter_bytes += len(sent) * numel * _itemsize(wire_dtype)
-        finish_exchange = comm.exchange_rows(
-            send, [len(send_lists.get(d, ())) for d in range(comm.world_size)],
-            [len(recv_lists.get(c, ())) for c in range(comm.world_size)], numel, async_op,
-            "SparseReduceScatter")
-        arrived = _source_major(recv_lists)
-
-        def add() -> None:
-            received = finish_exchange()
-            mine = [i for i, e in enumerate(arrived) if e in owned_row]
-            if mine:
-                if target[0] is None:
-                    target[0] = add_own()
-                _add_rows(comm, target[0], received, mine, [owned_row[arrived[i]] for i in mine])
-            passed = [i for i, e in enumerate(arrived) if e in partial_row]
-            _add_rows(comm, partial, received, passed, [partial_row[arrived[i]] for i in passed])
-        return add
     last = len(relay.stages) - 1
-    first = stage(last, async_op)
+
+    def row(e: int) -> torch.Tensor:
+        """What this rank sends up for expert ``e``: a relay its partial sum, a leaf its own copy's gradient."""
+        return partial[partial_row[e]] if e in partial_row else grads[rows[e]]
+
+    def add(arrived: List[int], received: torch.Tensor, lo: int, hi: int) -> None:
+        """Children's sums ``received`` (rows in ``arrived`` order, columns ``[lo, hi)``) into the accumulator
+        (owned experts) or the partial sums (relayed ones), in arrival order."""
+        mine = [i for i, e in enumerate(arrived) if e in owned_row]
+        if mine:
+            if target[0] is None:
+                target[0] = add_own()
+            _add_rows(comm, target[0][:, lo:hi], received, mine, [owned_row[arrived[i]] for i in mine])
+        passed = [i for i, e in enumerate(arrived) if e in partial_row]
+        _add_rows(comm, partial[:, lo:hi], received, passed, [partial_row[arrived[i]] for i in passed])
+
+    # the deepest stage's copies in reverse: each receiver sends its sum to the rank it received the expert from
+    up, down = relay.recvs(comm.rank, last), relay.sends(comm.rank, last)
+    sent = _source_major(up)
+    counters.reducescatter_bytes += len(sent) * numel * _itemsize(wire_dtype)
+    first = comm.exchange_rows(comm.pack([row(e) for e in sent], numel, wire_dtype),
+                               [len(v) for v in _per_peer(up, comm.world_size)],
+                               [len(v) for v in _per_peer(down, comm.world_size)], numel, async_op,
+                               "SparseReduceScatter")
+    # the pipeline's stage s (1 .. last) is gather stage last - s reversed: a rank sends up what it received there
+    # and receives from the ranks it sent to
+    children_of = {s: relay.sends(comm.rank, last - s) for s in range(1, last + 1)}
 
     def finish() -> None:
-        first()
-        for s in range(last - 1, -1, -1):
-            stage(s, False)()
+        add(_source_major(down), first(), 0, numel)
+        _pipelined(comm, relay, numel, wire_dtype, "SparseReduceScatter", counters, "reducescatter_bytes",
+                   sends_of=lambda s: relay.recvs(comm.rank, last - s), recvs_of=lambda s: children_of[s], row=row,
+                   receive=lambda s, src, lo, hi, rows_in: add(children_of[s][src], rows_in, lo, hi))
         if target[0] is None:
             add_own()
     return finish
+
+
+def _pipelined(comm: "Communicator", relay: RelayPlan, numel: int, dtype: torch.dtype, collective: str,
+               counters: CommCounters, counter: str, sends_of: Callable[[int], Dict[int, List[int]]],
+               recvs_of: Callable[[int], Dict[int, List[int]]], row: Callable[[int], torch.Tensor],
+               receive: Callable[[int, int, int, int, torch.Tensor], None]) -> None:
+    """The exchanges of :meth:`RelayPlan.pipeline` after the first stage, each waited for before the next (a relay
+    forwards what the previous one delivered). Exchange ``t`` sends, per peer (ascending), every active (stage,
+    chunk) in stage order: the chunk's column slice of :func:`row` of each expert the rank sends at that stage to
+    that peer (expert ascending); and hands each peer's received block per (stage, chunk) to :func:`receive`
+    (stage, source, lo, hi, ``[n, hi - lo]`` rows). Every rank runs the same number of exchanges, empty or not."""
+    bounds = chunk_bounds(numel, relay.chunks)
+    for active in relay.pipeline(len(bounds)):
+        pieces: List[torch.Tensor] = []
+        send_elems = [0] * comm.world_size
+        recv_elems = [0] * comm.world_size
+        layout: List[Tuple[int, int, int, int, int]] = []   # (source, stage, lo, hi, rows) in receive order
+        sends = {s: sends_of(s) for s, _ in active}
+        recvs = {s: recvs_of(s) for s, _ in active}
+        for peer in range(comm.world_size):
+            for s, c in active:
+                lo, hi = bounds[c]
+                out_experts = sends[s].get(peer, ())
+                if out_experts:
+                    pieces.append(comm.pack([row(e)[lo:hi] for e in out_experts], hi - lo, dtype))
+                    send_elems[peer] += len(out_experts) * (hi - lo)
+                n_in = len(recvs[s].get(peer, ()))
+                if n_in:
+                    layout.append((peer, s, lo, hi, n_in))
+                    recv_elems[peer] += n_in * (hi - lo)
+        send = (torch.cat([p.reshape(-1) for p in pieces]) if pieces
+                else torch.empty(0, dtype=dtype, device=comm.device))
+        setattr(counters, counter, getattr(counters, counter) + send.numel() * _itemsize(dtype))
+        recv = comm.exchange_rows(send.reshape(-1, 1), send_elems, recv_elems, 1, False, collective)()
+        offset = 0
+        for peer, s, lo, hi, n in layout:
+            block = recv[offset:offset + n * (hi - lo)].reshape(n, hi - lo)
+            receive(s, peer, lo, hi, block)
+            offset += n * (hi - lo)
+
+
+def _per_peer(lists: Dict[int, List[int]], world: int) -> List[List[int]]:
+    return [lists.get(p, []) for p in range(world)]
+
+
+def _rows_before(recv_lists: Dict[int, List[int]], src: int) -> int:
+    """Rows of a stage's (source-major) block that come from sources before ``src``."""
+    return sum(len(v) for p, v in recv_lists.items() if p < src)
 
 
 def _add_rows(comm: "Communicator", target: torch.Tensor, received: torch.Tensor, picks: List[int],

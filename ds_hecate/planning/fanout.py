@@ -62,10 +62,26 @@ class RelayPlan:
     rank issues ``len(stages)`` exchanges in each sparse collective."""
 
     stages: Tuple[Tuple[Edge, ...], ...]
+    #: pieces each expert row is cut into past the first stage, so the tree's levels pipeline (``hecate.relay_chunks``)
+    chunks: int = 1
 
     @staticmethod
-    def of(placement: Placement, ranks_per_node: int, fanout: int) -> "RelayPlan":
-        return _relay_plan(placement, max(1, int(ranks_per_node)), int(fanout))
+    def of(placement: Placement, ranks_per_node: int, fanout: int, chunks: int = 1) -> "RelayPlan":
+        return _relay_plan(placement, max(1, int(ranks_per_node)), int(fanout), max(1, int(chunks)))
+
+    def pipeline(self, chunks: int) -> List[List[Tuple[int, int]]]:
+        """The exchanges after the first stage, each a list of (stage, chunk) pairs that travel together, stage
+        ascending: exchange ``t`` carries chunk ``t - (s - 1)`` of every stage ``s >= 1`` that has it. A relay
+        forwards chunk ``c`` of stage ``s + 1`` one exchange after receiving it at stage ``s``, so a tree of depth
+        ``D`` takes ``D - 2 + chunks`` exchanges past the first instead of ``D - 1`` whole-row ones that each wait
+        for the level above (``chunks`` 1: level by level). The first stage travels whole, with the collective's
+        start (prefetched). ``chunks``: the pieces rows are really cut into (:func:`chunk_bounds`, at most
+        :attr:`chunks`). Every rank computes the same list.""" 
+        depth = len(self.stages)
+        if depth <= 1:
+            return []
+        return [[(s, t - (s - 1)) for s in range(1, depth) if 0 <= t - (s - 1) < chunks]
+                for t in range(depth - 2 + chunks)]
 
     @property
     def relayed(self) -> bool:
@@ -114,8 +130,16 @@ class RelayPlan:
         return {e: sorted(d) for e, d in sorted(out.items())}
 
 
+def chunk_bounds(numel: int, chunks: int) -> List[Tuple[int, int]]:
+    """``chunks`` consecutive [lo, hi) slices of a row of ``numel`` elements, equal but for the last (fewer when
+    the row has fewer elements than chunks): how a pipelined relay cuts each expert row."""
+    count = max(1, min(int(chunks), int(numel)))
+    width = -(-int(numel) // count)
+    return [(lo, min(lo + width, int(numel))) for lo in range(0, int(numel), width)]
+
+
 @lru_cache(maxsize=256)
-def _relay_plan(placement: Placement, ranks_per_node: int, fanout: int) -> RelayPlan:
+def _relay_plan(placement: Placement, ranks_per_node: int, fanout: int, chunks: int = 1) -> RelayPlan:
     holders: Dict[int, List[int]] = {}
     for e, dst in placement.gather_pairs:
         holders.setdefault(e, []).append(dst)
@@ -127,7 +151,7 @@ def _relay_plan(placement: Placement, ranks_per_node: int, fanout: int) -> Relay
         for r in sorted(parents, key=lambda r: _hops(r, parents, owner)):
             depth[r] = depth[parents[r]] + 1
             depth_edges.setdefault(depth[r], []).append((e, parents[r], r))
-    return RelayPlan(tuple(tuple(sorted(depth_edges[d])) for d in sorted(depth_edges)))
+    return RelayPlan(tuple(tuple(sorted(depth_edges[d])) for d in sorted(depth_edges)), chunks)
 
 
 def _hops(rank: int, parents: Dict[int, int], owner: int) -> int:
@@ -185,3 +209,4 @@ def tree_transfers(holders: np.ndarray, owners: np.ndarray, ranks_per_node: int,
         out_intra[tree], in_intra[tree] = t_out_intra[tree], t_in_intra[tree]
         out_inter[tree], in_inter[tree] = t_out_inter[tree], t_in_inter[tree]
     return in_intra, out_intra, in_inter, out_inter
+

@@ -136,7 +136,8 @@ class LayerBinding:
         """How ``placement``'s copies travel (``hecate.fanout``): the relay trees, flat below the threshold. The
         reduction of a calibrated call uses the tree of its whole placement, whatever trees its two gathers took:
         any tree returns every copy's gradient to its owner."""
-        return RelayPlan.of(placement, self.runtime.ranks_per_node, self.runtime.config.fanout)
+        config = self.runtime.config
+        return RelayPlan.of(placement, self.runtime.ranks_per_node, config.fanout, config.relay_chunks)
 
     def gather(self, placement: Placement, async_op: bool, spare_rows: int = 0) -> PendingGather:
         """SparseAllGather of ``placement`` into a block with ``spare_rows`` reserved for calibration's extras

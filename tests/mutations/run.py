@@ -216,8 +216,8 @@ MUTATIONS: List[Mutation] = [
         "tokens on their node is worth no more than one beside the owner"),
     Mutation(
         "relay-skips-a-hop", "ds_hecate/comm/relay.py",
-        (("            _add_rows(comm, partial, received, passed, [partial_row[arrived[i]] for i in passed])\n",
-          "            pass  # MUTATION: a relay passes up its own gradient without its children's\n"),),
+        (("        _add_rows(comm, partial[:, lo:hi], received, passed, [partial_row[arrived[i]] for i in passed])\n",
+          "        pass  # MUTATION: a relay passes up its own gradient without its children's\n"),),
         "tree fan-out: a relay forwards its own copy's gradient to its parent without adding the partial sums its "
         "children sent it (one hop of the reduction tree skipped)"),
     Mutation(
@@ -228,9 +228,17 @@ MUTATIONS: List[Mutation] = [
         "aborts the process (the Trainer's exit abort)"),
     Mutation(
         "relay-gather-stops-after-the-first-stage", "ds_hecate/comm/relay.py",
-        (("        for s in range(1, len(relay.stages)):\n            stage(s, False)()\n",
-          "        pass  # MUTATION: the relays never forward\n"),),
+        (("        _pipelined(comm, relay, numel, dtype, \"SparseAllGather\", counters, \"allgather_bytes\",\n",
+          "        return gathered  # MUTATION: the relays never forward\n"
+          "        _pipelined(comm, relay, numel, dtype, \"SparseAllGather\", counters, \"allgather_bytes\",\n"),),
         "tree fan-out: SparseAllGather runs only the owners' stage; ranks further down the trees keep unwritten rows"),
+    Mutation(
+        "relay-pipeline-forwards-before-arrival", "ds_hecate/planning/fanout.py",
+        (("        return [[(s, t - (s - 1)) for s in range(1, depth) if 0 <= t - (s - 1) < chunks]\n",
+          "        return [[(s, t - (s - 1) + (s > 1)) for s in range(1, depth) if 0 <= t - (s - 1) + (s > 1) < chunks]"
+          "  # MUTATION\n"),),
+        "pipelined relays: a level forwards a chunk in the same exchange that delivers it to the relay (before it "
+        "arrived), so ranks further down the trees receive unwritten rows"),
     Mutation(
         "scheduler-charges-the-flat-fan-out", "ds_hecate/planning/cost_model.py",
         (("    early = replica_transfers(early_mask, owners, ranks_per_node, costs.fanout)\n",
@@ -312,6 +320,8 @@ TESTS_FOR: Dict[str, List[str]] = {
     "relay-skips-a-hop": ["tests/test_fanout.py::test_relayed_collectives_deliver_and_sum_every_copy"],
     "relay-gather-stops-after-the-first-stage": [
         "tests/test_fanout.py::test_relayed_collectives_deliver_and_sum_every_copy"],
+    "relay-pipeline-forwards-before-arrival": [
+        "tests/test_fanout.py::test_pipelined_relay_is_bit_equal_to_level_by_level_and_takes_fewer_rounds"],
     "scheduler-charges-the-flat-fan-out": [
         "tests/test_fanout.py::test_scheduler_charges_the_tree_not_the_flat_fan_out"],
     "quota-replicas-off-their-node": ["tests/test_quota_move.py::test_quota_places_on_the_bottleneck_node_first"],

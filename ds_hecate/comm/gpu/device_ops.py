@@ -61,7 +61,8 @@ class KernelDeviceOps(DeviceOps):
         per accumulator row, the adds in receive order, no atomics)."""
         if not target_rows:
             return
-        if (target.dtype == torch.float32 and target.dim() == 2 and self._takes([target, recv], target.device)
+        if (target.dtype == torch.float32 and target.dim() == 2 and target.is_contiguous()
+                and self._takes([target, recv], target.device)
                 and recv.numel() >= len(target_rows) * target.shape[1] and recv.shape[-1] == target.shape[1]
                 and len(set(target_rows)) <= MAX_CHUNKS):
             self._count("accumulate")
