@@ -58,7 +58,8 @@ REPLICAS_PER_RANK = 4
 #: an H100-class expert (7168 x 2048 SwiGLU, bf16): 50 GB/s per GPU across nodes, 450 GB/s NVLink inside one (the
 #: scheduler prices each link apart, issue 26), copies relayed beyond 4 replicas (hecate.fanout's default)
 COSTS = StepCostModel(compute_s_per_pair=0.66e-6, token_transfer_s=1.1e-6 / 9, expert_transfer_s=3.5e-3 / 9,
-                      overlap_s=2e-3, token_transfer_inter_s=1.1e-6, expert_transfer_inter_s=3.5e-3, fanout=4)
+                      overlap_s=2e-3, token_transfer_inter_s=1.1e-6, expert_transfer_inter_s=3.5e-3, fanout=4,
+                      relay_chunks=4)
 
 
 def draw_counts(rng: np.random.Generator, ranks: int, experts: int, top_k: int, skew: Optional[np.ndarray]):

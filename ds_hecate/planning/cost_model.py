@@ -14,7 +14,7 @@ from typing import Any, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from .dispatch import dispatch_flows
-from .fanout import tree_transfers
+from .fanout import relay_transfers
 from .plan import holders_matrix
 
 
@@ -61,7 +61,11 @@ class StepCostModel:
     costs NVLink time, not NIC time, so a replica that keeps tokens home is worth what it saves.
     fanout: ``hecate.fanout``, how the sparse collectives forward copies (:mod:`.fanout`): with more replicas of an
     expert than this, holders relay them, and their links carry the copies its owner's would (0: the owner sends
-    every copy).
+    every copy). relay_chunks: ``hecate.relay_chunks``, the pieces the relays pipeline the levels below the first
+    in: those levels run when the collective is waited for, exposed (:func:`~.fanout.relay_transfers`).
+    relay_levels_exposed: False prices every level of a tree as one flow issued with the collective, as if a
+    stream-ordered runtime pipelined the whole tree from the prefetch on: optimistic, the pricing of the
+    scheduler's second search, whose result is then judged with the levels exposed.
     """
 
     compute_s_per_pair: float
@@ -71,6 +75,8 @@ class StepCostModel:
     token_transfer_inter_s: Optional[float] = None
     expert_transfer_inter_s: Optional[float] = None
     fanout: int = 0
+    relay_chunks: int = 1
+    relay_levels_exposed: bool = True
 
     @property
     def two_links(self) -> bool:
@@ -134,14 +140,17 @@ def rank_seconds(costs: StepCostModel, ranks_per_node: int, processed, tokens, e
     return processed * costs.compute_s_per_pair + token_s + exposed
 
 
-def replica_transfers(replicas, owners, ranks_per_node: int, fanout: int = 0):
-    """(in-intra, out-intra, in-inter, out-inter) expert transfers per rank for the ``[world, experts]`` bool matrix
-    of replicas (owners excluded): each copy is received by its rank and sent by its expert's owner, or with more
-    replicas than ``fanout`` by the holder that relays it (:func:`~.fanout.tree_transfers`), inside the node when
-    both are on one."""
+def replica_transfers(replicas, owners, ranks_per_node: int, fanout: int = 0, chunks: int = 1,
+                      exposed_levels: bool = True):
+    """``(first, later)``: (in-intra, out-intra, in-inter, out-inter) expert transfers per rank for the
+    ``[world, experts]`` bool matrix of replicas (owners excluded): each copy is received by its rank and sent by
+    its expert's owner, or with more replicas than ``fanout`` by the holder that relays it, inside the node when
+    both are on one; ``first`` the level the collective is issued with, ``later`` the deeper levels, run when it
+    is waited for and charged with their pipeline's fill (:func:`~.fanout.relay_transfers`; flat: all first)."""
     owners = np.asarray(owners, dtype=np.int64)
-    per_expert = tree_transfers(np.asarray(replicas, dtype=bool).T, owners, ranks_per_node, fanout)
-    return tuple(part.sum(axis=0) for part in per_expert)
+    first, later = relay_transfers(np.asarray(replicas, dtype=bool).T, owners, ranks_per_node, fanout, chunks,
+                                   exposed_levels)
+    return tuple(part.sum(axis=0) for part in first), tuple(part.sum(axis=0) for part in later)
 
 
 @dataclass(frozen=True)
@@ -178,8 +187,12 @@ def estimate_layer(counts: Sequence[Sequence[float]], owners: Sequence[int], mat
     replicas = mat.copy()
     replicas[np.asarray(owners, dtype=np.int64), np.arange(num_experts)] = False
     early_mask = replicas if prefetched is None else replicas & holders_matrix(prefetched, world, num_experts)
-    early = replica_transfers(early_mask, owners, ranks_per_node, costs.fanout)
-    late = replica_transfers(replicas & ~early_mask, owners, ranks_per_node, costs.fanout)
+    # prefetched copies: the first level hides behind compute, the deeper ones run at the wait; calibration's, all
+    # after the gate
+    relays = (costs.fanout, costs.relay_chunks, costs.relay_levels_exposed)
+    early, deeper = replica_transfers(early_mask, owners, ranks_per_node, *relays)
+    late_first, late_deeper = replica_transfers(replicas & ~early_mask, owners, ranks_per_node, *relays)
+    late = tuple(a + b + c for a, b, c in zip(deeper, late_first, late_deeper))
     times = rank_seconds(costs, ranks_per_node, processed, tokens, early, late)
     return LayerEstimate(float(times.max()), tuple(processed.tolist()), tuple(times.tolist()))
 
@@ -258,4 +271,4 @@ def scheduler_costs(config: Any, measured: Mapping[str, float], world_size: int,
                          overlap_s=overlap_s,
                          token_transfer_inter_s=None if inter_bps is None else token_bytes / inter_bps,
                          expert_transfer_inter_s=None if inter_bps is None else expert_bytes / inter_bps,
-                         fanout=cfg.fanout)
+                         fanout=cfg.fanout, relay_chunks=cfg.relay_chunks)

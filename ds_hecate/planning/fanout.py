@@ -165,8 +165,55 @@ def _hops(rank: int, parents: Dict[int, int], owner: int) -> int:
 def tree_transfers(holders: np.ndarray, owners: np.ndarray, ranks_per_node: int, fanout: int):
     """Per rank, the copies of :func:`relay_parents`' trees it receives and sends, inside its node and across
     nodes: ``(in_intra, out_intra, in_inter, out_inter)``, each ``[K, world]`` float, for ``K`` experts with holder
-    rows ``holders`` (``[K, world]`` bool, owners included or not) owned by ``owners`` (``[K]``). What the scheduler
-    and the simulator charge a placement's SparseAllGather (and, reversed, its SparseReduceScatter)."""
+    rows ``holders`` (``[K, world]`` bool, owners included or not) owned by ``owners`` (``[K]``): all levels
+    together, as one pipelined flow would carry them (:func:`relay_transfers` splits them as the runtime runs
+    them)."""
+    return _trees(holders, owners, ranks_per_node, fanout)[0]
+
+
+def relay_transfers(holders: np.ndarray, owners: np.ndarray, ranks_per_node: int, fanout: int, chunks: int,
+                    exposed_levels: bool = True):
+    """:func:`tree_transfers` split as the runtime's relays run (:mod:`ds_hecate.comm.relay`): ``(first, later)``,
+    each a ``[4, K, world]`` array (the four arrays there, stacked). ``first``: the level the collective starts with, issued with it (so
+    it can hide behind compute): the owner's copies and its children's receipts (every copy of an expert sent
+    flat). ``later``: the levels below, run when the collective is waited for, pipelined in ``chunks`` pieces:
+    ``D - 2 + chunks`` chunk exchanges for a tree of depth ``D``, so each expert's deeper copies are charged
+    ``1 + (D - 2) / chunks`` times (the pipeline's fill). What the scheduler and the simulator charge a
+    placement's SparseAllGather (and, reversed, its SparseReduceScatter). ``exposed_levels`` False: every level
+    in ``first``, as one pipelined flow issued with the collective (the optimistic pricing the scheduler's second
+    search uses, :func:`~.scheduler.schedule_materialization`)."""
+    total, first, depth = _trees(holders, owners, ranks_per_node, fanout)
+    total = np.stack(total)
+    if not exposed_levels or not (depth >= 2).any():   # one level (or one flow): all of it is the first
+        return total, np.zeros_like(total)
+    first = np.stack(first)
+    fill = 1.0 + np.maximum(depth - 2, 0) / max(1, int(chunks))
+    return first, (total - first) * fill[None, :, None]
+
+
+def relay_depth(holders: np.ndarray, owners: np.ndarray, ranks_per_node: int, fanout: int) -> int:
+    """Stages of the deepest relay tree of ``holders`` (``[K, world]`` bool): the exchanges a relayed collective
+    runs level by level (0 without a replica)."""
+    depth = _trees(holders, owners, ranks_per_node, fanout)[2]
+    return int(depth.max()) if depth.size else 0
+
+
+def heap_depth(index: np.ndarray, fanout: int) -> np.ndarray:
+    """Depth of position ``index`` in a ``fanout``-ary tree laid out as a heap (the parent of ``i`` is
+    ``(i - 1) // fanout``), as :func:`relay_parents` hangs the nodes' leaders and each node's holders."""
+    index = np.asarray(index, dtype=np.int64)
+    if fanout <= 1:
+        return index.copy()
+    # positions [0, reach_d] lie at depth <= d: reach_d = fanout + fanout^2 + ... + fanout^d
+    top = int(index.max()) if index.size else 0
+    reach = [0]
+    while reach[-1] < top:
+        reach.append(reach[-1] * fanout + fanout)
+    return np.searchsorted(np.asarray(reach, dtype=np.int64), index, side="left")
+
+
+def _trees(holders: np.ndarray, owners: np.ndarray, ranks_per_node: int, fanout: int):
+    """(all levels' transfers, the first level's, each expert's tree depth): see :func:`relay_transfers`."""
     holders = np.asarray(holders, dtype=bool)
     k, world = holders.shape
     owners = np.asarray(owners, dtype=np.int64)
@@ -178,6 +225,7 @@ def tree_transfers(holders: np.ndarray, owners: np.ndarray, ranks_per_node: int,
     held = rep | own
     same = node[None, :] == node[owners][:, None]
     flat = (rep.sum(axis=1) <= fanout) if fanout > 0 else np.ones(k, dtype=bool)
+    depth = (rep.sum(axis=1) > 0).astype(np.int64)      # flat: one level, or none without a replica
 
     out_intra = np.zeros((k, world))
     out_inter = np.zeros((k, world))
@@ -186,27 +234,43 @@ def tree_transfers(holders: np.ndarray, owners: np.ndarray, ranks_per_node: int,
     out_inter[rows, owners] = (rep & ~same).sum(axis=1)
     in_intra = (rep & same).astype(np.float64)
     in_inter = (rep & ~same).astype(np.float64)
-    if not flat.all() and fanout > 0:
+    first_in_intra, first_in_inter = in_intra, in_inter
+    tree = np.flatnonzero(~flat) if fanout > 0 else np.zeros(0, dtype=np.int64)
+    if tree.size:
+        # the relayed experts' rows only (usually few of a layer's)
+        t_held, t_own, t_same, t_owners = held[tree], own[tree], same[tree], owners[tree]
+        t_rows = np.arange(tree.size)
         starts = np.arange(0, world, ranks_per_node)
-        counts = np.cumsum(held, axis=1)
-        before = np.concatenate([np.zeros((k, 1), dtype=counts.dtype), counts[:, starts[1:] - 1]], axis=1)
+        counts = np.cumsum(t_held, axis=1)
+        before = np.concatenate([np.zeros((tree.size, 1), dtype=counts.dtype), counts[:, starts[1:] - 1]], axis=1)
         index = counts - before[:, node] - 1            # position among its node's holders, ranks ascending
         # on the owner's node the owner comes first: holders ranked below it move one down
-        index = np.where(same & held & (np.arange(world)[None, :] < owners[:, None]), index + 1, index)
-        index[rows, owners] = 0
-        per_node = np.add.reduceat(held.astype(np.int64), starts, axis=1)
+        index = np.where(t_same & t_held & (np.arange(world)[None, :] < t_owners[:, None]), index + 1, index)
+        index[t_rows, t_owners] = 0
+        per_node = np.add.reduceat(t_held.astype(np.int64), starts, axis=1)
         members = per_node[:, node]
-        t_out_intra = np.where(held, np.clip(members - 1 - index * fanout, 0, fanout), 0)
-        t_in_intra = held & (index >= 1)
-        leader_nodes = (per_node > 0) & (np.arange(len(starts))[None, :] != node[owners][:, None])
+        home = (np.arange(len(starts))[None, :] == node[t_owners][:, None])
+        leader_nodes = (per_node > 0) & ~home
         position = np.cumsum(leader_nodes, axis=1)       # 1-based among the other nodes' leaders
         others = leader_nodes.sum(axis=1)
-        leader = held & (index == 0)
-        inter_index = np.where(own, 0, position[:, node])
-        t_out_inter = np.where(leader, np.clip(others[:, None] - inter_index * fanout, 0, fanout), 0)
-        t_in_inter = leader & ~own
-        tree = ~flat
-        out_intra[tree], in_intra[tree] = t_out_intra[tree], t_in_intra[tree]
-        out_inter[tree], in_inter[tree] = t_out_inter[tree], t_in_inter[tree]
-    return in_intra, out_intra, in_inter, out_inter
+        leader = t_held & (index == 0)
+        inter_index = np.where(t_own, 0, position[:, node])
+        out_intra[tree] = np.where(t_held, np.clip(members - 1 - index * fanout, 0, fanout), 0)
+        in_intra[tree] = t_held & (index >= 1)
+        out_inter[tree] = np.where(leader, np.clip(others[:, None] - inter_index * fanout, 0, fanout), 0)
+        in_inter[tree] = leader & ~t_own
+        # the first level: the owner's sends, and the receipts of its children (positions 1..fanout under it on its
+        # node, leaders 1..fanout in the tree of nodes)
+        first_in_intra, first_in_inter = in_intra.copy(), in_inter.copy()
+        first_in_intra[tree] *= t_same & (index <= fanout)
+        first_in_inter[tree] *= inter_index <= fanout
+        # depth: per holding node, its leader's depth in the tree of nodes plus its last holder's under the leader
+        node_depth = heap_depth(np.where(home, 0, position), fanout) + heap_depth(np.maximum(per_node - 1, 0), fanout)
+        depth[tree] = np.where(per_node > 0, node_depth, 0).max(axis=1)
+    first_out_intra = np.zeros_like(out_intra)
+    first_out_inter = np.zeros_like(out_inter)
+    first_out_intra[rows, owners] = out_intra[rows, owners]
+    first_out_inter[rows, owners] = out_inter[rows, owners]
+    return ((in_intra, out_intra, in_inter, out_inter),
+            (first_in_intra, first_out_intra, first_in_inter, first_out_inter), depth)
 

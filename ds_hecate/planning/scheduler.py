@@ -16,14 +16,14 @@ input is identical on all ranks and ties break on (expert id, rank), so all rank
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import numpy.ma  # noqa: F401  np.unique imports it on its first call (10 ms), which would land on a layer call
 
-from .cost_model import LayerEstimate, StepCostModel, rank_seconds
-from .fanout import tree_transfers
+from .cost_model import LayerEstimate, StepCostModel, estimate_layer, rank_seconds
+from .fanout import relay_transfers
 from .dispatch import dispatch_flows
 from .plan import Materialized, holders_matrix
 
@@ -90,13 +90,16 @@ class _Search:
         self.times = self.rank_times(self.tot, self.early_xfer, self.late_xfer)
 
     def _transfer_columns(self, experts, holders):
-        """Expert transfers of ``experts`` with holder rows ``holders`` (``[k, world]``), prefetched and late:
-        two ``[4, k, world]`` arrays (in-intra, out-intra, in-inter, out-inter), the relay trees included."""
+        """Expert transfers of ``experts`` with holder rows ``holders`` (``[k, world]``), hidden-capable and
+        exposed: two ``[4, k, world]`` arrays (in-intra, out-intra, in-inter, out-inter), the relay trees included:
+        the first level of the prefetched copies, then their deeper levels (run at the wait, with their pipeline's
+        fill) and every level of the copies gathered after the gate (:func:`~.fanout.relay_transfers`)."""
         early = self.early[:, experts].T
         owners = self.owners[experts]
-        fanout = self.costs.fanout
-        return (np.stack(tree_transfers(holders & early, owners, self.rpn, fanout)),
-                np.stack(tree_transfers(holders & ~early, owners, self.rpn, fanout)))
+        relays = (self.costs.fanout, self.costs.relay_chunks, self.costs.relay_levels_exposed)
+        first, deeper = relay_transfers(holders & early, owners, self.rpn, *relays)
+        late_first, late_deeper = relay_transfers(holders & ~early, owners, self.rpn, *relays)
+        return first, deeper + late_first + late_deeper
 
     @property
     def proc(self):
@@ -319,6 +322,18 @@ def _quota_move(search: "_Search", best_times, extra, budget_per_rank: int) -> O
     return pairs if len(pairs) >= 2 else None
 
 
+#: compute imbalance (max/mean pairs per rank) the first pass must leave for the second (flow-priced) one to run
+FLOW_PASS_IMBALANCE = 1.25
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    """A greedy search's placement, and whether its work budget stopped it (else no move helped any more)."""
+
+    materialized: Materialized
+    stopped_by_budget: bool
+
+
 def schedule_materialization(counts: Sequence[Sequence[float]], owners: Sequence[int], costs: StepCostModel,
                              budget_per_rank: int, ranks_per_node: int,
                              start: Optional[Sequence[Sequence[int]]] = None,
@@ -326,6 +341,48 @@ def schedule_materialization(counts: Sequence[Sequence[float]], owners: Sequence
                              candidate_experts: int = 4, min_gain: float = 0.05,
                              budget_us: Union[float, RelativeBudget, None] = None, candidate_ranks: int = 64,
                              work: SearchWork = SEARCH_WORK) -> Materialized:
+    """Replica placement minimising :func:`estimate_layer` under ``budget_per_rank`` extra experts/rank: the greedy
+    search :func:`_greedy` (its docstring has the moves, the acceptance rule and the anytime budget).
+
+    With relay trees possible (``costs.fanout`` below the replicas an expert can get), a fresh search (no
+    ``start``) whose placement leaves the compute imbalanced (max/mean pairs per rank above
+    :data:`FLOW_PASS_IMBALANCE`) runs a second pass: the first prices the trees as the runtime runs them (the
+    first level hidden, the deeper ones exposed with their pipeline's fill), the second prices every level as one
+    hidden flow (``relay_levels_exposed`` False); the placement with the lower estimate under the first pricing
+    wins, ties to it. Why: a replica that deepens an expert's tree costs an exposed level at once and pays off only
+    once the expert is replicated widely, a barrier a one-move-at-a-time greedy stops at (64 ranks x 8 experts,
+    skewed: 0.175 s, imbalance 3.4, against 0.069 s past it), while the flow pricing walks through it. Each pass
+    gets the whole budget: halved, the 256-rank cases of ``python -m benchmarks.planner_decisions`` lost up to 21%
+    of layer time. Why only when imbalanced: where the first pass balanced the compute, the second never won on the
+    simulated grid and only doubled the search's host time, which the simulator charges. Every rank computes the
+    same. Calibration (``start`` given) extends its start with the first pricing alone (it is on the critical
+    path)."""
+    relays_possible = costs.fanout > 0 and costs.relay_levels_exposed and len(counts) - 1 > costs.fanout
+    search = dict(candidate_experts=candidate_experts, min_gain=min_gain, candidate_ranks=candidate_ranks, work=work)
+    first = _greedy(counts, owners, costs, budget_per_rank, ranks_per_node, start, prefetched, budget_us=budget_us,
+                    **search)
+    if start is not None or not relays_possible:
+        return first.materialized
+    priced = first.materialized
+    estimate = estimate_layer(counts, owners, priced, costs, ranks_per_node, prefetched=prefetched)
+    if estimate.imbalance <= FLOW_PASS_IMBALANCE:
+        return priced
+    flow = _greedy(counts, owners, replace(costs, relay_levels_exposed=False), budget_per_rank, ranks_per_node,
+                   None, prefetched, budget_us=budget_us, **search).materialized
+    if flow == priced:
+        return priced
+
+    flow_s = estimate_layer(counts, owners, flow, costs, ranks_per_node, prefetched=prefetched).time_s
+    return flow if float(_round12(flow_s)) < float(_round12(estimate.time_s)) else priced
+
+
+def _greedy(counts: Sequence[Sequence[float]], owners: Sequence[int], costs: StepCostModel,
+            budget_per_rank: int, ranks_per_node: int,
+            start: Optional[Sequence[Sequence[int]]] = None,
+            prefetched: Optional[Sequence[Sequence[int]]] = None,
+            candidate_experts: int = 4, min_gain: float = 0.05,
+            budget_us: Union[float, RelativeBudget, None] = None, candidate_ranks: int = 64,
+            work: SearchWork = SEARCH_WORK) -> "_Outcome":
     """Greedy replica placement minimising :func:`estimate_layer` under ``budget_per_rank`` extra experts/rank.
 
     Moves considered for the experts that load the bottleneck rank most: one new replica on one rank, a replica on
@@ -359,7 +416,7 @@ def schedule_materialization(counts: Sequence[Sequence[float]], owners: Sequence
         holders[np.asarray(owners, dtype=np.int64), np.arange(num_experts)] = True
         if start is not None:
             holders |= holders_matrix(start, world, num_experts)
-        return tuple(tuple(int(e) for e in np.flatnonzero(row)) for row in holders)
+        return _Outcome(tuple(tuple(int(e) for e in np.flatnonzero(row)) for row in holders), True)
     search = _Search(counts, owners, costs, ranks_per_node, start, prefetched)
     extra = (search.mat & ~search.owner_mask).sum(axis=1)
 
@@ -371,6 +428,7 @@ def schedule_materialization(counts: Sequence[Sequence[float]], owners: Sequence
     # earliest placement with the lowest layer time, so no replica is kept that does not shorten the step.
     result_time, result_mat = best_max, search.mat.copy()
     threshold = best_max * (1.0 - min_gain)
+    stopped_by_budget = False
     while True:
         ordered = _candidate_moves(search, best_times, extra, budget_per_rank, ranks_per_node, candidate_experts,
                                    candidate_ranks)
@@ -379,6 +437,7 @@ def schedule_materialization(counts: Sequence[Sequence[float]], owners: Sequence
             break
         spent += work.step_cost_us(len(ordered) + (len(quota) if quota else 0), world, num_experts)
         if budget_us is not None and spent > budget_us:
+            stopped_by_budget = True
             break
         times = search.evaluate(ordered) if ordered else np.zeros((0, world))
         if quota is not None:   # last: a single move that ties with it wins
@@ -399,4 +458,4 @@ def schedule_materialization(counts: Sequence[Sequence[float]], owners: Sequence
         best_max = float(best_times.max())
         if float(_round12(best_max)) < float(_round12(result_time)) and best_max <= threshold:
             result_time, result_mat = best_max, search.mat.copy()
-    return search.frozen(result_mat)
+    return _Outcome(search.frozen(result_mat), stopped_by_budget)

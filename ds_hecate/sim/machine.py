@@ -17,6 +17,7 @@ import numpy as np
 
 from ..planning.cost_model import imbalance, replica_transfers
 from ..planning.dispatch import dispatch_flows
+from ..planning.fanout import relay_depth
 from ..planning.plan import holders_matrix, owned_experts
 from .context import SimContext
 
@@ -70,7 +71,8 @@ def layer_time(ctx: SimContext, counts: np.ndarray, mat: np.ndarray, owners: np.
     replicas = mat & ~owner_mask
     fanout = ctx.hecate.fanout if mode in ("prefetch", "rm") else 0
 
-    def phase(rep: np.ndarray, nbytes: int) -> np.ndarray:
+    def phase(rep: np.ndarray, nbytes: int) -> Tuple[np.ndarray, np.ndarray]:
+        """(the collective's first exchange, issued with it; the rest, run when it is waited for) per rank."""
         if ctx.spag == "ring":
             # what-if: each replicated expert travels as a pipelined ring broadcast (reduce) over its holders:
             # every holder receives and forwards it once; the ring enters and leaves each node holding it once
@@ -79,17 +81,26 @@ def layer_time(ctx: SimContext, counts: np.ndarray, mat: np.ndarray, owners: np.
             on_node = np.add.reduceat(hold.astype(float), np.arange(0, world, rpn), axis=0) > 0
             crossing = (on_node & (on_node.sum(axis=0) > 1)).sum(axis=1).astype(float)
             return link_time(ctx, world, rep.sum(axis=1).astype(float), hold.sum(axis=1).astype(float), crossing,
-                          crossing, nbytes)
-        # Hecate's sparse collectives relay through holders beyond hecate.fanout copies (planning.fanout); the
-        # baselines' owners send every copy
-        i_intra, o_intra, i_inter, o_inter = replica_transfers(rep, owners, rpn, fanout)
-        return link_time(ctx, world, i_intra, o_intra, node_sum(i_inter, world, rpn), node_sum(o_inter, world, rpn),
-                      nbytes)
+                             crossing, nbytes), np.zeros(world)
+        # Hecate's sparse collectives relay through holders beyond hecate.fanout copies (planning.fanout): the first
+        # level travels with the collective's start, the levels below at its wait, pipelined in relay_chunks pieces
+        # (one latency per exchange); the baselines' owners send every copy
+        chunks = min(ctx.hecate.relay_chunks, ctx.numel)
+        first, later = replica_transfers(rep, owners, rpn, fanout, chunks)
+        start = link_time(ctx, world, first[0], first[1], node_sum(first[2], world, rpn),
+                          node_sum(first[3], world, rpn), nbytes)
+        if not any(part.any() for part in later):
+            return start, np.zeros(world)
+        depth = relay_depth(rep.T, owners, rpn, fanout)
+        latency = ctx.cluster.inter_latency_s if world > rpn else ctx.cluster.intra_latency_s
+        rest = link_time(ctx, world, later[0], later[1], node_sum(later[2], world, rpn),
+                         node_sum(later[3], world, rpn), nbytes)
+        return start, rest + (depth - 2 + chunks - 1) * latency
 
     early = replicas if late is None else replicas & ~late
-    gather = phase(early, ctx.numel * ctx.compute_b)
-    reduce = phase(replicas, ctx.numel * ctx.grad_b)
-    late_gather = phase(late & replicas, ctx.numel * ctx.compute_b) if late is not None else np.zeros(world)
+    gather, gather_rest = phase(early, ctx.numel * ctx.compute_b)
+    reduce, reduce_rest = phase(replicas, ctx.numel * ctx.grad_b)
+    late_gather = sum(phase(late & replicas, ctx.numel * ctx.compute_b)) if late is not None else np.zeros(world)
     if mode == "broadcast":
         # NCCL ring broadcast / reduce of each shadowed expert: every rank receives and forwards it once, and
         # the ring crosses each node boundary once.
@@ -105,10 +116,13 @@ def layer_time(ctx: SimContext, counts: np.ndarray, mat: np.ndarray, owners: np.
     elif mode == "persistent":
         exp_f, exp_b = np.zeros(world), np.maximum(0.0, 2 * reduce - t_b)
     elif mode == "rm":
-        regather = gather if late is None else phase(replicas, ctx.numel * ctx.compute_b)
-        exp_f, exp_b = np.maximum(0.0, gather - t_f), np.maximum(0.0, reduce + regather - t_b)
+        regather, regather_rest = ((gather, gather_rest) if late is None
+                                   else phase(replicas, ctx.numel * ctx.compute_b))
+        exp_f = np.maximum(0.0, gather - t_f) + gather_rest
+        exp_b = np.maximum(0.0, reduce + regather - t_b) + reduce_rest + regather_rest
     elif mode == "prefetch":
-        exp_f, exp_b = np.maximum(0.0, gather - t_f), np.maximum(0.0, reduce - t_b)
+        exp_f = np.maximum(0.0, gather - t_f) + gather_rest
+        exp_b = np.maximum(0.0, reduce - t_b) + reduce_rest
     else:
         raise ValueError(f"layer_time: unknown mode {mode!r}")
     exp_f = exp_f + late_gather

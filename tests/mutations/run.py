@@ -241,9 +241,21 @@ MUTATIONS: List[Mutation] = [
         "arrived), so ranks further down the trees receive unwritten rows"),
     Mutation(
         "scheduler-charges-the-flat-fan-out", "ds_hecate/planning/cost_model.py",
-        (("    early = replica_transfers(early_mask, owners, ranks_per_node, costs.fanout)\n",
-          "    early = replica_transfers(early_mask, owners, ranks_per_node, 0)  # MUTATION: no relay trees\n"),),
+        (("    early, deeper = replica_transfers(early_mask, owners, ranks_per_node, *relays)\n",
+          "    early, deeper = replica_transfers(early_mask, owners, ranks_per_node, 0)  # MUTATION: no relay trees\n"),),
         "the scheduler's estimate charges every copy to its owner although the collectives relay it"),
+    Mutation(
+        "relay-deeper-levels-charged-hidden", "ds_hecate/planning/cost_model.py",
+        (("    late = tuple(a + b + c for a, b, c in zip(deeper, late_first, late_deeper))\n",
+          "    early = tuple(a + b for a, b in zip(early, deeper))  # MUTATION: the deeper levels hide too\n"
+          "    late = tuple(b + c for a, b, c in zip(deeper, late_first, late_deeper))\n"),),
+        "the scheduler's estimate hides a relayed collective's deeper levels behind compute, although the runtime "
+        "runs them when the collective is waited for"),
+    Mutation(
+        "search-keeps-the-priced-pass", "ds_hecate/planning/scheduler.py",
+        (("    if flow == priced:\n        return priced\n",
+          "    if True:  # MUTATION: the flow-priced pass is never taken\n        return priced\n"),),
+        "the fresh search stops at the relay barrier: the second pass (trees priced as one flow) is ignored"),
     Mutation(
         "quota-replicas-off-their-node", "ds_hecate/planning/scheduler.py",
         (("        order = np.lexsort((np.arange(search.world), rounded, node != node[r]))",
@@ -322,6 +334,8 @@ TESTS_FOR: Dict[str, List[str]] = {
         "tests/test_fanout.py::test_relayed_collectives_deliver_and_sum_every_copy"],
     "relay-pipeline-forwards-before-arrival": [
         "tests/test_fanout.py::test_pipelined_relay_is_bit_equal_to_level_by_level_and_takes_fewer_rounds"],
+    "relay-deeper-levels-charged-hidden": ["tests/test_fanout.py::test_scheduler_exposes_the_deeper_levels"],
+    "search-keeps-the-priced-pass": ["tests/test_fanout.py::test_fresh_search_passes_the_relay_barrier"],
     "scheduler-charges-the-flat-fan-out": [
         "tests/test_fanout.py::test_scheduler_charges_the_tree_not_the_flat_fan_out"],
     "quota-replicas-off-their-node": ["tests/test_quota_move.py::test_quota_places_on_the_bottleneck_node_first"],
