@@ -533,3 +533,25 @@ def test_scheduler_modules_need_no_torch():
     for hot in (0, 1):                                                  # hot experts replicated on node 1
         assert any(hot in placement[r] for r in (2, 3))
     assert [sum(layer.count(r) for layer in sharding) for r in range(4)] == [3, 3, 3, 2]
+
+
+def test_critical_path_search_stops_when_its_steps_cost_more_than_they_save():
+    """Calibration after the gate (``critical_path``) stops once its last two steps' estimated work (microseconds of
+    search, SearchWork) exceeds what they took off the layer's estimate: with a layer of a few hundred microseconds,
+    where a step costs about as much host time as it can save, it keeps fewer replicas than the same search
+    without that stop; with a layer of seconds both are the same search. Every rank stops at the same step (the
+    work model, not a clock)."""
+    import numpy as np
+    world, experts = 16, 32
+    owners = tuple(even_sharding(experts, world))
+    counts = np.full((world, experts), 4.0)
+    counts[:, :4] = 400.0                                  # rank 0's experts hot
+    start = [[e for e, o in enumerate(owners) if o == r] for r in range(world)]
+
+    def added(compute_s_per_pair: float, critical: bool) -> int:
+        costs = StepCostModel(compute_s_per_pair=compute_s_per_pair, token_transfer_s=1e-9, expert_transfer_s=1e-6)
+        found = schedule_materialization(counts, owners, costs, 8, 8, start=start, prefetched=start,
+                                         critical_path=critical)
+        return sum(len(r) for r in found) - experts
+    assert added(2e-7, True) < added(2e-7, False), (added(2e-7, True), added(2e-7, False))
+    assert added(2e-3, True) == added(2e-3, False) > 0

@@ -225,7 +225,11 @@ def test_planning_charge_does_not_move_with_the_machines_load():
     # CPU time still moves beside the burners (shared caches and clock of a 2-vCPU host: 13% in CI on 2026-12-01,
     # with issue 26's heavier search steps); wall time doubles, which 25% still tells apart
     assert planning[1] == pytest.approx(planning[0], rel=0.25), planning
-    assert busy.systems["hecate"].step_time_s == pytest.approx(idle.systems["hecate"].step_time_s, rel=0.02)
+    # the rest of the step is the model's, the same whatever the load (the planner decides by its work model, not
+    # a clock); the planning charge is a sixth of this cell's step on a slow host, so a fixed tolerance on the
+    # whole step (2% until 2026-12-02) failed when the charge moved by 20%
+    steps = [r.systems["hecate"].step_time_s for r in (idle, busy)]
+    assert steps[1] - planning[1] == pytest.approx(steps[0] - planning[0], rel=1e-9), (steps, planning)
 
 
 # ---------------------------------------------------------------------------------------------------------------

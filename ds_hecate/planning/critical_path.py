@@ -64,7 +64,8 @@ def plan_after_gate(counts: np.ndarray, prefetched: Placement, prediction: Optio
         holders = prefetched.holders
         calibrated = schedule_materialization(counts, prefetched.owners, costs, replica_budget, ranks_per_node,
                                               start=holders, prefetched=holders,
-                                              budget_us=AUTO_PLAN_BUDGET if budget_us is None else budget_us)
+                                              budget_us=AUTO_PLAN_BUDGET if budget_us is None else budget_us,
+                                              critical_path=True)
         if calibrated != prefetched.materialized:
             placement = Placement(prefetched.owners, calibrated)
             extras = calibration_extras(placement, holders)

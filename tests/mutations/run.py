@@ -257,6 +257,11 @@ MUTATIONS: List[Mutation] = [
           "    if True:  # MUTATION: the flow-priced pass is never taken\n        return priced\n"),),
         "the fresh search stops at the relay barrier: the second pass (trees priced as one flow) is ignored"),
     Mutation(
+        "critical-search-ignores-its-cost", "ds_hecate/planning/scheduler.py",
+        (("                    pay_window=PAY_WINDOW if critical_path else 0, **search)\n",
+          "                    pay_window=0, **search)  # MUTATION: calibration searches on whatever its steps cost\n"),),
+        "calibration after the gate keeps searching while its steps cost every rank more host time than they save"),
+    Mutation(
         "quota-replicas-off-their-node", "ds_hecate/planning/scheduler.py",
         (("        order = np.lexsort((np.arange(search.world), rounded, node != node[r]))",
           "        order = np.lexsort((np.arange(search.world), rounded))  # MUTATION: least loaded anywhere\n"
@@ -336,6 +341,8 @@ TESTS_FOR: Dict[str, List[str]] = {
         "tests/test_fanout.py::test_pipelined_relay_is_bit_equal_to_level_by_level_and_takes_fewer_rounds"],
     "relay-deeper-levels-charged-hidden": ["tests/test_fanout.py::test_scheduler_exposes_the_deeper_levels"],
     "search-keeps-the-priced-pass": ["tests/test_fanout.py::test_fresh_search_passes_the_relay_barrier"],
+    "critical-search-ignores-its-cost": [
+        "tests/test_scheduler.py::test_critical_path_search_stops_when_its_steps_cost_more_than_they_save"],
     "scheduler-charges-the-flat-fan-out": [
         "tests/test_fanout.py::test_scheduler_charges_the_tree_not_the_flat_fan_out"],
     "quota-replicas-off-their-node": ["tests/test_quota_move.py::test_quota_places_on_the_bottleneck_node_first"],
