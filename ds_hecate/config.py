@@ -59,8 +59,9 @@ class HecateConfig(BaseModel):
     search_budget_us: float = Field(
         200000.0, ge=0, le=1e9,
         description="Budget of the prediction-driven search (of each of its passes: a second runs where relay "
-                    "trees are possible and the first leaves the compute imbalanced), which runs off the critical path (after the previous layer, while its kernels run), "
-                    "in estimated microseconds counted identically on every rank.")
+                    "trees are possible and the first leaves the compute imbalanced), which runs off the critical "
+                    "path (after the previous layer, while its kernels run), in estimated microseconds counted "
+                    "identically on every rank.")
     rematerialize: Optional[bool] = Field(
         None, description="Release materialized experts after forward and gather them again for backward (true), "
                           "keep them until backward (false); null: re-materialize only where keeping every layer's "

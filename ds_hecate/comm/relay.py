@@ -49,23 +49,26 @@ def relayed_all_gather(comm: "Communicator", placement: Placement, owned: Dict[i
         """What this rank sends of expert ``e``: an owner its weights, a relay the row it received earlier."""
         return owned[e].reshape(-1) if placement.owners[e] == comm.rank else buffer[row_of[e]]
 
-    send_lists = relay.sends(comm.rank, 0)
-    sent = _source_major(send_lists)
+    sends = [relay.sends(comm.rank, s) for s in range(len(relay.stages))]
+    recvs = [relay.recvs(comm.rank, s) for s in range(len(relay.stages))]
+    sent = _source_major(sends[0])
     counters.allgather_bytes += len(sent) * numel * _itemsize(dtype)
     first = comm.exchange_rows(comm.pack([source(e) for e in sent], numel, dtype),
-                               [len(send_lists.get(d, ())) for d in range(comm.world_size)],
-                               [len(v) for v in _per_peer(relay.recvs(comm.rank, 0), comm.world_size)], numel,
+                               _counts_per_peer(sends[0], comm.world_size),
+                               _counts_per_peer(recvs[0], comm.world_size), numel,
                                async_op, "SparseAllGather", out=buffer[offsets[0]:offsets[1]])
+    # where each (stage, source)'s rows start in the buffer (a stage's rows are source-major)
+    row_start = {(s, src): offsets[s] + sum(len(v) for p, v in recvs[s].items() if p < src)
+                 for s in range(1, len(recvs)) for src in recvs[s]}
 
     def receive(stage: int, src: int, lo: int, hi: int, rows: torch.Tensor) -> None:
-        start = offsets[stage] + _rows_before(relay.recvs(comm.rank, stage), src)
+        start = row_start[(stage, src)]
         buffer[start:start + rows.shape[0], lo:hi].copy_(rows)
 
     def finish() -> GatheredExperts:
         first()
-        _pipelined(comm, relay, numel, dtype, "SparseAllGather", counters, "allgather_bytes",
-                   sends_of=lambda s: relay.sends(comm.rank, s), recvs_of=lambda s: relay.recvs(comm.rank, s),
-                   row=source, receive=receive)
+        _pipelined(comm, relay, numel, dtype, "SparseAllGather", counters, "allgather_bytes", sends=sends,
+                   recvs=recvs, row=source, receive=receive)
         return gathered
     return PendingGather(placement, finish)
 
@@ -106,22 +109,21 @@ def relayed_reduce_scatter(comm: "Communicator", placement: Placement, experts: 
         passed = [i for i, e in enumerate(arrived) if e in partial_row]
         _add_rows(comm, partial[:, lo:hi], received, passed, [partial_row[arrived[i]] for i in passed])
 
-    # the deepest stage's copies in reverse: each receiver sends its sum to the rank it received the expert from
-    up, down = relay.recvs(comm.rank, last), relay.sends(comm.rank, last)
-    sent = _source_major(up)
+    # reduction stage s is gather stage last - s reversed: each receiver sends its sum to the rank it received the
+    # expert from (its parent), and receives from the ranks it sent to (its children); stage 0, the deepest, whole
+    parents_of = [relay.recvs(comm.rank, last - s) for s in range(last + 1)]
+    children_of = [relay.sends(comm.rank, last - s) for s in range(last + 1)]
+    sent = _source_major(parents_of[0])
     counters.reducescatter_bytes += len(sent) * numel * _itemsize(wire_dtype)
     first = comm.exchange_rows(comm.pack([row(e) for e in sent], numel, wire_dtype),
-                               [len(v) for v in _per_peer(up, comm.world_size)],
-                               [len(v) for v in _per_peer(down, comm.world_size)], numel, async_op,
+                               _counts_per_peer(parents_of[0], comm.world_size),
+                               _counts_per_peer(children_of[0], comm.world_size), numel, async_op,
                                "SparseReduceScatter")
-    # the pipeline's stage s (1 .. last) is gather stage last - s reversed: a rank sends up what it received there
-    # and receives from the ranks it sent to
-    children_of = {s: relay.sends(comm.rank, last - s) for s in range(1, last + 1)}
 
     def finish() -> None:
-        add(_source_major(down), first(), 0, numel)
+        add(_source_major(children_of[0]), first(), 0, numel)
         _pipelined(comm, relay, numel, wire_dtype, "SparseReduceScatter", counters, "reducescatter_bytes",
-                   sends_of=lambda s: relay.recvs(comm.rank, last - s), recvs_of=lambda s: children_of[s], row=row,
+                   sends=parents_of, recvs=children_of, row=row,
                    receive=lambda s, src, lo, hi, rows_in: add(children_of[s][src], rows_in, lo, hi))
         if target[0] is None:
             add_own()
@@ -129,51 +131,52 @@ def relayed_reduce_scatter(comm: "Communicator", placement: Placement, experts: 
 
 
 def _pipelined(comm: "Communicator", relay: RelayPlan, numel: int, dtype: torch.dtype, collective: str,
-               counters: CommCounters, counter: str, sends_of: Callable[[int], Dict[int, List[int]]],
-               recvs_of: Callable[[int], Dict[int, List[int]]], row: Callable[[int], torch.Tensor],
+               counters: CommCounters, counter: str, sends: Sequence[Dict[int, List[int]]],
+               recvs: Sequence[Dict[int, List[int]]], row: Callable[[int], torch.Tensor],
                receive: Callable[[int, int, int, int, torch.Tensor], None]) -> None:
     """The exchanges of :meth:`RelayPlan.pipeline` after the first stage, each waited for before the next (a relay
-    forwards what the previous one delivered). Exchange ``t`` sends, per peer (ascending), every active (stage,
-    chunk) in stage order: the chunk's column slice of :func:`row` of each expert the rank sends at that stage to
-    that peer (expert ascending); and hands each peer's received block per (stage, chunk) to :func:`receive`
-    (stage, source, lo, hi, ``[n, hi - lo]`` rows). Every rank runs the same number of exchanges, empty or not."""
+    forwards what the previous one delivered). ``sends[s]`` / ``recvs[s]``: peer -> experts this rank sends to /
+    receives from at pipeline stage ``s``. Exchange ``t`` sends, per peer (ascending), every active (stage, chunk)
+    in stage order: the chunk's column slice of :func:`row` of each expert the rank sends at that stage to that
+    peer (expert ascending), packed straight into one send buffer; and hands each peer's received block per (stage,
+    chunk) to :func:`receive` (stage, source, lo, hi, ``[n, hi - lo]`` rows). Every rank runs the same number of
+    exchanges, empty or not."""
     bounds = chunk_bounds(numel, relay.chunks)
     for active in relay.pipeline(len(bounds)):
-        pieces: List[torch.Tensor] = []
+        peers = sorted({p for s, _ in active for p in (*sends[s], *recvs[s])})
+        outgoing: List[Tuple[List[int], int, int]] = []       # (experts, lo, hi) in send order
+        layout: List[Tuple[int, int, int, int, int]] = []     # (source, stage, lo, hi, rows) in receive order
         send_elems = [0] * comm.world_size
         recv_elems = [0] * comm.world_size
-        layout: List[Tuple[int, int, int, int, int]] = []   # (source, stage, lo, hi, rows) in receive order
-        sends = {s: sends_of(s) for s, _ in active}
-        recvs = {s: recvs_of(s) for s, _ in active}
-        for peer in range(comm.world_size):
+        for peer in peers:
             for s, c in active:
                 lo, hi = bounds[c]
-                out_experts = sends[s].get(peer, ())
-                if out_experts:
-                    pieces.append(comm.pack([row(e)[lo:hi] for e in out_experts], hi - lo, dtype))
-                    send_elems[peer] += len(out_experts) * (hi - lo)
+                experts = sends[s].get(peer, ())
+                if experts:
+                    outgoing.append((experts, lo, hi))
+                    send_elems[peer] += len(experts) * (hi - lo)
                 n_in = len(recvs[s].get(peer, ()))
                 if n_in:
                     layout.append((peer, s, lo, hi, n_in))
                     recv_elems[peer] += n_in * (hi - lo)
-        send = (torch.cat([p.reshape(-1) for p in pieces]) if pieces
-                else torch.empty(0, dtype=dtype, device=comm.device))
+        send = torch.empty(sum(send_elems), dtype=dtype, device=comm.device)
+        offset = 0
+        for experts, lo, hi in outgoing:
+            size = len(experts) * (hi - lo)
+            comm.pack([row(e)[lo:hi] for e in experts], hi - lo, dtype,
+                      out=send[offset:offset + size].view(len(experts), hi - lo))
+            offset += size
         setattr(counters, counter, getattr(counters, counter) + send.numel() * _itemsize(dtype))
-        recv = comm.exchange_rows(send.reshape(-1, 1), send_elems, recv_elems, 1, False, collective)()
+        recv = comm.exchange_rows(send.view(-1, 1), send_elems, recv_elems, 1, False, collective)()
         offset = 0
         for peer, s, lo, hi, n in layout:
-            block = recv[offset:offset + n * (hi - lo)].reshape(n, hi - lo)
-            receive(s, peer, lo, hi, block)
+            receive(s, peer, lo, hi, recv[offset:offset + n * (hi - lo)].view(n, hi - lo))
             offset += n * (hi - lo)
 
 
-def _per_peer(lists: Dict[int, List[int]], world: int) -> List[List[int]]:
-    return [lists.get(p, []) for p in range(world)]
-
-
-def _rows_before(recv_lists: Dict[int, List[int]], src: int) -> int:
-    """Rows of a stage's (source-major) block that come from sources before ``src``."""
-    return sum(len(v) for p, v in recv_lists.items() if p < src)
+def _counts_per_peer(lists: Dict[int, List[int]], world: int) -> List[int]:
+    """Rows to or from each rank, ``lists`` being peer -> experts."""
+    return [len(lists.get(p, ())) for p in range(world)]
 
 
 def _add_rows(comm: "Communicator", target: torch.Tensor, received: torch.Tensor, picks: List[int],

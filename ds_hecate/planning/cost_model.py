@@ -142,15 +142,17 @@ def rank_seconds(costs: StepCostModel, ranks_per_node: int, processed, tokens, e
 
 def replica_transfers(replicas, owners, ranks_per_node: int, fanout: int = 0, chunks: int = 1,
                       exposed_levels: bool = True):
-    """``(first, later)``: (in-intra, out-intra, in-inter, out-inter) expert transfers per rank for the
+    """``(first, later, depth)``: (in-intra, out-intra, in-inter, out-inter) expert transfers per rank for the
     ``[world, experts]`` bool matrix of replicas (owners excluded): each copy is received by its rank and sent by
     its expert's owner, or with more replicas than ``fanout`` by the holder that relays it, inside the node when
     both are on one; ``first`` the level the collective is issued with, ``later`` the deeper levels, run when it
-    is waited for and charged with their pipeline's fill (:func:`~.fanout.relay_transfers`; flat: all first)."""
+    is waited for and charged with their pipeline's fill (:func:`~.fanout.relay_transfers`; flat: all first);
+    ``depth`` the deepest tree's stages (0 without a replica)."""
     owners = np.asarray(owners, dtype=np.int64)
-    first, later = relay_transfers(np.asarray(replicas, dtype=bool).T, owners, ranks_per_node, fanout, chunks,
-                                   exposed_levels)
-    return tuple(part.sum(axis=0) for part in first), tuple(part.sum(axis=0) for part in later)
+    first, later, depth = relay_transfers(np.asarray(replicas, dtype=bool).T, owners, ranks_per_node, fanout,
+                                          chunks, exposed_levels)
+    return (tuple(part.sum(axis=0) for part in first), tuple(part.sum(axis=0) for part in later),
+            int(depth.max()) if depth.size else 0)
 
 
 @dataclass(frozen=True)
@@ -190,8 +192,8 @@ def estimate_layer(counts: Sequence[Sequence[float]], owners: Sequence[int], mat
     # prefetched copies: the first level hides behind compute, the deeper ones run at the wait; calibration's, all
     # after the gate
     relays = (costs.fanout, costs.relay_chunks, costs.relay_levels_exposed)
-    early, deeper = replica_transfers(early_mask, owners, ranks_per_node, *relays)
-    late_first, late_deeper = replica_transfers(replicas & ~early_mask, owners, ranks_per_node, *relays)
+    early, deeper, _ = replica_transfers(early_mask, owners, ranks_per_node, *relays)
+    late_first, late_deeper, _ = replica_transfers(replicas & ~early_mask, owners, ranks_per_node, *relays)
     late = tuple(a + b + c for a, b, c in zip(deeper, late_first, late_deeper))
     times = rank_seconds(costs, ranks_per_node, processed, tokens, early, late)
     return LayerEstimate(float(times.max()), tuple(processed.tolist()), tuple(times.tolist()))

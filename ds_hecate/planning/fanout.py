@@ -76,7 +76,7 @@ class RelayPlan:
         ``D`` takes ``D - 2 + chunks`` exchanges past the first instead of ``D - 1`` whole-row ones that each wait
         for the level above (``chunks`` 1: level by level). The first stage travels whole, with the collective's
         start (prefetched). ``chunks``: the pieces rows are really cut into (:func:`chunk_bounds`, at most
-        :attr:`chunks`). Every rank computes the same list.""" 
+        :attr:`chunks`). Every rank computes the same list."""
         depth = len(self.stages)
         if depth <= 1:
             return []
@@ -173,9 +173,10 @@ def tree_transfers(holders: np.ndarray, owners: np.ndarray, ranks_per_node: int,
 
 def relay_transfers(holders: np.ndarray, owners: np.ndarray, ranks_per_node: int, fanout: int, chunks: int,
                     exposed_levels: bool = True):
-    """:func:`tree_transfers` split as the runtime's relays run (:mod:`ds_hecate.comm.relay`): ``(first, later)``,
-    each a ``[4, K, world]`` array (the four arrays there, stacked). ``first``: the level the collective starts with, issued with it (so
-    it can hide behind compute): the owner's copies and its children's receipts (every copy of an expert sent
+    """:func:`tree_transfers` split as the runtime's relays run (:mod:`ds_hecate.comm.relay`): ``(first, later,
+    depth)``, the first two ``[4, K, world]`` arrays (the four arrays there, stacked), ``depth`` each expert's tree
+    depth (``[K]``; 0 without a replica, 1 flat). ``first``: the level the collective starts with, issued with it
+    (so it can hide behind compute): the owner's copies and its children's receipts (every copy of an expert sent
     flat). ``later``: the levels below, run when the collective is waited for, pipelined in ``chunks`` pieces:
     ``D - 2 + chunks`` chunk exchanges for a tree of depth ``D``, so each expert's deeper copies are charged
     ``1 + (D - 2) / chunks`` times (the pipeline's fill). What the scheduler and the simulator charge a
@@ -185,17 +186,10 @@ def relay_transfers(holders: np.ndarray, owners: np.ndarray, ranks_per_node: int
     total, first, depth = _trees(holders, owners, ranks_per_node, fanout)
     total = np.stack(total)
     if not exposed_levels or not (depth >= 2).any():   # one level (or one flow): all of it is the first
-        return total, np.zeros_like(total)
+        return total, np.zeros_like(total), depth
     first = np.stack(first)
     fill = 1.0 + np.maximum(depth - 2, 0) / max(1, int(chunks))
-    return first, (total - first) * fill[None, :, None]
-
-
-def relay_depth(holders: np.ndarray, owners: np.ndarray, ranks_per_node: int, fanout: int) -> int:
-    """Stages of the deepest relay tree of ``holders`` (``[K, world]`` bool): the exchanges a relayed collective
-    runs level by level (0 without a replica)."""
-    depth = _trees(holders, owners, ranks_per_node, fanout)[2]
-    return int(depth.max()) if depth.size else 0
+    return first, (total - first) * fill[None, :, None], depth
 
 
 def heap_depth(index: np.ndarray, fanout: int) -> np.ndarray:

@@ -29,10 +29,6 @@ PlacementPolicy = Callable[[Sequence[Sequence[int]], Sequence[int], Optional[Uni
                            Materialized]
 
 
-#: chunks of a ring broadcast as the FasterMoE-style estimate prices it: many (NCCL's), so its fill is negligible
-RING_CHUNKS = 1 << 20
-
-
 def _owned(owners: Sequence[int], world: int):
     """The owner placement as mutable per-rank sets, for the policies that add replicas to it."""
     return [set(experts) for experts in owned_experts(owners, world)]
@@ -81,8 +77,8 @@ def shadow_placement(counts, owners, cost: Optional[StepCostModel] = None) -> Ma
     world, num_experts = len(counts), len(owners)
     # FasterMoE's model: every transfer on one link (the slowest), each shadow a ring broadcast (every rank receives
     # it once and forwards it once: a chain, fan-out 1), as the simulator times it; NCCL pipelines a broadcast in
-    # small chunks, so no fill is charged (not Hecate's relay_chunks)
-    cost = replace(cost.single_link(), fanout=1, relay_chunks=RING_CHUNKS)
+    # small chunks, so the chain is priced as one flow (not as Hecate's relays run)
+    cost = replace(cost.single_link(), fanout=1, relay_levels_exposed=False)
     base = _owned(owners, world)
     nothing_prefetched = tuple(() for _ in range(world))
     load = [sum(row[e] for row in counts) for e in range(num_experts)]

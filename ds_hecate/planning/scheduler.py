@@ -97,8 +97,8 @@ class _Search:
         early = self.early[:, experts].T
         owners = self.owners[experts]
         relays = (self.costs.fanout, self.costs.relay_chunks, self.costs.relay_levels_exposed)
-        first, deeper = relay_transfers(holders & early, owners, self.rpn, *relays)
-        late_first, late_deeper = relay_transfers(holders & ~early, owners, self.rpn, *relays)
+        first, deeper, _ = relay_transfers(holders & early, owners, self.rpn, *relays)
+        late_first, late_deeper, _ = relay_transfers(holders & ~early, owners, self.rpn, *relays)
         return first, deeper + late_first + late_deeper
 
     @property
@@ -329,14 +329,6 @@ PAY_WINDOW = 2
 FLOW_PASS_IMBALANCE = 1.25
 
 
-@dataclass(frozen=True)
-class _Outcome:
-    """A greedy search's placement, and whether its work budget stopped it (else no move helped any more)."""
-
-    materialized: Materialized
-    stopped_by_budget: bool
-
-
 def schedule_materialization(counts: Sequence[Sequence[float]], owners: Sequence[int], costs: StepCostModel,
                              budget_per_rank: int, ranks_per_node: int,
                              start: Optional[Sequence[Sequence[int]]] = None,
@@ -367,19 +359,17 @@ def schedule_materialization(counts: Sequence[Sequence[float]], owners: Sequence
     step)."""
     relays_possible = costs.fanout > 0 and costs.relay_levels_exposed and len(counts) - 1 > costs.fanout
     search = dict(candidate_experts=candidate_experts, min_gain=min_gain, candidate_ranks=candidate_ranks, work=work)
-    first = _greedy(counts, owners, costs, budget_per_rank, ranks_per_node, start, prefetched, budget_us=budget_us,
-                    pay_window=PAY_WINDOW if critical_path else 0, **search)
+    priced = _greedy(counts, owners, costs, budget_per_rank, ranks_per_node, start, prefetched, budget_us=budget_us,
+                     pay_window=PAY_WINDOW if critical_path else 0, **search)
     if start is not None or not relays_possible:
-        return first.materialized
-    priced = first.materialized
+        return priced
     estimate = estimate_layer(counts, owners, priced, costs, ranks_per_node, prefetched=prefetched)
     if estimate.imbalance <= FLOW_PASS_IMBALANCE:
         return priced
     flow = _greedy(counts, owners, replace(costs, relay_levels_exposed=False), budget_per_rank, ranks_per_node,
-                   None, prefetched, budget_us=budget_us, **search).materialized
+                   None, prefetched, budget_us=budget_us, **search)
     if flow == priced:
         return priced
-
     flow_s = estimate_layer(counts, owners, flow, costs, ranks_per_node, prefetched=prefetched).time_s
     return flow if float(_round12(flow_s)) < float(_round12(estimate.time_s)) else priced
 
@@ -390,7 +380,7 @@ def _greedy(counts: Sequence[Sequence[float]], owners: Sequence[int], costs: Ste
             prefetched: Optional[Sequence[Sequence[int]]] = None,
             candidate_experts: int = 4, min_gain: float = 0.05,
             budget_us: Union[float, RelativeBudget, None] = None, candidate_ranks: int = 64,
-            work: SearchWork = SEARCH_WORK, pay_window: int = 0) -> "_Outcome":
+            work: SearchWork = SEARCH_WORK, pay_window: int = 0) -> Materialized:
     """Greedy replica placement minimising :func:`estimate_layer` under ``budget_per_rank`` extra experts/rank.
 
     Moves considered for the experts that load the bottleneck rank most: one new replica on one rank, a replica on
@@ -424,7 +414,7 @@ def _greedy(counts: Sequence[Sequence[float]], owners: Sequence[int], costs: Ste
         holders[np.asarray(owners, dtype=np.int64), np.arange(num_experts)] = True
         if start is not None:
             holders |= holders_matrix(start, world, num_experts)
-        return _Outcome(tuple(tuple(int(e) for e in np.flatnonzero(row)) for row in holders), True)
+        return tuple(tuple(int(e) for e in np.flatnonzero(row)) for row in holders)
     search = _Search(counts, owners, costs, ranks_per_node, start, prefetched)
     extra = (search.mat & ~search.owner_mask).sum(axis=1)
 
@@ -436,7 +426,6 @@ def _greedy(counts: Sequence[Sequence[float]], owners: Sequence[int], costs: Ste
     # earliest placement with the lowest layer time, so no replica is kept that does not shorten the step.
     result_time, result_mat = best_max, search.mat.copy()
     threshold = best_max * (1.0 - min_gain)
-    stopped_by_budget = False
     paid: List[Tuple[float, float]] = []   # (work, estimated gain) of each step taken, microseconds
     while True:
         ordered = _candidate_moves(search, best_times, extra, budget_per_rank, ranks_per_node, candidate_experts,
@@ -447,7 +436,6 @@ def _greedy(counts: Sequence[Sequence[float]], owners: Sequence[int], costs: Ste
         step_us = work.step_cost_us(len(ordered) + (len(quota) if quota else 0), world, num_experts)
         spent += step_us
         if budget_us is not None and spent > budget_us:
-            stopped_by_budget = True
             break
         times = search.evaluate(ordered) if ordered else np.zeros((0, world))
         if quota is not None:   # last: a single move that ties with it wins
@@ -476,4 +464,4 @@ def _greedy(counts: Sequence[Sequence[float]], owners: Sequence[int], costs: Ste
             window = paid[-pay_window:]
             if len(window) == pay_window and sum(g for _, g in window) < sum(c for c, _ in window):
                 break
-    return _Outcome(search.frozen(result_mat), stopped_by_budget)
+    return search.frozen(result_mat)

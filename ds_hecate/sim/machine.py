@@ -17,7 +17,7 @@ import numpy as np
 
 from ..planning.cost_model import imbalance, replica_transfers
 from ..planning.dispatch import dispatch_flows
-from ..planning.fanout import relay_depth
+from ..planning.fanout import chunk_bounds
 from ..planning.plan import holders_matrix, owned_experts
 from .context import SimContext
 
@@ -85,13 +85,12 @@ def layer_time(ctx: SimContext, counts: np.ndarray, mat: np.ndarray, owners: np.
         # Hecate's sparse collectives relay through holders beyond hecate.fanout copies (planning.fanout): the first
         # level travels with the collective's start, the levels below at its wait, pipelined in relay_chunks pieces
         # (one latency per exchange); the baselines' owners send every copy
-        chunks = min(ctx.hecate.relay_chunks, ctx.numel)
-        first, later = replica_transfers(rep, owners, rpn, fanout, chunks)
+        chunks = len(chunk_bounds(ctx.numel, ctx.hecate.relay_chunks))   # as comm/relay.py cuts the rows
+        first, later, depth = replica_transfers(rep, owners, rpn, fanout, chunks)
         start = link_time(ctx, world, first[0], first[1], node_sum(first[2], world, rpn),
                           node_sum(first[3], world, rpn), nbytes)
         if not any(part.any() for part in later):
             return start, np.zeros(world)
-        depth = relay_depth(rep.T, owners, rpn, fanout)
         latency = ctx.cluster.inter_latency_s if world > rpn else ctx.cluster.intra_latency_s
         rest = link_time(ctx, world, later[0], later[1], node_sum(later[2], world, rpn),
                          node_sum(later[3], world, rpn), nbytes)

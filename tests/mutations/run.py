@@ -228,9 +228,9 @@ MUTATIONS: List[Mutation] = [
         "aborts the process (the Trainer's exit abort)"),
     Mutation(
         "relay-gather-stops-after-the-first-stage", "ds_hecate/comm/relay.py",
-        (("        _pipelined(comm, relay, numel, dtype, \"SparseAllGather\", counters, \"allgather_bytes\",\n",
+        (("        _pipelined(comm, relay, numel, dtype, \"SparseAllGather\", counters, \"allgather_bytes\", sends=sends,\n",
           "        return gathered  # MUTATION: the relays never forward\n"
-          "        _pipelined(comm, relay, numel, dtype, \"SparseAllGather\", counters, \"allgather_bytes\",\n"),),
+          "        _pipelined(comm, relay, numel, dtype, \"SparseAllGather\", counters, \"allgather_bytes\", sends=sends,\n"),),
         "tree fan-out: SparseAllGather runs only the owners' stage; ranks further down the trees keep unwritten rows"),
     Mutation(
         "relay-pipeline-forwards-before-arrival", "ds_hecate/planning/fanout.py",
@@ -241,8 +241,8 @@ MUTATIONS: List[Mutation] = [
         "arrived), so ranks further down the trees receive unwritten rows"),
     Mutation(
         "scheduler-charges-the-flat-fan-out", "ds_hecate/planning/cost_model.py",
-        (("    early, deeper = replica_transfers(early_mask, owners, ranks_per_node, *relays)\n",
-          "    early, deeper = replica_transfers(early_mask, owners, ranks_per_node, 0)  # MUTATION: no relay trees\n"),),
+        (("    early, deeper, _ = replica_transfers(early_mask, owners, ranks_per_node, *relays)\n",
+          "    early, deeper, _ = replica_transfers(early_mask, owners, ranks_per_node, 0)  # MUTATION: no relay trees\n"),),
         "the scheduler's estimate charges every copy to its owner although the collectives relay it"),
     Mutation(
         "relay-deeper-levels-charged-hidden", "ds_hecate/planning/cost_model.py",
@@ -258,8 +258,8 @@ MUTATIONS: List[Mutation] = [
         "the fresh search stops at the relay barrier: the second pass (trees priced as one flow) is ignored"),
     Mutation(
         "critical-search-ignores-its-cost", "ds_hecate/planning/scheduler.py",
-        (("                    pay_window=PAY_WINDOW if critical_path else 0, **search)\n",
-          "                    pay_window=0, **search)  # MUTATION: calibration searches on whatever its steps cost\n"),),
+        (("                     pay_window=PAY_WINDOW if critical_path else 0, **search)\n",
+          "                     pay_window=0, **search)  # MUTATION: calibration searches on whatever its steps cost\n"),),
         "calibration after the gate keeps searching while its steps cost every rank more host time than they save"),
     Mutation(
         "quota-replicas-off-their-node", "ds_hecate/planning/scheduler.py",
