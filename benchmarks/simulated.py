@@ -360,7 +360,7 @@ def grid_lines(grid: List[Dict[str, Any]]) -> List[str]:
 def large_lines(large: List[Dict[str, Any]]) -> List[str]:
     """Figure-bearing sentences about the 1,024-GPU cases, computed from them and the presets."""
     from ds_hecate.config import HecateConfig, wire_dtype
-    from ds_hecate.planning.cost_model import replica_budget
+    from ds_hecate.planning.replica_pool import ReplicaPool
     from ds_hecate.sim.presets import resolve_cluster, resolve_model
 
     out: List[str] = []
@@ -386,8 +386,10 @@ def large_lines(large: List[Dict[str, Any]]) -> List[str]:
         world, group, peers = rec["world_size"], rec["ep_size_used"], rec["edp_size"]
         expert_b = mdl.expert_params * 2   # bf16, the CLI's default precision
         default_mb = 0.1 * cl.device_memory_gb * 1024.0
-        b_hc = replica_budget(default_mb, expert_b, mdl.moe_layers, False)
-        b_rm = replica_budget(default_mb, expert_b, mdl.moe_layers, True)
+        owned = [max(1, mdl.num_experts // group)] * mdl.moe_layers
+        resident = ReplicaPool.plan(default_mb, [expert_b] * mdl.moe_layers, owned, False).grants
+        b_hc = "-".join(sorted({str(g.replicas) for g in resident}, key=int))
+        b_rm = ReplicaPool.plan(default_mb, [expert_b] * mdl.moe_layers, owned, True).grants[0].replicas
         span = (f"{group // cl.devices_per_node} node(s)" if group >= cl.devices_per_node else "part of a node")
         why = (f"the largest divisor of {world} at most the {mdl.num_experts} experts that does not split a node"
                if world > mdl.num_experts else f"the world: {world} ranks, at most the {mdl.num_experts} experts")

@@ -201,11 +201,12 @@ def _hecate_section(placement: str, rng: random.Random, steps: int) -> Tuple[dic
         section["calibration"] = rng.random() < 0.75
         section["reshard_interval"] = rng.choice((1, 2, 2, 3, 0))
         section["overlap_degree"] = rng.choice((None, 0, 1, 2, 8))
-        section["materialize_budget_mb"] = rng.choice((0.0, 0.002, 0.01, 1024.0))
+        # the replica pool: none, a few slots rolled over the layers (uneven grants), room for all
+        section["materialize_budget_mb"] = rng.choice((0.0, 0.002, 0.005, 0.01, 0.03, 1024.0))
         section["replan_tolerance"] = rng.choice((0.0, 0.05, 0.5))
         section["load_window"] = rng.choice((1, 2, 5))
         section["prefetch"] = rng.random() < 0.8
-        section["rematerialize"] = rng.random() < 0.25
+        section["rematerialize"] = rng.choice((True, False, False, None))   # None: the pool decides per layer
         notes.append("calib" if section["calibration"] else "no-calib")
         notes.append(f"reshard={section['reshard_interval']}")
         notes.append(f"t={section['overlap_degree']}")
@@ -214,8 +215,8 @@ def _hecate_section(placement: str, rng: random.Random, steps: int) -> Tuple[dic
         notes.append(f"window={section['load_window']}")
         if not section["prefetch"]:
             notes.append("no-prefetch")
-        if section["rematerialize"]:
-            notes.append("remat")
+        if section["rematerialize"] is not False:
+            notes.append("remat" if section["rematerialize"] else "remat=auto")
     return section, " ".join(notes)
 
 

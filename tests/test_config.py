@@ -473,18 +473,24 @@ def test_huge_valid_int_is_accepted():
 
 
 def test_rematerialize_null_resolves_by_slots_per_owned_expert():
-    """null: re-materialize where resident slots are under a quarter of a rank's experts and one layer at a time
-    buys more; explicit values win."""
-    from ds_hecate.planning.cost_model import resolve_rematerialize
+    """null: re-materialize where the even resident share is under a quarter of a rank's experts and one layer at
+    a time buys more; explicit values win (the pool's per-layer decision, ds_hecate.planning.replica_pool)."""
+    from ds_hecate.planning.replica_pool import ReplicaPool
 
     mib = 1 << 20
-    # 58 layers of 84 MiB experts and 8 GiB: 1 resident slot per layer
-    assert resolve_rematerialize(None, 8192, [84 * mib] * 58, [32] * 58) is True    # 1 slot for 32 experts
-    assert resolve_rematerialize(None, 8192, [84 * mib] * 58, [4] * 58) is False    # 1 slot for 4
-    assert resolve_rematerialize(None, 8192, [84 * mib] * 58, [1] * 58) is False
+
+    def resolved(setting, budget_mb, expert_bytes, owned):
+        pool = ReplicaPool.plan(budget_mb, expert_bytes, owned, setting)
+        assert len({g.rematerialize for g in pool.grants}) == 1   # identical layers decide alike
+        return pool.rematerializes
+
+    # 58 layers of 84 MiB experts and 8 GiB: 1 resident slot per layer in an even split
+    assert resolved(None, 8192, [84 * mib] * 58, [32] * 58) is True    # 1 slot for 32 experts
+    assert resolved(None, 8192, [84 * mib] * 58, [4] * 58) is False    # 1 slot for 4
+    assert resolved(None, 8192, [84 * mib] * 58, [1] * 58) is False
     # no resident slot at all (Mixtral-like): re-materializing is the only way the budget helps
-    assert resolve_rematerialize(None, 8192, [336 * mib] * 32, [1] * 32) is True
+    assert resolved(None, 8192, [336 * mib] * 32, [1] * 32) is True
     # a budget too small even for one layer: nothing to gain
-    assert resolve_rematerialize(None, 10, [84 * mib] * 58, [32] * 58) is False
-    assert resolve_rematerialize(False, 8192, [84 * mib] * 58, [32] * 58) is False
-    assert resolve_rematerialize(True, 1e9, [mib], [1]) is True
+    assert resolved(None, 10, [84 * mib] * 58, [32] * 58) is False
+    assert resolved(False, 8192, [84 * mib] * 58, [32] * 58) is False
+    assert resolved(True, 1e9, [mib], [1]) is True

@@ -196,8 +196,9 @@ def test_scheduler_replicates_reshards_and_respects_budget(world_results):
                 assert stats["memory"]["peak_materialized"] <= max(layer_peaks), (name, stats["memory"])
             if "no-prefetch" not in name:
                 assert all(layer["prefetch_hits"] > 0 for layer in stats["layers"]), f"{name}: prefetch unused"
-            if name == "hecate-tight-budget":
-                assert all(layer["replica_budget"] == 1 for layer in stats["layers"]), stats["layers"]
+            if name == "hecate-tight-budget":   # three replicas' worth for two layers: the pool lends 1 + 2
+                assert [layer["replica_budget"] for layer in stats["layers"]] == [1, 2], stats["layers"]
+                assert stats["memory"]["peak_materialized"] <= stats["memory"]["materialize_budget"], stats["memory"]
 
 
 def test_checkpoint_recompute_replays_the_forward_plan(world_results):

@@ -95,9 +95,10 @@ def test_scheduler_charges_the_tree_not_the_flat_fan_out():
                 token_transfer_inter_s=1e-8, expert_transfer_inter_s=8e-3)
     flat = estimate_layer(counts, owners, mat, StepCostModel(**base, fanout=0), rpn)
     tree = estimate_layer(counts, owners, mat, StepCostModel(**base, fanout=4), rpn)
-    assert flat.rank_time_s[0] == pytest.approx(24 * 8e-3 / 8, rel=1e-2)    # the owner's node NICs: 24 copies
-    assert tree.rank_time_s[0] == pytest.approx(3 * 8e-3 / 8, rel=1e-2)     # 3 copies, one per other node
-    assert tree.time_s < flat.time_s
+    # exposed transfers are a barrier (every rank waits for the slowest), so the layer's time is the slowest NIC's
+    assert flat.time_s == pytest.approx(24 * 8e-3 / 8, rel=1e-2)    # the owner's node NICs: 24 copies
+    # 3 copies, one per other node, then the levels inside each node (cheap links, with their pipeline's fill)
+    assert 3 * 8e-3 / 8 <= tree.time_s < 1.25 * 3 * 8e-3 / 8
 
 
 def _collectives(rank, world, placement, fanout, numel, seed, rpn=2, chunks=1, float_grads=False):
@@ -258,8 +259,9 @@ def test_scheduler_exposes_the_deeper_levels():
 
 def test_fresh_search_passes_the_relay_barrier():
     """64 ranks x 8 experts, the planner benchmark's skewed prediction: priced as the runtime runs the trees, a
-    greedy that adds one move at a time stops where deepening a tree would expose a level at once (0.175 s); the
-    same search with the trees priced as one hidden flow walks past it (0.069 s, judged with the levels exposed).
+    greedy that adds one move at a time stops where deepening a tree would expose a level at once (0.086 s, exposed
+    transfers a barrier for every rank; 0.175 s when they were charged to the receiving rank alone); the same
+    search with the trees priced as one hidden flow walks past it (0.076 s, judged with the levels exposed).
     schedule_materialization runs both and keeps the better by the exposed pricing; calibration, which extends a
     start on the critical path, runs the first alone."""
     from dataclasses import replace
@@ -276,7 +278,7 @@ def test_fresh_search_passes_the_relay_barrier():
     flow = _greedy(prediction, owners, replace(COSTS, relay_levels_exposed=False), REPLICAS_PER_RANK, rpn)
     chosen = schedule_materialization(prediction, owners, COSTS, REPLICAS_PER_RANK, rpn)
     assert layer_s(chosen) == min(layer_s(priced), layer_s(flow))
-    assert layer_s(chosen) < 0.5 * layer_s(priced), (layer_s(chosen), layer_s(priced))
+    assert layer_s(chosen) < 0.95 * layer_s(priced), (layer_s(chosen), layer_s(priced))
     sharded = [[e for e, o in enumerate(owners) if o == r] for r in range(64)]
     assert (schedule_materialization(prediction, owners, COSTS, REPLICAS_PER_RANK, rpn, start=sharded)
             == _greedy(prediction, owners, COSTS, REPLICAS_PER_RANK, rpn, start=sharded))

@@ -63,7 +63,8 @@ def test_search_keeps_a_hot_experts_tokens_on_their_node():
     """One hot expert owned by rank 0 of 4 nodes x 4 ranks; NVLink 50x the NICs. Priced on two links the search
     gives every node copies, and more than one on the other nodes: a node's tokens then spread over NVLink, which
     is cheap, and cross no NIC. Priced on one link (what the search had before) a copy beside another only saves
-    NIC-priced rows, so it stops at one per node, and that placement is a third slower on the two-link estimate."""
+    NIC-priced rows, so it stops at one per node at most, and that placement is a third slower on the two-link
+    estimate."""
     world, rpn, experts = 16, 4, 16
     owners = tuple(range(experts))
     counts = np.full((world, experts), 20.0)
@@ -74,7 +75,7 @@ def test_search_keeps_a_hot_experts_tokens_on_their_node():
     per_node = np.add.reduceat(mat[:, 0].astype(int), np.arange(0, world, rpn))
     assert (per_node[1:] >= 2).all(), per_node
     single = holders_matrix(schedule_materialization(counts, owners, two.single_link(), 4, rpn), world, experts)
-    assert (np.add.reduceat(single[:, 0].astype(int), np.arange(0, world, rpn))[1:] == 1).all()
+    assert (np.add.reduceat(single[:, 0].astype(int), np.arange(0, world, rpn))[1:] <= 1).all()
     est = estimate_layer(counts, owners, mat, two, rpn).time_s
     assert est < 0.75 * estimate_layer(counts, owners, single, two, rpn).time_s
 

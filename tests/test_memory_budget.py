@@ -38,6 +38,8 @@ same scheduler with a zero budget: no replica at all, the same re-sharding and o
    replicas at all), and ``tight`` materializes some;
 4. Hecate's own ``peak_materialized`` (whole run, warm-up included) within the budget on ``tight`` and ``tight-
    rematerialize``: what it tracks are the allocated blocks, the rows reserved for calibration's extras counted.
+5. the replica pool (``pool``: three replicas' worth for two resident layers) grants the layers 1 and 2, and some
+   rank holds more than the even split's two replicas at once, measured by the allocator, within the budget (1).
 
 The profiler records frees only on the threads it follows; gloo's worker thread drops a collective's tensors
 after completing it, sometimes after the Python side let go, and that free goes unrecorded. :func:`replay` then
@@ -91,7 +93,7 @@ def expert_bytes(spec: Spec) -> int:
     return (spec.hidden * spec.ffn * 2 + spec.ffn + spec.hidden) * 4
 
 
-def budget_mb(spec: Spec, replicas_per_layer: int, rematerialize: bool = False) -> float:
+def budget_mb(spec: Spec, replicas_per_layer: float, rematerialize: bool = False) -> float:
     """The budget of exactly ``replicas_per_layer`` replicas per layer (``hecate.materialize_budget_mb``)."""
     resident = 1 if rematerialize else spec.layers
     return replicas_per_layer * resident * expert_bytes(spec) / (1 << 20)
@@ -275,6 +277,8 @@ def _specs() -> Dict[str, Spec]:
         "tight-calibrating": replace(BASE, forced_routes=True,
                                      hecate={**SCHEDULER, "materialize_budget_mb": budget_mb(BASE, 2)}),
         "zero-calibrating": replace(BASE, forced_routes=True, hecate={**SCHEDULER, "materialize_budget_mb": 0.0}),
+        # three replicas' worth for two resident layers: an even split grants 1 + 1, the pool 1 + 2
+        "pool": replace(BASE, hecate={**SCHEDULER, "rematerialize": False, "materialize_budget_mb": budget_mb(BASE, 1.5)}),
     }
 
 
@@ -287,7 +291,7 @@ def rotated(bias: Tuple[float, ...], shift: int) -> Tuple[float, ...]:
 #: The zero-budget run each run is measured against (the same residency: re-materialization frees a layer's
 #: experts after its forward, so its own experts are resident for one layer at a time).
 BASELINE = {"tight": "zero", "wide": "zero", "tight-rematerialize": "zero-rematerialize",
-            "tight-calibrating": "zero-calibrating"}
+            "tight-calibrating": "zero-calibrating", "pool": "zero"}
 
 
 def _run(cuda: bool) -> Dict[str, List[Measured]]:
@@ -330,7 +334,14 @@ def problems(results: Dict[str, List[Measured]], cuda: bool) -> List[Problem]:
         found.append((None, f"positive control: with a wide budget the replicas should exceed {small} bytes"))
     if not any(m.extensions for m in results["tight-calibrating"]):
         found.append((None, "tight-calibrating: calibration extended no layer call in the profiled steps"))
-    for name in ("tight", "tight-rematerialize", "tight-calibrating"):
+    # 5. The replica pool lends the whole budget: the slot an even split would waste goes to the second layer, and
+    # the allocator sees more replicas live at once than the even split allows.
+    if any(m.replica_budget != [1, 2] for m in results["pool"]):
+        found.append((None, f"pool: layer grants {results['pool'][0].replica_budget}, expected [1, 2] (three replicas "
+                            "for two resident layers)"))
+    if max(replicas("pool", r) for r in range(WORLD)) <= 2 * eb + slack:
+        found.append((None, f"pool: no rank held more than two replicas at once (the even split's {2 * eb} bytes)"))
+    for name in ("tight", "tight-rematerialize", "tight-calibrating", "pool"):
         if not any(replicas(name, r) > 0 for r in range(WORLD)):
             found.append((None, f"{name}: no replica was materialized"))
         for rank, (m, zero) in enumerate(zip(results[name], results[BASELINE[name]])):

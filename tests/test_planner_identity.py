@@ -87,7 +87,7 @@ def _simulated_plans(world: int, experts: int, sequence: list):
     ctx = SimContext(cluster=cluster, model=model, world=world, rpn=world, tokens=64, compute_b=4, grad_b=4, edp_grad_b=4,
                      s_per_pair=1e-6, t_fwd=0.0, hecate=parse_hecate_section(COST_KEYS), optimizer=ADAM,
                      zero_stage=0, precision="fp32")
-    system = HecateSystem(ctx, rematerialize=False)
+    system = HecateSystem(ctx)   # one layer: resident, the whole budget
     calls = []
     for step, counts in enumerate(sequence):
         system.step(step, counts.astype(np.float64))

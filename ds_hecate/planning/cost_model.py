@@ -3,8 +3,8 @@
 Two views of the same volumes (paper section 4): :class:`CommCostModel` counts bytes on the wire for the two ways of
 bringing a token-expert pair together (move tokens or move the expert); :class:`StepCostModel` turns work into
 seconds (profiled or configured, identical on every rank) and :func:`estimate_layer` gives a placement's layer time
-as the scheduler sees it. :func:`scheduler_costs` and :func:`replica_budget` derive both from the ``hecate`` config;
-the report and the memory plan read them from here, never the reverse.
+as the scheduler sees it. :func:`scheduler_costs` derives it from the ``hecate`` config (the replica budget is
+:mod:`.replica_pool`'s); the report and the memory plan read them from here, never the reverse.
 """
 from __future__ import annotations
 
@@ -132,11 +132,19 @@ def rank_seconds(costs: StepCostModel, ranks_per_node: int, processed, tokens, e
     """Per-rank layer time as the scheduler sees it: expert compute, token all-to-all, and the expert transfers
     the preceding compute does not hide (``early``: prefetched, hidden up to ``overlap_s``; ``late``: gathered
     after the gate, exposed). ``tokens``, ``early`` and ``late`` are (in-intra, out-intra, in-inter, out-inter)
-    count arrays (token rows received and sent; replicas received and sent by their senders), ``[..., world]``."""
+    count arrays (token rows received and sent; replicas received and sent by their senders), ``[..., world]``.
+
+    The exposed transfers are a barrier: every rank waits for the slowest, because a rank enters the dispatch
+    all-to-all only once its gather is complete and the all-to-all completes only when every rank has entered it
+    (the simulator times the phases so, :func:`ds_hecate.sim.machine.layer_time`). Charged only on the rank that
+    receives them, a search piled transfers onto ranks with little token traffic: at 1,024 H100s DeepSeek-V3 W3
+    got slower with more budget (1.69x of EP with 32 GiB against 2.12x with 8 GiB, simulated); charged on every
+    rank, 2.10x with 32 GiB."""
     token_s = link_seconds(costs, ranks_per_node, costs.token_transfer_s, costs.token_transfer_inter_s, *tokens)
     hidden = link_seconds(costs, ranks_per_node, costs.expert_transfer_s, costs.expert_transfer_inter_s, *early)
     exposed = np.maximum(0.0, hidden - costs.overlap_s) + link_seconds(
         costs, ranks_per_node, costs.expert_transfer_s, costs.expert_transfer_inter_s, *late)
+    exposed = np.max(exposed, axis=-1, keepdims=True)   # a barrier: see the docstring
     return processed * costs.compute_s_per_pair + token_s + exposed
 
 
@@ -211,39 +219,6 @@ def imbalance(loads: Sequence[float]) -> float:
     """max/mean of per-rank loads (1.0 when there is no load at all)."""
     mean = sum(loads) / len(loads)
     return max(loads) / mean if mean > 0 else 1.0
-
-
-# -- budgets from the config ---------------------------------------------------------------------------------------
-def resolve_rematerialize(setting: Optional[bool], materialize_budget_mb: float, expert_bytes: Sequence[int],
-                          experts_per_rank: Sequence[int]) -> bool:
-    """``hecate.rematerialize`` for a model whose layers' experts are ``expert_bytes`` each (compute dtype) and whose
-    ranks own up to ``experts_per_rank`` experts of each layer: as set, or (null) true exactly when keeping every
-    layer's replicas resident leaves each layer fewer replica slots per rank than a quarter of the experts a rank
-    owns, while one layer at a time leaves more.
-
-    Why a quarter: a hot rank's load is spread over the experts it owns, so relieving it takes replicas of a good
-    share of them; below a quarter the resident slots cannot take enough of it for the planner to keep them (its
-    ``min_gain``: DeepSeek-V3 at ``ep_size`` 8 gets 1 slot for 32 owned experts and places nothing), and the one
-    more SparseAllGather per replica that re-materialization costs in backward buys slots that do. Simulated at
-    1,024 H100s with the default 8 GiB budget (``ds-hecate simulate --config`` with ``rematerialize`` false against
-    ``hecate-rm``): DeepSeek-V3 at ``ep_size`` 8 (1 slot for 32 experts) W3 1.00x of EP resident, 1.08x
-    re-materialized, W1 1.11x both; at 64 (1 slot for 4) W3 1.46x against 1.44x, W1 1.87x both; at 256 (1 for 1)
-    W3 1.82x against 1.79x; Mixtral-8x7B (no resident slot) 1.00x against 1.46x. One decision
-    for every layer, so the budget's split stays what ``replica_budget`` assumes."""
-    if setting is not None or not expert_bytes:
-        return bool(setting)
-    layers = len(expert_bytes)
-    resident = [replica_budget(materialize_budget_mb, b, layers, False) for b in expert_bytes]
-    one_layer = [replica_budget(materialize_budget_mb, b, layers, True) for b in expert_bytes]
-    return (all(4 * r < k for r, k in zip(resident, experts_per_rank))
-            and any(o > r for o, r in zip(one_layer, resident)))
-
-
-def replica_budget(materialize_budget_mb: float, expert_bytes: int, num_layers: int, rematerialize: bool) -> int:
-    """Replicas one layer may hold per rank: the budget split over the layers resident at once (all layers, or
-    one with re-materialization), in experts of ``expert_bytes`` (compute dtype)."""
-    resident_layers = 1 if rematerialize else max(1, num_layers)
-    return int(materialize_budget_mb * (1 << 20) // (resident_layers * expert_bytes))
 
 
 def scheduler_costs(config: Any, measured: Mapping[str, float], world_size: int, ranks_per_node: int,

@@ -241,6 +241,21 @@ class RelativeBudget:
         return min(self.cap_us, max(self.floor_us, self.share * layer_s * 1e6))
 
 
+def _step_gain(before, after) -> float:
+    """Seconds a search step took off the layer's estimate, ties counted: the drop of the slowest rank's time, or,
+    where several ranks tie at the maximum and the step relieves only some of them (the maximum falls once all are
+    relieved), their share of that fall: the mean drop over the tied ranks, each capped at the level the maximum can
+    fall to (the slowest untied rank). Without the share a plateau of tie-breaking steps counts as no gain and a
+    search that weighs its gains against its cost (``critical_path``) stops on it."""
+    rounded = _round12(before)
+    peak = float(rounded.max())
+    tied = rounded == peak
+    drop = float(before.max() - after.max())
+    floor = float(after[~tied].max()) if (~tied).any() else float(after.min())
+    share = float(np.clip(before[tied] - np.maximum(after[tied], floor), 0.0, None).mean())
+    return max(0.0, drop, share)
+
+
 def _candidate_moves(search: "_Search", best_times, extra, budget_per_rank: int, ranks_per_node: int,
                      candidate_experts: int, candidate_ranks: int):
     """Moves for the experts that load the bottleneck rank most: one replica on one open rank, one on every open
@@ -452,8 +467,8 @@ def _greedy(counts: Sequence[Sequence[float]], owners: Sequence[int], costs: Ste
         search.add_many(pairs)
         for _, d in pairs:
             extra[d] += 1
+        gain_us = _step_gain(best_times, search.times) * 1e6
         best_times = search.times
-        gain_us = max(0.0, best_max - float(best_times.max())) * 1e6
         best_max = float(best_times.max())
         if float(_round12(best_max)) < float(_round12(result_time)) and best_max <= threshold:
             result_time, result_mat = best_max, search.mat.copy()

@@ -18,7 +18,8 @@ from ..comm.collectives import CommCounters, Communicator
 from ..config import HecateConfig, wire_dtype
 from ..logging_utils import logger
 from ..planning import CommCostModel, Placement
-from ..planning.cost_model import StepCostModel, resolve_rematerialize, scheduler_costs
+from ..planning.cost_model import StepCostModel, scheduler_costs
+from ..planning.replica_pool import LayerGrant, ReplicaPool
 from ..planning.dispatch_plan import DispatchPlan
 from .edp import GroupLayout, reduce_gradients, reduce_layer, refresh_weights, whole_masters
 from .layer import LayerBinding, in_backward_pass
@@ -93,6 +94,7 @@ class HecateRuntime:
         self.observers: List[Callable[[LayerBinding, DispatchPlan, np.ndarray], None]] = []
         self.metrics = None   # ds_hecate.deepspeed_glue.monitor.StepMetrics, when the builder installs it
         self.trace = None     # ds_hecate.deepspeed_glue.monitor.TraceRecorder (rank 0, hecate.trace_file)
+        self._pool: Optional[Tuple[tuple, ReplicaPool]] = None   # (its inputs, the pool)
 
     # -- setup --------------------------------------------------------------------------------------------------
     def add_layer(self, name: str, shard: LayerShard, hidden_size: int) -> LayerBinding:
@@ -103,12 +105,26 @@ class HecateRuntime:
         return binding
 
     @property
+    def pool(self) -> ReplicaPool:
+        """Every layer's share of ``materialize_budget_mb`` (:mod:`ds_hecate.planning.replica_pool`), layers in
+        registration order; planned once per set of layers and budget (a function of the config: every rank holds
+        the same)."""
+        key = (len(self.bindings), self.config.materialize_budget_mb, self.config.rematerialize)
+        if self._pool is None or self._pool[0] != key:
+            self._pool = (key, ReplicaPool.plan(self.config.materialize_budget_mb,
+                                                [b.expert_bytes for b in self.bindings],
+                                                [-(-b.shard.num_experts // self.world_size) for b in self.bindings],
+                                                self.config.rematerialize))
+        return self._pool[1]
+
+    @property
     def rematerialize(self) -> bool:
-        """``hecate.rematerialize``, resolved for this model (null: see
-        :func:`ds_hecate.planning.cost_model.resolve_rematerialize`)."""
-        return resolve_rematerialize(self.config.rematerialize, self.config.materialize_budget_mb,
-                                     [b.expert_bytes for b in self.bindings],
-                                     [-(-b.shard.num_experts // self.world_size) for b in self.bindings])
+        """Whether any layer re-materializes (``hecate.rematerialize`` resolved per layer by the pool)."""
+        return self.pool.rematerializes
+
+    def grant(self, binding: LayerBinding) -> LayerGrant:
+        """``binding``'s slots in the pool."""
+        return self.pool.grants[self.bindings.index(binding)]
 
     def take_experts(self, shard: LayerShard, sources: Sequence[int], local: Dict[int, torch.Tensor]) -> None:
         """Give ``shard`` its owned experts at take-over: expert ``e`` comes from global rank ``sources[e]`` (the

@@ -23,7 +23,7 @@ from ..errors import HecateError
 from ..ops.combine import weighted_unpermute
 from ..planning import Placement
 from ..planning.balance import estimated_force_balanced_fraction
-from ..planning.cost_model import imbalance, owner_loads, replica_budget
+from ..planning.cost_model import imbalance, owner_loads
 from ..planning.dispatch_plan import DispatchPlan, rank_tables
 from ..planning.fanout import RelayPlan
 from ..planning.layer_planner import LayerPlanner, PlanInputs, PlannerSettings
@@ -112,10 +112,14 @@ class LayerBinding:
         return self.shard.kernel.numel * torch.empty((), dtype=self.runtime.compute_dtype).element_size()
 
     def replica_budget(self) -> int:
-        """Replicas this layer may hold per rank within ``materialize_budget_mb``."""
-        rt = self.runtime
-        return replica_budget(rt.config.materialize_budget_mb, self.expert_bytes, len(rt.bindings),
-                              rt.rematerialize)
+        """Replicas this layer may hold per rank: its slots in the replica pool (``materialize_budget_mb``)."""
+        return self.runtime.grant(self).replicas
+
+    @property
+    def rematerializes(self) -> bool:
+        """Whether this layer frees its replicas after forward and gathers them again in backward (the pool's
+        decision, or ``hecate.rematerialize`` when set)."""
+        return self.runtime.grant(self).rematerialize
 
     @property
     def predictor(self):
@@ -307,7 +311,7 @@ class LayerBinding:
 
         with self.timed("compute"):
             rows = ExpertRows.of(mine_dispatch, gathered.experts, x.device)
-            if rt.rematerialize:
+            if self.rematerializes:
                 y_recv = RematerializedExperts.apply(recv, rt.autograd_anchor, self, plan, gathered, rows)
             else:
                 recv, buffer = Materialize.apply(recv, rt.autograd_anchor, self, plan, gathered)
@@ -346,6 +350,7 @@ class LayerBinding:
         out = {"name": self.shard.name, "num_experts": self.shard.num_experts, "owners": list(self.shard.owners),
                "owned_experts": self.shard.owned, "forward_calls": self.calls, "prefetch_hits": self.prefetch_hits,
                "extensions": self.extensions, "recomputes": self.recomputes, "replica_budget": self.replica_budget(),
+               "rematerialize": self.rematerializes,
                "schedule_searches": self.schedule.searches, "schedule_reuses": self.schedule.reuses,
                "peak_replica_bytes": self.peak_replica_bytes, **self.counters.as_dict(),
                "cross_node_tokens": self.cross_node_rows,

@@ -39,7 +39,7 @@ from .context import SimContext
 from .model_state import (ADAM, OptimizerStateLayout, dense_state_bytes, ep_expert_state_bytes, owned_expert_state,
                           transient_grad_bytes)
 from .presets import Cluster, ModelShape, resolve_cluster, resolve_model
-from .systems import SYSTEMS, make_system, rematerializes
+from .systems import SYSTEMS, make_system, replica_pool
 from .workloads import WORKLOADS, routing_counts
 
 __all__ = ["ADAM", "SYSTEMS", "SimResult", "SystemResult", "format_table", "simulate"]
@@ -139,7 +139,7 @@ def _explicit_counts(counts: Sequence[Sequence[Any]], model: ModelShape, world: 
 # ---------------------------------------------------------------------------------------------------------------
 # memory
 # ---------------------------------------------------------------------------------------------------------------
-def _memory(system: str, ctx: SimContext, replicas_per_layer: List[np.ndarray], flex_slots: int) -> int:
+def _memory(system: str, ctx: SimContext, replicas_per_layer: List[Tuple[bool, np.ndarray]], flex_slots: int) -> int:
     """Model-state bytes of the largest rank: dense under ZeRO, owned experts (Hecate's shard store, or DeepSpeed's
     ZeRO partitioning over the expert-data-parallel group for the EP family), replicas or reserved slots
     (:mod:`ds_hecate.sim.model_state`)."""
@@ -155,12 +155,15 @@ def _memory(system: str, ctx: SimContext, replicas_per_layer: List[np.ndarray], 
         experts = ep_expert_state_bytes(owned * ctx.numel, ctx.edp_size, ctx.zero_stage, ctx.precision, ctx.optimizer)
     extra = 0.0
     if replicas_per_layer:
-        reps = np.stack(replicas_per_layer)          # [layers, world], max over steps per layer
+        reps = np.stack([r for _, r in replicas_per_layer])          # [layers, world], max over steps per layer
+        rm = np.array([m for m, _ in replicas_per_layer])            # layers that re-materialize
         param, grad = ctx.numel * ctx.compute_b, ctx.numel * ctx.grad_b
-        if system in ("hecate", "hecate-rm") and rematerializes(ctx, system):   # one layer's replicas at a time
-            extra = float((reps.max(axis=0) * (param + grad)).max())
-        elif system == "hecate":
-            extra = float((reps.sum(axis=0) * param + reps.max(axis=0) * grad).max())
+        if system in ("hecate", "hecate-rm"):
+            # every resident layer's replicas at once, one re-materializing layer's while it runs, and one layer's
+            # replica gradients at a time (each layer's go with its SparseReduceScatter)
+            resident = reps[~rm].sum(axis=0) if (~rm).any() else np.zeros(reps.shape[1])
+            transient = reps[rm].max(axis=0) if rm.any() else np.zeros(reps.shape[1])
+            extra = float((resident * param + transient * param + reps.max(axis=0) * grad).max())
         elif system == "fastermoe":
             extra = float((reps.sum(axis=0) * (param + grad)).max())
     if system == "flexmoe":   # reserved slots keep a full optimizer state each
@@ -329,6 +332,22 @@ def _fixed_step_s(ctx: SimContext) -> float:
             + cl.fixed_step_s)
 
 
+def _pool_classes(system: str, ctx: SimContext, classes: List[Tuple[List[int], List[List[int]]]]):
+    """``classes`` split by the replica pool's grant (Hecate systems: identically routed layers plan alike only
+    with the same slots; the rolling share gives layers one of two sizes), as (layers, group classes, grant or
+    None)."""
+    if system not in ("hecate", "hecate-rm"):
+        return [(layers, groups, None) for layers, groups in classes]
+    grants = replica_pool(ctx, system).grants
+    out = []
+    for layers, groups in classes:
+        by_grant: Dict[Any, List[int]] = {}
+        for layer in layers:
+            by_grant.setdefault(grants[layer], []).append(layer)
+        out.extend((members, groups, grant) for grant, members in by_grant.items())
+    return out
+
+
 def _simulate_system(system: str, ctx: SimContext, counts, classes: List[Tuple[List[int], List[List[int]]]],
                      steps: int, warmup: int, fixed: float, notes: List[str]) -> SystemResult:
     """One system through every step, one simulated layer per class of identically routed layers (each with its
@@ -338,9 +357,9 @@ def _simulate_system(system: str, ctx: SimContext, counts, classes: List[Tuple[L
     parts = {k: np.zeros(steps) for k in ("compute", "all_to_all", "exposed_comm", "edp_reduce", "rearrange",
                                           "host_planning")}
     imbalance, reps_sum, reps_n = [], 0.0, 0
-    replicas_by_layer: List[np.ndarray] = []
-    for layers, group_classes in classes:
-        sim = make_system(system, ctx, group_classes)
+    replicas_by_layer: List[Tuple[bool, np.ndarray]] = []
+    for layers, group_classes, grant in _pool_classes(system, ctx, classes):
+        sim = make_system(system, ctx, group_classes, grant)
         if getattr(sim, "note", "") and sim.note not in notes:
             notes.append(sim.note)
         weight = len(layers)
@@ -361,7 +380,7 @@ def _simulate_system(system: str, ctx: SimContext, counts, classes: List[Tuple[L
                 reps_sum += float(lt.replicas.sum()) * weight
                 reps_n += weight
                 peak_reps = np.maximum(peak_reps, lt.replicas)
-        replicas_by_layer.extend([peak_reps] * weight)
+        replicas_by_layer.extend([(grant is not None and grant.rematerialize, peak_reps)] * weight)
     totals += fixed
     measured = totals[warmup:]
     return SystemResult(

@@ -16,12 +16,12 @@ from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ..errors import HecateError
-from ..planning.cost_model import replica_budget, resolve_rematerialize
 from ..planning.dispatch_plan import rank_tables
 from ..planning.layer_planner import LayerPlanner, PlanInputs, PlannerSettings
 from ..planning.placement import POLICIES
 from ..planning.plan import Placement
 from ..planning.predictor import LoadPredictor
+from ..planning.replica_pool import LayerGrant, ReplicaPool
 from ..planning.sharding import even_sharding
 from .context import SimContext
 from .machine import LayerTime, edp_reduction_time, layer_time, migration_time, owner_matrix, placement_matrix
@@ -227,25 +227,24 @@ class _FlexMoE(_EPFamily):
         return self.mats[g], moved
 
 
-def rematerializes(ctx: SimContext, system: str) -> bool:
-    """Whether a Hecate system re-materializes: always for ``hecate-rm``; for ``hecate`` the config's
-    ``rematerialize`` as the runtime resolves it (null: where the resident budget is too small to help, see
-    :func:`ds_hecate.planning.cost_model.resolve_rematerialize`)."""
-    if system == "hecate-rm":
-        return True
-    return system == "hecate" and resolve_rematerialize(ctx.hecate.rematerialize, ctx.hecate.materialize_budget_mb,
-                                                        [ctx.numel * ctx.compute_b] * ctx.model.moe_layers,
-                                                        [ctx.owned_per_rank] * ctx.model.moe_layers)
+def replica_pool(ctx: SimContext, system: str) -> ReplicaPool:
+    """The replica pool a Hecate system's layers share, as the runtime plans it (:mod:`ds_hecate.planning.replica_pool`):
+    ``hecate-rm`` re-materializes every layer; ``hecate`` follows the config's ``rematerialize`` (null: per layer,
+    where the resident share is too small to help)."""
+    layers = ctx.model.moe_layers
+    setting = True if system == "hecate-rm" else ctx.hecate.rematerialize
+    return ReplicaPool.plan(ctx.hecate.materialize_budget_mb, [ctx.numel * ctx.compute_b] * layers,
+                            [ctx.owned_per_rank] * layers, setting)
 
 
 class _GroupPlanner:
     """Hecate in one group (or one class of groups routed identically at every step): the runtime's own
     :class:`LayerPlanner` on a world of the group's ``G`` ranks, with the runtime's budget and cost formulas."""
 
-    def __init__(self, ctx: SimContext, rematerialize: bool) -> None:
+    def __init__(self, ctx: SimContext, grant: LayerGrant) -> None:
         group, h = ctx.ep_size, ctx.hecate
         self.ctx = ctx
-        self.mode = "rm" if rematerialize else "prefetch"
+        self.mode = "rm" if grant.rematerialize else "prefetch"
         self.owners = np.asarray(even_sharding(ctx.model.num_experts, group))
         self.rpn = min(ctx.rpn, group)
         settings = PlannerSettings(policy="hecate", calibration=h.calibration, replan_tolerance=h.replan_tolerance,
@@ -253,8 +252,7 @@ class _GroupPlanner:
                                    search_budget_us=h.search_budget_us,
                                    plan_budget_us=h.plan_budget_us, ranks_per_node=self.rpn)
         self.planner = LayerPlanner(settings, group, ctx.model.num_experts)
-        self.budget = replica_budget(h.materialize_budget_mb, ctx.numel * ctx.compute_b, ctx.model.moe_layers,
-                                     rematerialize)
+        self.budget = grant.replicas
         self.inputs = PlanInputs(tuple(int(o) for o in self.owners), ctx.step_costs(group), self.budget)
         self.timings: Dict[Any, LayerTime] = {}
         self.placements: Dict[Any, Placement] = {}
@@ -297,18 +295,20 @@ class HecateSystem(_System):
     it; this class only times it. The owners' expert gradients (fp32 accumulators, sent in ``reduce_dtype``) and the
     updated weights travel over the expert-data-parallel peers at the accumulation boundary."""
 
-    def __init__(self, ctx: SimContext, rematerialize: bool,
+    def __init__(self, ctx: SimContext, grant: Optional[LayerGrant] = None,
                  group_classes: Optional[Sequence[Sequence[int]]] = None) -> None:
         super().__init__(ctx)
+        grant = grant or replica_pool(ctx, "hecate").grants[0]
+        self.grant = grant
         self.groups = _group_slices(ctx)
         self.classes = [list(c) for c in (group_classes or [range(len(self.groups))])]
-        self.planners = [_GroupPlanner(ctx, rematerialize) for _ in self.classes]
+        self.planners = [_GroupPlanner(ctx, grant) for _ in self.classes]
         owned = ctx.owned_per_rank * ctx.numel
         self.edp_reduce_s = edp_reduction_time(ctx, owned * ctx.edp_grad_b, owned * ctx.compute_b)
         self.note = ""
         if self.planners[0].starved():
             # the budget is a hard cap in the runtime: no layout beyond it
-            self.note = (f"{'hecate-rm' if rematerialize else 'hecate'}: the replica budget "
+            self.note = (f"{'hecate-rm' if grant.rematerialize else 'hecate'}: the replica budget "
                          f"({self.planners[0].budget} per layer per rank) is below what the expert-data-parallel "
                          f"layout needs with {ctx.ep_size} ranks and {ctx.model.num_experts} experts; raise "
                          "--materialize-budget-mb")
@@ -347,9 +347,11 @@ class _Ideal(_System):
         return LayerTime(compute, compute, 0.0, 0.0, 1.0, np.zeros(self.ctx.world)), 0.0
 
 
-def make_system(system: str, ctx: SimContext, group_classes: Optional[Sequence[Sequence[int]]] = None) -> _System:
+def make_system(system: str, ctx: SimContext, group_classes: Optional[Sequence[Sequence[int]]] = None,
+                grant: Optional[LayerGrant] = None) -> _System:
     """The simulated ``system`` for one layer class. ``group_classes``: groups whose counts are equal at every step
-    (each planned once: the planner is deterministic); default every group planned alone."""
+    (each planned once: the planner is deterministic); default every group planned alone. ``grant``: the class's
+    slots in the replica pool (Hecate systems; default the pool's first layer's)."""
     if system == "ep":
         return _EP(ctx)
     if system == "fastermoe":
@@ -359,7 +361,7 @@ def make_system(system: str, ctx: SimContext, group_classes: Optional[Sequence[S
     if system == "flexmoe":
         return _FlexMoE(ctx)
     if system in ("hecate", "hecate-rm"):
-        return HecateSystem(ctx, rematerialize=rematerializes(ctx, system), group_classes=group_classes)
+        return HecateSystem(ctx, grant or replica_pool(ctx, system).grants[0], group_classes=group_classes)
     if system == "ideal":
         return _Ideal(ctx)
     raise HecateError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from ..config import wire_dtype
-from ..planning.cost_model import StepCostModel, replica_budget, resolve_rematerialize, scheduler_costs
+from ..planning.cost_model import StepCostModel, scheduler_costs
+from ..planning.replica_pool import ReplicaPool
 from ..planning.groups import ExpertGroups, resolve_ep_size
 from ..planning.heterogeneous import slots_per_rank
 from ..planning.sharding import even_sharding
@@ -95,7 +96,7 @@ class MemoryPlan:
     expert_grad: List[int]
     expert_optimizer_state: List[int]
     materialize_budget: int
-    replica_budget_per_layer: int
+    replica_pool: ReplicaPool
     replica_bytes_per_expert: int
     overlap_degree: int
     overlap_source: str
@@ -185,10 +186,8 @@ def plan_memory(model: Any, hecate: Any, world_size: int, ranks_per_node: int, z
         expert_optimizer_state=[n * state.expert_optimizer_state for n in owned],
         expert_weights=[n * state.expert_weights for n in owned],
         materialize_budget=int(hecate.materialize_budget_mb * (1 << 20)),
-        replica_budget_per_layer=replica_budget(hecate.materialize_budget_mb, expert_bytes_compute, model.moe_layers,
-                                                resolve_rematerialize(hecate.rematerialize, hecate.materialize_budget_mb,
-                                                                      [expert_bytes_compute] * model.moe_layers,
-                                                                      [most_per_layer] * model.moe_layers)),
+        replica_pool=ReplicaPool.plan(hecate.materialize_budget_mb, [expert_bytes_compute] * model.moe_layers,
+                                      [most_per_layer] * model.moe_layers, hecate.rematerialize),
         replica_bytes_per_expert=expert_bytes_compute,
         overlap_degree=min(costs.overlap_degree, model.num_experts), overlap_source=overlap_source, costs=costs,
         ep_size=group_size, edp_size=groups.edp_size, notes=notes)
@@ -236,8 +235,8 @@ def format_plan(plan: MemoryPlan, model: Any, device_memory_gb: float) -> str:
         f"({plan.expert_optimizer_state[r]:,} B)",
         f"  materialization budget       {_gib(plan.materialize_budget)}",
         f"  total                        {_gib(plan.rank_total(r))}",
-        f"scheduler: memory cap {plan.replica_budget_per_layer} replica(s) per layer per rank "
-        f"({plan.replica_bytes_per_expert / (1 << 20):.1f} MiB each), overlap degree t = {plan.overlap_degree} "
+        f"scheduler: memory cap: {plan.replica_pool.describe()} ({plan.replica_bytes_per_expert / (1 << 20):.1f} MiB each), "
+        f"overlap degree t = {plan.overlap_degree} "
         f"(from {plan.overlap_source}: T_nonMoE {plan.costs.overlap_s * 1e3:.2f} ms, expert transfer "
         f"{plan.costs.slowest_expert_transfer_s * 1e3:.2f} ms)",
     ]

@@ -132,10 +132,24 @@ MUTATIONS: List[Mutation] = [
         "the shard store files an owned expert's master under the wrong expert id"),
     Mutation(
         "budget-ignored", "ds_hecate/runtime/layer.py",
-        (("        return replica_budget(rt.config.materialize_budget_mb, self.expert_bytes, len(rt.bindings),\n"
-          "                              rt.rematerialize)\n",
+        (("        return self.runtime.grant(self).replicas\n",
           "        return 1 << 30  # MUTATION: materialize_budget_mb is ignored\n"),),
         "the runtime's replica budget is huge whatever materialize_budget_mb says"),
+    Mutation(
+        "pool-splits-evenly", "ds_hecate/planning/replica_pool.py",
+        (("            share = left // (resident_left * b)\n",
+          "            share = even_share(budget, b, layers)  # MUTATION: no rolling share, remainders wasted\n"),),
+        "the replica pool splits the budget evenly over the layers: the remainder of every layer's share is never lent"),
+    Mutation(
+        "pool-forgets-what-it-lent", "ds_hecate/planning/replica_pool.py",
+        (("            left -= share * b\n",
+          "            pass  # MUTATION: a resident layer's slots are not taken from the pool\n"),),
+        "the replica pool lends more than the budget: every resident layer rolls over the whole resident part"),
+    Mutation(
+        "exposure-charged-to-the-receiver-only", "ds_hecate/planning/cost_model.py",
+        (("    exposed = np.max(exposed, axis=-1, keepdims=True)   # a barrier: see the docstring\n",
+          "    pass  # MUTATION: each rank waits only for its own exposed transfers\n"),),
+        "the cost model charges a rank's exposed expert transfers to that rank alone, not as the barrier they are"),
     Mutation(
         "budget-ignored-self-report-hidden", "ds_hecate/runtime/layer.py",
         (("        return PlanInputs(self.shard.owners, self.runtime.step_costs(self), self.replica_budget(), self.cost)\n",
@@ -317,6 +331,10 @@ TESTS_FOR: Dict[str, List[str]] = {
     "calibration-extras-not-gathered": [_RANDOM2, _ORACLE2 % "zero2-default-skewed", _EXACT2],
     "shard-store-experts-rotated": [_RANDOM2, _EXACT2],
     "budget-ignored": [_MEMORY, _EXACT2],
+    "pool-splits-evenly": ["tests/test_replica_pool.py", _MEMORY],
+    "pool-forgets-what-it-lent": ["tests/test_replica_pool.py"],
+    "exposure-charged-to-the-receiver-only": [
+        "tests/test_scheduler.py::test_exposed_transfers_are_a_barrier_for_every_rank"],
     # Hecate's own statistics say nothing is wrong (budget as configured, no replica bytes): test_exactness's budget
     # check passes; only the allocator's view catches it.
     "budget-ignored-self-report-hidden": [_MEMORY],
