@@ -563,18 +563,3 @@ def test_critical_path_search_stops_when_its_steps_cost_more_than_they_save():
         for c in (True, False))
     assert stopped <= 1.01 * full, (stopped, full)
 
-
-def test_exposed_transfers_are_a_barrier_for_every_rank():
-    """A rank enters the dispatch all-to-all once its gather is complete, and the all-to-all completes only when
-    every rank has entered it: the estimate charges the slowest rank's exposed transfers to every rank. Three ranks,
-    rank 1 given a copy of rank 0's expert after the gate (exposed, 5 ms): rank 0, which only sends it over its
-    own link (5 ms too), and an idle rank 2 all wait the same 5 ms."""
-    import numpy as np
-    owners = (0, 1, 2)
-    counts = np.zeros((3, 3))
-    counts[:, 0] = 10.0
-    costs = StepCostModel(compute_s_per_pair=1e-6, token_transfer_s=0.0, expert_transfer_s=5e-3)
-    est = estimate_layer(counts, owners, ((0,), (0, 1), (2,)), costs, 3, prefetched=((0,), (1,), (2,)))
-    compute = np.asarray(est.compute_pairs) * 1e-6
-    assert np.allclose(np.asarray(est.rank_time_s) - compute, 5e-3), est.rank_time_s
-    assert est.time_s == pytest.approx(max(compute) + 5e-3)

@@ -139,7 +139,7 @@ def rank_seconds(costs: StepCostModel, ranks_per_node: int, processed, tokens, e
     (the simulator times the phases so, :func:`ds_hecate.sim.machine.layer_time`). Charged only on the rank that
     receives them, a search piled transfers onto ranks with little token traffic: at 1,024 H100s DeepSeek-V3 W3
     got slower with more budget (1.69x of EP with 32 GiB against 2.12x with 8 GiB, simulated); charged on every
-    rank, 2.10x with 32 GiB."""
+    rank, 2.12x with 32 GiB."""
     token_s = link_seconds(costs, ranks_per_node, costs.token_transfer_s, costs.token_transfer_inter_s, *tokens)
     hidden = link_seconds(costs, ranks_per_node, costs.expert_transfer_s, costs.expert_transfer_inter_s, *early)
     exposed = np.maximum(0.0, hidden - costs.overlap_s) + link_seconds(

@@ -267,7 +267,11 @@ def _candidate_moves(search: "_Search", best_times, extra, budget_per_rank: int,
     Why one per node: with the NICs priced apart from NVLink, the replicas that keep an expert's tokens on their
     node cost one NIC transfer per node, while every open rank costs one per rank; a search with only the latter
     took it first for a hot expert owned by one rank and ran into its owner's NICs (simulated a100-4x8 gpt-moe-s
-    W1: 62 replicas, 3.37x of EP, against 26 and 5.7x with this move)."""
+    W1: 62 replicas, 3.37x of EP, against 26 and 5.7x with this move).
+
+    And, where the bottleneck is slow for the rows it sends rather than those it processes (ragged sources), a copy
+    on the bottleneck itself of the experts it sends most rows to: the objective counts the token traffic such a
+    replica keeps home, but no move above would try it."""
     bottleneck = int(np.argmax(best_times))   # first (lowest) rank among the slowest
     load_on_bottleneck = search.proc[:, bottleneck]
     loaded = np.flatnonzero(load_on_bottleneck > 0)
@@ -298,6 +302,12 @@ def _candidate_moves(search: "_Search", best_times, extra, budget_per_rank: int,
             picks = tuple(sorted(int(d) for d in by_time[first][lacking]))
             if picks:
                 moves.add((e, picks))
+    if extra[bottleneck] < budget_per_rank:
+        # keep the bottleneck's tokens home: a copy, on the bottleneck, of the experts it sends most rows to
+        sent = search.cols[1][:, bottleneck]
+        away = np.flatnonzero((sent > 0) & ~search.mat[bottleneck])
+        for e in sorted(away.tolist(), key=lambda e: (-sent[e], e))[:candidate_experts]:
+            moves.add((e, (bottleneck,)))
     return sorted(moves)
 
 

@@ -1,0 +1,345 @@
+"""The planted faults of ``run.py``: each :class:`Mutation` (one known bug as exact text replacements in one source
+file) and :data:`TESTS_FOR`, the tests expected to kill it, cheapest first. The data apart from the mechanics, so
+adding a mutation touches this file only."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Tuple
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    file: str                          # relative to the repository root
+    edits: Tuple[Tuple[str, str], ...]  # (exact old text, new text), each old text must occur exactly once
+    what: str                          # the bug, in words
+    env: Dict[str, str] = field(default_factory=dict)   # extra environment (e.g. a shorter hang watchdog)
+
+
+# A hang is a kill too; dist_utils' watchdog (DS_HECATE_TEST_TIMEOUT, 300 s by default) turns it into a failure.
+SHORT_WATCHDOG = {"DS_HECATE_TEST_TIMEOUT": "120"}
+
+MUTATIONS: List[Mutation] = [
+    Mutation(
+        "srs-skips-last-rank", "ds_hecate/comm/collectives.py",
+        (("        target_rows = [row_of_owned[e] for e in _source_major(recv_lists)]\n",
+          "        last = max(recv_lists, default=None)  # MUTATION: the last source rank's contribution is dropped\n"
+          "        recv_lists = {s: (v if s != last else []) for s, v in recv_lists.items()}\n"
+          "        target_rows = [row_of_owned[e] for e in _source_major(recv_lists)]\n"),
+         ("            self.weights.device_ops.accumulate(add_own(), received, target_rows)\n",
+          "            self.weights.device_ops.accumulate(add_own(), received[:len(target_rows)], target_rows)\n")),
+        "SparseReduceScatter sums every source's replica gradient onto the owner except the last rank's"),
+    Mutation(
+        "latest-before-experts", "ds_hecate/deepspeed_glue/engine.py",
+        (("        checkpoint.save(self.hecate, os.path.join(save_dir, tag))\n",
+          "        if self.global_rank == 0:  # MUTATION: 'latest' names the new tag before any expert file exists\n"
+          "            os.makedirs(save_dir, exist_ok=True)\n"
+          "            with open(os.path.join(save_dir, \"latest\"), \"w\", encoding=\"utf-8\") as f:\n"
+          "                f.write(tag)\n"
+          "        checkpoint.save(self.hecate, os.path.join(save_dir, tag))\n"),),
+        "`latest` is written before the expert files (a crash in between leaves `latest` naming a checkpoint "
+        "without experts); the ordering lives in engine.py (HecateEngine.save_checkpoint), not checkpoint.py"),
+    Mutation(
+        "replica-gradient-dropped", "ds_hecate/runtime/expert_compute.py",
+        (("        ctx.binding.reduce_scatter(ctx.plan, ctx.experts, grad_buffer)\n",
+          "        replicas = [i for i, e in enumerate(ctx.experts) if ctx.plan.owners[e] != ctx.binding.runtime.rank]\n"
+          "        if replicas:  # MUTATION: the first replica's gradient never reaches its owner\n"
+          "            grad_buffer = grad_buffer.clone()\n"
+          "            grad_buffer[replicas[0]] = 0\n"
+          "        ctx.binding.reduce_scatter(ctx.plan, ctx.experts, grad_buffer)\n"),),
+        "a replica's weight gradient is replaced by zeros before SparseReduceScatter"),
+    Mutation(
+        "token-to-rank-without-expert", "ds_hecate/planning/dispatch_plan.py",
+        (("    send_splits = np.bincount(tables.send_dst, weights=sent, minlength=world).astype(np.int64)\n",
+          "    send_splits = np.bincount(tables.send_dst, weights=sent, minlength=world).astype(np.int64)\n"
+          "    away = [d for d in range(world) if d != tables.rank and send_splits[d] > 0]\n"
+          "    if away:  # MUTATION: one token bound for a holder goes to the next rank (2 ranks: the sender, which\n"
+          "        send_splits[away[0]] -= 1  # lacks the expert), and no receiver expects it\n"
+          "        send_splits[(away[0] + 1) % world] += 1\n"),),
+        "one token-expert pair is sent to a rank that does not hold its expert"),
+    Mutation(
+        "fp16-one-expert-not-unscaled", "ds_hecate/runtime/hecate.py",
+        (("            if self.optimizer is not None:\n"
+          "                self.optimizer.step(1.0 / (dp_world_size * combined), hyperparameters)\n",
+          "            if self.optimizer is not None:\n"
+          "                first = next((p for p in self.store.parameters() if p.grad is not None), None)\n"
+          "                if first is not None:  # MUTATION: this expert keeps the loss scale (a no-op in fp32)\n"
+          "                    first.grad.mul_(float(loss_scale))\n"
+          "                self.optimizer.step(1.0 / (dp_world_size * combined), hyperparameters)\n"),),
+        "fp16: the first owned expert's gradient is not unscaled by the loss scale"),
+    Mutation(
+        "reshard-drops-adam-moments", "ds_hecate/runtime/resharding.py",
+        (("    for key in vectors:\n"
+          "        state[key] = chunk[offset:offset + numel].clone()\n",
+          "    for key in vectors:  # MUTATION: moved experts arrive with zeroed Adam moments (step count kept)\n"
+          "        state[key] = torch.zeros_like(chunk[offset:offset + numel])\n"),),
+        "re-sharding moves master weights but not Adam's exp_avg / exp_avg_sq"),
+    Mutation(
+        "empty-rank-skips-layer", "ds_hecate/runtime/layer.py",
+        (("        num_tokens = x.shape[0]\n"
+          "        self.top_k = indices.shape[0]\n",
+          "        num_tokens = x.shape[0]\n"
+          "        if num_tokens == 0:  # MUTATION: a rank without tokens returns before the layer's collectives\n"
+          "            return x.new_zeros(indices.numel(), x.shape[-1])\n"
+          "        self.top_k = indices.shape[0]\n"),),
+        "a rank with no tokens skips the count exchange, gathers and all-to-alls (the others wait: a hang)",
+        env=SHORT_WATCHDOG),
+    Mutation(
+        "calibration-extras-not-gathered", "ds_hecate/runtime/layer.py",
+        (("                gathered = self.gather_extras(extra, gathered)\n",
+          "                pass  # MUTATION: calibration's extra replicas are planned but never gathered\n"),),
+        "after the gate, calibration adds replicas to the plan but their SparseAllGather is never issued",
+        env=SHORT_WATCHDOG),
+    Mutation(
+        "shard-store-experts-rotated", "ds_hecate/runtime/shard_store.py",
+        (("        whole = {e: flats[e].to(torch.float32).contiguous() for e in expected}\n",
+          "        # MUTATION: each owned expert id holds the next owned expert's weights\n"
+          "        whole = {e: flats[expected[(i + 1) % len(expected)]].to(torch.float32).contiguous()\n"
+          "                 for i, e in enumerate(expected)}\n"),),
+        "the shard store files an owned expert's master under the wrong expert id"),
+    Mutation(
+        "budget-ignored", "ds_hecate/runtime/layer.py",
+        (("        return self.runtime.grant(self).replicas\n",
+          "        return 1 << 30  # MUTATION: materialize_budget_mb is ignored\n"),),
+        "the runtime's replica budget is huge whatever materialize_budget_mb says"),
+    Mutation(
+        "pool-splits-evenly", "ds_hecate/planning/replica_pool.py",
+        (("            share = left // (resident_left * b)\n",
+          "            share = even_share(budget, b, layers)  # MUTATION: no rolling share, remainders wasted\n"),),
+        "the replica pool splits the budget evenly over the layers: the remainder of every layer's share is never lent"),
+    Mutation(
+        "pool-forgets-what-it-lent", "ds_hecate/planning/replica_pool.py",
+        (("            left -= share * b\n",
+          "            pass  # MUTATION: a resident layer's slots are not taken from the pool\n"),),
+        "the replica pool lends more than the budget: every resident layer rolls over the whole resident part"),
+    Mutation(
+        "exposure-charged-to-the-receiver-only", "ds_hecate/planning/cost_model.py",
+        (("    exposed = np.max(exposed, axis=-1, keepdims=True)   # a barrier: see the docstring\n",
+          "    pass  # MUTATION: each rank waits only for its own exposed transfers\n"),),
+        "the cost model charges a rank's exposed expert transfers to that rank alone, not as the barrier they are"),
+    Mutation(
+        "search-never-keeps-tokens-home", "ds_hecate/planning/scheduler.py",
+        (("    if extra[bottleneck] < budget_per_rank:\n",
+          "    if False:  # MUTATION: no copy on a sending bottleneck\n"),),
+        "the search never tries a copy on the bottleneck of the experts it sends most rows to"),
+    Mutation(
+        "budget-ignored-self-report-hidden", "ds_hecate/runtime/layer.py",
+        (("        return PlanInputs(self.shard.owners, self.runtime.step_costs(self), self.replica_budget(), self.cost)\n",
+          "        return PlanInputs(self.shard.owners, self.runtime.step_costs(self), 1 << 30, self.cost)  # MUTATION\n"),
+         ("                alive.append((ref, replica_bytes))\n"
+          "        self._live_buffers = alive\n"
+          "        return total\n",
+          "                alive.append((ref, replica_bytes))\n"
+          "        self._live_buffers = alive\n"
+          "        return 0  # MUTATION: Hecate's own replica-bytes figure sees nothing\n")),
+        "the planner ignores the budget while the statistics still report the configured budget and no replica "
+        "bytes: only a measurement from outside Hecate can see it"),
+    Mutation(
+        "planning-charged-in-wall-time", "ds_hecate/sim/systems.py",
+        (("        started = time.thread_time()   # CPU time of this thread: not what other processes on the machine take\n"
+          "        placement = self.planner.prefetch_placement(self.inputs)\n"
+          "        search_s = time.thread_time() - started\n",
+          "        started = time.perf_counter()   # MUTATION: wall time, which other processes stretch\n"
+          "        placement = self.planner.prefetch_placement(self.inputs)\n"
+          "        search_s = time.perf_counter() - started\n"),
+         ("        started = time.thread_time()\n"
+          "        after = self.planner.plan_call(counts.astype(np.int64), self.inputs, prefetched, 0)\n"
+          "        critical_s = time.thread_time() - started\n",
+          "        started = time.perf_counter()  # MUTATION\n"
+          "        after = self.planner.plan_call(counts.astype(np.int64), self.inputs, prefetched, 0)\n"
+          "        critical_s = time.perf_counter() - started\n")),
+        "the simulator charges host planning in wall time, so its tables move with the machine's load (issue 26)"),
+    Mutation(
+        "calibration-extension-copies", "ds_hecate/comm/buffers.py",
+        (("        return GatheredExperts(self.experts + extra.experts, self.block[:rows], self.owned, self.block)\n",
+          "        copy = materialized_buffer(rows, self.buffer.shape[1], self.buffer.dtype, self.buffer.device)\n"
+          "        copy.copy_(self.block[:rows])  # MUTATION: the extended buffer is a copy (the code before 2026-12-01)\n"
+          "        return GatheredExperts(self.experts + extra.experts, copy, self.owned)\n"),),
+        "extending the prefetched placement after the gate copies the prefetched rows and the extras into a new "
+        "buffer, so both live at once (up to twice the budget; CI saw it on 2026-12-01)"),
+    Mutation(
+        "rematerialize-replicas-outlive-layer", "ds_hecate/runtime/layer.py",
+        (("            del gathered, pending, extra\n",
+          "            del gathered  # MUTATION: the gathers stay referenced until the layer call returns\n"),),
+        "with re-materialization, a layer's replicas are still alive when the next layer's prefetch allocates its "
+        "own (two layers resident, the budget holds one; the bug fixed on 2026-11-30)"),
+    Mutation(
+        "node-discovery-ignores-local-size", "ds_hecate/deepspeed_glue/initialize.py",
+        (("    for key in (\"LOCAL_SIZE\", \"LOCAL_WORLD_SIZE\", \"OMPI_COMM_WORLD_LOCAL_SIZE\", \"MPI_LOCALNRANKS\"):\n",
+          "    for key in (\"LOCAL_WORLD_SIZE\", \"OMPI_COMM_WORLD_LOCAL_SIZE\", \"MPI_LOCALNRANKS\"):  # MUTATION\n"),),
+        "the deepspeed launcher's LOCAL_SIZE is not read: every rank believes it is alone on its node or on one node"),
+    Mutation(
+        "load-drops-optimizer-state", "ds_hecate/deepspeed_glue/checkpoint.py",
+        (("                         for k, v in blob[\"state\"].items()} if load_optimizer_states else {}\n",
+          "                         for k, v in blob[\"state\"].items()} if False else {}  # MUTATION: state not loaded\n"),),
+        "loading a checkpoint restores the experts' master weights but restarts their optimizer state"),
+    Mutation(
+        "stage0-clip-norm-omits-experts", "ds_hecate/deepspeed_glue/engine.py",
+        (("        total = torch.sqrt(dense_sq + expert.pow(2))\n",
+          "        total = torch.sqrt(dense_sq)  # MUTATION: the experts' gradients are left out of the clip norm\n"),),
+        "ZeRO stage 0 (fp32) clips by the dense gradients' norm alone, not the joint norm data parallelism uses"),
+    Mutation(
+        "fp16-masters-not-rounded", "ds_hecate/runtime/shard_store.py",
+        (("    return flat.to(compute_dtype).to(torch.float32)\n",
+          "    return flat.to(torch.float32)  # MUTATION: masters keep what DeepSpeed's lose in the fp16/bf16 cast\n"),),
+        "fp16/bf16: the experts' fp32 masters start from the unrounded weights, DeepSpeed's from the rounded model"),
+    Mutation(
+        "edp-reduction-skipped", "ds_hecate/runtime/edp.py",
+        (("    if layout.edp is None or not shard.owned:   # the same on every peer: peers own the same experts\n",
+          "    if True:  # MUTATION: the groups never sum their gradients\n"),),
+        "with groups, each group steps its experts from its own group's gradients: the expert-data-parallel "
+        "reduction across the groups is skipped"),
+    Mutation(
+        "edp-reduction-deferred-to-the-step", "ds_hecate/runtime/hecate.py",
+        (("        eager = self.at_boundary and self.layout.partitioned\n",
+          "        eager = False  # MUTATION: whole gradient rows kept until the step\n"),),
+        "partitioned expert state: the expert-data-parallel reduction waits for the accumulation boundary, so every "
+        "layer's whole fp32 gradient rows stay alive through the backward"),
+    Mutation(
+        "objective-ignores-links", "ds_hecate/planning/scheduler.py",
+        (("        self.costs = costs\n", "        self.costs = costs.single_link()  # MUTATION: one link for all\n"),),
+        "the search prices every token row and expert at the slowest link, as before issue 26: a copy that keeps "
+        "tokens on their node is worth no more than one beside the owner"),
+    Mutation(
+        "relay-skips-a-hop", "ds_hecate/comm/relay.py",
+        (("        _add_rows(comm, partial[:, lo:hi], received, passed, [partial_row[arrived[i]] for i in passed])\n",
+          "        pass  # MUTATION: a relay passes up its own gradient without its children's\n"),),
+        "tree fan-out: a relay forwards its own copy's gradient to its parent without adding the partial sums its "
+        "children sent it (one hop of the reduction tree skipped)"),
+    Mutation(
+        "exit-guard-skips-the-grace", "ds_hecate/comm/exit_guard.py",
+        (("        time.sleep(GLOO_WORKER_GRACE_S)\n",
+          "        pass  # MUTATION: no grace for gloo's worker threads\n"),),
+        "exit guard: gloo's worker threads never get the GIL before finalization, so a work they release at exit "
+        "aborts the process (the Trainer's exit abort)"),
+    Mutation(
+        "relay-gather-stops-after-the-first-stage", "ds_hecate/comm/relay.py",
+        (("        _pipelined(comm, relay, numel, dtype, \"SparseAllGather\", counters, \"allgather_bytes\", sends=sends,\n",
+          "        return gathered  # MUTATION: the relays never forward\n"
+          "        _pipelined(comm, relay, numel, dtype, \"SparseAllGather\", counters, \"allgather_bytes\", sends=sends,\n"),),
+        "tree fan-out: SparseAllGather runs only the owners' stage; ranks further down the trees keep unwritten rows"),
+    Mutation(
+        "relay-pipeline-forwards-before-arrival", "ds_hecate/planning/fanout.py",
+        (("        return [[(s, t - (s - 1)) for s in range(1, depth) if 0 <= t - (s - 1) < chunks]\n",
+          "        return [[(s, t - (s - 1) + (s > 1)) for s in range(1, depth) if 0 <= t - (s - 1) + (s > 1) < chunks]"
+          "  # MUTATION\n"),),
+        "pipelined relays: a level forwards a chunk in the same exchange that delivers it to the relay (before it "
+        "arrived), so ranks further down the trees receive unwritten rows"),
+    Mutation(
+        "scheduler-charges-the-flat-fan-out", "ds_hecate/planning/cost_model.py",
+        (("    early, deeper, _ = replica_transfers(early_mask, owners, ranks_per_node, *relays)\n",
+          "    early, deeper, _ = replica_transfers(early_mask, owners, ranks_per_node, 0)  # MUTATION: no relay trees\n"),),
+        "the scheduler's estimate charges every copy to its owner although the collectives relay it"),
+    Mutation(
+        "relay-deeper-levels-charged-hidden", "ds_hecate/planning/cost_model.py",
+        (("    late = tuple(a + b + c for a, b, c in zip(deeper, late_first, late_deeper))\n",
+          "    early = tuple(a + b for a, b in zip(early, deeper))  # MUTATION: the deeper levels hide too\n"
+          "    late = tuple(b + c for a, b, c in zip(deeper, late_first, late_deeper))\n"),),
+        "the scheduler's estimate hides a relayed collective's deeper levels behind compute, although the runtime "
+        "runs them when the collective is waited for"),
+    Mutation(
+        "search-keeps-the-priced-pass", "ds_hecate/planning/scheduler.py",
+        (("    if flow == priced:\n        return priced\n",
+          "    if True:  # MUTATION: the flow-priced pass is never taken\n        return priced\n"),),
+        "the fresh search stops at the relay barrier: the second pass (trees priced as one flow) is ignored"),
+    Mutation(
+        "critical-search-ignores-its-cost", "ds_hecate/planning/scheduler.py",
+        (("                     pay_window=PAY_WINDOW if critical_path else 0, **search)\n",
+          "                     pay_window=0, **search)  # MUTATION: calibration searches on whatever its steps cost\n"),),
+        "calibration after the gate keeps searching while its steps cost every rank more host time than they save"),
+    Mutation(
+        "quota-replicas-off-their-node", "ds_hecate/planning/scheduler.py",
+        (("        order = np.lexsort((np.arange(search.world), rounded, node != node[r]))",
+          "        order = np.lexsort((np.arange(search.world), rounded))  # MUTATION: least loaded anywhere\n"
+          "        order = order"),),
+        "the scheduler's quota move puts each tied bottleneck's replica on the least-loaded rank anywhere, not on "
+        "its own node first"),
+    Mutation(
+        "edp-state-gathered-out-of-order", "ds_hecate/runtime/edp.py",
+        (("    whole = gathered.permute(1, 2, 0, 3)",
+          "    whole = gathered.flip(0).permute(1, 2, 0, 3)  # MUTATION: the peers' slices joined in reverse\n"
+          "    whole = whole"),),
+        "a checkpoint (and consolidation) joins the expert-data-parallel peers' slices of master and optimizer "
+        "state in the wrong order"),
+    Mutation(
+        "weight-traffic-on-token-communicator", "ds_hecate/comm/gpu/backend.py",
+        (("    weights = TorchTransport(weight_group, rank, world_size, device) if weight_group is not None else None\n",
+          "    weights = None  # MUTATION: SparseAllGather/SparseReduceScatter share the token all-to-all's communicator\n"),),
+        "weight traffic on the token traffic's communicator: backward's token all-to-all queues behind "
+        "SparseReduceScatter"),
+    Mutation(
+        "layer-call-reads-the-device", "ds_hecate/runtime/layer.py",
+        (("            routed = int(counts[rank].sum())   # this rank's routed slots, known on the host\n",
+          "            routed = int((flat >= 0).sum())  # MUTATION: read back from the device (a second sync)\n"),),
+        "the layer call reads a device tensor on the host besides the count exchange (a CUDA synchronisation)"),
+    Mutation(
+        "grouped-rows-in-plan-order", "ds_hecate/runtime/expert_compute.py",
+        (("        held = [mine[e] for e in experts if e in mine]\n",
+          "        held = sorted(mine[e] for e in experts if e in mine)  # MUTATION: rows grouped in plan order\n"),),
+        "the token rows are grouped in the plan's expert order, not the gathered buffer's row order (owned first, "
+        "then replicas by owner): replicas meet the wrong expert's weights"),
+]
+
+_EXACT2 = "tests/test_exactness.py::test_trajectories_match_data_parallel[2rank]"
+_RANDOM2 = "tests/test_adversarial.py::test_random_routing_200_seeds[2]"
+_MEMORY = "tests/test_memory_budget.py::test_replica_memory_within_budget_measured_by_the_cpu_allocator"
+_ORACLE2 = "tests/test_oracle.py::test_follows_deepspeed_step_by_step[2-%s]"   # the module runs every 2-rank case
+
+#: mutation -> pytest node ids expected to kill it, cheapest first (``-x`` stops at the first failure). The one
+#: place to update when tests are added (tests/test_oracle.py, tests/test_resume.py, the adversarial campaign).
+TESTS_FOR: Dict[str, List[str]] = {
+    "srs-skips-last-rank": [_RANDOM2, _ORACLE2 % "zero2", _EXACT2],
+    "latest-before-experts": [
+        "tests/test_faults.py::test_a_save_killed_midway_leaves_latest_on_the_last_complete_checkpoint"],
+    "replica-gradient-dropped": [_RANDOM2, _ORACLE2 % "zero2-default-skewed", _EXACT2],
+    "token-to-rank-without-expert": ["tests/test_dispatch_plan.py::test_dispatch_plan_matches_explicit_routes",
+                                     _RANDOM2],
+    # SGD is not scale-invariant: a gradient left loss-scaled shows at once (Adam would all but hide it).
+    "fp16-one-expert-not-unscaled": [_ORACLE2 % "fp16-sgd-clip", _ORACLE2 % "fp16-zero0-sgd-clip",
+                                     "tests/test_fp16_stage0.py::test_fp16_stage0_follows_data_parallel", _EXACT2],
+    "reshard-drops-adam-moments": [
+        "tests/test_resume.py::test_resharding_carries_the_optimizer_state_into_the_checkpoint", _EXACT2],
+    "empty-rank-skips-layer": [_RANDOM2, "tests/test_adversarial.py::test_forced_routing_matches_data_parallel[2]"],
+    "calibration-extras-not-gathered": [_RANDOM2, _ORACLE2 % "zero2-default-skewed", _EXACT2],
+    "shard-store-experts-rotated": [_RANDOM2, _EXACT2],
+    "budget-ignored": [_MEMORY, _EXACT2],
+    "pool-splits-evenly": ["tests/test_replica_pool.py", _MEMORY],
+    "pool-forgets-what-it-lent": ["tests/test_replica_pool.py"],
+    "search-never-keeps-tokens-home": ["tests/test_objective.py::test_search_keeps_a_senders_tokens_home"],
+    "exposure-charged-to-the-receiver-only": [
+        "tests/test_objective.py::test_exposed_transfers_are_a_barrier_for_every_rank"],
+    # Hecate's own statistics say nothing is wrong (budget as configured, no replica bytes): test_exactness's budget
+    # check passes; only the allocator's view catches it.
+    "budget-ignored-self-report-hidden": [_MEMORY],
+    "rematerialize-replicas-outlive-layer": [_MEMORY],
+    "calibration-extension-copies": [_MEMORY],
+    "planning-charged-in-wall-time": ["tests/test_sim.py::test_planning_charge_does_not_move_with_the_machines_load"],
+    "node-discovery-ignores-local-size": ["tests/test_initialize.py::test_ranks_per_node_from_the_launcher_environment"],
+    # also killed by tests/test_hf.py::test_trainer_resume_from_checkpoint_is_exact (the Trainer loads the same way)
+    "load-drops-optimizer-state": ["tests/test_universal.py::test_every_expert_arrives_with_its_optimizer_state",
+                                   "tests/test_resume.py::test_resume_equals_the_uninterrupted_run"],
+    "stage0-clip-norm-omits-experts": [_ORACLE2 % "zero0-clip-default"],
+    "fp16-masters-not-rounded": ["tests/test_cifar_moe.py::test_tutorial_config_trains_and_tests_like_data_parallel"],
+    "edp-reduction-skipped": ["tests/test_oracle_groups.py::test_follows_deepspeed_expert_parallelism_step_by_step"],
+    "edp-reduction-deferred-to-the-step": [
+        "tests/test_group_containment.py::test_layer_calls_stay_in_the_group_and_edp_work_between_peers"],
+    "objective-ignores-links": ["tests/test_links.py::test_search_keeps_a_hot_experts_tokens_on_their_node"],
+    "exit-guard-skips-the-grace": ["tests/test_exit_guard.py::test_the_guard_lets_the_ranks_exit_cleanly"],
+    "relay-skips-a-hop": ["tests/test_fanout.py::test_relayed_collectives_deliver_and_sum_every_copy"],
+    "relay-gather-stops-after-the-first-stage": [
+        "tests/test_fanout.py::test_relayed_collectives_deliver_and_sum_every_copy"],
+    "relay-pipeline-forwards-before-arrival": [
+        "tests/test_fanout.py::test_pipelined_relay_is_bit_equal_to_level_by_level_and_takes_fewer_rounds"],
+    "relay-deeper-levels-charged-hidden": ["tests/test_fanout.py::test_scheduler_exposes_the_deeper_levels"],
+    "search-keeps-the-priced-pass": ["tests/test_fanout.py::test_fresh_search_passes_the_relay_barrier"],
+    "critical-search-ignores-its-cost": [
+        "tests/test_scheduler.py::test_critical_path_search_stops_when_its_steps_cost_more_than_they_save"],
+    "scheduler-charges-the-flat-fan-out": [
+        "tests/test_fanout.py::test_scheduler_charges_the_tree_not_the_flat_fan_out"],
+    "quota-replicas-off-their-node": ["tests/test_quota_move.py::test_quota_places_on_the_bottleneck_node_first"],
+    "edp-state-gathered-out-of-order": ["tests/test_checkpoint_groups.py"],
+    "weight-traffic-on-token-communicator": [
+        "tests/test_weight_traffic.py::test_token_gradient_all_to_all_completes_before_a_delayed_reduce_scatter"],
+    "layer-call-reads-the-device": ["tests/test_host_syncs.py::test_one_host_read_per_layer_call_and_none_in_backward"],
+    "grouped-rows-in-plan-order": [_RANDOM2, _ORACLE2 % "zero2-default-skewed", _EXACT2],
+}
