@@ -90,12 +90,15 @@ class ReplicaPool:
             modes = [rematerializes_by_default(budget, b, layers, k) for b, k in zip(expert_bytes, owned_per_rank)]
         else:
             modes = [bool(rematerialize)] * layers
-        reserve = budget * sum(modes) // max(1, layers)
-        while rematerialize is None and any(rm and reserve // b <= even_share(budget, b, layers)
-                                            for b, rm in zip(expert_bytes, modes)):
-            # a layer the reserve (shared by fewer layers than all) gives no more than residency: resident
-            modes = [rm and reserve // b > even_share(budget, b, layers) for b, rm in zip(expert_bytes, modes)]
+        while True:
             reserve = budget * sum(modes) // max(1, layers)
+            # by default, a layer the reserve (shared by fewer layers than all) gives no more than residency stays
+            # resident; that shrinks the reserve, so repeat until no layer changes
+            kept = [rm and (rematerialize is not None or reserve // b > even_share(budget, b, layers))
+                    for b, rm in zip(expert_bytes, modes)]
+            if kept == modes:
+                break
+            modes = kept
         rematerializing = sum(modes)
         left, resident_left = budget - reserve, layers - rematerializing
         grants = []

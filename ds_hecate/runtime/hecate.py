@@ -124,7 +124,7 @@ class HecateRuntime:
 
     def grant(self, binding: LayerBinding) -> LayerGrant:
         """``binding``'s slots in the pool."""
-        return self.pool.grants[self.bindings.index(binding)]
+        return self.pool.grants[binding.index]
 
     def take_experts(self, shard: LayerShard, sources: Sequence[int], local: Dict[int, torch.Tensor]) -> None:
         """Give ``shard`` its owned experts at take-over: expert ``e`` comes from global rank ``sources[e]`` (the
@@ -150,7 +150,7 @@ class HecateRuntime:
     def note_layer_call(self, binding: LayerBinding, recompute: bool) -> None:
         if recompute or self._order_fixed:
             return
-        index = self.bindings.index(binding)
+        index = binding.index
         if index in self.call_order:
             self._order_fixed = True  # a layer called twice: the order of one pass is known
         else:
@@ -169,7 +169,7 @@ class HecateRuntime:
                 self.bindings[self.call_order[0]].start_prefetch()
 
     def prefetch_after(self, binding: LayerBinding) -> None:
-        index = self.bindings.index(binding)
+        index = binding.index
         if index in self.call_order:
             pos = self.call_order.index(index)
             if pos + 1 < len(self.call_order):

@@ -77,6 +77,7 @@ class LayerBinding:
 
     def __init__(self, runtime: "HecateRuntime", shard: LayerShard, hidden_size: int) -> None:
         self.runtime = runtime
+        self.index = len(runtime.bindings)   # registration order: this layer's place in the pool and call order
         self.shard = shard
         self.hidden_size = hidden_size
         self.cost = runtime.comm_cost_model(shard, hidden_size)

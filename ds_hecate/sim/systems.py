@@ -228,8 +228,8 @@ class _FlexMoE(_EPFamily):
 
 
 def replica_pool(ctx: SimContext, system: str) -> ReplicaPool:
-    """The replica pool a Hecate system's layers share, as the runtime plans it (:mod:`ds_hecate.planning.replica_pool`):
-    ``hecate-rm`` re-materializes every layer; ``hecate`` follows the config's ``rematerialize`` (null: per layer,
+    """The replica pool a Hecate system's layers share, as the runtime plans it
+    (:mod:`ds_hecate.planning.replica_pool`): ``hecate-rm`` re-materializes every layer; ``hecate`` follows the config's ``rematerialize`` (null: per layer,
     where the resident share is too small to help)."""
     layers = ctx.model.moe_layers
     setting = True if system == "hecate-rm" else ctx.hecate.rematerialize

@@ -235,7 +235,8 @@ def format_plan(plan: MemoryPlan, model: Any, device_memory_gb: float) -> str:
         f"({plan.expert_optimizer_state[r]:,} B)",
         f"  materialization budget       {_gib(plan.materialize_budget)}",
         f"  total                        {_gib(plan.rank_total(r))}",
-        f"scheduler: memory cap: {plan.replica_pool.describe()} ({plan.replica_bytes_per_expert / (1 << 20):.1f} MiB each), "
+        f"scheduler: memory cap: {plan.replica_pool.describe()} "
+        f"({plan.replica_bytes_per_expert / (1 << 20):.1f} MiB each), "
         f"overlap degree t = {plan.overlap_degree} "
         f"(from {plan.overlap_source}: T_nonMoE {plan.costs.overlap_s * 1e3:.2f} ms, expert transfer "
         f"{plan.costs.slowest_expert_transfer_s * 1e3:.2f} ms)",
