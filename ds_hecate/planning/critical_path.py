@@ -29,13 +29,15 @@ AUTO_PLAN_BUDGET = RelativeBudget(AUTO_BUDGET_SHARE, AUTO_BUDGET_FLOOR_US, AUTO_
 
 @dataclass(frozen=True)
 class AfterGate:
-    """The plan of one call, this rank's part of it, the replicas calibration added (None: none), and whether
-    calibration searched at all (it may search and keep the prefetched placement)."""
+    """The plan of one call, this rank's part of it, the replicas calibration added (None: none), whether
+    calibration searched at all (it may search and keep the prefetched placement), and whether it took the
+    remembered calibration instead of searching."""
 
     plan: DispatchPlan
     mine: RankDispatch
     extras: Optional[Placement]
     searched: bool = False
+    remembered: bool = False
 
 
 def calibration_extras(calibrated: Placement, prefetched: np.ndarray) -> Placement:
@@ -48,26 +50,39 @@ def calibration_extras(calibrated: Placement, prefetched: np.ndarray) -> Placeme
 
 def plan_after_gate(counts: np.ndarray, prefetched: Placement, prediction: Optional[np.ndarray],
                     schedule: ScheduleReuse, costs: StepCostModel, replica_budget: int, ranks_per_node: int,
-                    rank: int, calibration: bool, budget_us: Optional[float]) -> AfterGate:
+                    rank: int, calibration: bool, budget_us: Optional[float],
+                    speculative: bool = True) -> AfterGate:
     """Plan one call from the exchanged ``counts`` (``[ranks, experts]`` int64) and the prefetched placement.
 
     Calibration re-plans only when the prediction missed and the step would run imbalanced
     (:meth:`ScheduleReuse.after_gate`); it extends the prefetched placement within ``budget_us`` (None: the
-    automatic budget, :data:`AUTO_PLAN_BUDGET`). Where the budget cannot pay the search's setup and a first step
+    automatic budget, :data:`AUTO_PLAN_BUDGET`), or, while the counts stay where the last calibration placed for,
+    takes that placement joined with the prefetched one without a search (:meth:`ScheduleReuse.calibrated_fit`).
+    ``speculative``: the prefetched placement holds replicas for a prediction (False: only the owners and the
+    start layout); calibration is remembered only from a non-speculative start, since what it places is then
+    what the counts alone ask for, not a prediction's leftovers (remembered, those would be prefetched again and
+    pile up over the moves of a rotating hot spot: simulated W6, 131 replicas a layer instead of 77). Where the budget cannot pay the search's setup and a first step
     (large worlds), calibration is off, as with ``calibration: false``: no scoring, no estimate on the critical path.
     """
     placement, extras = prefetched, None
     affordable = SEARCH_WORK.first_step_us(*counts.shape) <= (AUTO_BUDGET_CAP_US if budget_us is None else budget_us)
-    searched = (calibration and affordable
-                and schedule.after_gate(prediction, counts, prefetched.holders, ranks_per_node))
-    if searched:
+    calibrating = (calibration and affordable
+                   and schedule.after_gate(prediction, counts, prefetched.holders, ranks_per_node, speculative))
+    known = None
+    if calibrating:
         holders = prefetched.holders
-        calibrated = schedule_materialization(counts, prefetched.owners, costs, replica_budget, ranks_per_node,
-                                              start=holders, prefetched=holders,
-                                              budget_us=AUTO_PLAN_BUDGET if budget_us is None else budget_us,
-                                              critical_path=True)
+        known = schedule.calibrated_fit(counts, prefetched.owners, holders, replica_budget)
+        if known is not None:   # routing that stayed where the last calibration placed for: no search
+            calibrated = tuple(tuple(int(e) for e in np.flatnonzero(row)) for row in known)
+        else:
+            calibrated = schedule_materialization(counts, prefetched.owners, costs, replica_budget, ranks_per_node,
+                                                  start=holders, prefetched=holders,
+                                                  budget_us=AUTO_PLAN_BUDGET if budget_us is None else budget_us,
+                                                  critical_path=True)
         if calibrated != prefetched.materialized:
             placement = Placement(prefetched.owners, calibrated)
             extras = calibration_extras(placement, holders)
+            if known is None and not speculative:
+                schedule.remember_calibration(calibrated, counts, prefetched.owners)
     plan = DispatchPlan.build(counts, placement, ranks_per_node)
-    return AfterGate(plan, plan.for_rank(rank), extras, searched)
+    return AfterGate(plan, plan.for_rank(rank), extras, calibrating and known is None, known is not None)

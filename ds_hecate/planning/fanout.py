@@ -184,10 +184,9 @@ def relay_transfers(holders: np.ndarray, owners: np.ndarray, ranks_per_node: int
     in ``first``, as one pipelined flow issued with the collective (the optimistic pricing the scheduler's second
     search uses, :func:`~.scheduler.schedule_materialization`)."""
     total, first, depth = _trees(holders, owners, ranks_per_node, fanout)
-    total = np.stack(total)
     if not exposed_levels or not (depth >= 2).any():   # one level (or one flow): all of it is the first
-        return total, np.zeros_like(total), depth
-    first = np.stack(first)
+        # nothing later: a read-only zero view (callers only add it), not a zero-filled copy of ``total``
+        return total, np.broadcast_to(np.zeros((), dtype=total.dtype), total.shape), depth
     fill = 1.0 + np.maximum(depth - 2, 0) / max(1, int(chunks))
     return first, (total - first) * fill[None, :, None], depth
 
@@ -221,50 +220,51 @@ def _trees(holders: np.ndarray, owners: np.ndarray, ranks_per_node: int, fanout:
     flat = (rep.sum(axis=1) <= fanout) if fanout > 0 else np.ones(k, dtype=bool)
     depth = (rep.sum(axis=1) > 0).astype(np.int64)      # flat: one level, or none without a replica
 
-    out_intra = np.zeros((k, world))
-    out_inter = np.zeros((k, world))
+    # all levels as one [4, K, world] array (in-intra, out-intra, in-inter, out-inter): what callers stack anyway
+    total = np.zeros((4, k, world))
+    in_intra, out_intra, in_inter, out_inter = total
+    rep_same = rep & same
+    rep_other = rep & ~same
     # flat: the owner sends every copy
-    out_intra[rows, owners] = (rep & same).sum(axis=1)
-    out_inter[rows, owners] = (rep & ~same).sum(axis=1)
-    in_intra = (rep & same).astype(np.float64)
-    in_inter = (rep & ~same).astype(np.float64)
-    first_in_intra, first_in_inter = in_intra, in_inter
+    out_intra[rows, owners] = rep_same.sum(axis=1)
+    out_inter[rows, owners] = rep_other.sum(axis=1)
+    in_intra[...] = rep_same
+    in_inter[...] = rep_other
     tree = np.flatnonzero(~flat) if fanout > 0 else np.zeros(0, dtype=np.int64)
-    if tree.size:
-        # the relayed experts' rows only (usually few of a layer's)
-        t_held, t_own, t_same, t_owners = held[tree], own[tree], same[tree], owners[tree]
-        t_rows = np.arange(tree.size)
-        starts = np.arange(0, world, ranks_per_node)
-        counts = np.cumsum(t_held, axis=1)
-        before = np.concatenate([np.zeros((tree.size, 1), dtype=counts.dtype), counts[:, starts[1:] - 1]], axis=1)
-        index = counts - before[:, node] - 1            # position among its node's holders, ranks ascending
-        # on the owner's node the owner comes first: holders ranked below it move one down
-        index = np.where(t_same & t_held & (np.arange(world)[None, :] < t_owners[:, None]), index + 1, index)
-        index[t_rows, t_owners] = 0
-        per_node = np.add.reduceat(t_held.astype(np.int64), starts, axis=1)
-        members = per_node[:, node]
-        home = (np.arange(len(starts))[None, :] == node[t_owners][:, None])
-        leader_nodes = (per_node > 0) & ~home
-        position = np.cumsum(leader_nodes, axis=1)       # 1-based among the other nodes' leaders
-        others = leader_nodes.sum(axis=1)
-        leader = t_held & (index == 0)
-        inter_index = np.where(t_own, 0, position[:, node])
-        out_intra[tree] = np.where(t_held, np.clip(members - 1 - index * fanout, 0, fanout), 0)
-        in_intra[tree] = t_held & (index >= 1)
-        out_inter[tree] = np.where(leader, np.clip(others[:, None] - inter_index * fanout, 0, fanout), 0)
-        in_inter[tree] = leader & ~t_own
-        # the first level: the owner's sends, and the receipts of its children (positions 1..fanout under it on its
-        # node, leaders 1..fanout in the tree of nodes)
-        first_in_intra, first_in_inter = in_intra.copy(), in_inter.copy()
-        first_in_intra[tree] *= t_same & (index <= fanout)
-        first_in_inter[tree] *= inter_index <= fanout
-        # depth: per holding node, its leader's depth in the tree of nodes plus its last holder's under the leader
-        node_depth = heap_depth(np.where(home, 0, position), fanout) + heap_depth(np.maximum(per_node - 1, 0), fanout)
-        depth[tree] = np.where(per_node > 0, node_depth, 0).max(axis=1)
-    first_out_intra = np.zeros_like(out_intra)
-    first_out_inter = np.zeros_like(out_inter)
-    first_out_intra[rows, owners] = out_intra[rows, owners]
-    first_out_inter[rows, owners] = out_inter[rows, owners]
-    return ((in_intra, out_intra, in_inter, out_inter),
-            (first_in_intra, first_out_intra, first_in_inter, first_out_inter), depth)
+    if not tree.size:   # every expert flat: the first level is all of it
+        return total, total, depth
+    # the relayed experts' rows only (usually few of a layer's)
+    t_held, t_own, t_same, t_owners = held[tree], own[tree], same[tree], owners[tree]
+    t_rows = np.arange(tree.size)
+    starts = np.arange(0, world, ranks_per_node)
+    counts = np.cumsum(t_held, axis=1)
+    before = np.concatenate([np.zeros((tree.size, 1), dtype=counts.dtype), counts[:, starts[1:] - 1]], axis=1)
+    index = counts - before[:, node] - 1            # position among its node's holders, ranks ascending
+    # on the owner's node the owner comes first: holders ranked below it move one down
+    index = np.where(t_same & t_held & (np.arange(world)[None, :] < t_owners[:, None]), index + 1, index)
+    index[t_rows, t_owners] = 0
+    per_node = np.add.reduceat(t_held.astype(np.int64), starts, axis=1)
+    members = per_node[:, node]
+    home = (np.arange(len(starts))[None, :] == node[t_owners][:, None])
+    leader_nodes = (per_node > 0) & ~home
+    position = np.cumsum(leader_nodes, axis=1)       # 1-based among the other nodes' leaders
+    others = leader_nodes.sum(axis=1)
+    leader = t_held & (index == 0)
+    inter_index = np.where(t_own, 0, position[:, node])
+    out_intra[tree] = np.where(t_held, np.clip(members - 1 - index * fanout, 0, fanout), 0)
+    in_intra[tree] = t_held & (index >= 1)
+    out_inter[tree] = np.where(leader, np.clip(others[:, None] - inter_index * fanout, 0, fanout), 0)
+    in_inter[tree] = leader & ~t_own
+    # the first level: the owner's sends, and the receipts of its children (positions 1..fanout under it on its
+    # node, leaders 1..fanout in the tree of nodes)
+    first = np.zeros_like(total)
+    first[0], first[2] = in_intra, in_inter
+    first[0, tree] *= t_same & (index <= fanout)
+    first[2, tree] *= inter_index <= fanout
+    first[1, rows, owners] = out_intra[rows, owners]
+    first[3, rows, owners] = out_inter[rows, owners]
+    # depth: per holding node, its leader's depth in the tree of nodes plus its last holder's under the leader
+    node_depth = heap_depth(np.where(home, 0, position), fanout) + heap_depth(np.maximum(per_node - 1, 0), fanout)
+    depth[tree] = np.where(per_node > 0, node_depth, 0).max(axis=1)
+    return total, first, depth
 

@@ -95,6 +95,8 @@ class LayerPlanner:
         self.schedule = ScheduleReuse(settings.replan_tolerance)
         self.prediction: Optional[np.ndarray] = None   # the load window's prediction for the next call
         self._start: Tuple[Any, Optional[Materialized]] = (None, None)   # (its inputs, the start layout)
+        #: whether the last prefetched placement holds replicas for a prediction (not only owners and start layout)
+        self.speculative = False
 
     @property
     def prefetches(self) -> bool:
@@ -122,9 +124,10 @@ class LayerPlanner:
         s = self.settings
         predicted = self.prediction = self.predictor.predict_array()
         start = self.start_layout(inputs)
+        self.speculative = False
         if predicted is None or (s.calibration and not self.predictor.newest_agrees):
-            if predicted is not None:
-                self.schedule.reset()   # what is prefetched now is no schedule: calibration must not trust one
+            # what is prefetched now is no schedule (calibration is told so: ``speculative`` False); the schedule
+            # itself stays, so that routing back where it was after a burst reuses it without a search
             if start is None:
                 return self.owner_placement(inputs.owners)
             owned = owned_experts(inputs.owners, self.world)
@@ -132,6 +135,7 @@ class LayerPlanner:
                              tuple(tuple(sorted(set(a) | set(b))) for a, b in zip(owned, start)))
         materialized = self.schedule.schedule(predicted, inputs.owners, inputs.costs, inputs.replica_budget,
                                               s.ranks_per_node, start=start, budget_us=s.search_budget_us)
+        self.speculative = True
         return Placement(tuple(inputs.owners), materialized)
 
     def plan_call(self, counts: np.ndarray, inputs: PlanInputs, prefetched: Optional[Placement],
@@ -148,7 +152,8 @@ class LayerPlanner:
         if prefetched is None:
             raise ValueError("plan_call: the 'hecate' policy plans over the prefetched placement; pass it")
         return plan_after_gate(counts, prefetched, self.prediction, self.schedule, inputs.costs,
-                               inputs.replica_budget, s.ranks_per_node, rank, s.calibration, s.plan_budget_us)
+                               inputs.replica_budget, s.ranks_per_node, rank, s.calibration, s.plan_budget_us,
+                               self.speculative)
 
     def restore_schedule(self, state: dict, inputs: PlanInputs) -> None:
         """Adopt a checkpointed schedule (``ScheduleReuse.state_dict``) so that a resumed run makes the same re-use

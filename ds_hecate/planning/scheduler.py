@@ -80,7 +80,10 @@ class _Search:
         flows = dispatch_flows(self.counts.T, self.mat.T, ranks_per_node)
         # [experts, world] each: processed, sent, received, sent across nodes, received across nodes
         self.cols = [flows.processed, flows.sent, flows.received, flows.sent_inter, flows.received_inter]
-        self.early_cols, self.late_cols = self._transfer_columns(np.arange(self.num_experts), self.mat.T)
+        early_cols, late_cols = self._transfer_columns(np.arange(self.num_experts), self.mat.T)
+        # kept and updated in place by add_many: writable copies where the walk returned read-only zero views
+        self.early_cols = early_cols if early_cols.flags.writeable else np.array(early_cols)
+        self.late_cols = late_cols if late_cols.flags.writeable else np.array(late_cols)
         self.refresh()
 
     def refresh(self) -> None:
@@ -98,7 +101,10 @@ class _Search:
         owners = self.owners[experts]
         relays = (self.costs.fanout, self.costs.relay_chunks, self.costs.relay_levels_exposed)
         first, deeper, _ = relay_transfers(holders & early, owners, self.rpn, *relays)
-        late_first, late_deeper, _ = relay_transfers(holders & ~early, owners, self.rpn, *relays)
+        late = holders & ~early
+        if not late.any():   # nothing gathered after the gate (every search before it): no second tree walk
+            return first, deeper
+        late_first, late_deeper, _ = relay_transfers(late, owners, self.rpn, *relays)
         return first, deeper + late_first + late_deeper
 
     @property
@@ -348,8 +354,10 @@ def _quota_move(search: "_Search", best_times, extra, budget_per_rank: int) -> O
 
 
 #: steps whose work a critical-path search weighs against their estimated gain (``critical_path``): simulated W6
-#: cells gained 2-4% against no such stop (1 and 3 steps were no better)
-PAY_WINDOW = 2
+#: cells gained 2-4% against no such stop; since the tie-breaking steps are credited (:func:`_step_gain`) the last
+#: step alone decides: the 32-GPU W6/W7 cells gained 0.1-0.7% against two (a burst's calibration stops after the
+#: step that replicates the burst's expert and one more, instead of evaluating a third)
+PAY_WINDOW = 1
 #: compute imbalance (max/mean pairs per rank) the first pass must leave for the second (flow-priced) one to run
 FLOW_PASS_IMBALANCE = 1.25
 

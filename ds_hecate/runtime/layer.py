@@ -94,6 +94,7 @@ class LayerBinding:
         self.prefetch_hits = 0
         self.recomputes = 0
         self.extensions = 0   # calls whose prefetched placement calibration extended (extras in the reserved rows)
+        self.remembered_calibrations = 0   # calibrations that took the remembered placement instead of searching
         self.pairs_processed = 0
         self.gap_time = Intervals(keep=16)   # device time between the previous MoE layer and this one
         self.device_time = {p: Intervals(keep=0) for p in PHASES}   # device time per phase: stats, cost model
@@ -241,6 +242,7 @@ class LayerBinding:
             self.pending = self.gather_prefetched(self.planner.prefetch_placement(inputs), inputs, async_op=False)
         pending, self.pending = self.pending, None
         after = self.planner.plan_call(counts, inputs, pending.placement, rank)
+        self.remembered_calibrations += after.remembered
         return after.plan, pending, after.extras
 
     def _cached_plan(self, counts: np.ndarray) -> Tuple[DispatchPlan, Placement, Optional[Placement]]:
@@ -353,6 +355,7 @@ class LayerBinding:
                "extensions": self.extensions, "recomputes": self.recomputes, "replica_budget": self.replica_budget(),
                "rematerialize": self.rematerializes,
                "schedule_searches": self.schedule.searches, "schedule_reuses": self.schedule.reuses,
+               "remembered_calibrations": self.remembered_calibrations,
                "peak_replica_bytes": self.peak_replica_bytes, **self.counters.as_dict(),
                "cross_node_tokens": self.cross_node_rows,
                "avoidable_cross_node_tokens": self.avoidable_cross_node_rows,

@@ -123,6 +123,28 @@ MUTATIONS: List[Mutation] = [
           "    if False:  # MUTATION: no copy on a sending bottleneck\n"),),
         "the search never tries a copy on the bottleneck of the experts it sends most rows to"),
     Mutation(
+        "calibration-forgotten", "ds_hecate/planning/critical_path.py",
+        (("        known = schedule.calibrated_fit(counts, prefetched.owners, holders, replica_budget)\n",
+          "        known = None  # MUTATION: the remembered calibration is never taken\n"),),
+        "calibration searches again for routing it already placed for (a rotating hot spot pays a search per call)"),
+    Mutation(
+        "calibration-remembered-from-a-prediction", "ds_hecate/planning/critical_path.py",
+        (("            if known is None and not speculative:\n",
+          "            if known is None:  # MUTATION: a prediction's leftover replicas are remembered too\n"),),
+        "calibration that extended a prediction's replicas is remembered with them, so they are prefetched again"),
+    Mutation(
+        "schedule-reset-at-an-outlier", "ds_hecate/planning/layer_planner.py",
+        (("            # what is prefetched now is no schedule (calibration is told so: ``speculative`` False); the schedule\n",
+          "            self.schedule.reset()  # MUTATION: the schedule is dropped at every outlier call\n"
+          "            # what is prefetched now is no schedule (calibration is told so: ``speculative`` False); the schedule\n"),),
+        "a one-call burst drops the schedule, so routing back where it was searches again"),
+    Mutation(
+        "kept-schedule-taken-for-the-prefetch", "ds_hecate/planning/schedule_reuse.py",
+        (("        off_plan = True if not scheduled else mispredicted if same else not self.still_fits(actual)\n",
+          "        off_plan = mispredicted if same else not self.still_fits(actual)  # MUTATION: scheduled ignored\n"),),
+        "after an outlier only the owners are prefetched, but calibration judges the counts against the kept "
+        "schedule and skips (the call runs unbalanced)"),
+    Mutation(
         "budget-ignored-self-report-hidden", "ds_hecate/runtime/layer.py",
         (("        return PlanInputs(self.shard.owners, self.runtime.step_costs(self), self.replica_budget(), self.cost)\n",
           "        return PlanInputs(self.shard.owners, self.runtime.step_costs(self), 1 << 30, self.cost)  # MUTATION\n"),
@@ -305,6 +327,10 @@ TESTS_FOR: Dict[str, List[str]] = {
     "budget-ignored": [_MEMORY, _EXACT2],
     "pool-splits-evenly": ["tests/test_replica_pool.py", _MEMORY],
     "pool-forgets-what-it-lent": ["tests/test_replica_pool.py"],
+    "calibration-forgotten": ["tests/test_calibration_memory.py"],
+    "calibration-remembered-from-a-prediction": ["tests/test_calibration_memory.py"],
+    "schedule-reset-at-an-outlier": ["tests/test_calibration_memory.py"],
+    "kept-schedule-taken-for-the-prefetch": ["tests/test_calibration_memory.py"],
     "search-never-keeps-tokens-home": ["tests/test_objective.py::test_search_keeps_a_senders_tokens_home"],
     "exposure-charged-to-the-receiver-only": [
         "tests/test_objective.py::test_exposed_transfers_are_a_barrier_for_every_rank"],

@@ -1,0 +1,142 @@
+"""The remembered calibration (ScheduleReuse.calibrated): after routing moves for good, calibration places once
+and the calls after it take that placement instead of searching again after the gate; never from a speculative
+start, never beyond the budget, kept across a checkpoint. And the schedule outlives an outlier call: routing back
+after a burst reuses it."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ds_hecate.planning import critical_path
+from ds_hecate.planning.cost_model import StepCostModel
+from ds_hecate.planning.critical_path import plan_after_gate
+from ds_hecate.planning.layer_planner import LayerPlanner, PlanInputs, PlannerSettings
+from ds_hecate.planning.plan import Placement, owned_experts
+from ds_hecate.planning.schedule_reuse import ScheduleReuse
+from ds_hecate.planning.sharding import even_sharding
+
+WORLD, EXPERTS, RPN = 8, 16, 4
+COSTS = StepCostModel(compute_s_per_pair=1e-5, token_transfer_s=1e-7, expert_transfer_s=1e-4, overlap_s=1e-3)
+OWNERS = tuple(even_sharding(EXPERTS, WORLD))
+
+
+def _hot_on(owner: int) -> np.ndarray:
+    """Every rank sends most of its pairs to the experts of ``owner`` (W6's hot set on one owner)."""
+    counts = np.full((WORLD, EXPERTS), 10, dtype=np.int64)
+    for e in owned_experts(OWNERS, WORLD)[owner]:
+        counts[:, e] = 400
+    return counts
+
+
+def _owners_only() -> Placement:
+    return Placement(OWNERS, owned_experts(OWNERS, WORLD))
+
+
+def _no_search(*args, **kwargs):
+    raise AssertionError("searched although the remembered calibration fits")
+
+
+def test_calibration_from_the_owners_is_remembered_and_taken_again_without_a_search(monkeypatch):
+    schedule = ScheduleReuse(0.05)
+    hot = _hot_on(2)
+    first = plan_after_gate(hot, _owners_only(), None, schedule, COSTS, 4, RPN, 0, True, None, speculative=False)
+    assert first.searched and first.extras is not None
+    assert schedule.calibrated is not None and schedule.calibrated[0] == first.plan.materialized
+    monkeypatch.setattr(critical_path, "schedule_materialization", _no_search)
+    again = plan_after_gate(hot, _owners_only(), None, schedule, COSTS, 4, RPN, 0, True, None, speculative=False)
+    assert again.remembered and not again.searched and not first.remembered
+    assert again.plan.materialized == first.plan.materialized
+    assert again.extras.materialized == first.extras.materialized
+
+
+def test_other_counts_search_again(monkeypatch):
+    schedule = ScheduleReuse(0.05)
+    plan_after_gate(_hot_on(2), _owners_only(), None, schedule, COSTS, 4, RPN, 0, True, None, speculative=False)
+    monkeypatch.setattr(critical_path, "schedule_materialization", _no_search)
+    with pytest.raises(AssertionError, match="searched although"):
+        plan_after_gate(_hot_on(5), _owners_only(), None, schedule, COSTS, 4, RPN, 0, True, None,
+                        speculative=False)
+
+
+def test_a_speculative_start_is_not_remembered():
+    """Calibration that extends a prediction's replicas keeps them; remembered, they would be prefetched again."""
+    schedule = ScheduleReuse(0.05)
+    after = plan_after_gate(_hot_on(2), _owners_only(), None, schedule, COSTS, 4, RPN, 0, True, None)
+    assert after.extras is not None and schedule.calibrated is None
+
+
+def test_the_join_with_the_prefetched_placement_respects_the_budget():
+    schedule = ScheduleReuse(0.05)
+    hot = _hot_on(2)
+    after = plan_after_gate(hot, _owners_only(), None, schedule, COSTS, 4, RPN, 0, True, None, speculative=False)
+    holders = after.plan.placement.holders
+    budget = int((holders.sum(axis=1) - 2).max())     # two owned experts a rank
+    assert schedule.calibrated_fit(hot, OWNERS, _owners_only().holders, budget) is not None
+    # prefetched replicas of other experts on the busiest rank push the join over the budget
+    busiest = int(np.argmax(holders.sum(axis=1)))
+    crowded = _owners_only().holders.copy()
+    free = np.flatnonzero(~holders[busiest])
+    crowded[busiest, free[0]] = True
+    assert schedule.calibrated_fit(hot, OWNERS, crowded, budget) is None
+    assert schedule.calibrated_fit(hot, OWNERS, crowded, budget + 1) is not None
+    # other owners (a re-sharding): never
+    assert schedule.calibrated_fit(hot, tuple(reversed(OWNERS)), _owners_only().holders, budget + 1) is None
+
+
+def test_the_remembered_calibration_survives_a_checkpoint():
+    schedule = ScheduleReuse(0.05)
+    plan_after_gate(_hot_on(2), _owners_only(), None, schedule, COSTS, 4, RPN, 0, True, None, speculative=False)
+    state = schedule.state_dict()
+    assert ScheduleReuse.state_fits(state, WORLD, EXPERTS)
+    assert not ScheduleReuse.state_fits(state, WORLD, EXPERTS + 1)
+    broken = dict(state, calibrated=dict(state["calibrated"], owners=[WORLD] * EXPERTS))
+    assert not ScheduleReuse.state_fits(broken, WORLD, EXPERTS)
+    restored = ScheduleReuse(0.05)
+    restored.load_state_dict(state, COSTS, 4, RPN)
+    assert restored.calibrated[0] == schedule.calibrated[0] and restored.calibrated[2] == schedule.calibrated[2]
+    assert np.array_equal(restored.calibrated[1], schedule.calibrated[1])
+
+
+def test_a_rotating_hot_spot_calibrates_with_a_search_once_per_move():
+    """W6 in small: the hot set moves to another owner and stays. The first call after the move extends the old
+    routing's prefetched replicas (a search, not remembered); the next, prefetching only the owners (the window
+    disagrees with its newest call), searches from them and is remembered; the calls after take its placement
+    without a search until the window follows."""
+    planner = LayerPlanner(PlannerSettings(ranks_per_node=RPN), WORLD, EXPERTS)
+    inputs = PlanInputs(OWNERS, COSTS, 4)
+    searched, remembered = [], []
+    for step in range(24):
+        counts = _hot_on(1 if step < 12 else 5)
+        prefetched = planner.prefetch_placement(inputs)
+        after = planner.plan_call(counts, inputs, prefetched, 0)
+        planner.observe(counts)
+        searched.append(after.searched)
+        remembered.append(after.remembered)
+        # every call's plan balances the hot set: its experts are held beyond their owner
+        held = after.plan.placement.holders[:, list(owned_experts(OWNERS, WORLD)[1 if step < 12 else 5])]
+        assert held.sum() > 2, step
+    assert [s for s in range(12, 24) if searched[s]] == [12, 13], searched
+    assert remembered[14], remembered     # the window still disagrees: calibration, from the memory
+
+
+def test_routing_back_after_a_burst_reuses_the_schedule_without_a_search():
+    """W7 in small: skewed routing with a schedule, one call's burst on another owner's experts, then the old routing
+    again. The burst call prefetches nothing speculative and calibrates; the schedule made before it stays, so the
+    calls after the burst reuse it instead of searching again."""
+    planner = LayerPlanner(PlannerSettings(ranks_per_node=RPN), WORLD, EXPERTS)
+    inputs = PlanInputs(OWNERS, COSTS, 4)
+    searches = []
+    for step in range(16):
+        counts = _hot_on(6) if step == 10 else _hot_on(1)
+        prefetched = planner.prefetch_placement(inputs)
+        after = planner.plan_call(counts, inputs, prefetched, 0)
+        planner.observe(counts)
+        searches.append(planner.schedule.searches)
+        if step == 10:
+            assert after.searched, "the burst calibrates after the gate"
+        # every call balances its hot set, the call after the burst too (it prefetched only the owners, and
+        # calibration must not take the kept schedule for what was prefetched)
+        hot = list(owned_experts(OWNERS, WORLD)[6 if step == 10 else 1])
+        assert after.plan.placement.holders[:, hot].sum() > 2, step
+    # one search before the gate for the steady routing, none after the burst
+    assert searches[-1] == searches[9] == 1, searches
