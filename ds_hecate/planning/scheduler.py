@@ -31,9 +31,12 @@ from .plan import Materialized, holders_matrix
 def _round12(values):
     """Round to 12 significant digits (as ``float(f"{t:.12g}")``), elementwise on a numpy array."""
     values = np.asarray(values, dtype=np.float64)
-    out = values.copy()
     magnitude = np.abs(values)
     normal = np.isfinite(values) & (magnitude > 1e-280) & (magnitude < 1e280)
+    if normal.all():   # the usual case (rank times): the same arithmetic without the masked copies
+        scale = 10.0 ** (11 - np.floor(np.log10(magnitude)))
+        return np.round(values * scale) / scale
+    out = values.copy()
     if normal.any():
         v = values[normal]
         scale = 10.0 ** (11 - np.floor(np.log10(np.abs(v))))
@@ -284,23 +287,31 @@ def _candidate_moves(search: "_Search", best_times, extra, budget_per_rank: int,
     hot = sorted(loaded.tolist(), key=lambda e: (-load_on_bottleneck[e], e))[:candidate_experts]
     moves = set()
     several_nodes = search.world > ranks_per_node
+    # every rank by (rounded time, rank id), once: an expert's open ranks in that order are a filter of it
+    by_time_all = np.lexsort((np.arange(search.world), _round12(best_times)))
+    has_room = extra < budget_per_rank
     for e in hot:
-        open_ranks = np.flatnonzero(~search.mat[:, e] & (extra < budget_per_rank))
-        by_time = open_ranks[np.lexsort((open_ranks, _round12(best_times[open_ranks])))]
+        is_open = ~search.mat[:, e] & has_room
+        open_ranks = np.flatnonzero(is_open)
+        by_time = by_time_all[is_open[by_time_all]]
         if open_ranks.size > candidate_ranks:
             singles = np.sort(by_time[:candidate_ranks])
-            nodes = np.unique(singles // ranks_per_node)
+            nodes = set((singles // ranks_per_node).tolist())
         else:
             singles = open_ranks
-            nodes = np.unique(open_ranks // ranks_per_node)
-        moves.update((e, (int(d),)) for d in singles)
-        node_of_open = open_ranks // ranks_per_node
-        for n in nodes.tolist():
-            in_node = tuple(int(d) for d in open_ranks[node_of_open == n])
-            if in_node:
-                moves.add((e, in_node))
-        if open_ranks.size:
-            moves.add((e, tuple(int(d) for d in open_ranks)))
+            nodes = None
+        open_list = open_ranks.tolist()
+        moves.update((e, (d,)) for d in singles.tolist())
+        # the open ranks of each node (ascending, so each node's ranks are one run of the list)
+        node_of_open = (open_ranks // ranks_per_node).tolist()
+        run_start = 0
+        for i in range(1, len(open_list) + 1):
+            if i == len(open_list) or node_of_open[i] != node_of_open[run_start]:
+                if nodes is None or node_of_open[run_start] in nodes:
+                    moves.add((e, tuple(open_list[run_start:i])))
+                run_start = i
+        if open_list:
+            moves.add((e, tuple(open_list)))
         if several_nodes and by_time.size:
             node_of = by_time // ranks_per_node
             _, first = np.unique(node_of, return_index=True)       # least-loaded open rank of each node
@@ -354,10 +365,10 @@ def _quota_move(search: "_Search", best_times, extra, budget_per_rank: int) -> O
 
 
 #: steps whose work a critical-path search weighs against their estimated gain (``critical_path``): simulated W6
-#: cells gained 2-4% against no such stop; since the tie-breaking steps are credited (:func:`_step_gain`) the last
-#: step alone decides: the 32-GPU W6/W7 cells gained 0.1-0.7% against two (a burst's calibration stops after the
-#: step that replicates the burst's expert and one more, instead of evaluating a third)
-PAY_WINDOW = 1
+#: cells gained 2-4% against no such stop. One step alone gained 0.1-0.7% on the 32-GPU W6/W7 cells (host time),
+#: but a step of little gain can precede one of much (tie-breaking): ``planner_decisions`` found 4 burst calls
+#: 2-9% slower by the estimate (8x64 call 9: 0.057 -> 0.062 s)
+PAY_WINDOW = 2
 #: compute imbalance (max/mean pairs per rank) the first pass must leave for the second (flow-priced) one to run
 FLOW_PASS_IMBALANCE = 1.25
 
