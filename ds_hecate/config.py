@@ -62,6 +62,14 @@ class HecateConfig(BaseModel):
                     "trees are possible and the first leaves the compute imbalanced), which runs off the critical "
                     "path (after the previous layer, while its kernels run), in estimated microseconds counted "
                     "identically on every rank.")
+    search_slice_us: Optional[float] = Field(
+        None, ge=0, le=1e9,
+        description="Work per layer call of the prediction-driven search, in the same estimated microseconds as "
+                    "search_budget_us: a longer search goes on at the layer's next calls (while its prediction "
+                    "holds), the calls meanwhile prefetching its best placement so far or the one calibration "
+                    "made for the same routing, whichever is estimated faster; at least one step per call. "
+                    "null: what the preceding non-MoE compute hides (the cost model's T_nonMoE), the whole "
+                    "search in one call where that is 0 (a CPU); 0: the whole search in one call.")
     rematerialize: Optional[bool] = Field(
         None, description="Release materialized experts after forward and gather them again for backward (true), "
                           "keep them until backward (false); null: re-materialize only where keeping every layer's "

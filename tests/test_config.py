@@ -15,12 +15,12 @@ from ds_hecate.config import HecateConfig, parse_hecate_section, split_hecate_se
 from ds_hecate.errors import HecateConfigError, HecateError
 
 KNOWN_KEYS = ("enabled", "placement", "load_window", "load_predictor", "materialize_budget_mb", "overlap_degree", "calibration",
-              "replan_tolerance", "plan_budget_us", "search_budget_us", "rematerialize", "fanout", "relay_chunks", "prefetch", "reshard_interval", "compute_s_per_pair", "link_gbps", "inter_node_gbps",
+              "replan_tolerance", "plan_budget_us", "search_budget_us", "search_slice_us", "rematerialize", "fanout", "relay_chunks", "prefetch", "reshard_interval", "compute_s_per_pair", "link_gbps", "inter_node_gbps",
               "non_moe_time_s", "ranks_per_node", "ep_size", "reduce_dtype", "collective_timeout_s", "log_conversion", "monitor",
               "monitor_interval", "trace_file", "comm_backend")
 DEFAULTS = dict(enabled=False, placement="hecate", load_window=5, load_predictor="robust", fanout=4, relay_chunks=4,
                 materialize_budget_mb=1024.0, overlap_degree=None,
-                calibration=True, replan_tolerance=0.05, plan_budget_us=None, search_budget_us=200000.0,
+                calibration=True, replan_tolerance=0.05, plan_budget_us=None, search_budget_us=200000.0, search_slice_us=None,
                 rematerialize=None, prefetch=True, reshard_interval=100,
                 compute_s_per_pair=None, link_gbps=None, inter_node_gbps=None, non_moe_time_s=None,
                 ranks_per_node=None, ep_size=None, reduce_dtype="auto", collective_timeout_s=600.0, log_conversion=True,
@@ -48,7 +48,7 @@ def test_defaults():
 
 def test_full_valid_section():
     raw = dict(enabled=True, placement="local", load_window=3, load_predictor="mean", fanout=2, relay_chunks=3, materialize_budget_mb=12.5, overlap_degree=2,
-               calibration=False, replan_tolerance=0.2, plan_budget_us=250.0, search_budget_us=0.0, rematerialize=True, prefetch=False, reshard_interval=7,
+               calibration=False, replan_tolerance=0.2, plan_budget_us=250.0, search_budget_us=0.0, search_slice_us=300.0, rematerialize=True, prefetch=False, reshard_interval=7,
                compute_s_per_pair=1e-6,
                link_gbps=100.0, inter_node_gbps=12.5, non_moe_time_s=0.01, ranks_per_node=8, ep_size=64,
                reduce_dtype="bf16",
@@ -116,6 +116,7 @@ def test_where_is_used_in_messages():
     ("plan_budget_us", "fast"),
     ("search_budget_us", -5),
     ("search_budget_us", None),
+    ("search_slice_us", -1),
     ("ranks_per_node", 0),
     ("ranks_per_node", -4),
     ("ranks_per_node", 2.0),
@@ -348,7 +349,7 @@ _VALID = {
     "fanout": st.integers(0, 1 << 20), "relay_chunks": st.integers(1, 1024), "materialize_budget_mb": st.floats(0, 1e9),
     "overlap_degree": st.one_of(st.none(), st.integers(0, 1 << 20)), "calibration": st.booleans(),
     "replan_tolerance": st.floats(0.0, 1.0), "plan_budget_us": st.none() | st.floats(0.0, 1e9),
-    "search_budget_us": st.floats(0.0, 1e9), "rematerialize": st.none() | st.booleans(), "prefetch": st.booleans(), "reshard_interval": st.integers(0, 1 << 30),
+    "search_budget_us": st.floats(0.0, 1e9), "search_slice_us": st.none() | st.floats(0.0, 1e9), "rematerialize": st.none() | st.booleans(), "prefetch": st.booleans(), "reshard_interval": st.integers(0, 1 << 30),
     "compute_s_per_pair": st.one_of(st.none(), st.floats(1e-12, 1.0)),
     "link_gbps": st.one_of(st.none(), st.floats(1e-3, 1e6)),
     "inter_node_gbps": st.one_of(st.none(), st.floats(1e-3, 1e6)),

@@ -174,11 +174,13 @@ def test_a_domain_larger_than_the_experts_and_ring_what_if():
 
 def test_a_calibrated_step_does_not_leak_its_exposed_gather_into_later_steps():
     """Stationary routing: only the first step (no prediction yet) is calibrated; later steps run the prefetched
-    placement, with no gather after the gate, exactly as without calibration."""
+    placement, with no gather after the gate, exactly as without calibration (the whole search in one call: a
+    sliced search prefetches the calibrated placement meanwhile, by design, test_sliced_search)."""
     from ds_hecate.config import HecateConfig
 
     runs = {on: simulate("v100-4x8", "gpt-moe-s", "W1", systems=["hecate"], steps=5,
                          hecate=HecateConfig(enabled=True, calibration=on, materialize_budget_mb=3276.8,
+                                             search_slice_us=0,
                                              plan_budget_us=1e9),   # not cut short by the default budget
                          charge_planning=False)
             for on in (True, False)}

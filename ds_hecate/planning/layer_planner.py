@@ -45,6 +45,7 @@ class PlannerSettings:
     search_budget_us: Optional[float] = None
     plan_budget_us: Optional[float] = None
     ranks_per_node: int = 1
+    search_slice_us: Optional[float] = None
 
     @classmethod
     def from_config(cls, config: Any, ranks_per_node: int) -> "PlannerSettings":
@@ -52,7 +53,7 @@ class PlannerSettings:
                    replan_tolerance=config.replan_tolerance, load_window=config.load_window,
                    load_predictor=config.load_predictor,
                    search_budget_us=config.search_budget_us, plan_budget_us=config.plan_budget_us,
-                   ranks_per_node=ranks_per_node)
+                   ranks_per_node=ranks_per_node, search_slice_us=config.search_slice_us)
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,15 @@ def expert_data_parallel_start(num_experts: int, world: int, replica_budget: int
     start = tuple(held[r % num_experts] for r in range(world))
     needed = max(sum(1 for e in experts if owners[e] != r) for r, experts in enumerate(start))
     return start if replica_budget >= needed else None
+
+
+def search_slice(setting: Optional[float], costs: StepCostModel) -> Optional[float]:
+    """``hecate.search_slice_us`` resolved: None (the whole search in one call) for 0, and for null where the cost
+    model hides nothing (``overlap_s`` 0); null otherwise: the window the preceding compute hides, in microseconds."""
+    if setting is None:
+        window = costs.overlap_s * 1e6
+        return window if window > 0 else None
+    return float(setting) if setting > 0 else None
 
 
 class LayerPlanner:
@@ -134,7 +144,8 @@ class LayerPlanner:
             return Placement(tuple(inputs.owners),
                              tuple(tuple(sorted(set(a) | set(b))) for a, b in zip(owned, start)))
         materialized = self.schedule.schedule(predicted, inputs.owners, inputs.costs, inputs.replica_budget,
-                                              s.ranks_per_node, start=start, budget_us=s.search_budget_us)
+                                              s.ranks_per_node, start=start, budget_us=s.search_budget_us,
+                                              slice_us=search_slice(s.search_slice_us, inputs.costs))
         self.speculative = True
         return Placement(tuple(inputs.owners), materialized)
 

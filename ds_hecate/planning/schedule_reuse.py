@@ -11,9 +11,10 @@ from typing import Optional, Sequence, Tuple
 import numpy as np
 
 from .plan import Materialized, holders_matrix
-from .cost_model import StepCostModel, imbalance
+from .cost_model import StepCostModel, estimate_layer, imbalance
 from .dispatch import dispatch_flows
-from .scheduler import schedule_materialization
+from .scheduler import schedule_materialization, search_steps
+from .sliced_search import SlicedSearch
 
 
 def load_shift(before: Sequence[Sequence[float]], after: Sequence[Sequence[float]],
@@ -89,26 +90,82 @@ class ScheduleReuse:
         #: the last loads :meth:`schedule` was asked about (the prediction) and their sum, taken before the gate so
         #: that scoring the prediction after it needs one pass fewer
         self._asked: Tuple[Optional[np.ndarray], float] = (None, 0.0)
+        #: a search spread over calls, in progress (:mod:`.sliced_search`)
+        self.pending: Optional[SlicedSearch] = None
         #: (placement, counts it was made for, owners) of the last calibration that changed the prefetched placement
         self.calibrated: Optional[Tuple[Materialized, np.ndarray, Tuple[int, ...]]] = None
 
     def schedule(self, counts: Sequence[Sequence[float]], owners: Sequence[int], costs: StepCostModel,
                  budget_per_rank: int, ranks_per_node: int,
-                 start: Optional[Sequence[Sequence[int]]] = None, budget_us: Optional[float] = None) -> Materialized:
-        """:func:`schedule_materialization` of ``counts``, or the previous result when it still applies."""
+                 start: Optional[Sequence[Sequence[int]]] = None, budget_us: Optional[float] = None,
+                 slice_us: Optional[float] = None) -> Materialized:
+        """:func:`schedule_materialization` of ``counts``, or the previous result when it still applies.
+
+        ``slice_us``: spread a search over calls, at most this much of its work per call (at least one step,
+        :mod:`.sliced_search`); until it ends each call gets its interim placement, planned for the loads the
+        search started on. A search in progress goes on while the situation holds and the loads stay within
+        ``tolerance`` of those; else it is dropped. None: the whole search in this call."""
         key = self._situation(owners, costs, budget_per_rank, ranks_per_node, start, budget_us)
         if isinstance(counts, np.ndarray):
             self._asked = (counts, float(counts.sum()))
-        if (self.placement is not None and key == self._key
-                and load_shift(self.planned_for, counts, self._planned_total) <= self.tolerance):
-            self.reuses += 1
-            return self.placement
-        self.searches += 1
-        self.placement = schedule_materialization(counts, owners, costs, budget_per_rank, ranks_per_node,
-                                                  start=start, budget_us=budget_us)
-        self._plan_for(counts if isinstance(counts, np.ndarray) else np.array(counts, dtype=np.float64))
+        pending = self.pending
+        if pending is not None and (pending.key != key
+                                    or load_shift(pending.loads, counts, pending.loads_total) > self.tolerance):
+            self.pending = pending = None   # planned for a situation that no longer holds
+        if pending is None:
+            if (self.placement is not None and key == self._key
+                    and load_shift(self.planned_for, counts, self._planned_total) <= self.tolerance):
+                self.reuses += 1
+                return self.placement
+            self.searches += 1
+            loads = counts if isinstance(counts, np.ndarray) else np.array(counts, dtype=np.float64)
+            if slice_us is None:
+                self.placement = schedule_materialization(counts, owners, costs, budget_per_rank, ranks_per_node,
+                                                          start=start, budget_us=budget_us)
+                self._plan_for(loads)
+                self._key = key
+                return self.placement
+            pending = self.pending = self._start_search(loads, owners, costs, budget_per_rank, ranks_per_node,
+                                                        start, budget_us, key)
+        if pending.advance(slice_us):
+            self.pending = None
+            self.placement = pending.result
+        else:
+            self.placement = pending.interim()
+        if self.planned_for is not pending.loads:
+            self._plan_for(pending.loads)
         self._key = key
         return self.placement
+
+    def _start_search(self, loads: np.ndarray, owners, costs: StepCostModel, budget_per_rank: int,
+                      ranks_per_node: int, start, budget_us, key: tuple,
+                      fallback: Optional[Tuple[Materialized, float]] = None) -> SlicedSearch:
+        """A sliced search for ``loads``, with the remembered calibration (where it fits them) and its estimate to
+        prefetch while the search's own best is estimated slower (``fallback``: as saved with a checkpoint)."""
+        if fallback is None:
+            remembered = self._remembered_for(loads, owners, budget_per_rank, start)
+            fallback = (None, float("inf")) if remembered is None else (
+                remembered, estimate_layer(loads, owners, remembered, costs, ranks_per_node).time_s)
+        steps = search_steps(loads, owners, costs, budget_per_rank, ranks_per_node, start=start, budget_us=budget_us)
+        return SlicedSearch(steps, loads, float(loads.sum()), key, fallback[0], fallback[1])
+
+    def _remembered_for(self, loads: np.ndarray, owners, budget_per_rank: int, start) -> Optional[Materialized]:
+        """The remembered calibration as a placement for ``loads``: made for loads within ``tolerance`` of them,
+        same owners, within the budget, holding the search's ``start`` layout; else None."""
+        if self.calibrated is None:
+            return None
+        placement, made_for_loads, made_for = self.calibrated
+        if made_for != tuple(int(o) for o in owners) or made_for_loads.shape != loads.shape:
+            return None
+        if load_shift(made_for_loads, loads) > self.tolerance:
+            return None
+        holders = holders_matrix(placement, *loads.shape)
+        replicas = holders.sum(axis=1) - np.bincount(np.asarray(made_for, dtype=np.int64), minlength=loads.shape[0])
+        if int(replicas.max()) > budget_per_rank:
+            return None
+        if start is not None and (holders_matrix(start, *loads.shape) & ~holders).any():
+            return None
+        return placement
 
     def remember_calibration(self, placement: Materialized, counts: np.ndarray, owners: Sequence[int]) -> None:
         """Keep what calibration placed for ``counts`` (see the class docstring)."""
@@ -187,7 +244,7 @@ class ScheduleReuse:
         return off_plan and imbalanced
 
     def reset(self) -> None:
-        self.placement, self._key = None, None
+        self.placement, self._key, self.pending = None, None, None
         self._plan_for(None)
 
     def state_dict(self) -> dict:
@@ -201,6 +258,11 @@ class ScheduleReuse:
             placement, loads, owners = self.calibrated
             state["calibrated"] = {"placement": [list(r) for r in placement], "counts": loads.tolist(),
                                    "owners": list(owners)}
+        if self.pending is not None:   # replayed on load: the same steps, so the same interim placements after
+            p = self.pending
+            state["pending"] = {"loads": p.loads.tolist(), "taken": p.taken, "owners": list(p.key[0]),
+                                "fallback": None if p.fallback is None else [list(r) for r in p.fallback],
+                                "fallback_time_s": p.fallback_time_s if p.fallback is not None else None}
         return state
 
     @staticmethod
@@ -216,6 +278,12 @@ class ScheduleReuse:
                                                                            state["calibrated"]["owners"],
                                                                            world_size, num_experts):
                 return False
+            if "pending" in state:
+                pending = state["pending"]
+                if int(pending["taken"]) < 0 or not ScheduleReuse._placement_fits(
+                        pending["fallback"] or [[] for _ in range(world_size)], pending["loads"], pending["owners"],
+                        world_size, num_experts, owners_held=pending["fallback"] is not None):
+                    return False
             if "placement" not in state:
                 return True
             return ScheduleReuse._placement_fits(state["placement"], state["planned_for"], state["owners"],
@@ -224,9 +292,10 @@ class ScheduleReuse:
             return False
 
     @staticmethod
-    def _placement_fits(placement, loads, owners, world_size: int, num_experts: int) -> bool:
+    def _placement_fits(placement, loads, owners, world_size: int, num_experts: int, owners_held: bool = True) -> bool:
         """A saved placement with the loads it was made for and its owners: shapes, ranges, owners inside it
-        (raises on malformed entries; :meth:`state_fits` turns that into False)."""
+        (``owners_held`` False: an empty placement, only the loads and owners checked; raises on malformed
+        entries, :meth:`state_fits` turns that into False)."""
         placement = [{int(e) for e in r} for r in placement]
         loads = [[float(v) for v in row] for row in loads]
         owners = [int(o) for o in owners]
@@ -234,7 +303,7 @@ class ScheduleReuse:
                 and all(0 <= o < world_size for o in owners)
                 and all(len(row) == num_experts for row in loads)
                 and all(0 <= e < num_experts for r in placement for e in r)
-                and all(e in placement[o] for e, o in enumerate(owners)))
+                and (not owners_held or all(e in placement[o] for e, o in enumerate(owners))))
 
     def load_state_dict(self, state: dict, costs: StepCostModel, budget_per_rank: int, ranks_per_node: int,
                         budget_us: Optional[float] = None,
@@ -251,3 +320,14 @@ class ScheduleReuse:
             saved = state["calibrated"]
             self.remember_calibration(tuple(tuple(int(e) for e in r) for r in saved["placement"]),
                                       np.array(saved["counts"], dtype=np.float64), saved["owners"])
+        if "pending" in state:
+            saved = state["pending"]
+            loads = np.array(saved["loads"], dtype=np.float64)
+            owners = tuple(int(o) for o in saved["owners"])
+            key = self._situation(owners, costs, budget_per_rank, ranks_per_node, start, budget_us)
+            fallback = (None if saved["fallback"] is None
+                        else tuple(tuple(int(e) for e in r) for r in saved["fallback"]))
+            self.pending = self._start_search(loads, owners, costs, budget_per_rank, ranks_per_node, start,
+                                              budget_us, key, (fallback, saved["fallback_time_s"] or float("inf")))
+            self.pending.replay(int(saved["taken"]))
+            self._plan_for(self.pending.loads)

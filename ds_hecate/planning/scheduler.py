@@ -17,7 +17,7 @@ input is identical on all ranks and ties break on (expert id, rank), so all rank
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Generator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import numpy.ma  # noqa: F401  np.unique imports it on its first call (10 ms), which would land on a layer call
@@ -194,6 +194,28 @@ def _lex_min(profiles) -> int:
 def _lex_less(a, b) -> bool:
     diff = np.flatnonzero(a != b)
     return bool(diff.size) and bool(a[diff[0]] < b[diff[0]])
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Where a search stands before its next step: estimated work so far and of that step (microseconds of
+    :class:`SearchWork`, identical on every rank), the best layer time and placement (``[ranks, experts]`` bool,
+    not to be modified) found so far."""
+
+    spent_us: float
+    step_us: float
+    best_time_s: float
+    best: np.ndarray
+    last_gain_us: float = 0.0   # what the step before took off the layer's estimate (ties credited, _step_gain)
+
+
+def run_to_end(steps: Generator[Progress, None, Materialized]) -> Materialized:
+    """The placement a search generator returns, every step taken."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as end:
+            return end.value
 
 
 @dataclass(frozen=True)
@@ -401,30 +423,67 @@ def schedule_materialization(counts: Sequence[Sequence[float]], owners: Sequence
     last :data:`PAY_WINDOW` steps' estimated work exceeds what they took off the layer's estimate (both in
     microseconds of the same layer call, the work from the search's work model: every rank stops at the same
     step)."""
+    return run_to_end(search_steps(counts, owners, costs, budget_per_rank, ranks_per_node, start, prefetched,
+                                   candidate_experts, min_gain, budget_us, candidate_ranks, work, critical_path))
+
+
+def search_steps(counts: Sequence[Sequence[float]], owners: Sequence[int], costs: StepCostModel,
+                 budget_per_rank: int, ranks_per_node: int,
+                 start: Optional[Sequence[Sequence[int]]] = None,
+                 prefetched: Optional[Sequence[Sequence[int]]] = None,
+                 candidate_experts: int = 4, min_gain: float = 0.05,
+                 budget_us: Union[float, RelativeBudget, None] = None, candidate_ranks: int = 64,
+                 work: SearchWork = SEARCH_WORK,
+                 critical_path: bool = False) -> Generator[Progress, None, Materialized]:
+    """:func:`schedule_materialization` as a generator of :class:`Progress` before each search step (both passes;
+    during the second the best so far is the first pass's result, the one its estimate is judged against)."""
     relays_possible = costs.fanout > 0 and costs.relay_levels_exposed and len(counts) - 1 > costs.fanout
     search = dict(candidate_experts=candidate_experts, min_gain=min_gain, candidate_ranks=candidate_ranks, work=work)
-    priced = _greedy(counts, owners, costs, budget_per_rank, ranks_per_node, start, prefetched, budget_us=budget_us,
-                     pay_window=PAY_WINDOW if critical_path else 0, **search)
+    first = _greedy_steps(counts, owners, costs, budget_per_rank, ranks_per_node, start, prefetched,
+                          budget_us=budget_us, pay_window=PAY_WINDOW if critical_path else 0, **search)
+    done_us = 0.0
+    while True:
+        try:
+            progress = next(first)
+        except StopIteration as end:
+            priced = end.value
+            break
+        done_us = progress.spent_us + progress.step_us
+        yield progress
     if start is not None or not relays_possible:
         return priced
     estimate = estimate_layer(counts, owners, priced, costs, ranks_per_node, prefetched=prefetched)
     if estimate.imbalance <= FLOW_PASS_IMBALANCE:
         return priced
-    flow = _greedy(counts, owners, replace(costs, relay_levels_exposed=False), budget_per_rank, ranks_per_node,
-                   None, prefetched, budget_us=budget_us, **search)
+    second = _greedy_steps(counts, owners, replace(costs, relay_levels_exposed=False), budget_per_rank,
+                           ranks_per_node, None, prefetched, budget_us=budget_us, **search)
+    priced_mat = holders_matrix(priced, len(counts), len(owners))
+    while True:
+        try:
+            progress = next(second)
+        except StopIteration as end:
+            flow = end.value
+            break
+        yield Progress(done_us + progress.spent_us, progress.step_us, estimate.time_s, priced_mat,
+                       progress.last_gain_us)
     if flow == priced:
         return priced
     flow_s = estimate_layer(counts, owners, flow, costs, ranks_per_node, prefetched=prefetched).time_s
     return flow if float(_round12(flow_s)) < float(_round12(estimate.time_s)) else priced
 
 
-def _greedy(counts: Sequence[Sequence[float]], owners: Sequence[int], costs: StepCostModel,
-            budget_per_rank: int, ranks_per_node: int,
-            start: Optional[Sequence[Sequence[int]]] = None,
-            prefetched: Optional[Sequence[Sequence[int]]] = None,
-            candidate_experts: int = 4, min_gain: float = 0.05,
-            budget_us: Union[float, RelativeBudget, None] = None, candidate_ranks: int = 64,
-            work: SearchWork = SEARCH_WORK, pay_window: int = 0) -> Materialized:
+def _greedy(*args, **kwargs) -> Materialized:
+    """:func:`_greedy_steps` run to its end."""
+    return run_to_end(_greedy_steps(*args, **kwargs))
+
+
+def _greedy_steps(counts: Sequence[Sequence[float]], owners: Sequence[int], costs: StepCostModel,
+                  budget_per_rank: int, ranks_per_node: int,
+                  start: Optional[Sequence[Sequence[int]]] = None,
+                  prefetched: Optional[Sequence[Sequence[int]]] = None,
+                  candidate_experts: int = 4, min_gain: float = 0.05,
+                  budget_us: Union[float, RelativeBudget, None] = None, candidate_ranks: int = 64,
+                  work: SearchWork = SEARCH_WORK, pay_window: int = 0) -> Generator[Progress, None, Materialized]:
     """Greedy replica placement minimising :func:`estimate_layer` under ``budget_per_rank`` extra experts/rank.
 
     Moves considered for the experts that load the bottleneck rank most: one new replica on one rank, a replica on
@@ -448,6 +507,10 @@ def _greedy(counts: Sequence[Sequence[float]], owners: Sequence[int], costs: Ste
     that expert's dispatch columns (:func:`dispatch_flows`, the same rule as :func:`rank_loads`), all moves of a
     search step in one batch. Rank times are those of :func:`estimate_layer` up to float rounding, which
     :func:`_profile`'s 12-digit rounding absorbs.
+
+    A generator: before each step it yields a :class:`Progress` (work so far, the step's, the best placement so
+    far), so that a caller may pause between steps and go on at a later call (:mod:`.sliced_search`); it returns
+    the placement.
     """
     world, num_experts = len(counts), len(owners)
     spent = work.setup_cost_us(world, num_experts)
@@ -471,6 +534,7 @@ def _greedy(counts: Sequence[Sequence[float]], owners: Sequence[int], costs: Ste
     result_time, result_mat = best_max, search.mat.copy()
     threshold = best_max * (1.0 - min_gain)
     paid: List[Tuple[float, float]] = []   # (work, estimated gain) of each step taken, microseconds
+    last_gain_us = 0.0
     while True:
         ordered = _candidate_moves(search, best_times, extra, budget_per_rank, ranks_per_node, candidate_experts,
                                    candidate_ranks)
@@ -478,9 +542,10 @@ def _greedy(counts: Sequence[Sequence[float]], owners: Sequence[int], costs: Ste
         if not ordered and quota is None:
             break
         step_us = work.step_cost_us(len(ordered) + (len(quota) if quota else 0), world, num_experts)
-        spent += step_us
-        if budget_us is not None and spent > budget_us:
+        if budget_us is not None and spent + step_us > budget_us:
             break
+        yield Progress(spent, step_us, result_time, result_mat, last_gain_us)
+        spent += step_us
         times = search.evaluate(ordered) if ordered else np.zeros((0, world))
         if quota is not None:   # last: a single move that ties with it wins
             times = np.vstack([times, search.evaluate_many(quota)[None, :]])
@@ -496,7 +561,7 @@ def _greedy(counts: Sequence[Sequence[float]], owners: Sequence[int], costs: Ste
         search.add_many(pairs)
         for _, d in pairs:
             extra[d] += 1
-        gain_us = _step_gain(best_times, search.times) * 1e6
+        gain_us = last_gain_us = _step_gain(best_times, search.times) * 1e6
         best_times = search.times
         best_max = float(best_times.max())
         if float(_round12(best_max)) < float(_round12(result_time)) and best_max <= threshold:

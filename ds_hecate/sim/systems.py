@@ -250,7 +250,8 @@ class _GroupPlanner:
         settings = PlannerSettings(policy="hecate", calibration=h.calibration, replan_tolerance=h.replan_tolerance,
                                    load_window=h.load_window, load_predictor=h.load_predictor,
                                    search_budget_us=h.search_budget_us,
-                                   plan_budget_us=h.plan_budget_us, ranks_per_node=self.rpn)
+                                   plan_budget_us=h.plan_budget_us, ranks_per_node=self.rpn,
+                                   search_slice_us=h.search_slice_us)
         self.planner = LayerPlanner(settings, group, ctx.model.num_experts)
         self.budget = grant.replicas
         self.inputs = PlanInputs(tuple(int(o) for o in self.owners), ctx.step_costs(group), self.budget)

@@ -145,6 +145,27 @@ MUTATIONS: List[Mutation] = [
         "after an outlier only the owners are prefetched, but calibration judges the counts against the kept "
         "schedule and skips (the call runs unbalanced)"),
     Mutation(
+        "slice-ignored", "ds_hecate/planning/sliced_search.py",
+        (("                if (stepped and used + self.progress.step_us > slice_us\n",
+          "                if (False  # MUTATION: the whole search in one call whatever the slice\n"),),
+        "a sliced search runs to its end in the first call (the whole search charged to one step)"),
+    Mutation(
+        "slice-never-extended-for-gains", "ds_hecate/planning/sliced_search.py",
+        (("                        and self.progress.last_gain_us <= self.progress.step_us):\n",
+          "                        and True):  # MUTATION: a step that pays on this call still waits for the next\n"),),
+        "beyond its slice a search stops even where each step takes milliseconds off this very call"),
+    Mutation(
+        "search-in-progress-not-checkpointed", "ds_hecate/planning/schedule_reuse.py",
+        (("        if self.pending is not None:   # replayed on load: the same steps, so the same interim placements after\n",
+          "        if False:  # MUTATION: a search in progress is not saved\n"),),
+        "a checkpoint taken while a sliced search is in progress resumes without it (other placements after)"),
+    Mutation(
+        "remembered-calibration-never-prefetched", "ds_hecate/planning/sliced_search.py",
+        (("        if self.fallback is not None and (best is None or float(_round12(self.fallback_time_s))\n",
+          "        if False and (best is None or float(_round12(self.fallback_time_s))  # MUTATION\n"),),
+        "while a sliced search goes on, calls prefetch its partial best even where calibration's placement for "
+        "the same routing is estimated faster"),
+    Mutation(
         "budget-ignored-self-report-hidden", "ds_hecate/runtime/layer.py",
         (("        return PlanInputs(self.shard.owners, self.runtime.step_costs(self), self.replica_budget(), self.cost)\n",
           "        return PlanInputs(self.shard.owners, self.runtime.step_costs(self), 1 << 30, self.cost)  # MUTATION\n"),
@@ -329,6 +350,10 @@ TESTS_FOR: Dict[str, List[str]] = {
     "pool-forgets-what-it-lent": ["tests/test_replica_pool.py"],
     "calibration-forgotten": ["tests/test_calibration_memory.py"],
     "calibration-remembered-from-a-prediction": ["tests/test_calibration_memory.py"],
+    "slice-ignored": ["tests/test_sliced_search.py"],
+    "search-in-progress-not-checkpointed": ["tests/test_sliced_search.py"],
+    "slice-never-extended-for-gains": ["tests/test_sliced_search.py"],
+    "remembered-calibration-never-prefetched": ["tests/test_sliced_search.py"],
     "schedule-reset-at-an-outlier": ["tests/test_calibration_memory.py"],
     "kept-schedule-taken-for-the-prefetch": ["tests/test_calibration_memory.py"],
     "search-never-keeps-tokens-home": ["tests/test_objective.py::test_search_keeps_a_senders_tokens_home"],
