@@ -13,7 +13,8 @@ which may change from step to step so that Hecate's load prediction misses and c
 Dimensions (each drawn independently):
 
 - placement: ``hecate`` (default; with its own knobs: calibration on in 3 of 4 draws, reshard_interval 1-3 or 0,
-  overlap degree, replica budget, replan tolerance, load window, prefetch, rematerialize, cost-model regime),
+  overlap degree, replica budget, replan tolerance, load window, prefetch, rematerialize, search slice,
+  cost-model regime),
   ``owner``, ``local``, ``cost``, ``shadow``, ``all``
 - top-1 / top-2
 - precision fp32 / bf16 / fp16 (low precision forces routes, see below)
@@ -207,6 +208,8 @@ def _hecate_section(placement: str, rng: random.Random, steps: int) -> Tuple[dic
         section["load_window"] = rng.choice((1, 2, 5))
         section["prefetch"] = rng.random() < 0.8
         section["rematerialize"] = rng.choice((True, False, False, None))   # None: the pool decides per layer
+        # the search spread over calls: null (sliced where overlap_degree gives a window), whole, one step a call
+        section["search_slice_us"] = rng.choice((None, None, 0.0, 1.0))
         notes.append("calib" if section["calibration"] else "no-calib")
         notes.append(f"reshard={section['reshard_interval']}")
         notes.append(f"t={section['overlap_degree']}")
@@ -217,6 +220,8 @@ def _hecate_section(placement: str, rng: random.Random, steps: int) -> Tuple[dic
             notes.append("no-prefetch")
         if section["rematerialize"] is not False:
             notes.append("remat" if section["rematerialize"] else "remat=auto")
+        if section["search_slice_us"] is not None:
+            notes.append(f"slice={section['search_slice_us']:g}us")
     return section, " ".join(notes)
 
 

@@ -53,6 +53,8 @@ class Spec:
     layers: int = 2
     hidden: int = 16
     ffn: int = 32
+    ffn_per_layer: Optional[tuple] = None  # expert FFN width of each MoE layer (default ``ffn`` for all): layers
+                                           # of different expert sizes, which the replica pool grants apart
     tokens: int = 24                       # tokens per rank per micro-step
     steps: int = 20
     gas: int = 1
@@ -123,12 +125,13 @@ def _full_values(params: List[nn.Parameter]):
 
 
 class Block(nn.Module):
-    def __init__(self, spec: Spec) -> None:
+    def __init__(self, spec: Spec, layer: int = 0) -> None:
         super().__init__()
         self.checkpoint = spec.checkpoint
         self.mix = nn.Linear(spec.hidden, spec.hidden)
-        expert = (nn.Sequential(nn.Linear(spec.hidden, spec.ffn), nn.GELU(), nn.Linear(spec.ffn, spec.hidden))
-                  if spec.expert_kind == "ffn" else GenericExpert(spec.hidden, spec.ffn))
+        ffn = spec.ffn if spec.ffn_per_layer is None else spec.ffn_per_layer[layer]
+        expert = (nn.Sequential(nn.Linear(spec.hidden, ffn), nn.GELU(), nn.Linear(ffn, spec.hidden))
+                  if spec.expert_kind == "ffn" else GenericExpert(spec.hidden, ffn))
         if spec.native:
             from ds_hecate import MoE
         else:
@@ -178,7 +181,7 @@ class TinyMoE(nn.Module):
         super().__init__()
         self.spec = spec
         self.inp = nn.Linear(spec.hidden, spec.hidden)
-        self.blocks = nn.ModuleList([Block(spec) for _ in range(spec.layers)])
+        self.blocks = nn.ModuleList([Block(spec, layer) for layer in range(spec.layers)])
         self.head = nn.Linear(spec.hidden, 1)
 
     def forward(self, x, y, used_token=None):

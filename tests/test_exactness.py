@@ -31,6 +31,8 @@ CHEAP_EXPERTS = dict(ffn=4, tokens=64)
 HOT = (3.0, 3.0) + (0.0,) * 6
 SCHEDULER = {"placement": "hecate", "overlap_degree": 1, "reshard_interval": 3}
 
+# 10/3 wide experts (1072 fp32 numbers): three wide layers share a reserve of 2 slots, the narrow one's share is 6
+MIXED_POOL_MB = 10 / 3 * 1072 * 4 / (1 << 20)
 # name -> (spec, hecate section, tolerances); tolerances may hold "oracle": fields the oracle spec changes
 Case = Tuple[Spec, dict, dict]
 # DeepSpeed's own MoE layer, with the same expert and gate (ds_hecate.MoE has DeepSpeed's constructor and gate).
@@ -57,6 +59,11 @@ def _cases(world: int) -> Dict[str, Case]:
                                                {**SCHEDULER, "calibration": True, "prefetch": False}, {}),
             "hecate-tight-budget": (replace(BASE, gate_bias=HOT),
                                     {**SCHEDULER, "materialize_budget_mb": 1.5 * 2 * 1072 * 4 / (1 << 20)}, {}),
+            # three wide layers and a narrow one (experts of 1072 and 148 fp32 numbers): with rematerialize null
+            # the pool re-materializes the wide ones (2 replicas each, one layer at a time) and keeps the narrow
+            # one resident (6) -- both autograd paths in one model
+            "hecate-mixed-pool": (replace(BASE, gate_bias=HOT, layers=4, ffn_per_layer=(32, 32, 32, 4)),
+                                  {**SCHEDULER, "materialize_budget_mb": MIXED_POOL_MB}, {}),
         })
     if world == 4:   # two nodes of two ranks, fan-out 1: experts held by 3 or 4 ranks travel through relays
         relayed = {"fanout": 1, "ranks_per_node": 2}
@@ -192,13 +199,18 @@ def test_scheduler_replicates_reshards_and_respects_budget(world_results):
             for layer in stats["layers"]:
                 assert layer["peak_replica_bytes"] <= stats["memory"]["materialize_budget"], (name, layer)
             layer_peaks = [layer["peak_replica_bytes"] for layer in stats["layers"]]
-            if "rematerialize" in name:  # one layer's replicas at a time
+            if "rematerialize" in name:  # one layer's replicas at a time (every layer re-materializes)
                 assert stats["memory"]["peak_materialized"] <= max(layer_peaks), (name, stats["memory"])
             if "no-prefetch" not in name:
                 assert all(layer["prefetch_hits"] > 0 for layer in stats["layers"]), f"{name}: prefetch unused"
             if name == "hecate-tight-budget":   # three replicas' worth for two layers: the pool lends 1 + 2
                 assert [layer["replica_budget"] for layer in stats["layers"]] == [1, 2], stats["layers"]
                 assert stats["memory"]["peak_materialized"] <= stats["memory"]["materialize_budget"], stats["memory"]
+            if name == "hecate-mixed-pool":   # wide layers re-materialize, the narrow one stays resident
+                grants = [(layer["replica_budget"], layer["rematerialize"]) for layer in stats["layers"]]
+                assert grants == [(2, True)] * 3 + [(6, False)], grants
+                assert stats["memory"]["peak_materialized"] <= stats["memory"]["materialize_budget"], stats["memory"]
+                assert any(layer["replicas"] > 0 for layer in stats["layers"][:3]), "no wide layer re-materialized"
 
 
 def test_checkpoint_recompute_replays_the_forward_plan(world_results):
@@ -219,18 +231,20 @@ def test_expert_state_is_sharded(world_results):
     """Each rank holds master weights and optimizer state of its owned experts only (bytes), nothing else."""
     world, results = world_results
     for name, (_, mine, tol) in results.items():
-        spec_numel = None
         total_master = 0
         for rank, r in enumerate(mine):
-            owned = sum(len(layer["owned_experts"]) for layer in r["hecate_stats"]["layers"])
-            numel = r["experts"][next(iter(r["experts"]))].shape[1]
-            spec_numel = numel
+            layers = r["hecate_stats"]["layers"]
+            # layers in binding order, as full_expert_weights lists them; their expert sizes may differ
+            numels = [weights.shape[1] for weights in r["experts"].values()]
+            owned = sum(len(layer["owned_experts"]) for layer in layers)
+            owned_numel = sum(len(layer["owned_experts"]) * n for layer, n in zip(layers, numels))
             mem = r["hecate_memory"]
-            assert mem["expert_master"] == owned * numel * 4, (name, rank, mem)
+            assert mem["expert_master"] == owned_numel * 4, (name, rank, mem)
             # AdamW: exp_avg + exp_avg_sq in fp32 plus a scalar step per owned expert vector.
-            assert 8 * owned * numel <= mem["expert_optimizer_state"] <= 8 * owned * numel + 64 * owned, (name, mem)
+            assert 8 * owned_numel <= mem["expert_optimizer_state"] <= 8 * owned_numel + 64 * owned, (name, mem)
             assert mem["materialized"] == 0, f"{name}: materialized experts must be freed after backward"
             total_master += mem["expert_master"]
-        layers = len(mine[0]["hecate_stats"]["layers"])
-        experts = mine[0]["hecate_stats"]["layers"][0]["num_experts"]
-        assert total_master == layers * experts * spec_numel * 4, f"{name}: one global copy of every expert"
+        layers = mine[0]["hecate_stats"]["layers"]
+        numels = [weights.shape[1] for weights in mine[0]["experts"].values()]
+        expected = sum(layer["num_experts"] * n for layer, n in zip(layers, numels)) * 4
+        assert total_master == expected, f"{name}: one global copy of every expert"

@@ -166,6 +166,11 @@ MUTATIONS: List[Mutation] = [
         "while a sliced search goes on, calls prefetch its partial best even where calibration's placement for "
         "the same routing is estimated faster"),
     Mutation(
+        "every-layer-takes-the-pools-mode", "ds_hecate/runtime/layer.py",
+        (("        return self.runtime.grant(self).rematerialize\n",
+          "        return self.runtime.pool.rematerializes  # MUTATION: one layer re-materializing makes all do\n"),),
+        "a layer follows the pool's mode instead of its own grant (a resident layer re-materializes)"),
+    Mutation(
         "budget-ignored-self-report-hidden", "ds_hecate/runtime/layer.py",
         (("        return PlanInputs(self.shard.owners, self.runtime.step_costs(self), self.replica_budget(), self.cost)\n",
           "        return PlanInputs(self.shard.owners, self.runtime.step_costs(self), 1 << 30, self.cost)  # MUTATION\n"),
@@ -350,6 +355,7 @@ TESTS_FOR: Dict[str, List[str]] = {
     "pool-forgets-what-it-lent": ["tests/test_replica_pool.py"],
     "calibration-forgotten": ["tests/test_calibration_memory.py"],
     "calibration-remembered-from-a-prediction": ["tests/test_calibration_memory.py"],
+    "every-layer-takes-the-pools-mode": ["tests/test_exactness.py::test_scheduler_replicates_reshards_and_respects_budget[2rank]"],
     "slice-ignored": ["tests/test_sliced_search.py"],
     "search-in-progress-not-checkpointed": ["tests/test_sliced_search.py"],
     "slice-never-extended-for-gains": ["tests/test_sliced_search.py"],
