@@ -103,11 +103,14 @@ def test_the_remembered_calibration_is_prefetched_while_estimated_faster():
     assert tight.pending.fallback is None
 
 
-def test_a_checkpoint_resumes_the_search_in_progress_exactly():
+@pytest.mark.parametrize("first_calls", [1, 2, 3, 5])
+def test_a_checkpoint_resumes_the_search_in_progress_exactly(first_calls):
+    """Checkpointed after calls whose slices took several steps each (the first ones gain more than they cost):
+    the resumed search replays the same steps and goes on as the original."""
     loads = _skewed()
     original = ScheduleReuse(0.05)
-    _calls(original, loads, 3)
-    assert original.pending is not None and original.pending.taken >= 3
+    _calls(original, loads, first_calls)
+    assert original.pending is not None and original.pending.taken >= first_calls
     state = original.state_dict()
     assert ScheduleReuse.state_fits(state, WORLD, EXPERTS)
     assert not ScheduleReuse.state_fits(dict(state, pending=dict(state["pending"], taken=-1)), WORLD, EXPERTS)

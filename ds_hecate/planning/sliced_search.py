@@ -45,29 +45,42 @@ class SlicedSearch:
         delay: later calls would have it anyway, one call later); True once the search ended (:attr:`result`).
         Why the second rule: the first steps of a search on skewed routing gain milliseconds each; deferred one a
         call they left DeepSeek-V3 W3 at 1,024 GPUs (simulated) running a poor placement for tens of steps."""
-        used, stepped = 0.0, False
+        used = self._setup()
+        stepped = False
         while self.result is None:
-            if self.progress is not None:
-                if (stepped and used + self.progress.step_us > slice_us
-                        and self.progress.last_gain_us <= self.progress.step_us):
-                    return False
-                used += self.progress.step_us
-                self.taken += 1
-                stepped = True
-            started = self.progress is None
-            try:
-                self.progress = next(self.steps)
-            except StopIteration as end:
-                self.result = end.value
-                return True
-            if started:
-                used += self.progress.spent_us   # the setup, charged to the first slice
+            if (stepped and used + self.progress.step_us > slice_us
+                    and self.progress.last_gain_us <= self.progress.step_us):
+                return False
+            used += self.progress.step_us
+            self._step()
+            stepped = True
         return True
 
     def replay(self, taken: int) -> None:
-        """Take ``taken`` steps at once (a resumed run catching up with the checkpointed search)."""
+        """Take ``taken`` steps at once (a resumed run catching up with the checkpointed search): the same
+        generator states as the run that took them, whatever slices it took them in."""
+        self._setup()
         while self.taken < taken and self.result is None:
-            self.advance(0.0)   # one step a time
+            self._step()
+
+    def _setup(self) -> float:
+        """Build the search (its first yield) if not yet; the work that cost (0 when built already)."""
+        if self.progress is not None or self.result is not None:
+            return 0.0
+        try:
+            self.progress = next(self.steps)
+        except StopIteration as end:   # a budget below the first step: the start, unsearched
+            self.result = end.value
+            return 0.0
+        return self.progress.spent_us
+
+    def _step(self) -> None:
+        """One search step, to the next yield or the end."""
+        self.taken += 1
+        try:
+            self.progress = next(self.steps)
+        except StopIteration as end:
+            self.result = end.value
 
     def interim(self) -> Materialized:
         """What the call prefetches while the search goes on: its best placement so far, or the remembered
