@@ -140,3 +140,23 @@ def test_nothing_speculative_is_prefetched_while_the_newest_call_disagrees(predi
     else:
         assert _replicas(after_burst) > 0                    # the mean's newest call always "agrees"
         assert any(5 in m and planner.prediction is not None for m in after_burst.materialized)
+
+
+def test_a_reused_schedule_prefetches_the_same_placement_object():
+    """While the schedule is reused the planner hands out the same Placement, so the dispatch tables cached on it
+    (``rank_tables``) are built once, not on every layer call."""
+    from ds_hecate.planning.dispatch_plan import rank_tables
+    world, experts = 4, 8
+    planner = LayerPlanner(PlannerSettings(ranks_per_node=2), world, experts)
+    inputs = _inputs(world, experts)
+    counts = _hot(world, experts, 3, 0)
+    placements = []
+    for _ in range(6):
+        prefetched = planner.prefetch_placement(inputs)
+        placements.append(prefetched)
+        planner.plan_call(counts, inputs, prefetched, rank=0)
+        planner.observe(counts)
+    reused = placements[2:]    # the first call has no prediction; the second searches
+    assert planner.schedule.reuses >= 3
+    assert all(p is reused[0] for p in reused)
+    assert rank_tables(reused[-1], 2, 0) is rank_tables(reused[0], 2, 0)

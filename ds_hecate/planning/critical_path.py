@@ -14,7 +14,7 @@ from typing import Optional
 import numpy as np
 
 from .dispatch_plan import DispatchPlan, RankDispatch
-from .plan import Placement
+from .plan import Placement, materialized_of
 from .schedule_reuse import ScheduleReuse
 from .scheduler import SEARCH_WORK, RelativeBudget, schedule_materialization
 from .cost_model import StepCostModel
@@ -45,7 +45,7 @@ def calibration_extras(calibrated: Placement, prefetched: np.ndarray) -> Placeme
     every placement does)."""
     extra = calibrated.holders & ~prefetched
     extra[np.asarray(calibrated.owners, dtype=np.int64), np.arange(len(calibrated.owners))] = True
-    return Placement(calibrated.owners, tuple(tuple(int(e) for e in np.flatnonzero(row)) for row in extra))
+    return Placement(calibrated.owners, materialized_of(extra))
 
 
 def plan_after_gate(counts: np.ndarray, prefetched: Placement, prediction: Optional[np.ndarray],
@@ -73,7 +73,7 @@ def plan_after_gate(counts: np.ndarray, prefetched: Placement, prediction: Optio
         holders = prefetched.holders
         known = schedule.calibrated_fit(counts, prefetched.owners, holders, replica_budget)
         if known is not None:   # routing that stayed where the last calibration placed for: no search
-            calibrated = tuple(tuple(int(e) for e in np.flatnonzero(row)) for row in known)
+            calibrated = materialized_of(known)
         else:
             calibrated = schedule_materialization(counts, prefetched.owners, costs, replica_budget, ranks_per_node,
                                                   start=holders, prefetched=holders,

@@ -107,6 +107,9 @@ class LayerPlanner:
         self._start: Tuple[Any, Optional[Materialized]] = (None, None)   # (its inputs, the start layout)
         #: whether the last prefetched placement holds replicas for a prediction (not only owners and start layout)
         self.speculative = False
+        #: the last scheduled Placement: a reused schedule returns the same object, so the dispatch tables built
+        #: with it (``rank_tables``, cached on the Placement) are not rebuilt on every call
+        self._scheduled: Optional[Placement] = None
 
     @property
     def prefetches(self) -> bool:
@@ -147,7 +150,10 @@ class LayerPlanner:
                                               s.ranks_per_node, start=start, budget_us=s.search_budget_us,
                                               slice_us=search_slice(s.search_slice_us, inputs.costs))
         self.speculative = True
-        return Placement(tuple(inputs.owners), materialized)
+        last = self._scheduled
+        if last is None or last.materialized is not materialized or last.owners != tuple(inputs.owners):
+            last = self._scheduled = Placement(tuple(inputs.owners), materialized)
+        return last
 
     def plan_call(self, counts: np.ndarray, inputs: PlanInputs, prefetched: Optional[Placement],
                   rank: int) -> AfterGate:

@@ -28,6 +28,11 @@ def holders_matrix(placement, world: int, num_experts: int) -> np.ndarray:
     return holders
 
 
+def materialized_of(holders: np.ndarray) -> Materialized:
+    """A ``[ranks, experts]`` bool matrix as per-rank expert lists (the inverse of :func:`holders_matrix`)."""
+    return tuple(tuple(int(e) for e in np.flatnonzero(row)) for row in holders)
+
+
 def owned_experts(owners: Sequence[int], world: int) -> Materialized:
     """The sharded placement P as per-rank expert lists: each expert on its owner only (plain expert parallelism)."""
     owned: List[List[int]] = [[] for _ in range(world)]

@@ -142,30 +142,34 @@ class ScheduleReuse:
                       fallback: Optional[Tuple[Materialized, float]] = None) -> SlicedSearch:
         """A sliced search for ``loads``, with the remembered calibration (where it fits them) and its estimate to
         prefetch while the search's own best is estimated slower (``fallback``: as saved with a checkpoint)."""
-        if fallback is None:
-            remembered = self._remembered_for(loads, owners, budget_per_rank, start)
+        if fallback is None:   # the remembered calibration, where it serves the loads as a schedule would
+            remembered = self._remembered(loads, owners, budget_per_rank, self.tolerance, start=start)
             fallback = (None, float("inf")) if remembered is None else (
-                remembered, estimate_layer(loads, owners, remembered, costs, ranks_per_node).time_s)
+                self.calibrated[0], estimate_layer(loads, owners, remembered, costs, ranks_per_node).time_s)
         steps = search_steps(loads, owners, costs, budget_per_rank, ranks_per_node, start=start, budget_us=budget_us)
         return SlicedSearch(steps, loads, float(loads.sum()), key, fallback[0], fallback[1])
 
-    def _remembered_for(self, loads: np.ndarray, owners, budget_per_rank: int, start) -> Optional[Materialized]:
-        """The remembered calibration as a placement for ``loads``: made for loads within ``tolerance`` of them,
-        same owners, within the budget, holding the search's ``start`` layout; else None."""
+    def _remembered(self, counts: np.ndarray, owners, budget_per_rank: int, threshold: float,
+                    joined: Optional[np.ndarray] = None, start=None) -> Optional[np.ndarray]:
+        """The remembered calibration's holders (``[ranks, experts]`` bool, joined with ``joined`` if given) where it
+        serves ``counts``: same owners, made for counts within ``threshold`` (an L1 share) of them, at most
+        ``budget_per_rank`` replicas per rank, holding ``start`` if given; else None."""
         if self.calibrated is None:
             return None
-        placement, made_for_loads, made_for = self.calibrated
-        if made_for != tuple(int(o) for o in owners) or made_for_loads.shape != loads.shape:
+        placement, made_for_counts, made_for = self.calibrated
+        if made_for != tuple(int(o) for o in owners) or made_for_counts.shape != counts.shape:
             return None
-        if load_shift(made_for_loads, loads) > self.tolerance:
+        if load_shift(made_for_counts, counts) > threshold:
             return None
-        holders = holders_matrix(placement, *loads.shape)
-        replicas = holders.sum(axis=1) - np.bincount(np.asarray(made_for, dtype=np.int64), minlength=loads.shape[0])
-        if int(replicas.max()) > budget_per_rank:
+        holders = holders_matrix(placement, *counts.shape)
+        if joined is not None:
+            holders = holders | joined
+        owned = np.bincount(np.asarray(made_for, dtype=np.int64), minlength=counts.shape[0])
+        if int((holders.sum(axis=1) - owned).max()) > budget_per_rank:
             return None
-        if start is not None and (holders_matrix(start, *loads.shape) & ~holders).any():
+        if start is not None and (holders_matrix(start, *counts.shape) & ~holders).any():
             return None
-        return placement
+        return holders
 
     def remember_calibration(self, placement: Materialized, counts: np.ndarray, owners: Sequence[int]) -> None:
         """Keep what calibration placed for ``counts`` (see the class docstring)."""
@@ -179,14 +183,9 @@ class ScheduleReuse:
         replicas per rank; else None. Calibration then places without a search."""
         if self.calibrated is None:
             return None
-        placement, loads, made_for = self.calibrated
-        if made_for != tuple(int(o) for o in owners) or loads.shape != counts.shape:
-            return None
-        if load_shift(loads, counts) > max(self.tolerance, NOISE_FACTOR * sampling_noise(loads)):
-            return None
-        joined = holders_matrix(placement, *counts.shape) | prefetched
-        replicas = joined.sum(axis=1) - np.bincount(np.asarray(made_for, dtype=np.int64), minlength=counts.shape[0])
-        return joined if int(replicas.max()) <= budget_per_rank else None
+        threshold = max(self.tolerance, NOISE_FACTOR * sampling_noise(self.calibrated[1]))
+        return self._remembered(np.asarray(counts, dtype=np.float64), owners, budget_per_rank, threshold,
+                                joined=prefetched)
 
     def _plan_for(self, loads: Optional[np.ndarray]) -> None:
         self.planned_for, self._noise = loads, None
@@ -281,8 +280,7 @@ class ScheduleReuse:
             if "pending" in state:
                 pending = state["pending"]
                 if int(pending["taken"]) < 0 or not ScheduleReuse._placement_fits(
-                        pending["fallback"] or [[] for _ in range(world_size)], pending["loads"], pending["owners"],
-                        world_size, num_experts, owners_held=pending["fallback"] is not None):
+                        pending["fallback"], pending["loads"], pending["owners"], world_size, num_experts):
                     return False
             if "placement" not in state:
                 return True
@@ -292,18 +290,19 @@ class ScheduleReuse:
             return False
 
     @staticmethod
-    def _placement_fits(placement, loads, owners, world_size: int, num_experts: int, owners_held: bool = True) -> bool:
-        """A saved placement with the loads it was made for and its owners: shapes, ranges, owners inside it
-        (``owners_held`` False: an empty placement, only the loads and owners checked; raises on malformed
-        entries, :meth:`state_fits` turns that into False)."""
-        placement = [{int(e) for e in r} for r in placement]
+    def _placement_fits(placement, loads, owners, world_size: int, num_experts: int) -> bool:
+        """A saved placement (None: none saved) with the loads it was made for and its owners: shapes, ranges,
+        owners inside it (raises on malformed entries; :meth:`state_fits` turns that into False)."""
         loads = [[float(v) for v in row] for row in loads]
         owners = [int(o) for o in owners]
-        return (len(placement) == len(loads) == world_size and len(owners) == num_experts
-                and all(0 <= o < world_size for o in owners)
-                and all(len(row) == num_experts for row in loads)
-                and all(0 <= e < num_experts for r in placement for e in r)
-                and (not owners_held or all(e in placement[o] for e, o in enumerate(owners))))
+        if not (len(loads) == world_size and len(owners) == num_experts and all(0 <= o < world_size for o in owners)
+                and all(len(row) == num_experts for row in loads)):
+            return False
+        if placement is None:
+            return True
+        placement = [{int(e) for e in r} for r in placement]
+        return (len(placement) == world_size and all(0 <= e < num_experts for r in placement for e in r)
+                and all(e in placement[o] for e, o in enumerate(owners)))
 
     def load_state_dict(self, state: dict, costs: StepCostModel, budget_per_rank: int, ranks_per_node: int,
                         budget_us: Optional[float] = None,

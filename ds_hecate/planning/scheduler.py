@@ -25,7 +25,7 @@ import numpy.ma  # noqa: F401  np.unique imports it on its first call (10 ms), w
 from .cost_model import LayerEstimate, StepCostModel, estimate_layer, rank_seconds
 from .fanout import relay_transfers
 from .dispatch import dispatch_flows
-from .plan import Materialized, holders_matrix
+from .plan import Materialized, holders_matrix, materialized_of
 
 
 def _round12(values):
@@ -176,8 +176,7 @@ class _Search:
         self.refresh()
 
     def frozen(self, mat=None) -> Materialized:
-        mat = self.mat if mat is None else mat
-        return tuple(tuple(int(e) for e in np.flatnonzero(row)) for row in mat)
+        return materialized_of(self.mat if mat is None else mat)
 
 
 def _lex_min(profiles) -> int:
@@ -521,7 +520,7 @@ def _greedy_steps(counts: Sequence[Sequence[float]], owners: Sequence[int], cost
         holders[np.asarray(owners, dtype=np.int64), np.arange(num_experts)] = True
         if start is not None:
             holders |= holders_matrix(start, world, num_experts)
-        return tuple(tuple(int(e) for e in np.flatnonzero(row)) for row in holders)
+        return materialized_of(holders)
     search = _Search(counts, owners, costs, ranks_per_node, start, prefetched)
     extra = (search.mat & ~search.owner_mask).sum(axis=1)
 

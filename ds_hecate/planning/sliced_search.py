@@ -20,7 +20,7 @@ from typing import Generator, Optional
 
 import numpy as np
 
-from .plan import Materialized
+from .plan import Materialized, materialized_of
 from .scheduler import Progress, _round12
 
 
@@ -38,6 +38,7 @@ class SlicedSearch:
     taken: int = 0                                 # steps taken (what a checkpoint records)
     progress: Optional[Progress] = None            # before the next step; None before the first slice
     result: Optional[Materialized] = None          # set once the search ended
+    _frozen: tuple = (None, None)                  # (the best matrix, it as expert lists): one freeze per best
 
     def advance(self, slice_us: float) -> bool:
         """Take steps while this call's work stays within ``slice_us`` (at least one step), and beyond it while the
@@ -90,4 +91,6 @@ class SlicedSearch:
                                           < float(_round12(best.best_time_s))):
             return self.fallback
         assert best is not None, "interim is asked after advance, which yields before the first step or ends"
-        return tuple(tuple(int(e) for e in np.flatnonzero(row)) for row in best.best)
+        if self._frozen[0] is not best.best:   # a new best (the search copies its matrix when it improves)
+            self._frozen = (best.best, materialized_of(best.best))
+        return self._frozen[1]

@@ -146,13 +146,13 @@ MUTATIONS: List[Mutation] = [
         "schedule and skips (the call runs unbalanced)"),
     Mutation(
         "slice-ignored", "ds_hecate/planning/sliced_search.py",
-        (("                if (stepped and used + self.progress.step_us > slice_us\n",
-          "                if (False  # MUTATION: the whole search in one call whatever the slice\n"),),
+        (("            if (stepped and used + self.progress.step_us > slice_us\n",
+          "            if (False  # MUTATION: the whole search in one call whatever the slice\n"),),
         "a sliced search runs to its end in the first call (the whole search charged to one step)"),
     Mutation(
         "slice-never-extended-for-gains", "ds_hecate/planning/sliced_search.py",
-        (("                        and self.progress.last_gain_us <= self.progress.step_us):\n",
-          "                        and True):  # MUTATION: a step that pays on this call still waits for the next\n"),),
+        (("                    and self.progress.last_gain_us <= self.progress.step_us):\n",
+          "                    and True):  # MUTATION: a step that pays on this call still waits for the next\n"),),
         "beyond its slice a search stops even where each step takes milliseconds off this very call"),
     Mutation(
         "search-in-progress-not-checkpointed", "ds_hecate/planning/schedule_reuse.py",
