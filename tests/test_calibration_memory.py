@@ -1,6 +1,6 @@
 """The remembered calibration (ScheduleReuse.calibrated): after routing moves for good, calibration places once
-and the calls after it take that placement instead of searching again after the gate; never from a speculative
-start, never beyond the budget, kept across a checkpoint. And the schedule outlives an outlier call: routing back
+and the calls after it take that placement instead of searching again after the gate; from a speculative start
+only what it added, never beyond the budget, kept across a checkpoint. And the schedule outlives an outlier call: routing back
 after a burst reuses it."""
 from __future__ import annotations
 
@@ -58,11 +58,28 @@ def test_other_counts_search_again(monkeypatch):
                         speculative=False)
 
 
-def test_a_speculative_start_is_not_remembered():
-    """Calibration that extends a prediction's replicas keeps them; remembered, they would be prefetched again."""
+def test_from_a_speculative_start_only_what_calibration_added_is_remembered(monkeypatch):
+    """Calibration that extends a prediction's replicas (the old hot spot's, on owner 5's experts) keeps them for
+    this call, but remembers only what it added, with the owners: remembered, the prediction's leftovers would be
+    prefetched again and pile up. The next call, prefetched without the prediction, takes the remembered placement
+    without a search (a second search per move of the hot spot, before)."""
     schedule = ScheduleReuse(0.05)
-    after = plan_after_gate(_hot_on(2), _owners_only(), None, schedule, COSTS, 4, RPN, 0, True, None)
-    assert after.extras is not None and schedule.calibrated is None
+    old_hot = owned_experts(OWNERS, WORLD)[5]
+    speculative = [list(r) for r in owned_experts(OWNERS, WORLD)]
+    for r in (0, 1, 2, 3):
+        speculative[r] = sorted(set(speculative[r]) | set(old_hot))
+    prefetched = Placement(OWNERS, tuple(tuple(r) for r in speculative))
+    after = plan_after_gate(_hot_on(2), prefetched, None, schedule, COSTS, 4, RPN, 0, True, None)
+    assert after.extras is not None
+    assert all(set(old_hot) <= set(after.plan.placement.materialized[r]) for r in (0, 1, 2, 3))   # kept this call
+    remembered = schedule.calibrated[0]
+    added = after.extras.holders
+    assert not any(e in remembered[r] for r in (0, 1, 2, 3) for e in old_hot)   # not remembered
+    assert all(set(np.flatnonzero(added[r])) == set(remembered[r]) for r in range(WORLD))
+    monkeypatch.setattr(critical_path, "schedule_materialization", _no_search)
+    again = plan_after_gate(_hot_on(2), _owners_only(), None, schedule, COSTS, 4, RPN, 0, True, None,
+                            speculative=False)
+    assert again.remembered and again.extras is not None
 
 
 def test_the_join_with_the_prefetched_placement_respects_the_budget():
@@ -99,9 +116,9 @@ def test_the_remembered_calibration_survives_a_checkpoint():
 
 def test_a_rotating_hot_spot_calibrates_with_a_search_once_per_move():
     """W6 in small: the hot set moves to another owner and stays. The first call after the move extends the old
-    routing's prefetched replicas (a search, not remembered); the next, prefetching only the owners (the window
-    disagrees with its newest call), searches from them and is remembered; the calls after take its placement
-    without a search until the window follows."""
+    routing's prefetched replicas (a search; what it added is remembered); the next ones, prefetching only the
+    owners (the window disagrees with its newest call), take the remembered placement without a search until the
+    window follows."""
     planner = LayerPlanner(PlannerSettings(ranks_per_node=RPN), WORLD, EXPERTS)
     inputs = PlanInputs(OWNERS, COSTS, 4)
     searched, remembered = [], []
@@ -115,8 +132,8 @@ def test_a_rotating_hot_spot_calibrates_with_a_search_once_per_move():
         # every call's plan balances the hot set: its experts are held beyond their owner
         held = after.plan.placement.holders[:, list(owned_experts(OWNERS, WORLD)[1 if step < 12 else 5])]
         assert held.sum() > 2, step
-    assert [s for s in range(12, 24) if searched[s]] == [12, 13], searched
-    assert remembered[14], remembered     # the window still disagrees: calibration, from the memory
+    assert [s for s in range(12, 24) if searched[s]] == [12], searched
+    assert remembered[13] and remembered[14], remembered     # the window still disagrees: from the memory
 
 
 def test_routing_back_after_a_burst_reuses_the_schedule_without_a_search():

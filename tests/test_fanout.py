@@ -19,7 +19,7 @@ import torch
 from dist_utils import run_ranks
 from ds_hecate.planning import Placement
 from ds_hecate.planning.cost_model import StepCostModel, estimate_layer
-from ds_hecate.planning.fanout import RelayPlan, relay_parents, relay_transfers, tree_transfers
+from ds_hecate.planning.fanout import RelayPlan, node_fanout, relay_parents, relay_transfers, tree_transfers
 
 
 def _random_holders(rng: np.random.Generator):
@@ -36,11 +36,11 @@ def test_vectorised_counts_are_the_explicit_trees(seed):
     rng = np.random.default_rng(seed)
     for _ in range(300):
         world, rpn, owners, holders = _random_holders(rng)
-        fanout = int(rng.choice([0, 1, 2, 3, 4, 8]))
-        got = tree_transfers(holders, owners, rpn, fanout)
+        fanout, chunks = int(rng.choice([0, 1, 2, 3, 4, 8])), int(rng.choice([1, 2, 4, 16]))
+        got = tree_transfers(holders, owners, rpn, fanout, chunks)
         expected = [np.zeros(holders.shape) for _ in range(4)]
         for i in range(len(owners)):
-            parents = relay_parents(int(owners[i]), np.flatnonzero(holders[i]).tolist(), rpn, fanout)
+            parents = relay_parents(int(owners[i]), np.flatnonzero(holders[i]).tolist(), rpn, fanout, chunks)
             replicas = set(np.flatnonzero(holders[i]).tolist()) - {int(owners[i])}
             assert set(parents) == replicas
             for child, parent in parents.items():
@@ -101,11 +101,41 @@ def test_scheduler_charges_the_tree_not_the_flat_fan_out():
     assert 3 * 8e-3 / 8 <= tree.time_s < 1.25 * 3 * 8e-3 / 8
 
 
-def _collectives(rank, world, placement, fanout, numel, seed, rpn=2, chunks=1, float_grads=False):
+class _StreamOrderedGloo:
+    """gloo standing in for a stream-ordered transport (NCCL on CUDA): it says it is, and its relay scope runs the
+    chain in place, each primitive completing before the next (a valid schedule of the stream's order); it counts
+    scopes and joins, so a test sees the relay issue every stage inside one scope and join once."""
+
+    def __init__(self, inner):
+        self.inner, self.scopes, self.joins = inner, 0, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    stream_ordered = True
+
+    def relay_scope(self, tensors):
+        import contextlib
+        assert all(isinstance(t, torch.Tensor) for t in tensors)
+        self.scopes += 1
+
+        @contextlib.contextmanager
+        def scope():
+            yield self._join
+        return scope()
+
+    def _join(self):
+        self.joins += 1
+
+
+def _collectives(rank, world, placement, fanout, numel, seed, rpn=2, chunks=1, float_grads=False,
+                 stream_ordered=False):
     import torch.distributed as dist
     from ds_hecate.comm.collectives import CommCounters, Communicator
     dist.init_process_group("gloo", rank=rank, world_size=world)
     comm = Communicator(None, rank, world)
+    if stream_ordered:
+        comm.weights = _StreamOrderedGloo(comm.weights)
     plan = RelayPlan.of(placement, rpn, fanout, chunks)
     exchanges = []
     exchange_rows = comm.exchange_rows
@@ -119,7 +149,9 @@ def _collectives(rank, world, placement, fanout, numel, seed, rpn=2, chunks=1, f
     owned = {e: weights[e].clone() for e, o in enumerate(placement.owners) if o == rank}
     counters = CommCounters()
     pending = comm.start_sparse_all_gather(placement, owned, numel, torch.float32, counters, relay=plan)
+    gather_started = len(exchanges)
     gathered = pending.wait()
+    gather_total = len(exchanges)
     # every copy's gradient: a per-(rank, expert) integer pattern, so sums are exact in fp32 whatever the order
     if float_grads:   # sums whose rounding depends on their order: chunking must not change it
         grads = torch.stack([torch.randn(numel, generator=torch.Generator().manual_seed(seed * 1000 + rank * 37 + e))
@@ -127,9 +159,14 @@ def _collectives(rank, world, placement, fanout, numel, seed, rpn=2, chunks=1, f
     else:
         grads = torch.stack([torch.full((numel,), float(1 + rank * 7 + e)) for e in gathered.experts])
     accumulator = torch.zeros(gathered.owned, numel)
-    comm.start_sparse_reduce_scatter(placement, gathered.experts, grads, torch.float32, counters,
-                                     lambda: accumulator, relay=plan)()
-    return {"rows": {e: row.clone() for e, row in gathered.flats().items()}, "weights": weights,
+    finish = comm.start_sparse_reduce_scatter(placement, gathered.experts, grads, torch.float32, counters,
+                                              lambda: accumulator, relay=plan)
+    reduce_started = len(exchanges) - gather_total
+    finish()
+    return {"issued_at_start": (gather_started, reduce_started),
+            "issued": (gather_total, len(exchanges) - gather_total),
+            "scopes": (comm.weights.scopes, comm.weights.joins) if stream_ordered else None,
+            "rows": {e: row.clone() for e, row in gathered.flats().items()}, "weights": weights,
             "sums": dict(zip(gathered.experts[:gathered.owned], accumulator.unbind(0))),
             "stages": len(plan.stages), "sent": counters.allgather_bytes, "exchanges": len(exchanges),
             "sent_back": counters.reducescatter_bytes}
@@ -190,6 +227,28 @@ def test_pipelined_relay_is_bit_equal_to_level_by_level_and_takes_fewer_rounds()
             torch.testing.assert_close(total, flat[r]["sums"][e], rtol=1e-5, atol=1e-5)
 
 
+def test_stream_ordered_relay_issues_every_stage_at_start_bit_equal():
+    """On a stream-ordered transport (NCCL on CUDA; here gloo standing in for one) a relayed SparseAllGather and
+    SparseReduceScatter issue every stage when they start, inside one relay scope each, and their wait only joins
+    it; on gloo itself only the first stage goes at start. Same rows and bit-equal gradient sums (random floats)
+    either way. Chains of depth 3 on 4 ranks, 3 chunks."""
+    world, numel = 4, 10
+    owners = (0, 1, 2, 3, 0)
+    mat = ((0, 1, 4), (0, 1, 4), (0, 1, 2, 4), (0, 1, 3, 4))
+    placement = Placement(owners, mat)
+    host = run_ranks(world, _collectives, placement, 1, numel, 5, 4, 3, True)
+    stream = run_ranks(world, _collectives, placement, 1, numel, 5, 4, 3, True, True)
+    for r in range(world):
+        assert stream[r]["issued"] == host[r]["issued"]
+        assert stream[r]["issued_at_start"] == stream[r]["issued"], stream[r]       # all of them at start
+        assert host[r]["issued_at_start"] == (1, 1), host[r]                         # the first stage only
+        assert stream[r]["scopes"] == (2, 2)                                          # one scope, one join each
+        for e, row in stream[r]["rows"].items():
+            assert torch.equal(row, host[r]["rows"][e])
+        for e, total in stream[r]["sums"].items():
+            assert torch.equal(total, host[r]["sums"][e]), f"owner {r} expert {e}"
+
+
 def test_pipeline_schedule():
     """Exchange t carries chunk t - (s - 1) of every stage s >= 1 that has it: each (stage, chunk) once, a
     level's chunk one exchange after the level above delivered it."""
@@ -221,8 +280,8 @@ def test_relay_transfers_split_as_the_runtime_runs_them():
         for r, held in enumerate(mat):
             holders[list(held), r] = True
         first, later, depths = relay_transfers(holders, np.array(owners), rpn, fanout, chunks)
-        total = tree_transfers(holders, np.array(owners), rpn, fanout)
-        plan = RelayPlan.of(Placement(owners, mat), rpn, fanout)
+        total = tree_transfers(holders, np.array(owners), rpn, fanout, chunks)
+        plan = RelayPlan.of(Placement(owners, mat), rpn, fanout, chunks)
         assert (int(depths.max()) if depths.size else 0) == len(plan.stages)
         for e in range(experts):
             expected = np.zeros((4, world))
@@ -251,24 +310,28 @@ def test_scheduler_exposes_the_deeper_levels():
     assert flat.time_s == 0.0                     # one level: all of it hides
     one = estimate_layer(counts, owners, mat, StepCostModel(**base, relay_chunks=1), rpn)
     four = estimate_layer(counts, owners, mat, StepCostModel(**base, relay_chunks=4), rpn)
-    # depth 3 (node leaders, then two levels inside each node): a leader forwards 4 copies over NVLink, at a fill
-    # of 1 + 1/chunks
+    # one chunk: the owner sends to the 3 other nodes' leaders (node_fanout 3), depth 3 (node leaders, then two
+    # levels inside each node): a leader forwards 4 copies over NVLink, at a fill of 1 + 1/chunks
+    assert node_fanout(4, 4, 1) == 3 and node_fanout(4, 4, 4) == 1
     assert one.time_s == pytest.approx(4 * 1e-3 * 2, rel=1e-6)
-    assert four.time_s == pytest.approx(4 * 1e-3 * 1.25, rel=1e-6)
+    # four chunks: a chain of nodes (node_fanout 1), depth 5, fill 1 + 3/4
+    assert four.time_s == pytest.approx(4 * 1e-3 * 1.75, rel=1e-6)
 
 
 def test_fresh_search_passes_the_relay_barrier():
     """64 ranks x 8 experts, the planner benchmark's skewed prediction: priced as the runtime runs the trees, a
-    greedy that adds one move at a time stops where deepening a tree would expose a level at once (0.086 s, exposed
-    transfers a barrier for every rank; 0.175 s when they were charged to the receiving rank alone); the same
-    search with the trees priced as one hidden flow walks past it (0.076 s, judged with the levels exposed).
-    schedule_materialization runs both and keeps the better by the exposed pricing; calibration, which extends a
-    start on the critical path, runs the first alone."""
+    greedy that adds one move at a time stops where deepening a tree would expose a level at once (unpipelined
+    relays, ``relay_chunks`` 1, where the tree of nodes is wide: 0.179 s, exposed transfers a barrier for every
+    rank); the same search with the trees priced as one hidden flow walks past it (0.084 s, judged with the levels
+    exposed). schedule_materialization runs both and keeps the better by the exposed pricing; calibration, which
+    extends a start on the critical path, runs the first alone. (With the benchmark's 4 chunks the tree of nodes is
+    a chain, node_fanout, and the first search alone reaches 0.069 s.)"""
     from dataclasses import replace
 
-    from benchmarks.planner import COSTS, REPLICAS_PER_RANK, CallSequence
+    from benchmarks.planner import COSTS as PIPELINED, REPLICAS_PER_RANK, CallSequence
     from ds_hecate.planning.scheduler import _greedy, schedule_materialization
 
+    COSTS = replace(PIPELINED, relay_chunks=1)
     seq = CallSequence(64, 8, 8, "skewed", 0)
     prediction, owners, rpn = seq.window.predict_array(), seq.owners, seq.rpn
 

@@ -329,3 +329,37 @@ def test_auto_uses_torch_distributed_on_cuda_until_a_gpu_check_passed(monkeypatc
     from ds_hecate.comm.gpu import build_communicator
     comm = build_communicator("auto", None, 0, 1, torch.device("cuda", 0))
     assert type(getattr(comm, "transport", comm)).__name__ == "TorchTransport"
+
+
+def test_cupy_relay_scope_queues_the_chain_on_the_communication_stream_and_joins_once():
+    """The relay trees' chain (ds_hecate.comm.relay) runs on the CuPy transport's own stream: the scope starts it
+    after the caller's work with the caller's tensors marked, the event is recorded when the scope closes, and the
+    join the scope gives orders the caller's stream after it (once, stream-side). A failed transport raises at the
+    join, not later."""
+    from device_shim import cuda_shim
+    fakes = _fakes()
+    with cuda_shim():
+        transport = fakes.loopback_transport(torch.device("cuda", 0), timeout_s=None)
+        assert transport.stream_ordered
+        x = torch.randn(4, 3).to("cuda")
+        recv = torch.empty_like(x)
+        starts, joins = transport.streams.starts, transport.streams.joins
+        with transport.relay_scope([x]) as join:
+            work = transport.all_to_all(recv, x, [4], [4], True)
+            work.wait()
+        assert transport.streams.starts == starts + 2           # the scope, then the primitive inside it
+        assert transport.streams.joins == joins + 1              # the primitive's wait, on the chain's stream
+        join()
+        assert transport.streams.joins == joins + 2 and torch.equal(recv, x)
+        with transport.relay_scope([x]) as join:
+            pass
+        transport.failure = "NCCL all-to-all did not complete within 1 s"
+        with pytest.raises(TimeoutError, match="did not complete"):
+            join()
+
+
+def test_torch_transport_is_stream_ordered_only_with_nccl_on_cuda():
+    """gloo works complete on the host: no relay scope there, the deeper relay stages wait for the wait."""
+    from ds_hecate.comm.transport import TorchTransport
+    transport = TorchTransport(None, 0, 1, torch.device("cpu"))
+    assert not transport.stream_ordered and transport.relay_scope([]) is None

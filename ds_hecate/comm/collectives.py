@@ -219,7 +219,8 @@ class Communicator:
         ``relay`` (:class:`~ds_hecate.planning.fanout.RelayPlan` of ``placement``): with relayed copies, one
         exchange per stage of the trees, each rank forwarding the rows it received at the stage before; the replica
         rows are in the relay plan's order. The first stage is issued now (asynchronously with ``async_op``), the
-        later ones when the gather is waited for (they read rows the first delivers).
+        later ones when the gather is waited for (they read rows the first delivers), or, on a stream-ordered
+        transport, all of them now (:mod:`.relay`).
         """
         if relay is not None and relay.relayed and placement.num_moved:
             return relayed_all_gather(self, placement, owned, numel, dtype, counters, async_op, include_owned,
@@ -286,7 +287,7 @@ class Communicator:
             return lambda: (add_own(), None)[1]
         if relay is not None and relay.relayed:
             return relayed_reduce_scatter(self, placement, experts, grads, wire_dtype, counters, add_own, owned,
-                                          async_op, relay)
+                                          async_op, relay, accumulator)
         counters.count("reducescatter")
         # As a replica, send to each owner the experts it sent us in spAG (same lists, opposite direction).
         send_lists, recv_lists = placement.gather_recvs(self.rank), placement.gather_sends(self.rank)

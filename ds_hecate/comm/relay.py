@@ -5,7 +5,10 @@ exchange. With relayed copies the same primitive runs over the stages of the tre
 rank forwarding rows it received at an earlier stage; bottom-up for the reduction, each relay adding its children's
 fp32 partial sums to its own copy's gradient before passing the sum up. The first stage (the owners' sends; in the
 reduction the deepest level's) travels whole and is issued when the collective starts (asynchronously if asked);
-the deeper stages read what the earlier delivered, so they run when the collective is waited for, pipelined: each
+the deeper stages read what the earlier delivered, so on gloo they run when the collective is waited for; on a
+stream-ordered transport (NCCL on CUDA, :meth:`~ds_hecate.comm.transport.Transport.relay_scope`) every stage is
+issued when the collective starts, off the caller's stream, each waiting for the one before on the device, so the
+whole tree runs behind the compute that hides the first stage. Either way pipelined: each
 expert row is cut into ``hecate.relay_chunks`` column slices and one exchange carries chunk ``c`` of one level
 beside chunk ``c + 1`` of the level above, so a tree of depth ``D`` costs about ``1 + (D - 2) / chunks`` whole-row
 transfers past the first stage instead of ``D - 1`` (:meth:`~ds_hecate.planning.fanout.RelayPlan.pipeline`).
@@ -53,10 +56,12 @@ def relayed_all_gather(comm: "Communicator", placement: Placement, owned: Dict[i
     recvs = [relay.recvs(comm.rank, s) for s in range(len(relay.stages))]
     sent = _source_major(sends[0])
     counters.allgather_bytes += len(sent) * numel * _itemsize(dtype)
-    first = comm.exchange_rows(comm.pack([source(e) for e in sent], numel, dtype),
-                               _counts_per_peer(sends[0], comm.world_size),
-                               _counts_per_peer(recvs[0], comm.world_size), numel,
-                               async_op, "SparseAllGather", out=buffer[offsets[0]:offsets[1]])
+
+    def issue_first(async_first: bool) -> Callable[[], torch.Tensor]:
+        return comm.exchange_rows(comm.pack([source(e) for e in sent], numel, dtype),
+                                  _counts_per_peer(sends[0], comm.world_size),
+                                  _counts_per_peer(recvs[0], comm.world_size), numel,
+                                  async_first, "SparseAllGather", out=buffer[offsets[0]:offsets[1]])
     # where each (stage, source)'s rows start in the buffer (a stage's rows are source-major)
     row_start = {(s, src): offsets[s] + sum(len(v) for p, v in recvs[s].items() if p < src)
                  for s in range(1, len(recvs)) for src in recvs[s]}
@@ -65,23 +70,36 @@ def relayed_all_gather(comm: "Communicator", placement: Placement, owned: Dict[i
         start = row_start[(stage, src)]
         buffer[start:start + rows.shape[0], lo:hi].copy_(rows)
 
-    def finish() -> GatheredExperts:
-        first()
+    def deeper() -> None:
         _pipelined(comm, relay, numel, dtype, "SparseAllGather", counters, "allgather_bytes", sends=sends,
                    recvs=recvs, row=source, receive=receive)
-        return gathered
-    return PendingGather(placement, finish)
+
+    scope = _stream_scope(comm, async_op, lambda: [buffer, *(owned[e] for e in own), *(owned[e] for e in sent)])
+    if scope is None:   # the deeper stages wait for the collective's wait
+        first = issue_first(async_op)
+
+        def finish() -> GatheredExperts:
+            first()
+            deeper()
+            return gathered
+        return PendingGather(placement, finish)
+    with scope as join:   # every stage now, on the device's order
+        issue_first(True)()
+        deeper()
+    return PendingGather(placement, lambda: (join(), gathered)[1])
 
 
 def relayed_reduce_scatter(comm: "Communicator", placement: Placement, experts: Sequence[int], grads: torch.Tensor,
                             wire_dtype: torch.dtype, counters: CommCounters,
                             add_own: Callable[[], torch.Tensor], owned: List[int], async_op: bool,
-                            relay: RelayPlan) -> Callable[[], None]:
+                            relay: RelayPlan, accumulator: Callable[[], torch.Tensor]) -> Callable[[], None]:
     """:meth:`Communicator.start_sparse_reduce_scatter` up the relay trees, deepest stage first (whole, issued now),
     the shallower ones pipelined in row chunks as the gather's deeper ones: a relay's fp32 partial sum starts as
     its own copy's gradient and adds its children's sums (child rank ascending) before each chunk goes to its
     parent; the owner adds its own copy first, then its children's sums, into its accumulator. Chunks cut the
-    rows into column slices, so every element is summed in the same order whatever ``relay_chunks`` is."""
+    rows into column slices, so every element is summed in the same order whatever ``relay_chunks`` is.
+    ``accumulator``: the owner's rows ``add_own`` adds into; on a stream-ordered transport they are made on the
+    caller's stream before the chain is issued beside it (every add into them still runs in the chain, in order)."""
     numel = grads.shape[1]
     rows = {e: i for i, e in enumerate(experts)}
     relayed = sorted(e for e in relay.children(comm.rank) if placement.owners[e] != comm.rank)
@@ -115,19 +133,37 @@ def relayed_reduce_scatter(comm: "Communicator", placement: Placement, experts: 
     children_of = [relay.sends(comm.rank, last - s) for s in range(last + 1)]
     sent = _source_major(parents_of[0])
     counters.reducescatter_bytes += len(sent) * numel * _itemsize(wire_dtype)
-    first = comm.exchange_rows(comm.pack([row(e) for e in sent], numel, wire_dtype),
-                               _counts_per_peer(parents_of[0], comm.world_size),
-                               _counts_per_peer(children_of[0], comm.world_size), numel, async_op,
-                               "SparseReduceScatter")
 
-    def finish() -> None:
-        add(_source_major(children_of[0]), first(), 0, numel)
+    def issue_first(async_first: bool) -> Callable[[], torch.Tensor]:
+        return comm.exchange_rows(comm.pack([row(e) for e in sent], numel, wire_dtype),
+                                  _counts_per_peer(parents_of[0], comm.world_size),
+                                  _counts_per_peer(children_of[0], comm.world_size), numel, async_first,
+                                  "SparseReduceScatter")
+
+    def rest(first_rows: torch.Tensor) -> None:
+        add(_source_major(children_of[0]), first_rows, 0, numel)
         _pipelined(comm, relay, numel, wire_dtype, "SparseReduceScatter", counters, "reducescatter_bytes",
                    sends=parents_of, recvs=children_of, row=row,
                    receive=lambda s, src, lo, hi, rows_in: add(children_of[s][src], rows_in, lo, hi))
         if target[0] is None:
             add_own()
-    return finish
+
+    scope = _stream_scope(comm, async_op, lambda: [grads, partial, accumulator()] if owned else [grads, partial])
+    if scope is None:   # the shallower stages wait for the collective's wait
+        first = issue_first(async_op)
+        return lambda: rest(first())
+    with scope as join:   # every stage now, on the device's order
+        rest(issue_first(True)())
+    return join
+
+
+def _stream_scope(comm: "Communicator", async_op: bool, tensors: Callable[[], List[torch.Tensor]]):
+    """The weight transport's :meth:`~ds_hecate.comm.transport.Transport.relay_scope` for an asynchronous
+    collective, over the caller's tensors the chain uses (asked for only there); None: the deeper stages run at the
+    wait (a synchronous collective, or a transport whose works complete on the host)."""
+    if not async_op or not getattr(comm.weights, "stream_ordered", False):
+        return None
+    return comm.weights.relay_scope(tensors())
 
 
 def _pipelined(comm: "Communicator", relay: RelayPlan, numel: int, dtype: torch.dtype, collective: str,

@@ -7,6 +7,12 @@ FSDP2 plugs its all-gather variants under one ``foreach_all_gather``. A transpor
 :class:`ds_hecate.comm.gpu.nccl_comm.CupyTransport` (NCCL through CuPy). Every tensor handed to a transport lives on
 its ``device``; every rank calls the same primitives in the same order (sizes may be zero).
 
+A transport whose primitives run in issue order on a device stream and whose waits are stream-side (NCCL on
+CUDA) is ``stream_ordered``: its :meth:`Transport.relay_scope` lets the relay trees of the sparse collectives issue
+every level when the collective starts, each level waiting for the one above on the device, not on the host
+(:mod:`ds_hecate.comm.relay`); gloo's works complete on the host, so there the deeper levels wait for the collective's
+wait.
+
 Beside the primitives a transport names its :class:`DeviceOps`: how the sparse collectives pack experts into a send
 buffer and add received gradients into the owners' accumulators, and the layer call's fused weighted un-permute.
 :class:`DeviceOps` itself is the torch statement (the CPU path, and the contract of the CUDA kernels that
@@ -14,7 +20,8 @@ buffer and add received gradients into the owners' accumulators, and the layer c
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional, Protocol, Sequence, Tuple
+import contextlib
+from typing import Any, Callable, ContextManager, Iterator, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -104,6 +111,34 @@ class Transport(Protocol):
 
     def all_gather_object(self, obj: Any) -> List[Any]: ...
 
+    @property
+    def stream_ordered(self) -> bool:
+        """Whether :meth:`relay_scope` gives a scope (primitives in issue order on a stream, stream-side waits)."""
+
+    def relay_scope(self, tensors: Sequence[torch.Tensor]) -> Optional[ContextManager[Callable[[], None]]]:
+        """Where ``stream_ordered``, a context in which the caller issues a chain of primitives and the device work
+        between them off its own stream, after the work queued on it so far (``tensors``, made on the caller's
+        stream, are marked in use there); it gives a function that, called later, orders the caller's then current
+        stream after everything issued inside. None elsewhere."""
+
+
+@contextlib.contextmanager
+def cuda_side_scope(stream: Any, device: torch.device,
+                    tensors: Sequence[torch.Tensor]) -> Iterator[Callable[[], None]]:
+    """:meth:`Transport.relay_scope` on a CUDA ``stream`` beside the caller's: the stream waits for the caller's work
+    so far, ``tensors`` are marked in use on it (the caching allocator does not hand them out while it works on
+    them), everything inside runs on it, and the function given orders the caller's stream after its end (an
+    event: the host never waits)."""
+    stream.wait_stream(torch.cuda.current_stream(device))
+    for t in tensors:
+        t.record_stream(stream)
+    ended: List[Any] = []
+    with torch.cuda.stream(stream):
+        yield lambda: torch.cuda.current_stream(device).wait_event(ended[0])
+    event = torch.cuda.Event()
+    event.record(stream)
+    ended.append(event)
+
 
 def _all_gather_single(out: torch.Tensor, local: torch.Tensor, group) -> None:
     """torch 2.13 renamed ``all_gather_into_tensor`` to ``all_gather_single`` (the old name warns); older releases
@@ -119,6 +154,20 @@ class TorchTransport:
                  device: torch.device) -> None:
         self.group, self.rank, self.world_size, self.device = group, rank, world_size, torch.device(device)
         self.device_ops = TORCH_DEVICE_OPS
+        self._side_stream: Any = None   # the relays' stream, made on first use (CUDA with NCCL only)
+
+    @property
+    def stream_ordered(self) -> bool:
+        """NCCL on CUDA: works run on the process group's stream in issue order and ``wait`` is stream-side."""
+        return (self.device.type == "cuda" and dist.is_initialized()
+                and dist.get_backend(self.group) == dist.Backend.NCCL)
+
+    def relay_scope(self, tensors):
+        if not self.stream_ordered:
+            return None
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(device=self.device)
+        return cuda_side_scope(self._side_stream, self.device, tensors)
 
     def all_to_all(self, recv, send, recv_splits, send_splits, async_op):
         return dist.all_to_all_single(recv, send, output_split_sizes=list(recv_splits),

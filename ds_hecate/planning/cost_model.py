@@ -63,9 +63,11 @@ class StepCostModel:
     expert than this, holders relay them, and their links carry the copies its owner's would (0: the owner sends
     every copy). relay_chunks: ``hecate.relay_chunks``, the pieces the relays pipeline the levels below the first
     in: those levels run when the collective is waited for, exposed (:func:`~.fanout.relay_transfers`).
-    relay_levels_exposed: False prices every level of a tree as one flow issued with the collective, as if a
-    stream-ordered runtime pipelined the whole tree from the prefetch on: optimistic, the pricing of the
-    scheduler's second search, whose result is then judged with the levels exposed.
+    relay_levels_exposed: False prices every level of a tree as one flow issued with the collective, without the
+    pipeline's fill: optimistic, the pricing of the scheduler's second search, whose result is then judged with
+    the levels exposed. relay_stream_ordered: the runtime issues every level of the trees when the collective
+    starts (a CUDA transport: each stage waits for the one before on the device, not the host), so the deeper
+    levels, fill included, hide behind compute with the first (:func:`~.fanout.relay_transfers`).
     """
 
     compute_s_per_pair: float
@@ -77,6 +79,12 @@ class StepCostModel:
     fanout: int = 0
     relay_chunks: int = 1
     relay_levels_exposed: bool = True
+    relay_stream_ordered: bool = False
+
+    @property
+    def relays(self) -> Tuple[int, int, bool, bool]:
+        """How the relay trees are priced: the trailing arguments of :func:`~.fanout.relay_transfers`."""
+        return self.fanout, self.relay_chunks, self.relay_levels_exposed, self.relay_stream_ordered
 
     @property
     def two_links(self) -> bool:
@@ -149,7 +157,7 @@ def rank_seconds(costs: StepCostModel, ranks_per_node: int, processed, tokens, e
 
 
 def replica_transfers(replicas, owners, ranks_per_node: int, fanout: int = 0, chunks: int = 1,
-                      exposed_levels: bool = True):
+                      exposed_levels: bool = True, stream_ordered: bool = False):
     """``(first, later, depth)``: (in-intra, out-intra, in-inter, out-inter) expert transfers per rank for the
     ``[world, experts]`` bool matrix of replicas (owners excluded): each copy is received by its rank and sent by
     its expert's owner, or with more replicas than ``fanout`` by the holder that relays it, inside the node when
@@ -158,7 +166,7 @@ def replica_transfers(replicas, owners, ranks_per_node: int, fanout: int = 0, ch
     ``depth`` the deepest tree's stages (0 without a replica)."""
     owners = np.asarray(owners, dtype=np.int64)
     first, later, depth = relay_transfers(np.asarray(replicas, dtype=bool).T, owners, ranks_per_node, fanout,
-                                          chunks, exposed_levels)
+                                          chunks, exposed_levels, stream_ordered)
     return (tuple(part.sum(axis=0) for part in first), tuple(part.sum(axis=0) for part in later),
             int(depth.max()) if depth.size else 0)
 
@@ -199,9 +207,8 @@ def estimate_layer(counts: Sequence[Sequence[float]], owners: Sequence[int], mat
     early_mask = replicas if prefetched is None else replicas & holders_matrix(prefetched, world, num_experts)
     # prefetched copies: the first level hides behind compute, the deeper ones run at the wait; calibration's, all
     # after the gate
-    relays = (costs.fanout, costs.relay_chunks, costs.relay_levels_exposed)
-    early, deeper, _ = replica_transfers(early_mask, owners, ranks_per_node, *relays)
-    late_first, late_deeper, _ = replica_transfers(replicas & ~early_mask, owners, ranks_per_node, *relays)
+    early, deeper, _ = replica_transfers(early_mask, owners, ranks_per_node, *costs.relays)
+    late_first, late_deeper, _ = replica_transfers(replicas & ~early_mask, owners, ranks_per_node, *costs.relays)
     late = tuple(a + b + c for a, b, c in zip(deeper, late_first, late_deeper))
     times = rank_seconds(costs, ranks_per_node, processed, tokens, early, late)
     return LayerEstimate(float(times.max()), tuple(processed.tolist()), tuple(times.tolist()))
@@ -222,7 +229,8 @@ def imbalance(loads: Sequence[float]) -> float:
 
 
 def scheduler_costs(config: Any, measured: Mapping[str, float], world_size: int, ranks_per_node: int,
-                    expert_bytes: int, token_bytes: int, overlaps_compute: bool) -> StepCostModel:
+                    expert_bytes: int, token_bytes: int, overlaps_compute: bool,
+                    relays_stream_ordered: Optional[bool] = None) -> StepCostModel:
     """The scheduler's cost model from the ``hecate`` config and measured values (configured values win).
 
     ``expert_bytes``: one expert through SparseAllGather + SparseReduceScatter; ``token_bytes``: one token row
@@ -231,7 +239,8 @@ def scheduler_costs(config: Any, measured: Mapping[str, float], world_size: int,
     measured ``inter_node_gbps`` next, else ``link_gbps``) between nodes, each rank charged for its slowest link
     (:func:`rank_seconds`). The paper's t uses the slowest link. A measured T_nonMoE hides communication only
     where collectives run beside compute (CUDA streams); on a CPU the same cores do both, so nothing is hidden
-    unless the user says otherwise.
+    unless the user says otherwise. ``relays_stream_ordered``: whether the weight transport issues every relay
+    level when a sparse collective starts (default: where collectives overlap compute, the CUDA transports).
     """
     cfg, m = config, measured
     intra_bps = (cfg.link_gbps or m.get("link_gbps", 10.0)) * 1e9
@@ -248,4 +257,6 @@ def scheduler_costs(config: Any, measured: Mapping[str, float], world_size: int,
                          overlap_s=overlap_s,
                          token_transfer_inter_s=None if inter_bps is None else token_bytes / inter_bps,
                          expert_transfer_inter_s=None if inter_bps is None else expert_bytes / inter_bps,
-                         fanout=cfg.fanout, relay_chunks=cfg.relay_chunks)
+                         fanout=cfg.fanout, relay_chunks=cfg.relay_chunks,
+                         relay_stream_ordered=overlaps_compute if relays_stream_ordered is None
+                         else bool(relays_stream_ordered))

@@ -51,7 +51,7 @@ def calibration_extras(calibrated: Placement, prefetched: np.ndarray) -> Placeme
 def plan_after_gate(counts: np.ndarray, prefetched: Placement, prediction: Optional[np.ndarray],
                     schedule: ScheduleReuse, costs: StepCostModel, replica_budget: int, ranks_per_node: int,
                     rank: int, calibration: bool, budget_us: Optional[float],
-                    speculative: bool = True) -> AfterGate:
+                    speculative: bool = True, start: Optional[np.ndarray] = None) -> AfterGate:
     """Plan one call from the exchanged ``counts`` (``[ranks, experts]`` int64) and the prefetched placement.
 
     Calibration re-plans only when the prediction missed and the step would run imbalanced
@@ -61,7 +61,11 @@ def plan_after_gate(counts: np.ndarray, prefetched: Placement, prediction: Optio
     ``speculative``: the prefetched placement holds replicas for a prediction (False: only the owners and the
     start layout); calibration is remembered only from a non-speculative start, since what it places is then
     what the counts alone ask for, not a prediction's leftovers (remembered, those would be prefetched again and
-    pile up over the moves of a rotating hot spot: simulated W6, 131 replicas a layer instead of 77). Where the budget cannot pay the search's setup and a first step
+    pile up over the moves of a rotating hot spot: simulated W6, 131 replicas a layer instead of 77). From a
+    speculative start it remembers only what calibration added, with the owners and ``start`` (the start layout,
+    ``[ranks, experts]`` bool, which every schedule holds): the next call, prefetched without the prediction, then
+    takes it without a second search (simulated a100-4x8 bert-moe W6: 10 ms of host time per move of the hot
+    spot on this machine's CPU). Where the budget cannot pay the search's setup and a first step
     (large worlds), calibration is off, as with ``calibration: false``: no scoring, no estimate on the critical path.
     """
     placement, extras = prefetched, None
@@ -82,7 +86,11 @@ def plan_after_gate(counts: np.ndarray, prefetched: Placement, prediction: Optio
         if calibrated != prefetched.materialized:
             placement = Placement(prefetched.owners, calibrated)
             extras = calibration_extras(placement, holders)
-            if known is None and not speculative:
-                schedule.remember_calibration(calibrated, counts, prefetched.owners)
+            if known is None:
+                remembered = calibrated
+                if speculative:   # what calibration added, not the prediction's leftovers
+                    kept = extras.holders if start is None else extras.holders | start
+                    remembered = materialized_of(kept)
+                schedule.remember_calibration(remembered, counts, prefetched.owners)
     plan = DispatchPlan.build(counts, placement, ranks_per_node)
     return AfterGate(plan, plan.for_rank(rank), extras, calibrating and known is None, known is not None)

@@ -6,12 +6,17 @@ on 31 ranks: 31 sends from one rank, 24 of them through its node's NICs). With m
 (``hecate.fanout``), the copies relay through replica holders instead, in a tree that crosses nodes once per node:
 
 - each node holding the expert has a leader: the owner on its own node, elsewhere its lowest-ranked holder;
-- the leaders form a ``fanout``-ary tree rooted at the owner (nodes ascending): leader ``i`` (the owner is 0) hangs
-  under leader ``(i - 1) // fanout``;
+- the leaders form an ``f``-ary tree rooted at the owner (nodes ascending): leader ``i`` (the owner is 0) hangs
+  under leader ``(i - 1) // f``, ``f`` at most ``fanout`` and chosen per expert by :func:`node_fanout` from the
+  number of nodes holding it and the pipeline's chunks (a chain of nodes on a few nodes, a wider tree on many);
 - inside each node the holders form a ``fanout``-ary tree under the leader (leader first, then ranks ascending).
 
 So a rank sends at most ``fanout`` copies of an expert across nodes and ``fanout`` inside its node, whatever the
-replica count. SparseAllGather runs the tree top-down, one stage per depth; SparseReduceScatter runs it bottom-up,
+replica count. Why the tree of nodes picks its own fan-out: its copies cross the NICs, which a node's ranks share,
+so a leader sending ``fanout`` copies holds its node's NICs ``fanout`` times as long as one; pipelined in chunks, a
+deeper tree costs only one chunk's time per extra level (simulated a100-4x8 bert-moe W1, 32 replicas of each of two
+hot experts on 4 nodes: with the whole tree pipelined from the prefetch, the exposed transfers fell from 13.6 to
+0.4 ms per step with a chain of nodes instead of the owner sending to all three other nodes). SparseAllGather runs the tree top-down, one stage per depth; SparseReduceScatter runs it bottom-up,
 each relay adding its children's fp32 partial sums to its own gradient in a fixed order (its own first, then the
 children's by rank) before passing the sum to its parent. With at most ``fanout`` replicas (or ``fanout`` 0) the
 tree is flat: the owner sends every copy, as before.
@@ -34,9 +39,40 @@ from .plan import Placement
 Edge = Tuple[int, int, int]
 
 
-def relay_parents(owner: int, holders: Sequence[int], ranks_per_node: int, fanout: int) -> Dict[int, int]:
+def node_fanout(nodes: int, fanout: int, chunks: int = 1) -> int:
+    """The fan-out of the tree of nodes for an expert held on ``nodes`` nodes (the owner's included): the ``f`` in
+    ``1..fanout`` that minimises ``f * (1 + (depth - 1) / chunks)``, ``depth`` the tree's (:func:`heap_depth` of its
+    last leader): the busiest leader's NIC time, ``f`` copies of the row, plus the pipeline's fill, one chunk of
+    ``f`` copies per level below the first. Ties go to the wider tree (fewer stages, fewer latencies). Pure
+    arithmetic on what every rank holds alike, so every rank builds the same trees."""
+    nodes = max(0, int(nodes))
+    return int(_node_fanouts(max(1, int(fanout)), max(1, int(chunks)), nodes)[nodes])
+
+
+@lru_cache(maxsize=64)
+def _node_fanouts(fanout: int, chunks: int, upto: int) -> np.ndarray:
+    """:func:`node_fanout` for 0..``upto`` nodes (index = nodes), as one array for the vectorised trees; grown in
+    powers of two so that a cache entry serves every smaller count."""
+    size = 1
+    while size < upto + 1:
+        size *= 2
+    best = np.ones(size, dtype=np.int64)
+    cost = np.full(size, np.inf)
+    last = np.maximum(np.arange(size) - 1, 0)          # index of the last leader (the owner is 0)
+    for f in range(1, fanout + 1):
+        depth = heap_depth(last, f)
+        here = f * (1.0 + np.maximum(depth - 1, 0) / chunks)
+        better = here <= cost + 1e-12
+        best = np.where(better, f, best)
+        cost = np.where(better, here, cost)
+    return best
+
+
+def relay_parents(owner: int, holders: Sequence[int], ranks_per_node: int, fanout: int,
+                  chunks: int = 1) -> Dict[int, int]:
     """replica holder -> the rank it receives the expert from (see the module docstring); ``holders`` may include
-    the owner."""
+    the owner. ``chunks``: the relay's pipeline pieces (``hecate.relay_chunks``), which set the tree of nodes'
+    fan-out (:func:`node_fanout`)."""
     replicas = sorted(r for r in set(holders) if r != owner)
     if fanout <= 0 or len(replicas) <= fanout:
         return {r: owner for r in replicas}
@@ -47,8 +83,9 @@ def relay_parents(owner: int, holders: Sequence[int], ranks_per_node: int, fanou
     by_node[home] = [owner] + by_node.get(home, [])
     parents: Dict[int, int] = {}
     leaders = [owner] + [by_node[n][0] for n in sorted(by_node) if n != home]
+    across = node_fanout(len(leaders), fanout, chunks)
     for i in range(1, len(leaders)):
-        parents[leaders[i]] = leaders[(i - 1) // fanout]
+        parents[leaders[i]] = leaders[(i - 1) // across]
     for members in by_node.values():
         for j in range(1, len(members)):
             parents[members[j]] = members[(j - 1) // fanout]
@@ -146,7 +183,7 @@ def _relay_plan(placement: Placement, ranks_per_node: int, fanout: int, chunks: 
     depth_edges: Dict[int, List[Edge]] = {}
     for e, replicas in holders.items():
         owner = placement.owners[e]
-        parents = relay_parents(owner, replicas, ranks_per_node, fanout)
+        parents = relay_parents(owner, replicas, ranks_per_node, fanout, chunks)
         depth = {owner: 0}
         for r in sorted(parents, key=lambda r: _hops(r, parents, owner)):
             depth[r] = depth[parents[r]] + 1
@@ -162,17 +199,17 @@ def _hops(rank: int, parents: Dict[int, int], owner: int) -> int:
     return hops
 
 
-def tree_transfers(holders: np.ndarray, owners: np.ndarray, ranks_per_node: int, fanout: int):
+def tree_transfers(holders: np.ndarray, owners: np.ndarray, ranks_per_node: int, fanout: int, chunks: int = 1):
     """Per rank, the copies of :func:`relay_parents`' trees it receives and sends, inside its node and across
     nodes: ``(in_intra, out_intra, in_inter, out_inter)``, each ``[K, world]`` float, for ``K`` experts with holder
     rows ``holders`` (``[K, world]`` bool, owners included or not) owned by ``owners`` (``[K]``): all levels
     together, as one pipelined flow would carry them (:func:`relay_transfers` splits them as the runtime runs
     them)."""
-    return _trees(holders, owners, ranks_per_node, fanout)[0]
+    return _trees(holders, owners, ranks_per_node, fanout, chunks)[0]
 
 
 def relay_transfers(holders: np.ndarray, owners: np.ndarray, ranks_per_node: int, fanout: int, chunks: int,
-                    exposed_levels: bool = True):
+                    exposed_levels: bool = True, stream_ordered: bool = False):
     """:func:`tree_transfers` split as the runtime's relays run (:mod:`ds_hecate.comm.relay`): ``(first, later,
     depth)``, the first two ``[4, K, world]`` arrays (the four arrays there, stacked), ``depth`` each expert's tree
     depth (``[K]``; 0 without a replica, 1 flat). ``first``: the level the collective starts with, issued with it
@@ -182,13 +219,19 @@ def relay_transfers(holders: np.ndarray, owners: np.ndarray, ranks_per_node: int
     ``1 + (D - 2) / chunks`` times (the pipeline's fill). What the scheduler and the simulator charge a
     placement's SparseAllGather (and, reversed, its SparseReduceScatter). ``exposed_levels`` False: every level
     in ``first``, as one pipelined flow issued with the collective (the optimistic pricing the scheduler's second
-    search uses, :func:`~.scheduler.schedule_materialization`)."""
-    total, first, depth = _trees(holders, owners, ranks_per_node, fanout)
+    search uses, :func:`~.scheduler.schedule_materialization`). ``stream_ordered``: the runtime issues every
+    level with the collective (a CUDA transport, :meth:`~ds_hecate.comm.transport.Transport.relay_scope`), so the
+    deeper levels, fill included, join the first and nothing is left for the wait."""
+    total, first, depth = _trees(holders, owners, ranks_per_node, fanout, chunks)
+    nothing_later = np.broadcast_to(np.zeros((), dtype=total.dtype), total.shape)
     if not exposed_levels or not (depth >= 2).any():   # one level (or one flow): all of it is the first
         # nothing later: a read-only zero view (callers only add it), not a zero-filled copy of ``total``
-        return total, np.broadcast_to(np.zeros((), dtype=total.dtype), total.shape), depth
+        return total, nothing_later, depth
     fill = 1.0 + np.maximum(depth - 2, 0) / max(1, int(chunks))
-    return first, (total - first) * fill[None, :, None], depth
+    later = (total - first) * fill[None, :, None]
+    if stream_ordered:
+        return first + later, nothing_later, depth
+    return first, later, depth
 
 
 def heap_depth(index: np.ndarray, fanout: int) -> np.ndarray:
@@ -205,7 +248,7 @@ def heap_depth(index: np.ndarray, fanout: int) -> np.ndarray:
     return np.searchsorted(np.asarray(reach, dtype=np.int64), index, side="left")
 
 
-def _trees(holders: np.ndarray, owners: np.ndarray, ranks_per_node: int, fanout: int):
+def _trees(holders: np.ndarray, owners: np.ndarray, ranks_per_node: int, fanout: int, chunks: int = 1):
     """(all levels' transfers, the first level's, each expert's tree depth): see :func:`relay_transfers`."""
     holders = np.asarray(holders, dtype=bool)
     k, world = holders.shape
@@ -251,20 +294,26 @@ def _trees(holders: np.ndarray, owners: np.ndarray, ranks_per_node: int, fanout:
     others = leader_nodes.sum(axis=1)
     leader = t_held & (index == 0)
     inter_index = np.where(t_own, 0, position[:, node])
+    # the tree of nodes' fan-out per expert (node_fanout of its holding nodes, the owner's included)
+    across = _node_fanouts(max(1, int(fanout)), max(1, int(chunks)), int(others.max()) + 1)[others + 1][:, None]
     out_intra[tree] = np.where(t_held, np.clip(members - 1 - index * fanout, 0, fanout), 0)
     in_intra[tree] = t_held & (index >= 1)
-    out_inter[tree] = np.where(leader, np.clip(others[:, None] - inter_index * fanout, 0, fanout), 0)
+    out_inter[tree] = np.where(leader, np.clip(others[:, None] - inter_index * across, 0, across), 0)
     in_inter[tree] = leader & ~t_own
     # the first level: the owner's sends, and the receipts of its children (positions 1..fanout under it on its
     # node, leaders 1..fanout in the tree of nodes)
     first = np.zeros_like(total)
     first[0], first[2] = in_intra, in_inter
     first[0, tree] *= t_same & (index <= fanout)
-    first[2, tree] *= inter_index <= fanout
+    first[2, tree] *= inter_index <= across
     first[1, rows, owners] = out_intra[rows, owners]
     first[3, rows, owners] = out_inter[rows, owners]
     # depth: per holding node, its leader's depth in the tree of nodes plus its last holder's under the leader
-    node_depth = heap_depth(np.where(home, 0, position), fanout) + heap_depth(np.maximum(per_node - 1, 0), fanout)
+    leader_depth = np.zeros_like(position)
+    for f in np.unique(across):   # a handful of fan-outs: one heap walk each
+        rows_f = across[:, 0] == f
+        leader_depth[rows_f] = heap_depth(np.where(home[rows_f], 0, position[rows_f]), int(f))
+    node_depth = leader_depth + heap_depth(np.maximum(per_node - 1, 0), fanout)
     depth[tree] = np.where(per_node > 0, node_depth, 0).max(axis=1)
     return total, first, depth
 

@@ -24,7 +24,7 @@ from .cost_model import CommCostModel, StepCostModel
 from .critical_path import AfterGate, plan_after_gate
 from .dispatch_plan import DispatchPlan
 from .placement import POLICIES, STEP_COST_POLICIES
-from .plan import Materialized, Placement, owned_experts
+from .plan import Materialized, Placement, holders_matrix, owned_experts
 from .predictor import LoadPredictor
 from .schedule_reuse import ScheduleReuse
 from .sharding import even_sharding
@@ -105,6 +105,7 @@ class LayerPlanner:
         self.schedule = ScheduleReuse(settings.replan_tolerance)
         self.prediction: Optional[np.ndarray] = None   # the load window's prediction for the next call
         self._start: Tuple[Any, Optional[Materialized]] = (None, None)   # (its inputs, the start layout)
+        self._start_matrix: Tuple[Any, Optional[np.ndarray]] = (None, None)   # (the start layout, its holders)
         #: whether the last prefetched placement holds replicas for a prediction (not only owners and start layout)
         self.speculative = False
         #: the last scheduled Placement: a reused schedule returns the same object, so the dispatch tables built
@@ -170,7 +171,16 @@ class LayerPlanner:
             raise ValueError("plan_call: the 'hecate' policy plans over the prefetched placement; pass it")
         return plan_after_gate(counts, prefetched, self.prediction, self.schedule, inputs.costs,
                                inputs.replica_budget, s.ranks_per_node, rank, s.calibration, s.plan_budget_us,
-                               self.speculative)
+                               self.speculative, self._start_holders(inputs))
+
+    def _start_holders(self, inputs: PlanInputs) -> Optional[np.ndarray]:
+        """:meth:`start_layout` as a ``[ranks, experts]`` bool matrix, built once per layout."""
+        start = self.start_layout(inputs)
+        if start is None:
+            return None
+        if self._start_matrix[0] is not start:
+            self._start_matrix = (start, holders_matrix(start, self.world, self.num_experts))
+        return self._start_matrix[1]
 
     def restore_schedule(self, state: dict, inputs: PlanInputs) -> None:
         """Adopt a checkpointed schedule (``ScheduleReuse.state_dict``) so that a resumed run makes the same re-use

@@ -102,7 +102,7 @@ class _Search:
         fill) and every level of the copies gathered after the gate (:func:`~.fanout.relay_transfers`)."""
         early = self.early[:, experts].T
         owners = self.owners[experts]
-        relays = (self.costs.fanout, self.costs.relay_chunks, self.costs.relay_levels_exposed)
+        relays = self.costs.relays
         first, deeper, _ = relay_transfers(holders & early, owners, self.rpn, *relays)
         late = holders & ~early
         if not late.any():   # nothing gathered after the gate (every search before it): no second tree walk
@@ -436,7 +436,9 @@ def search_steps(counts: Sequence[Sequence[float]], owners: Sequence[int], costs
                  critical_path: bool = False) -> Generator[Progress, None, Materialized]:
     """:func:`schedule_materialization` as a generator of :class:`Progress` before each search step (both passes;
     during the second the best so far is the first pass's result, the one its estimate is judged against)."""
-    relays_possible = costs.fanout > 0 and costs.relay_levels_exposed and len(counts) - 1 > costs.fanout
+    # the second pass answers the barrier of levels run at the wait: a stream-ordered runtime has none
+    relays_possible = (costs.fanout > 0 and costs.relay_levels_exposed and not costs.relay_stream_ordered
+                       and len(counts) - 1 > costs.fanout)
     search = dict(candidate_experts=candidate_experts, min_gain=min_gain, candidate_ranks=candidate_ranks, work=work)
     first = _greedy_steps(counts, owners, costs, budget_per_rank, ranks_per_node, start, prefetched,
                           budget_us=budget_us, pay_window=PAY_WINDOW if critical_path else 0, **search)

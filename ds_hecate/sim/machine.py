@@ -54,7 +54,7 @@ def layer_time(ctx: SimContext, counts: np.ndarray, mat: np.ndarray, owners: np.
     with sharded placement ``owners``. ``mode`` says how replicas travel: ``prefetch`` (Hecate: SparseAllGather
     before the gate, hidden behind T_nonMoE; SparseReduceScatter behind the backward non-MoE compute), ``rm``
     (the same plus a second gather in backward; both relay copies through holders beyond ``hecate.fanout``
-    replicas of an expert, as the runtime does), ``critical`` (FasterMoE: broadcast after the gate and reduce, both
+    replicas of an expert, as the runtime does, every level issued with the collective on a GPU cluster), ``critical`` (FasterMoE: broadcast after the gate and reduce, both
     exposed), ``persistent`` (FlexMoE: replicas stay; their gradients are all-reduced in backward). ``late``: replicas
     (a subset of ``mat``) gathered after the gate (Hecate's calibration), on the critical path."""
     world, num_experts = counts.shape
@@ -82,19 +82,25 @@ def layer_time(ctx: SimContext, counts: np.ndarray, mat: np.ndarray, owners: np.
             crossing = (on_node & (on_node.sum(axis=0) > 1)).sum(axis=1).astype(float)
             return link_time(ctx, world, rep.sum(axis=1).astype(float), hold.sum(axis=1).astype(float), crossing,
                              crossing, nbytes), np.zeros(world)
-        # Hecate's sparse collectives relay through holders beyond hecate.fanout copies (planning.fanout): the first
-        # level travels with the collective's start, the levels below at its wait, pipelined in relay_chunks pieces
-        # (one latency per exchange); the baselines' owners send every copy
+        # Hecate's sparse collectives relay through holders beyond hecate.fanout copies (planning.fanout),
+        # pipelined in relay_chunks pieces past the first level (one latency per exchange). On a GPU cluster the
+        # runtime issues every level with the collective (stream-ordered, comm/relay.py): all of it may hide
+        # behind compute; elsewhere (gloo) the levels below the first run at its wait. The baselines' owners send
+        # every copy
         chunks = len(chunk_bounds(ctx.numel, ctx.hecate.relay_chunks))   # as comm/relay.py cuts the rows
-        first, later, depth = replica_transfers(rep, owners, rpn, fanout, chunks)
+        stream_ordered = ctx.cluster.overlaps_compute
+        first, later, depth = replica_transfers(rep, owners, rpn, fanout, chunks, True, stream_ordered)
         start = link_time(ctx, world, first[0], first[1], node_sum(first[2], world, rpn),
                           node_sum(first[3], world, rpn), nbytes)
+        latency = ctx.cluster.inter_latency_s if world > rpn else ctx.cluster.intra_latency_s
+        fill_latency = (depth - 2 + chunks - 1) * latency if depth >= 2 else 0.0
+        if stream_ordered:
+            return start + fill_latency, np.zeros(world)
         if not any(part.any() for part in later):
             return start, np.zeros(world)
-        latency = ctx.cluster.inter_latency_s if world > rpn else ctx.cluster.intra_latency_s
         rest = link_time(ctx, world, later[0], later[1], node_sum(later[2], world, rpn),
                          node_sum(later[3], world, rpn), nbytes)
-        return start, rest + (depth - 2 + chunks - 1) * latency
+        return start, rest + fill_latency
 
     early = replicas if late is None else replicas & ~late
     gather, gather_rest = phase(early, ctx.numel * ctx.compute_b)

@@ -27,11 +27,12 @@ one rank); object collectives go through that group too.
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 import threading
 import time
 import weakref
-from typing import Any, Callable, Deque, List, Optional, Sequence
+from typing import Any, Callable, Deque, Iterator, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -250,6 +251,30 @@ class CupyTransport:
             event.synchronize()
         self.check()
         self.streams.join(event)
+
+    # -- a chain of primitives issued at once (the relay trees, ds_hecate.comm.relay) ---------------------------
+    @property
+    def stream_ordered(self) -> bool:
+        """Always: every primitive runs on the communication stream in issue order and waits are stream-side."""
+        return True
+
+    def relay_scope(self, tensors: Sequence[torch.Tensor]):
+        """:meth:`~ds_hecate.comm.transport.Transport.relay_scope` on the communication stream itself: the chain's
+        primitives and the device work between them queue there after the caller's work so far, and the function
+        given orders the caller's stream after the chain (an event; the host goes on)."""
+        return self._relay_scope(tensors)
+
+    @contextlib.contextmanager
+    def _relay_scope(self, tensors: Sequence[torch.Tensor]) -> Iterator[Callable[[], None]]:
+        self.check()
+        ended: List[Any] = []
+
+        def join() -> None:
+            self.check()
+            self.streams.join(ended[0])
+        with self.streams.start(tensors):
+            yield join
+        ended.append(self.streams.done())
 
     def _launch(self, what: str, tensors: Sequence[torch.Tensor], body: Callable[[int], None],
                 async_op: bool, host_wait: bool = False) -> Optional[_Work]:
