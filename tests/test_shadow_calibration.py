@@ -1,0 +1,91 @@
+"""Calibration's first try (critical_path.shadow_calibration): a burst's expert on every rank with a free slot,
+taken without a search where it balances the call and beats the prefetched placement; otherwise the search runs.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ds_hecate.planning import critical_path
+from ds_hecate.planning.cost_model import StepCostModel, estimate_layer
+from ds_hecate.planning.critical_path import plan_after_gate, shadow_calibration
+from ds_hecate.planning.plan import Placement, owned_experts
+from ds_hecate.planning.schedule_reuse import ScheduleReuse
+from ds_hecate.planning.scheduler import schedule_materialization
+from ds_hecate.planning.sharding import even_sharding
+
+WORLD, EXPERTS, RPN = 8, 16, 4
+COSTS = StepCostModel(compute_s_per_pair=1e-5, token_transfer_s=1e-7, expert_transfer_s=1e-4, overlap_s=1e-3)
+OWNERS = tuple(even_sharding(EXPERTS, WORLD))
+
+
+def _owners_only() -> Placement:
+    return Placement(OWNERS, owned_experts(OWNERS, WORLD))
+
+
+def _burst(expert: int = 5, share: int = 600) -> np.ndarray:
+    """Balanced routing but for one expert that draws most of every rank's pairs (W7's burst)."""
+    counts = np.full((WORLD, EXPERTS), 20, dtype=np.int64)
+    counts[:, expert] = share
+    return counts
+
+
+def _no_search(*args, **kwargs):
+    raise AssertionError("searched although the shadow move balanced the call")
+
+
+def test_a_burst_is_calibrated_by_its_expert_everywhere_without_a_search(monkeypatch):
+    counts = _burst()
+    monkeypatch.setattr(critical_path, "schedule_materialization", _no_search)
+    after = plan_after_gate(counts, _owners_only(), None, ScheduleReuse(0.05), COSTS, 4, RPN, 0, True, None,
+                            speculative=False)
+    holders = after.plan.placement.holders
+    assert holders[:, 5].all() and after.extras is not None and not after.searched
+    assert holders.sum() == EXPERTS + WORLD - 1                      # nothing else added
+    estimate = estimate_layer(counts, OWNERS, after.plan.placement.materialized, COSTS, RPN,
+                              prefetched=_owners_only().materialized)
+    assert estimate.imbalance <= 1.05
+
+
+def test_the_shadow_move_is_as_good_as_the_search_on_a_burst():
+    """What the search would calibrate (its estimate) is not better than the shadow move by more than rounding."""
+    counts = _burst()
+    start = _owners_only()
+    shadows = shadow_calibration(counts, start, COSTS, 4, RPN, 0.05)
+    searched = schedule_materialization(counts, OWNERS, COSTS, 4, RPN, start=start.holders,
+                                        prefetched=start.holders, critical_path=True)
+    late = dict(prefetched=start.materialized)
+    assert shadows is not None
+    shadow_s = estimate_layer(counts, OWNERS, shadows, COSTS, RPN, **late).time_s
+    assert shadow_s <= estimate_layer(counts, OWNERS, searched, COSTS, RPN, **late).time_s * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("case", ["no_hot_expert", "no_free_slot", "costlier_than_it_saves"])
+def test_the_search_runs_where_the_shadow_move_does_not_pay(case):
+    counts, budget, costs = _burst(), 4, COSTS
+    if case == "no_hot_expert":   # no expert beyond a rank's fair share: nothing to shadow
+        counts = np.full((WORLD, EXPERTS), 20, dtype=np.int64)
+        counts[:, 3] = 40
+    elif case == "no_free_slot":
+        budget = 0
+    else:   # expert copies so slow that moving them costs more than the imbalance
+        costs = StepCostModel(compute_s_per_pair=1e-9, token_transfer_s=1e-9, expert_transfer_s=10.0)
+    assert shadow_calibration(counts, _owners_only(), costs, budget, RPN, 0.05) is None
+
+
+def test_shadows_respect_the_budget_hottest_first():
+    """Two bursts (experts 5 and 9, owned by ranks 2 and 4), two slots per rank, one taken by a prefetched replica
+    on ranks 0-3: the hotter expert takes a slot everywhere; the other gets the slots left (ranks 2, its owner's
+    slot unused, and 5-7), never beyond the budget."""
+    counts = _burst(5, 900)
+    counts[:, 9] = 400
+    holders = [set(r) for r in owned_experts(OWNERS, WORLD)]
+    for r in range(4):
+        holders[r].add(14)
+    prefetched = Placement(OWNERS, tuple(tuple(sorted(h)) for h in holders))
+    shadows = shadow_calibration(counts, prefetched, COSTS, 2, RPN, 1.0)
+    assert shadows is not None
+    owned = np.bincount(np.asarray(OWNERS), minlength=WORLD)
+    assert ((shadows.sum(axis=1) - owned) <= 2).all()
+    assert shadows[:, 5].all()                         # the hotter burst everywhere
+    assert np.flatnonzero(shadows[:, 9]).tolist() == [2, 4, 5, 6, 7]
