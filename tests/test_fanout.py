@@ -316,6 +316,16 @@ def test_scheduler_exposes_the_deeper_levels():
     assert one.time_s == pytest.approx(4 * 1e-3 * 2, rel=1e-6)
     # four chunks: a chain of nodes (node_fanout 1), depth 5, fill 1 + 3/4
     assert four.time_s == pytest.approx(4 * 1e-3 * 1.75, rel=1e-6)
+    # a stream-ordered transport issues every level with the collective: all of it hides behind the overlap
+    for chunks in (1, 4):
+        stream = estimate_layer(counts, owners, mat, StepCostModel(**base, relay_chunks=chunks,
+                                                                   relay_stream_ordered=True), rpn)
+        assert stream.time_s == 0.0
+    # and what hides is every level with its fill: with a short overlap the busiest rank's whole tree shows
+    short = {**base, "overlap_s": 0.0}
+    flow = estimate_layer(counts, owners, mat, StepCostModel(**short, relay_chunks=4, relay_stream_ordered=True), rpn)
+    at_wait = estimate_layer(counts, owners, mat, StepCostModel(**short, relay_chunks=4), rpn)
+    assert flow.time_s <= at_wait.time_s and flow.time_s >= 4 * 1e-3 * 1.75
 
 
 def test_fresh_search_passes_the_relay_barrier():

@@ -80,8 +80,8 @@ def test_a_moved_prediction_drops_the_search_in_progress():
 
 
 def test_the_search_starts_from_the_remembered_calibration():
-    """A search for routing calibration placed for starts from that placement: never estimated slower than it,
-    it is what every call prefetches, and the search ends calls sooner than one from the start layout."""
+    """A search for routing calibration placed for starts from that placement: it is what every call prefetches
+    (the search finds nothing better here), and the search ends calls sooner than one from the start layout."""
     loads = _skewed()
     whole = schedule_materialization(loads, OWNERS, COSTS, BUDGET, RPN, budget_us=SEARCH_BUDGET)
     schedule = ScheduleReuse(0.05)
@@ -91,7 +91,7 @@ def test_the_search_starts_from_the_remembered_calibration():
         placed += _calls(schedule, loads, 1)
         pending = schedule.pending
         if pending is not None:
-            assert pending.progress.best_time_s <= pending.fallback_time_s
+            assert pending.begun_from == whole
             calls += 1
     assert all(p == whole for p in placed)   # the remembered placement, refined by nothing better
     fresh, fresh_calls = ScheduleReuse(0.05), 0
@@ -103,12 +103,12 @@ def test_the_search_starts_from_the_remembered_calibration():
     other = ScheduleReuse(0.05)
     other.remember_calibration(whole, np.roll(loads, 7, axis=1), OWNERS)
     _calls(other, loads, 1)
-    assert other.pending.fallback is None
+    assert other.pending.begun_from is None
     tight = ScheduleReuse(0.05)
     tight.remember_calibration(whole, loads, OWNERS)
     tight.schedule(loads, OWNERS, COSTS, int(_replicas(whole).max()) - 1, RPN, budget_us=SEARCH_BUDGET,
                    slice_us=ONE_STEP)
-    assert tight.pending.fallback is None
+    assert tight.pending.begun_from is None
 
 
 @pytest.mark.parametrize("first_calls", [1, 2, 3, 5])

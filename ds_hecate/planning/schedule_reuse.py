@@ -11,7 +11,7 @@ from typing import Optional, Sequence, Tuple
 import numpy as np
 
 from .plan import Materialized, holders_matrix
-from .cost_model import StepCostModel, estimate_layer, imbalance
+from .cost_model import StepCostModel, imbalance
 from .dispatch import dispatch_flows
 from .scheduler import schedule_materialization, search_steps
 from .sliced_search import SlicedSearch
@@ -139,21 +139,22 @@ class ScheduleReuse:
 
     def _start_search(self, loads: np.ndarray, owners, costs: StepCostModel, budget_per_rank: int,
                       ranks_per_node: int, start, budget_us, key: tuple,
-                      fallback: Optional[Tuple[Materialized, float]] = None) -> SlicedSearch:
-        """A sliced search for ``loads``, with the remembered calibration (where it fits them) and its estimate to
-        prefetch while the search's own best is estimated slower (``fallback``: as saved with a checkpoint).
+                      restored: Optional[Tuple[Optional[Materialized]]] = None) -> SlicedSearch:
+        """A sliced search for ``loads``, from the remembered calibration where it fits them, else from ``start``
+        (``restored``: the placement a checkpointed search began from, None for ``start``).
 
-        The search starts from the remembered calibration where there is one: it was placed for these very
-        routings, so the search only refines it instead of rebuilding it replica by replica (simulated a100-4x8
-        bert-moe W6: a fresh search after each move of the hot spot took 9 ms of host time on this machine's
-        CPU, beyond what the non-MoE compute hides; incremental, a step or two)."""
-        if fallback is None:   # the remembered calibration, where it serves the loads as a schedule would
+        Why from the remembered calibration: it was placed for these very routings, so the search only refines it
+        instead of rebuilding it replica by replica (simulated a100-4x8 bert-moe W6: a fresh search after each move
+        of the hot spot took 9 ms of host time on this repository's 2-vCPU host beyond what the non-MoE compute
+        hides; from the remembered placement a step or two), and its best is never worse than that placement."""
+        if restored is None:
             remembered = self._remembered(loads, owners, budget_per_rank, self.tolerance, start=start)
-            fallback = (None, float("inf")) if remembered is None else (
-                self.calibrated[0], estimate_layer(loads, owners, remembered, costs, ranks_per_node).time_s)
-        begin = start if fallback[0] is None else fallback[0]
-        steps = search_steps(loads, owners, costs, budget_per_rank, ranks_per_node, start=begin, budget_us=budget_us)
-        return SlicedSearch(steps, loads, float(loads.sum()), key, fallback[0], fallback[1])
+            begun_from = None if remembered is None else self.calibrated[0]
+        else:
+            begun_from = restored[0]
+        steps = search_steps(loads, owners, costs, budget_per_rank, ranks_per_node,
+                             start=start if begun_from is None else begun_from, budget_us=budget_us)
+        return SlicedSearch(steps, loads, float(loads.sum()), key, begun_from)
 
     def _remembered(self, counts: np.ndarray, owners, budget_per_rank: int, threshold: float,
                     joined: Optional[np.ndarray] = None, start=None) -> Optional[np.ndarray]:
@@ -266,8 +267,7 @@ class ScheduleReuse:
         if self.pending is not None:   # replayed on load: the same steps, so the same interim placements after
             p = self.pending
             state["pending"] = {"loads": p.loads.tolist(), "taken": p.taken, "owners": list(p.key[0]),
-                                "fallback": None if p.fallback is None else [list(r) for r in p.fallback],
-                                "fallback_time_s": p.fallback_time_s if p.fallback is not None else None}
+                                "begun_from": None if p.begun_from is None else [list(r) for r in p.begun_from]}
         return state
 
     @staticmethod
@@ -286,7 +286,7 @@ class ScheduleReuse:
             if "pending" in state:
                 pending = state["pending"]
                 if int(pending["taken"]) < 0 or not ScheduleReuse._placement_fits(
-                        pending["fallback"], pending["loads"], pending["owners"], world_size, num_experts):
+                        pending.get("begun_from"), pending["loads"], pending["owners"], world_size, num_experts):
                     return False
             if "placement" not in state:
                 return True
@@ -330,9 +330,11 @@ class ScheduleReuse:
             loads = np.array(saved["loads"], dtype=np.float64)
             owners = tuple(int(o) for o in saved["owners"])
             key = self._situation(owners, costs, budget_per_rank, ranks_per_node, start, budget_us)
-            fallback = (None if saved["fallback"] is None
-                        else tuple(tuple(int(e) for e in r) for r in saved["fallback"]))
+            # a search checkpointed before searches began from the remembered calibration (its "fallback", only
+            # prefetched while estimated faster) began from the start: replayed so, the same steps
+            begun = saved.get("begun_from")
+            begun_from = None if begun is None else tuple(tuple(int(e) for e in r) for r in begun)
             self.pending = self._start_search(loads, owners, costs, budget_per_rank, ranks_per_node, start,
-                                              budget_us, key, (fallback, saved["fallback_time_s"] or float("inf")))
+                                              budget_us, key, (begun_from,))
             self.pending.replay(int(saved["taken"]))
             self._plan_for(self.pending.loads)

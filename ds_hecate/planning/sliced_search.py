@@ -6,8 +6,8 @@ milliseconds (simulated a100-4x8 bert-moe, 32 ranks x 64 experts: 16 ms; DeepSee
 40-60 ms) against a window of about a millisecond, so every change of routing (a rotating hot spot, the first
 prediction of a run) charged the difference to one step. Sliced, a search takes at most its slice of work per call
 (at least one step, so that it ends) and goes on at the layer's next call while its prediction holds; until it ends
-the call prefetches the better, by the search's own estimate, of its best placement so far (the search is anytime)
-and the placement calibration last made for the same routing (:attr:`ScheduleReuse.calibrated`).
+the call prefetches its best placement so far (the search is anytime). Where calibration last placed for the same
+routing (:attr:`ScheduleReuse.calibrated`), the search starts from that placement, so its best is never worse.
 
 Every rank slices at the same steps (the work is the search's work model, :class:`~.scheduler.SearchWork`, not a
 clock), so every rank prefetches the same placement at every call. A checkpoint records how many steps a search in
@@ -21,20 +21,20 @@ from typing import Generator, Optional
 import numpy as np
 
 from .plan import Materialized, materialized_of
-from .scheduler import Progress, _round12
+from .scheduler import Progress
 
 
 @dataclass
 class SlicedSearch:
-    """One search in progress: its generator (:func:`~.scheduler.search_steps`), the loads it plans for, how many
-    steps it has taken, where it stands, and the remembered calibration's estimate to prefetch meanwhile."""
+    """One search in progress: its generator (:func:`~.scheduler.search_steps`), the loads it plans for, the
+    placement it began from where that is the remembered calibration, how many steps it has taken, where it
+    stands."""
 
     steps: Generator[Progress, None, Materialized]
     loads: np.ndarray
     loads_total: float
     key: tuple
-    fallback: Optional[Materialized] = None        # the remembered calibration, when it fits these loads
-    fallback_time_s: float = float("inf")         # its estimated layer time under them
+    begun_from: Optional[Materialized] = None      # the remembered calibration it started from (None: the start)
     taken: int = 0                                 # steps taken (what a checkpoint records)
     progress: Optional[Progress] = None            # before the next step; None before the first slice
     result: Optional[Materialized] = None          # set once the search ended
@@ -84,12 +84,8 @@ class SlicedSearch:
             self.result = end.value
 
     def interim(self) -> Materialized:
-        """What the call prefetches while the search goes on: its best placement so far, or the remembered
-        calibration where that is estimated faster."""
+        """What the call prefetches while the search goes on: its best placement so far."""
         best = self.progress
-        if self.fallback is not None and (best is None or float(_round12(self.fallback_time_s))
-                                          < float(_round12(best.best_time_s))):
-            return self.fallback
         assert best is not None, "interim is asked after advance, which yields before the first step or ends"
         if self._frozen[0] is not best.best:   # a new best (the search copies its matrix when it improves)
             self._frozen = (best.best, materialized_of(best.best))

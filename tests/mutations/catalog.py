@@ -129,8 +129,8 @@ MUTATIONS: List[Mutation] = [
         "calibration searches again for routing it already placed for (a rotating hot spot pays a search per call)"),
     Mutation(
         "calibration-remembered-from-a-prediction", "ds_hecate/planning/critical_path.py",
-        (("            if known is None and not speculative:\n",
-          "            if known is None:  # MUTATION: a prediction's leftover replicas are remembered too\n"),),
+        (("                if speculative:   # what calibration added, not the prediction's leftovers\n",
+          "                if False:  # MUTATION: a prediction's leftover replicas are remembered too\n"),),
         "calibration that extended a prediction's replicas is remembered with them, so they are prefetched again"),
     Mutation(
         "schedule-reset-at-an-outlier", "ds_hecate/planning/layer_planner.py",
@@ -159,12 +159,6 @@ MUTATIONS: List[Mutation] = [
         (("        if self.pending is not None:   # replayed on load: the same steps, so the same interim placements after\n",
           "        if False:  # MUTATION: a search in progress is not saved\n"),),
         "a checkpoint taken while a sliced search is in progress resumes without it (other placements after)"),
-    Mutation(
-        "remembered-calibration-never-prefetched", "ds_hecate/planning/sliced_search.py",
-        (("        if self.fallback is not None and (best is None or float(_round12(self.fallback_time_s))\n",
-          "        if False and (best is None or float(_round12(self.fallback_time_s))  # MUTATION\n"),),
-        "while a sliced search goes on, calls prefetch its partial best even where calibration's placement for "
-        "the same routing is estimated faster"),
     Mutation(
         "every-layer-takes-the-pools-mode", "ds_hecate/runtime/layer.py",
         (("        return self.runtime.grant(self).rematerialize\n",
@@ -275,7 +269,7 @@ MUTATIONS: List[Mutation] = [
         "arrived), so ranks further down the trees receive unwritten rows"),
     Mutation(
         "scheduler-charges-the-flat-fan-out", "ds_hecate/planning/cost_model.py",
-        (("    early, deeper, _ = replica_transfers(early_mask, owners, ranks_per_node, *relays)\n",
+        (("    early, deeper, _ = replica_transfers(early_mask, owners, ranks_per_node, *costs.relays)\n",
           "    early, deeper, _ = replica_transfers(early_mask, owners, ranks_per_node, 0)  # MUTATION: no relay trees\n"),),
         "the scheduler's estimate charges every copy to its owner although the collectives relay it"),
     Mutation(
@@ -292,8 +286,8 @@ MUTATIONS: List[Mutation] = [
         "the fresh search stops at the relay barrier: the second pass (trees priced as one flow) is ignored"),
     Mutation(
         "critical-search-ignores-its-cost", "ds_hecate/planning/scheduler.py",
-        (("                     pay_window=PAY_WINDOW if critical_path else 0, **search)\n",
-          "                     pay_window=0, **search)  # MUTATION: calibration searches on whatever its steps cost\n"),),
+        (("                          budget_us=budget_us, pay_window=PAY_WINDOW if critical_path else 0, **search)\n",
+          "                          budget_us=budget_us, pay_window=0, **search)  # MUTATION: calibration searches on whatever its steps cost\n"),),
         "calibration after the gate keeps searching while its steps cost every rank more host time than they save"),
     Mutation(
         "quota-replicas-off-their-node", "ds_hecate/planning/scheduler.py",
@@ -326,6 +320,35 @@ MUTATIONS: List[Mutation] = [
           "        held = sorted(mine[e] for e in experts if e in mine)  # MUTATION: rows grouped in plan order\n"),),
         "the token rows are grouped in the plan's expert order, not the gathered buffer's row order (owned first, "
         "then replicas by owner): replicas meet the wrong expert's weights"),
+    Mutation(
+        "search-ignores-the-remembered-calibration", "ds_hecate/planning/schedule_reuse.py",
+        (("                             start=start if begun_from is None else begun_from, budget_us=budget_us)\n",
+          "                             start=start, budget_us=budget_us)  # MUTATION: rebuilt from the start layout\n"),),
+        "a search for routing calibration just placed for starts over from the start layout instead of refining "
+        "that placement (a fresh search's host time after every move of a hot spot)"),
+    Mutation(
+        "stream-ordered-relay-waits-for-the-wait", "ds_hecate/comm/relay.py",
+        (("    if not async_op or not getattr(comm.weights, \"stream_ordered\", False):\n",
+          "    if True:  # MUTATION: stream-ordered transports run the deeper levels at the wait, as gloo\n"),),
+        "a stream-ordered transport (NCCL on CUDA) still issues the relay levels below the first at the collective's "
+        "wait, exposed, while the scheduler and the simulator price them hidden"),
+    Mutation(
+        "node-tree-counted-at-the-full-fan-out", "ds_hecate/planning/fanout.py",
+        (("    across = _node_fanouts(max(1, int(fanout)), max(1, int(chunks)), int(others.max()) + 1)[others + 1][:, None]\n",
+          "    across = np.full((tree.size, 1), max(1, int(fanout)))  # MUTATION: the tree of nodes at fanout\n"),),
+        "the vectorised trees (what the scheduler and the simulator charge) give the tree of nodes the full fan-out "
+        "while the runtime's relay_parents picks node_fanout: charged trees differ from the ones run"),
+    Mutation(
+        "stream-ordered-levels-priced-at-the-wait", "ds_hecate/planning/fanout.py",
+        (("    if stream_ordered:\n        return first + later, nothing_later, depth\n",
+          "    if False:  # MUTATION: stream-ordered relays priced as gloo's\n        return first + later, nothing_later, depth\n"),),
+        "the scheduler charges a stream-ordered transport's deeper relay levels exposed, as if run at the wait"),
+    Mutation(
+        "shadow-calibration-ignores-the-budget", "ds_hecate/planning/critical_path.py",
+        (("        open_ranks = ~shadows[:, e] & (room > 0)\n",
+          "        open_ranks = ~shadows[:, e]  # MUTATION: a shadow on every rank, full or not\n"),),
+        "calibration's shadow move places a burst's expert on ranks whose replica slots are full (beyond "
+        "materialize_budget_mb)"),
 ]
 
 _EXACT2 = "tests/test_exactness.py::test_trajectories_match_data_parallel[2rank]"
@@ -359,7 +382,6 @@ TESTS_FOR: Dict[str, List[str]] = {
     "slice-ignored": ["tests/test_sliced_search.py"],
     "search-in-progress-not-checkpointed": ["tests/test_sliced_search.py"],
     "slice-never-extended-for-gains": ["tests/test_sliced_search.py"],
-    "remembered-calibration-never-prefetched": ["tests/test_sliced_search.py"],
     "schedule-reset-at-an-outlier": ["tests/test_calibration_memory.py"],
     "kept-schedule-taken-for-the-prefetch": ["tests/test_calibration_memory.py"],
     "search-never-keeps-tokens-home": ["tests/test_objective.py::test_search_keeps_a_senders_tokens_home"],
@@ -388,6 +410,14 @@ TESTS_FOR: Dict[str, List[str]] = {
     "relay-pipeline-forwards-before-arrival": [
         "tests/test_fanout.py::test_pipelined_relay_is_bit_equal_to_level_by_level_and_takes_fewer_rounds"],
     "relay-deeper-levels-charged-hidden": ["tests/test_fanout.py::test_scheduler_exposes_the_deeper_levels"],
+    "search-ignores-the-remembered-calibration": [
+        "tests/test_sliced_search.py::test_the_search_starts_from_the_remembered_calibration"],
+    "stream-ordered-relay-waits-for-the-wait": [
+        "tests/test_fanout.py::test_stream_ordered_relay_issues_every_stage_at_start_bit_equal"],
+    "node-tree-counted-at-the-full-fan-out": ["tests/test_fanout.py::test_vectorised_counts_are_the_explicit_trees"],
+    "stream-ordered-levels-priced-at-the-wait": ["tests/test_fanout.py::test_scheduler_exposes_the_deeper_levels"],
+    "shadow-calibration-ignores-the-budget": [
+        "tests/test_shadow_calibration.py::test_shadows_respect_the_budget_hottest_first"],
     "search-keeps-the-priced-pass": ["tests/test_fanout.py::test_fresh_search_passes_the_relay_barrier"],
     "critical-search-ignores-its-cost": [
         "tests/test_scheduler.py::test_critical_path_search_stops_when_its_steps_cost_more_than_they_save"],
