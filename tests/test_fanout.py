@@ -37,10 +37,12 @@ def test_vectorised_counts_are_the_explicit_trees(seed):
     for _ in range(300):
         world, rpn, owners, holders = _random_holders(rng)
         fanout, chunks = int(rng.choice([0, 1, 2, 3, 4, 8])), int(rng.choice([1, 2, 4, 16]))
-        got = tree_transfers(holders, owners, rpn, fanout, chunks)
+        stream = bool(rng.random() < 0.5)
+        got = tree_transfers(holders, owners, rpn, fanout, chunks, stream)
         expected = [np.zeros(holders.shape) for _ in range(4)]
         for i in range(len(owners)):
-            parents = relay_parents(int(owners[i]), np.flatnonzero(holders[i]).tolist(), rpn, fanout, chunks)
+            parents = relay_parents(int(owners[i]), np.flatnonzero(holders[i]).tolist(), rpn, fanout, chunks,
+                                    stream)
             replicas = set(np.flatnonzero(holders[i]).tolist()) - {int(owners[i])}
             assert set(parents) == replicas
             for child, parent in parents.items():
@@ -266,7 +268,8 @@ def test_pipeline_schedule():
 def test_relay_transfers_split_as_the_runtime_runs_them():
     """The first level of relay_transfers is the RelayPlan's first stage (the exchange the collective is issued
     with), copy for copy; the rest are the deeper stages, each expert's charged its pipeline's fill
-    ``1 + (D - 2) / chunks``; the depth is the plan's stage count. Random placements, node sizes, fan-outs."""
+    ``1 + (D - 2) / chunks``; the depth is the plan's stage count; stream-ordered, both together are the first.
+    Random placements, node sizes, fan-outs, transports."""
     rng = random.Random(3)
     for _ in range(300):
         world = rng.choice([4, 8, 16, 32])
@@ -275,13 +278,15 @@ def test_relay_transfers_split_as_the_runtime_runs_them():
         owners = tuple(rng.randrange(world) for _ in range(experts))
         mat = tuple(tuple(sorted({e for e in range(experts) if owners[e] == r or rng.random() < p}))
                     for r in range(world))
-        fanout, chunks = rng.choice([0, 1, 2, 3, 4]), rng.choice([1, 3, 4])
+        fanout, chunks, stream = rng.choice([0, 1, 2, 3, 4]), rng.choice([1, 3, 4]), rng.random() < 0.5
         holders = np.zeros((experts, world), dtype=bool)
         for r, held in enumerate(mat):
             holders[list(held), r] = True
-        first, later, depths = relay_transfers(holders, np.array(owners), rpn, fanout, chunks)
-        total = tree_transfers(holders, np.array(owners), rpn, fanout, chunks)
-        plan = RelayPlan.of(Placement(owners, mat), rpn, fanout, chunks)
+        first, later, depths = relay_transfers(holders, np.array(owners), rpn, fanout, chunks, True, stream)
+        if stream:   # stream-ordered: every level issued with the first, nothing left for the wait
+            assert not any(part.any() for part in later)
+        total = tree_transfers(holders, np.array(owners), rpn, fanout, chunks, stream)
+        plan = RelayPlan.of(Placement(owners, mat), rpn, fanout, chunks, stream)
         assert (int(depths.max()) if depths.size else 0) == len(plan.stages)
         for e in range(experts):
             expected = np.zeros((4, world))
@@ -289,11 +294,14 @@ def test_relay_transfers_split_as_the_runtime_runs_them():
                 inter = 2 if src // rpn != dst // rpn else 0
                 expected[inter, dst] += 1
                 expected[inter + 1, src] += 1
-            np.testing.assert_array_equal(np.stack([part[e] for part in first]), expected)
             depth = sum(any(edge[0] == e for edge in stage) for stage in plan.stages)
             fill = 1 + max(depth - 2, 0) / chunks
-            np.testing.assert_allclose(np.stack([part[e] for part in later]),
-                                       (np.stack([part[e] for part in total]) - expected) * fill)
+            deeper = (np.stack([part[e] for part in total]) - expected) * fill
+            if stream:
+                np.testing.assert_allclose(np.stack([part[e] for part in first]), expected + deeper)
+                continue
+            np.testing.assert_array_equal(np.stack([part[e] for part in first]), expected)
+            np.testing.assert_allclose(np.stack([part[e] for part in later]), deeper)
 
 
 def test_scheduler_exposes_the_deeper_levels():
@@ -310,38 +318,38 @@ def test_scheduler_exposes_the_deeper_levels():
     assert flat.time_s == 0.0                     # one level: all of it hides
     one = estimate_layer(counts, owners, mat, StepCostModel(**base, relay_chunks=1), rpn)
     four = estimate_layer(counts, owners, mat, StepCostModel(**base, relay_chunks=4), rpn)
-    # one chunk: the owner sends to the 3 other nodes' leaders (node_fanout 3), depth 3 (node leaders, then two
-    # levels inside each node): a leader forwards 4 copies over NVLink, at a fill of 1 + 1/chunks
-    assert node_fanout(4, 4, 1) == 3 and node_fanout(4, 4, 4) == 1
+    # depth 3 (node leaders, then two levels inside each node): a leader forwards 4 copies over NVLink, at a fill
+    # of 1 + 1/chunks
     assert one.time_s == pytest.approx(4 * 1e-3 * 2, rel=1e-6)
-    # four chunks: a chain of nodes (node_fanout 1), depth 5, fill 1 + 3/4
-    assert four.time_s == pytest.approx(4 * 1e-3 * 1.75, rel=1e-6)
+    assert four.time_s == pytest.approx(4 * 1e-3 * 1.25, rel=1e-6)
     # a stream-ordered transport issues every level with the collective: all of it hides behind the overlap
     for chunks in (1, 4):
         stream = estimate_layer(counts, owners, mat, StepCostModel(**base, relay_chunks=chunks,
                                                                    relay_stream_ordered=True), rpn)
         assert stream.time_s == 0.0
-    # and what hides is every level with its fill: with a short overlap the busiest rank's whole tree shows
+    # what hides there is every level with its fill, in its own trees: with nothing hidden, one chunk sends to the
+    # other 3 nodes' leaders (node_fanout 3: the same tree, the same time); four make a chain of nodes (node_fanout
+    # 1), depth 5, its leaders' 4 NVLink copies at a fill of 1 + 3/4
+    assert node_fanout(4, 4, 1) == 3 and node_fanout(4, 4, 4) == 1
     short = {**base, "overlap_s": 0.0}
-    flow = estimate_layer(counts, owners, mat, StepCostModel(**short, relay_chunks=4, relay_stream_ordered=True), rpn)
-    at_wait = estimate_layer(counts, owners, mat, StepCostModel(**short, relay_chunks=4), rpn)
-    assert flow.time_s <= at_wait.time_s and flow.time_s >= 4 * 1e-3 * 1.75
+    for chunks, expected in ((1, 4 * 1e-3 * 2), (4, 4 * 1e-3 * 1.75)):
+        flow = estimate_layer(counts, owners, mat, StepCostModel(**short, relay_chunks=chunks,
+                                                                 relay_stream_ordered=True), rpn)
+        assert flow.time_s == pytest.approx(expected, rel=1e-6), chunks
 
 
 def test_fresh_search_passes_the_relay_barrier():
     """64 ranks x 8 experts, the planner benchmark's skewed prediction: priced as the runtime runs the trees, a
-    greedy that adds one move at a time stops where deepening a tree would expose a level at once (unpipelined
-    relays, ``relay_chunks`` 1, where the tree of nodes is wide: 0.179 s, exposed transfers a barrier for every
-    rank); the same search with the trees priced as one hidden flow walks past it (0.084 s, judged with the levels
-    exposed). schedule_materialization runs both and keeps the better by the exposed pricing; calibration, which
-    extends a start on the critical path, runs the first alone. (With the benchmark's 4 chunks the tree of nodes is
-    a chain, node_fanout, and the first search alone reaches 0.069 s.)"""
+    greedy that adds one move at a time stops where deepening a tree would expose a level at once (0.086 s, exposed
+    transfers a barrier for every rank; 0.175 s when they were charged to the receiving rank alone); the same
+    search with the trees priced as one hidden flow walks past it (0.076 s, judged with the levels exposed).
+    schedule_materialization runs both and keeps the better by the exposed pricing; calibration, which extends a
+    start on the critical path, runs the first alone."""
     from dataclasses import replace
 
-    from benchmarks.planner import COSTS as PIPELINED, REPLICAS_PER_RANK, CallSequence
+    from benchmarks.planner import COSTS, REPLICAS_PER_RANK, CallSequence
     from ds_hecate.planning.scheduler import _greedy, schedule_materialization
 
-    COSTS = replace(PIPELINED, relay_chunks=1)
     seq = CallSequence(64, 8, 8, "skewed", 0)
     prediction, owners, rpn = seq.window.predict_array(), seq.owners, seq.rpn
 

@@ -7,8 +7,9 @@ on 31 ranks: 31 sends from one rank, 24 of them through its node's NICs). With m
 
 - each node holding the expert has a leader: the owner on its own node, elsewhere its lowest-ranked holder;
 - the leaders form an ``f``-ary tree rooted at the owner (nodes ascending): leader ``i`` (the owner is 0) hangs
-  under leader ``(i - 1) // f``, ``f`` at most ``fanout`` and chosen per expert by :func:`node_fanout` from the
-  number of nodes holding it and the pipeline's chunks (a chain of nodes on a few nodes, a wider tree on many);
+  under leader ``(i - 1) // f``; ``f`` is ``fanout``, or, where the transport runs every level from the
+  collective's start (stream-ordered: NCCL on CUDA), :func:`node_fanout` of the number of nodes holding the expert
+  and the pipeline's chunks (a chain of nodes on a few nodes, a wider tree on many);
 - inside each node the holders form a ``fanout``-ary tree under the leader (leader first, then ranks ascending).
 
 So a rank sends at most ``fanout`` copies of an expert across nodes and ``fanout`` inside its node, whatever the
@@ -16,9 +17,13 @@ replica count. Why the tree of nodes picks its own fan-out: its copies cross the
 so a leader sending ``fanout`` copies holds its node's NICs ``fanout`` times as long as one; pipelined in chunks, a
 deeper tree costs only one chunk's time per extra level (simulated a100-4x8 bert-moe W1, 32 replicas of each of two
 hot experts on 4 nodes: with the whole tree pipelined from the prefetch, the exposed transfers fell from 13.6 to
-0.4 ms per step with a chain of nodes instead of the owner sending to all three other nodes). SparseAllGather runs the tree top-down, one stage per depth; SparseReduceScatter runs it bottom-up,
-each relay adding its children's fp32 partial sums to its own gradient in a fixed order (its own first, then the
-children's by rank) before passing the sum to its parent. With at most ``fanout`` replicas (or ``fanout`` 0) the
+0.4 ms per step with a chain of nodes instead of the owner sending to all three other nodes). Only there: where
+the levels below the first run at the collective's wait (gloo), each extra level is exposed, and a deeper tree of
+nodes made calibration's placements slower (planner_decisions, 256 x 256 burst: 0.92 s -> 1.51 s estimated).
+
+SparseAllGather runs the tree top-down, one stage per depth; SparseReduceScatter runs it bottom-up, each relay
+adding its children's fp32 partial sums to its own gradient in a fixed order (its own first, then the children's
+by rank) before passing the sum to its parent. With at most ``fanout`` replicas (or ``fanout`` 0) the
 tree is flat: the owner sends every copy, as before.
 
 :class:`RelayPlan` is the explicit tree the runtime runs; :func:`tree_transfers` counts the same tree's transfers
@@ -69,10 +74,10 @@ def _node_fanouts(fanout: int, chunks: int, upto: int) -> np.ndarray:
 
 
 def relay_parents(owner: int, holders: Sequence[int], ranks_per_node: int, fanout: int,
-                  chunks: int = 1) -> Dict[int, int]:
+                  chunks: int = 1, stream_ordered: bool = False) -> Dict[int, int]:
     """replica holder -> the rank it receives the expert from (see the module docstring); ``holders`` may include
     the owner. ``chunks``: the relay's pipeline pieces (``hecate.relay_chunks``), which set the tree of nodes'
-    fan-out (:func:`node_fanout`)."""
+    fan-out (:func:`node_fanout`) where the transport is ``stream_ordered``."""
     replicas = sorted(r for r in set(holders) if r != owner)
     if fanout <= 0 or len(replicas) <= fanout:
         return {r: owner for r in replicas}
@@ -83,7 +88,7 @@ def relay_parents(owner: int, holders: Sequence[int], ranks_per_node: int, fanou
     by_node[home] = [owner] + by_node.get(home, [])
     parents: Dict[int, int] = {}
     leaders = [owner] + [by_node[n][0] for n in sorted(by_node) if n != home]
-    across = node_fanout(len(leaders), fanout, chunks)
+    across = node_fanout(len(leaders), fanout, chunks) if stream_ordered else max(1, fanout)
     for i in range(1, len(leaders)):
         parents[leaders[i]] = leaders[(i - 1) // across]
     for members in by_node.values():
@@ -103,8 +108,12 @@ class RelayPlan:
     chunks: int = 1
 
     @staticmethod
-    def of(placement: Placement, ranks_per_node: int, fanout: int, chunks: int = 1) -> "RelayPlan":
-        return _relay_plan(placement, max(1, int(ranks_per_node)), int(fanout), max(1, int(chunks)))
+    def of(placement: Placement, ranks_per_node: int, fanout: int, chunks: int = 1,
+           stream_ordered: bool = False) -> "RelayPlan":
+        """``stream_ordered``: the transport runs every level from the collective's start (the tree of nodes then
+        takes :func:`node_fanout`; else ``fanout``)."""
+        return _relay_plan(placement, max(1, int(ranks_per_node)), int(fanout), max(1, int(chunks)),
+                           bool(stream_ordered))
 
     def pipeline(self, chunks: int) -> List[List[Tuple[int, int]]]:
         """The exchanges after the first stage, each a list of (stage, chunk) pairs that travel together, stage
@@ -176,14 +185,15 @@ def chunk_bounds(numel: int, chunks: int) -> List[Tuple[int, int]]:
 
 
 @lru_cache(maxsize=256)
-def _relay_plan(placement: Placement, ranks_per_node: int, fanout: int, chunks: int = 1) -> RelayPlan:
+def _relay_plan(placement: Placement, ranks_per_node: int, fanout: int, chunks: int = 1,
+                stream_ordered: bool = False) -> RelayPlan:
     holders: Dict[int, List[int]] = {}
     for e, dst in placement.gather_pairs:
         holders.setdefault(e, []).append(dst)
     depth_edges: Dict[int, List[Edge]] = {}
     for e, replicas in holders.items():
         owner = placement.owners[e]
-        parents = relay_parents(owner, replicas, ranks_per_node, fanout, chunks)
+        parents = relay_parents(owner, replicas, ranks_per_node, fanout, chunks, stream_ordered)
         depth = {owner: 0}
         for r in sorted(parents, key=lambda r: _hops(r, parents, owner)):
             depth[r] = depth[parents[r]] + 1
@@ -199,13 +209,14 @@ def _hops(rank: int, parents: Dict[int, int], owner: int) -> int:
     return hops
 
 
-def tree_transfers(holders: np.ndarray, owners: np.ndarray, ranks_per_node: int, fanout: int, chunks: int = 1):
+def tree_transfers(holders: np.ndarray, owners: np.ndarray, ranks_per_node: int, fanout: int, chunks: int = 1,
+                   stream_ordered: bool = False):
     """Per rank, the copies of :func:`relay_parents`' trees it receives and sends, inside its node and across
     nodes: ``(in_intra, out_intra, in_inter, out_inter)``, each ``[K, world]`` float, for ``K`` experts with holder
     rows ``holders`` (``[K, world]`` bool, owners included or not) owned by ``owners`` (``[K]``): all levels
     together, as one pipelined flow would carry them (:func:`relay_transfers` splits them as the runtime runs
     them)."""
-    return _trees(holders, owners, ranks_per_node, fanout, chunks)[0]
+    return _trees(holders, owners, ranks_per_node, fanout, chunks, stream_ordered)[0]
 
 
 def relay_transfers(holders: np.ndarray, owners: np.ndarray, ranks_per_node: int, fanout: int, chunks: int,
@@ -222,7 +233,7 @@ def relay_transfers(holders: np.ndarray, owners: np.ndarray, ranks_per_node: int
     search uses, :func:`~.scheduler.schedule_materialization`). ``stream_ordered``: the runtime issues every
     level with the collective (a CUDA transport, :meth:`~ds_hecate.comm.transport.Transport.relay_scope`), so the
     deeper levels, fill included, join the first and nothing is left for the wait."""
-    total, first, depth = _trees(holders, owners, ranks_per_node, fanout, chunks)
+    total, first, depth = _trees(holders, owners, ranks_per_node, fanout, chunks, stream_ordered)
     nothing_later = np.broadcast_to(np.zeros((), dtype=total.dtype), total.shape)
     if not exposed_levels or not (depth >= 2).any():   # one level (or one flow): all of it is the first
         # nothing later: a read-only zero view (callers only add it), not a zero-filled copy of ``total``
@@ -248,7 +259,8 @@ def heap_depth(index: np.ndarray, fanout: int) -> np.ndarray:
     return np.searchsorted(np.asarray(reach, dtype=np.int64), index, side="left")
 
 
-def _trees(holders: np.ndarray, owners: np.ndarray, ranks_per_node: int, fanout: int, chunks: int = 1):
+def _trees(holders: np.ndarray, owners: np.ndarray, ranks_per_node: int, fanout: int, chunks: int = 1,
+           stream_ordered: bool = False):
     """(all levels' transfers, the first level's, each expert's tree depth): see :func:`relay_transfers`."""
     holders = np.asarray(holders, dtype=bool)
     k, world = holders.shape
@@ -294,8 +306,11 @@ def _trees(holders: np.ndarray, owners: np.ndarray, ranks_per_node: int, fanout:
     others = leader_nodes.sum(axis=1)
     leader = t_held & (index == 0)
     inter_index = np.where(t_own, 0, position[:, node])
-    # the tree of nodes' fan-out per expert (node_fanout of its holding nodes, the owner's included)
-    across = _node_fanouts(max(1, int(fanout)), max(1, int(chunks)), int(others.max()) + 1)[others + 1][:, None]
+    # the tree of nodes' fan-out per expert (stream-ordered: node_fanout of its holding nodes, the owner's included)
+    if stream_ordered:
+        across = _node_fanouts(max(1, int(fanout)), max(1, int(chunks)), int(others.max()) + 1)[others + 1][:, None]
+    else:
+        across = np.full((tree.size, 1), max(1, int(fanout)))
     out_intra[tree] = np.where(t_held, np.clip(members - 1 - index * fanout, 0, fanout), 0)
     in_intra[tree] = t_held & (index >= 1)
     out_inter[tree] = np.where(leader, np.clip(others[:, None] - inter_index * across, 0, across), 0)

@@ -144,7 +144,8 @@ class LayerBinding:
         reduction of a calibrated call uses the tree of its whole placement, whatever trees its two gathers took:
         any tree returns every copy's gradient to its owner."""
         config = self.runtime.config
-        return RelayPlan.of(placement, self.runtime.ranks_per_node, config.fanout, config.relay_chunks)
+        return RelayPlan.of(placement, self.runtime.ranks_per_node, config.fanout, config.relay_chunks,
+                            bool(getattr(self.runtime.comm.weights, "stream_ordered", False)))
 
     def gather(self, placement: Placement, async_op: bool, spare_rows: int = 0) -> PendingGather:
         """SparseAllGather of ``placement`` into a block with ``spare_rows`` reserved for calibration's extras

@@ -334,8 +334,8 @@ MUTATIONS: List[Mutation] = [
         "wait, exposed, while the scheduler and the simulator price them hidden"),
     Mutation(
         "node-tree-counted-at-the-full-fan-out", "ds_hecate/planning/fanout.py",
-        (("    across = _node_fanouts(max(1, int(fanout)), max(1, int(chunks)), int(others.max()) + 1)[others + 1][:, None]\n",
-          "    across = np.full((tree.size, 1), max(1, int(fanout)))  # MUTATION: the tree of nodes at fanout\n"),),
+        (("        across = _node_fanouts(max(1, int(fanout)), max(1, int(chunks)), int(others.max()) + 1)[others + 1][:, None]\n",
+          "        across = np.full((tree.size, 1), max(1, int(fanout)))  # MUTATION: the tree of nodes at fanout\n"),),
         "the vectorised trees (what the scheduler and the simulator charge) give the tree of nodes the full fan-out "
         "while the runtime's relay_parents picks node_fanout: charged trees differ from the ones run"),
     Mutation(
