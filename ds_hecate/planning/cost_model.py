@@ -165,7 +165,11 @@ def replica_transfers(replicas, owners, ranks_per_node: int, fanout: int = 0, ch
     is waited for and charged with their pipeline's fill (:func:`~.fanout.relay_transfers`; flat: all first);
     ``depth`` the deepest tree's stages (0 without a replica)."""
     owners = np.asarray(owners, dtype=np.int64)
-    first, later, depth = relay_transfers(np.asarray(replicas, dtype=bool).T, owners, ranks_per_node, fanout,
+    replicas = np.asarray(replicas, dtype=bool)
+    if not replicas.any():   # nothing to move (every call's late copies but calibration's): no tree walk
+        none = tuple(np.zeros(replicas.shape[0]) for _ in range(4))
+        return none, none, 0
+    first, later, depth = relay_transfers(replicas.T, owners, ranks_per_node, fanout,
                                           chunks, exposed_levels, stream_ordered)
     return (tuple(part.sum(axis=0) for part in first), tuple(part.sum(axis=0) for part in later),
             int(depth.max()) if depth.size else 0)
