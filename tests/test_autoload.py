@@ -21,9 +21,10 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import List
+from typing import List, Tuple
 
 import pytest
+import torch
 
 from dist_utils import free_port
 from venv_utils import chained_venv
@@ -115,11 +116,24 @@ def hf_config(tmp_path_factory) -> Path:
     return path
 
 
+def _half_precision() -> Tuple[str, str]:
+    """(the Trainer's switch, Hecate's compute dtype): fp16 as run_clm.py users switch it on, where DeepSpeed accepts
+    it; on a CPU without native fp16 matmul (its capability probe, mkldnn fp16) DeepSpeed refuses fp16 for any
+    script, so bf16, the other "auto" half precision, which every CPU DeepSpeed runs on accepts."""
+    try:
+        native = bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except (AttributeError, RuntimeError):
+        native = False
+    return ("--fp16", "float16") if native or torch.cuda.is_available() else ("--bf16", "bfloat16")
+
+
 def test_trainer_script_importing_transformers_first_trains_with_hecate(venv, hf_config, tmp_path):
-    # fp16 as run_clm.py users switch it on (--fp16, "auto" in the config); docs/huggingface.md says it runs.
-    proc = _deepspeed(venv, tmp_path, "trainer_script.py", "--deepspeed", str(hf_config), "--fp16")
+    # half precision as run_clm.py users switch it on (--fp16 / --bf16, "auto" in the config); docs/huggingface.md
+    # says it runs.
+    switch, dtype = _half_precision()
+    proc = _deepspeed(venv, tmp_path, "trainer_script.py", "--deepspeed", str(hf_config), switch)
     out = _took_over(proc, layers=2)
-    assert "compute dtype=float16" in out, out[-3000:]
+    assert f"compute dtype={dtype}" in out, out[-3000:]
     assert "autoload trainer: engine.hecate=yes steps=2" in out, out[-3000:]
 
 

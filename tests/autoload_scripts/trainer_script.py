@@ -34,12 +34,14 @@ def main() -> None:
     parser.add_argument("--output-dir", default="trainer_out")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--fp16", action="store_true", help="the Trainer's fp16 switch (config: \"auto\")")
+    parser.add_argument("--bf16", action="store_true", help="the Trainer's bf16 switch (config: \"auto\")")
     args = parser.parse_args()
 
     training_args = TrainingArguments(
         output_dir=args.output_dir, deepspeed=args.deepspeed, max_steps=args.steps, per_device_train_batch_size=2,
         learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True,
-        use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0, fp16=args.fp16)
+        use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0, fp16=args.fp16,
+        bf16=args.bf16)
     config = transformers.Qwen3MoeConfig(
         vocab_size=64, hidden_size=16, intermediate_size=24, moe_intermediate_size=12, num_hidden_layers=2,
         num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_experts=4, num_experts_per_tok=2,
