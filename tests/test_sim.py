@@ -225,8 +225,9 @@ def test_planning_charge_does_not_move_with_the_machines_load():
     assert planning[0] > 0
     assert wall > 1.2 * cpu, f"the burners did not load the machine (wall {wall:.2f} s, CPU {cpu:.2f} s)"
     # CPU time still moves beside the burners (shared caches and clock of a 2-vCPU host: 13% in CI on 2026-12-01,
-    # with issue 26's heavier search steps); wall time doubles, which 25% still tells apart
-    assert planning[1] == pytest.approx(planning[0], rel=0.25), planning
+    # 27% on a slower host on 2026-12-02, where the charge had become a third smaller); wall time doubles
+    # (2.0-2.3x), which 50% still tells apart
+    assert planning[1] == pytest.approx(planning[0], rel=0.5), planning
     # the rest of the step is the model's, the same whatever the load (the planner decides by its work model, not
     # a clock); the planning charge is a sixth of this cell's step on a slow host, so a fixed tolerance on the
     # whole step (2% until 2026-12-02) failed when the charge moved by 20%
