@@ -78,11 +78,11 @@ def shadow_calibration(counts: np.ndarray, prefetched: Placement, costs: StepCos
         room -= open_ranks
     if (shadows == holders).all():
         return None
-    before = estimate_layer(counts, prefetched.owners, holders, costs, ranks_per_node, prefetched=holders)
     after = estimate_layer(counts, prefetched.owners, shadows, costs, ranks_per_node, prefetched=holders)
-    if after.time_s <= before.time_s * (1.0 - min_gain) and after.imbalance <= 1.0 + tolerance:
-        return shadows
-    return None
+    if after.imbalance > 1.0 + tolerance:   # not balanced: the search's business, without a second estimate
+        return None
+    before = estimate_layer(counts, prefetched.owners, holders, costs, ranks_per_node, prefetched=holders)
+    return shadows if after.time_s <= before.time_s * (1.0 - min_gain) else None
 
 
 def plan_after_gate(counts: np.ndarray, prefetched: Placement, prediction: Optional[np.ndarray],
@@ -97,14 +97,13 @@ def plan_after_gate(counts: np.ndarray, prefetched: Placement, prediction: Optio
     the hot experts on every rank balance the call (:func:`shadow_calibration`), those; else it extends the
     prefetched placement with a search within ``budget_us`` (None: the automatic budget, :data:`AUTO_PLAN_BUDGET`).
     ``speculative``: the prefetched placement holds replicas for a prediction (False: only the owners and the
-    start layout); calibration is remembered only from a non-speculative start, since what it places is then
-    what the counts alone ask for, not a prediction's leftovers (remembered, those would be prefetched again and
-    pile up over the moves of a rotating hot spot: simulated W6, 131 replicas a layer instead of 77). From a
-    speculative start it remembers only what calibration added, with the owners and ``start`` (the start layout,
-    ``[ranks, experts]`` bool, which every schedule holds): the next call, prefetched without the prediction, then
-    takes it without a second search (simulated a100-4x8 bert-moe W6: 10 ms of host time per move of the hot
-    spot on this machine's CPU). Where the budget cannot pay the search's setup and a first step
-    (large worlds), calibration is off, as with ``calibration: false``: no scoring, no estimate on the critical path.
+    start layout). What calibration placed is remembered (:meth:`ScheduleReuse.remember_calibration`), from a
+    speculative start only what it added, with the owners and ``start`` (the start layout, ``[ranks, experts]``
+    bool, which every schedule holds): the prediction's leftovers, remembered, would be prefetched again and pile up
+    over the moves of a rotating hot spot (simulated W6, 131 replicas a layer instead of 77), while what it added
+    lets the next call, prefetched without the prediction, calibrate without a second search (simulated a100-4x8
+    bert-moe W6: 10 ms of host time per move of the hot spot on this repository's 2-vCPU host). Where the budget
+    cannot pay the search's setup and a first step (large worlds), calibration is off, as with ``calibration: false``: no scoring, no estimate on the critical path.
     """
     placement, extras = prefetched, None
     affordable = SEARCH_WORK.first_step_us(*counts.shape) <= (AUTO_BUDGET_CAP_US if budget_us is None else budget_us)

@@ -126,7 +126,8 @@ class ScheduleReuse:
                 self._key = key
                 return self.placement
             pending = self.pending = self._start_search(loads, owners, costs, budget_per_rank, ranks_per_node,
-                                                        start, budget_us, key)
+                                                        start, budget_us, key,
+                                                        self._search_start(loads, owners, budget_per_rank, start))
         if pending.advance(slice_us):
             self.pending = None
             self.placement = pending.result
@@ -139,22 +140,23 @@ class ScheduleReuse:
 
     def _start_search(self, loads: np.ndarray, owners, costs: StepCostModel, budget_per_rank: int,
                       ranks_per_node: int, start, budget_us, key: tuple,
-                      restored: Optional[Tuple[Optional[Materialized]]] = None) -> SlicedSearch:
-        """A sliced search for ``loads``, from the remembered calibration where it fits them, else from ``start``
-        (``restored``: the placement a checkpointed search began from, None for ``start``).
+                      begun_from: Optional[Materialized]) -> SlicedSearch:
+        """A sliced search for ``loads`` from ``begun_from`` (the remembered calibration, where it fits them:
+        :meth:`_search_start`; a checkpointed search's own), else from ``start``.
 
         Why from the remembered calibration: it was placed for these very routings, so the search only refines it
         instead of rebuilding it replica by replica (simulated a100-4x8 bert-moe W6: a fresh search after each move
         of the hot spot took 9 ms of host time on this repository's 2-vCPU host beyond what the non-MoE compute
         hides; from the remembered placement a step or two), and its best is never worse than that placement."""
-        if restored is None:
-            remembered = self._remembered(loads, owners, budget_per_rank, self.tolerance, start=start)
-            begun_from = None if remembered is None else self.calibrated[0]
-        else:
-            begun_from = restored[0]
         steps = search_steps(loads, owners, costs, budget_per_rank, ranks_per_node,
                              start=start if begun_from is None else begun_from, budget_us=budget_us)
         return SlicedSearch(steps, loads, float(loads.sum()), key, begun_from)
+
+    def _search_start(self, loads: np.ndarray, owners, budget_per_rank: int, start) -> Optional[Materialized]:
+        """The remembered calibration where it serves ``loads`` as a schedule would (a search then starts from it),
+        else None."""
+        fits = self._remembered(loads, owners, budget_per_rank, self.tolerance, start=start) is not None
+        return self.calibrated[0] if fits else None
 
     def _remembered(self, counts: np.ndarray, owners, budget_per_rank: int, threshold: float,
                     joined: Optional[np.ndarray] = None, start=None) -> Optional[np.ndarray]:
@@ -335,6 +337,6 @@ class ScheduleReuse:
             begun = saved.get("begun_from")
             begun_from = None if begun is None else tuple(tuple(int(e) for e in r) for r in begun)
             self.pending = self._start_search(loads, owners, costs, budget_per_rank, ranks_per_node, start,
-                                              budget_us, key, (begun_from,))
+                                              budget_us, key, begun_from)
             self.pending.replay(int(saved["taken"]))
             self._plan_for(self.pending.loads)

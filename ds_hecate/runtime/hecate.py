@@ -143,11 +143,15 @@ class HecateRuntime:
     def step_costs(self, binding: LayerBinding) -> StepCostModel:
         """Cost model for the scheduler: configured values, else measured ones (identical on all ranks)."""
         # One formula for the runtime, ``ds-hecate plan`` and the simulator (ds_hecate.planning.cost_model).
-        # the relay trees are priced as the weight transport runs them (every level at the start where it is
-        # stream-ordered: NCCL on CUDA)
         return scheduler_costs(self.config, self.measured, self.world_size, self.ranks_per_node,
                                binding.cost.expert_bytes, binding.cost.token_bytes(1), self.overlaps_compute,
-                               relays_stream_ordered=bool(getattr(self.comm.weights, "stream_ordered", False)))
+                               relays_stream_ordered=self.relays_stream_ordered)
+
+    @property
+    def relays_stream_ordered(self) -> bool:
+        """Whether the weight transport issues every relay level when a sparse collective starts (NCCL on CUDA):
+        the relay trees are built (the tree of nodes, ``planning.fanout.node_fanout``) and priced as it runs them."""
+        return bool(getattr(self.comm.weights, "stream_ordered", False))
 
     # -- call sequence and prefetch ---------------------------------------------------------------------------
     def note_layer_call(self, binding: LayerBinding, recompute: bool) -> None:

@@ -145,7 +145,7 @@ class LayerBinding:
         any tree returns every copy's gradient to its owner."""
         config = self.runtime.config
         return RelayPlan.of(placement, self.runtime.ranks_per_node, config.fanout, config.relay_chunks,
-                            bool(getattr(self.runtime.comm.weights, "stream_ordered", False)))
+                            self.runtime.relays_stream_ordered)
 
     def gather(self, placement: Placement, async_op: bool, spare_rows: int = 0) -> PendingGather:
         """SparseAllGather of ``placement`` into a block with ``spare_rows`` reserved for calibration's extras

@@ -54,9 +54,10 @@ def layer_time(ctx: SimContext, counts: np.ndarray, mat: np.ndarray, owners: np.
     with sharded placement ``owners``. ``mode`` says how replicas travel: ``prefetch`` (Hecate: SparseAllGather
     before the gate, hidden behind T_nonMoE; SparseReduceScatter behind the backward non-MoE compute), ``rm``
     (the same plus a second gather in backward; both relay copies through holders beyond ``hecate.fanout``
-    replicas of an expert, as the runtime does, every level issued with the collective on a GPU cluster), ``critical`` (FasterMoE: broadcast after the gate and reduce, both
-    exposed), ``persistent`` (FlexMoE: replicas stay; their gradients are all-reduced in backward). ``late``: replicas
-    (a subset of ``mat``) gathered after the gate (Hecate's calibration), on the critical path."""
+    replicas of an expert, as the runtime does, every level issued with the collective on a GPU cluster),
+    ``critical`` (FasterMoE: broadcast after the gate and reduce, both exposed), ``persistent`` (FlexMoE: replicas
+    stay; their gradients are all-reduced in backward). ``late``: replicas (a subset of ``mat``) gathered after the
+    gate (Hecate's calibration), on the critical path."""
     world, num_experts = counts.shape
     rpn = min(ctx.rpn, world)
     flows = dispatch_flows(counts.T, mat.T, rpn)

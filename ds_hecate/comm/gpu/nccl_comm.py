@@ -258,14 +258,11 @@ class CupyTransport:
         """Always: every primitive runs on the communication stream in issue order and waits are stream-side."""
         return True
 
-    def relay_scope(self, tensors: Sequence[torch.Tensor]):
+    @contextlib.contextmanager
+    def relay_scope(self, tensors: Sequence[torch.Tensor]) -> Iterator[Callable[[], None]]:
         """:meth:`~ds_hecate.comm.transport.Transport.relay_scope` on the communication stream itself: the chain's
         primitives and the device work between them queue there after the caller's work so far, and the function
         given orders the caller's stream after the chain (an event; the host goes on)."""
-        return self._relay_scope(tensors)
-
-    @contextlib.contextmanager
-    def _relay_scope(self, tensors: Sequence[torch.Tensor]) -> Iterator[Callable[[], None]]:
         self.check()
         ended: List[Any] = []
 
