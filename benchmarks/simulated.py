@@ -455,7 +455,7 @@ def planning_lines(recs: List[Dict[str, Any]], charged: bool) -> List[str]:
                      for r, s in cells]
         charged_x = [s["speedup_vs_ep"] for _, s in cells]
         out.append(f"- {name}'s host planning (critical path per layer call plus the search where the non-MoE compute "
-                   f"does not hide it, in this thread's CPU time on this machine, charged to its step): "
+                   f"does not hide it, counted in the planner's work models, charged to its step): "
                    f"{_rng(ms, lambda v: f'{v:.2f}')} ms per step, {_rng(share, lambda v: f'{v:.1f}')}% of it; speedup "
                    f"over EP {_rng(charged_x, _x)} with it, {_rng(uncharged, _x)} without.")
     return out

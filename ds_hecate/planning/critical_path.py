@@ -9,10 +9,12 @@ call, so the figures in docs/benchmarks.md are the runtime's own code path.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Optional
 
 import numpy as np
 
+from .call_work import CALL_WORK, WorkMeter
 from .dispatch_plan import DispatchPlan, RankDispatch
 from .plan import Placement, materialized_of
 from .schedule_reuse import ScheduleReuse
@@ -40,6 +42,7 @@ class AfterGate:
     searched: bool = False
     remembered: bool = False
     shadowed: bool = False
+    work_us: float = 0.0   # what the call's planning did, in estimated microseconds (:mod:`.call_work`)
 
 
 def calibration_extras(calibrated: Placement, prefetched: np.ndarray) -> Placement:
@@ -51,7 +54,8 @@ def calibration_extras(calibrated: Placement, prefetched: np.ndarray) -> Placeme
 
 
 def shadow_calibration(counts: np.ndarray, prefetched: Placement, costs: StepCostModel, replica_budget: int,
-                       ranks_per_node: int, tolerance: float, min_gain: float = 0.05) -> Optional[np.ndarray]:
+                       ranks_per_node: int, tolerance: float, min_gain: float = 0.05,
+                       meter: Optional[WorkMeter] = None) -> Optional[np.ndarray]:
     """Calibration's first try, FasterMoE's move: every expert one rank cannot hold alone (its pairs exceed a
     rank's fair share of the call's) added on every rank with a free slot, taken (``[ranks, experts]`` bool holders)
     when its estimate beats the prefetched placement's by ``min_gain`` and leaves the expert compute within
@@ -78,11 +82,23 @@ def shadow_calibration(counts: np.ndarray, prefetched: Placement, costs: StepCos
         room -= open_ranks
     if (shadows == holders).all():
         return None
+    estimate_us = CALL_WORK.estimate_cost_us(world, num_experts)
     after = estimate_layer(counts, prefetched.owners, shadows, costs, ranks_per_node, prefetched=holders)
+    if meter is not None:
+        meter.add(estimate_us)
     if after.imbalance > 1.0 + tolerance:   # not balanced: the search's business, without a second estimate
         return None
     before = estimate_layer(counts, prefetched.owners, holders, costs, ranks_per_node, prefetched=holders)
+    if meter is not None:
+        meter.add(estimate_us)
     return shadows if after.time_s <= before.time_s * (1.0 - min_gain) else None
+
+
+@lru_cache(maxsize=64)
+def _affordable(world: int, num_experts: int, budget_us: Optional[float]) -> bool:
+    """Whether the calibration budget pays the search's setup and a first step (one answer per shape and budget:
+    on every call, recomputed, it cost 15 us of a 64 x 256 call on this repository's 2-vCPU host)."""
+    return SEARCH_WORK.first_step_us(world, num_experts) <= (AUTO_BUDGET_CAP_US if budget_us is None else budget_us)
 
 
 def plan_after_gate(counts: np.ndarray, prefetched: Placement, prediction: Optional[np.ndarray],
@@ -106,15 +122,20 @@ def plan_after_gate(counts: np.ndarray, prefetched: Placement, prediction: Optio
     cannot pay the search's setup and a first step (large worlds), calibration is off, as with ``calibration: false``: no scoring, no estimate on the critical path.
     """
     placement, extras = prefetched, None
-    affordable = SEARCH_WORK.first_step_us(*counts.shape) <= (AUTO_BUDGET_CAP_US if budget_us is None else budget_us)
-    calibrating = (calibration and affordable
+    meter = WorkMeter()
+    meter.add(CALL_WORK.call_cost_us(*counts.shape))
+    schedule.scored = False
+    calibrating = (calibration and _affordable(*counts.shape, budget_us)
                    and schedule.after_gate(prediction, counts, prefetched.holders, ranks_per_node, speculative))
+    if schedule.scored:
+        meter.add(CALL_WORK.score_cost_us(*counts.shape))
     known = shadows = None
     if calibrating:
         holders = prefetched.holders
         known = schedule.calibrated_fit(counts, prefetched.owners, holders, replica_budget)
         shadows = None if known is not None else shadow_calibration(counts, prefetched, costs, replica_budget,
-                                                                     ranks_per_node, schedule.tolerance)
+                                                                     ranks_per_node, schedule.tolerance,
+                                                                     meter=meter)
         if known is not None:   # routing that stayed where the last calibration placed for: no search
             calibrated = materialized_of(known)
         elif shadows is not None:   # a burst: its experts everywhere, no search
@@ -123,8 +144,9 @@ def plan_after_gate(counts: np.ndarray, prefetched: Placement, prediction: Optio
             calibrated = schedule_materialization(counts, prefetched.owners, costs, replica_budget, ranks_per_node,
                                                   start=holders, prefetched=holders,
                                                   budget_us=AUTO_PLAN_BUDGET if budget_us is None else budget_us,
-                                                  critical_path=True)
+                                                  critical_path=True, meter=meter)
         if calibrated != prefetched.materialized:
+            meter.add(CALL_WORK.tables_cost_us(*counts.shape))   # its dispatch tables are built on this call
             placement = Placement(prefetched.owners, calibrated)
             extras = calibration_extras(placement, holders)
             if known is None:
@@ -135,4 +157,4 @@ def plan_after_gate(counts: np.ndarray, prefetched: Placement, prediction: Optio
                 schedule.remember_calibration(remembered, counts, prefetched.owners)
     plan = DispatchPlan.build(counts, placement, ranks_per_node)
     return AfterGate(plan, plan.for_rank(rank), extras, calibrating and known is None and shadows is None,
-                     known is not None, shadows is not None)
+                     known is not None, shadows is not None, meter.us)

@@ -111,6 +111,8 @@ class LayerPlanner:
         #: the last scheduled Placement: a reused schedule returns the same object, so the dispatch tables built
         #: with it (``rank_tables``, cached on the Placement) are not rebuilt on every call
         self._scheduled: Optional[Placement] = None
+        #: the last prefetch's search work (:class:`~.search_work.SearchWork` microseconds; 0 when the schedule held)
+        self.last_search_us = 0.0
 
     @property
     def prefetches(self) -> bool:
@@ -139,6 +141,7 @@ class LayerPlanner:
         predicted = self.prediction = self.predictor.predict_array()
         start = self.start_layout(inputs)
         self.speculative = False
+        self.last_search_us = 0.0
         if predicted is None or (s.calibration and not self.predictor.newest_agrees):
             # what is prefetched now is no schedule (calibration is told so: ``speculative`` False); the schedule
             # itself stays, so that routing back where it was after a burst reuses it without a search
@@ -151,6 +154,7 @@ class LayerPlanner:
                                               s.ranks_per_node, start=start, budget_us=s.search_budget_us,
                                               slice_us=search_slice(s.search_slice_us, inputs.costs))
         self.speculative = True
+        self.last_search_us = self.schedule.last_work_us
         last = self._scheduled
         if last is None or last.materialized is not materialized or last.owners != tuple(inputs.owners):
             last = self._scheduled = Placement(tuple(inputs.owners), materialized)

@@ -11,6 +11,7 @@ from typing import Optional, Sequence, Tuple
 import numpy as np
 
 from .plan import Materialized, holders_matrix
+from .call_work import WorkMeter
 from .cost_model import StepCostModel, imbalance
 from .dispatch import dispatch_flows
 from .scheduler import schedule_materialization, search_steps
@@ -94,6 +95,10 @@ class ScheduleReuse:
         self.pending: Optional[SlicedSearch] = None
         #: (placement, counts it was made for, owners) of the last calibration that changed the prefetched placement
         self.calibrated: Optional[Tuple[Materialized, np.ndarray, Tuple[int, ...]]] = None
+        #: whether the last :meth:`after_gate` estimated the dispatch's imbalance; the work of the last
+        #: :meth:`schedule` call's search (:class:`~.search_work.SearchWork` microseconds, 0 when reused)
+        self.scored = False
+        self.last_work_us = 0.0
 
     def schedule(self, counts: Sequence[Sequence[float]], owners: Sequence[int], costs: StepCostModel,
                  budget_per_rank: int, ranks_per_node: int,
@@ -106,6 +111,7 @@ class ScheduleReuse:
         search started on. A search in progress goes on while the situation holds and the loads stay within
         ``tolerance`` of those; else it is dropped. None: the whole search in this call."""
         key = self._situation(owners, costs, budget_per_rank, ranks_per_node, start, budget_us)
+        self.last_work_us = 0.0
         if isinstance(counts, np.ndarray):
             self._asked = (counts, float(counts.sum()))
         pending = self.pending
@@ -120,15 +126,19 @@ class ScheduleReuse:
             self.searches += 1
             loads = counts if isinstance(counts, np.ndarray) else np.array(counts, dtype=np.float64)
             if slice_us is None:
+                meter = WorkMeter()
                 self.placement = schedule_materialization(counts, owners, costs, budget_per_rank, ranks_per_node,
-                                                          start=start, budget_us=budget_us)
+                                                          start=start, budget_us=budget_us, meter=meter)
+                self.last_work_us = meter.us
                 self._plan_for(loads)
                 self._key = key
                 return self.placement
             pending = self.pending = self._start_search(loads, owners, costs, budget_per_rank, ranks_per_node,
                                                         start, budget_us, key,
                                                         self._search_start(loads, owners, budget_per_rank, start))
-        if pending.advance(slice_us):
+        ended = pending.advance(slice_us)
+        self.last_work_us = pending.last_slice_us
+        if ended:
             self.pending = None
             self.placement = pending.result
         else:
@@ -245,7 +255,8 @@ class ScheduleReuse:
         same = predicted is not None and predicted is self.planned_for
         off_plan = True if not scheduled else mispredicted if same else not self.still_fits(actual)
         imbalanced = False
-        if mispredicted or off_plan:   # the usual case, a held prediction, needs no dispatch estimate
+        self.scored = mispredicted or off_plan   # the dispatch estimate below ran (work the simulator charges)
+        if self.scored:   # the usual case, a held prediction, needs no dispatch estimate
             holders = holders_matrix(materialized, *actual.shape)
             per_rank = dispatch_flows(actual.T, holders.T, ranks_per_node).processed.sum(axis=0)
             imbalanced = imbalance(per_rank.tolist()) > 1.0 + self.tolerance

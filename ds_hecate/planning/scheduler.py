@@ -16,16 +16,20 @@ input is identical on all ranks and ties break on (expert id, rank), so all rank
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Generator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import numpy.ma  # noqa: F401  np.unique imports it on its first call (10 ms), which would land on a layer call
 
+from .call_work import WorkMeter
 from .cost_model import LayerEstimate, StepCostModel, estimate_layer, rank_seconds
 from .fanout import relay_transfers
 from .dispatch import dispatch_flows
 from .plan import Materialized, holders_matrix, materialized_of
+from .proportional import fill_slots, proportional_fill
+from .search_work import (SEARCH_WORK, Progress, RelativeBudget, SearchWork,  # noqa: F401  (re-exported)
+                          run_metered, run_to_end)
 
 
 def _round12(values):
@@ -195,82 +199,6 @@ def _lex_less(a, b) -> bool:
     return bool(diff.size) and bool(a[diff[0]] < b[diff[0]])
 
 
-@dataclass(frozen=True)
-class Progress:
-    """Where a search stands before its next step: estimated work so far and of that step (microseconds of
-    :class:`SearchWork`, identical on every rank), the best layer time and placement (``[ranks, experts]`` bool,
-    not to be modified) found so far."""
-
-    spent_us: float
-    step_us: float
-    best_time_s: float
-    best: np.ndarray
-    last_gain_us: float = 0.0   # what the step before took off the layer's estimate (ties credited, _step_gain)
-
-
-def run_to_end(steps: Generator[Progress, None, Materialized]) -> Materialized:
-    """The placement a search generator returns, every step taken."""
-    while True:
-        try:
-            next(steps)
-        except StopIteration as end:
-            return end.value
-
-
-@dataclass(frozen=True)
-class SearchWork:
-    """How a search budget in microseconds becomes work every rank counts alike.
-
-    Ranks must reach the same placement, so the search cannot stop on a clock: each rank's wall time differs.
-    It counts work instead, in estimated microseconds of this module's numpy search: a setup per
-    (rank, expert) cell, a fixed cost per step, and a cost per evaluated (move, rank) cell. The constants were
-    fitted on a 2-vCPU Intel Xeon host to the 90th percentile of measured setups and steps (8 to 256 ranks, 8 to 256
-    experts, fresh and calibration searches, the two-link objective with relay trees of issue 26; ``python -m
-    benchmarks.search_work --fit`` re-measures them), so a budget
-    holds there on nine searches in ten; a faster host finishes inside it sooner, a slower one overruns it by its
-    slowness, never by a different decision.
-    """
-
-    setup_us: float = 290.0
-    setup_us_per_cell: float = 0.0975
-    step_us: float = 680.0
-    step_us_per_cell: float = 0.003
-    move_us_per_cell: float = 0.115
-
-    def setup_cost_us(self, world: int, num_experts: int) -> float:
-        """Building the search state: the dispatch columns of every (rank, expert) cell."""
-        return self.setup_us + self.setup_us_per_cell * world * num_experts
-
-    def step_cost_us(self, moves: int, world: int, num_experts: int) -> float:
-        """One step: a fixed part, the refresh of the rank totals, and the batch of ``moves`` x ``world`` cells."""
-        return self.step_us + self.step_us_per_cell * world * num_experts + self.move_us_per_cell * moves * world
-
-    def first_step_us(self, world: int, num_experts: int, candidate_experts: int = 4,
-                      candidate_ranks: int = 64) -> float:
-        """Setup plus a typical first step: below this a budget cannot change the placement, so the search (and
-        the estimate that decides whether to run it) is not worth starting."""
-        moves = candidate_experts * (min(max(world - 1, 1), candidate_ranks) + 2)
-        return self.setup_cost_us(world, num_experts) + self.step_cost_us(moves, world, num_experts)
-
-
-SEARCH_WORK = SearchWork()
-
-
-@dataclass(frozen=True)
-class RelativeBudget:
-    """A search budget set by the layer it plans: ``share`` of the start placement's estimated layer time, within
-    ``floor_us`` and ``cap_us``. Why: a search step costs about the same host time on any model, while what a
-    re-plan can save scales with the layer. The estimate is the search's own setup (no second pass over the
-    counts) and a function of inputs every rank holds alike, so every rank gets the same budget."""
-
-    share: float
-    floor_us: float
-    cap_us: float
-
-    def resolve(self, layer_s: float) -> float:
-        return min(self.cap_us, max(self.floor_us, self.share * layer_s * 1e6))
-
-
 def _step_gain(before, after) -> float:
     """Seconds a search step took off the layer's estimate, ties counted: the drop of the slowest rank's time, or,
     where several ranks tie at the maximum and the step relieves only some of them (the maximum falls once all are
@@ -400,7 +328,8 @@ def schedule_materialization(counts: Sequence[Sequence[float]], owners: Sequence
                              prefetched: Optional[Sequence[Sequence[int]]] = None,
                              candidate_experts: int = 4, min_gain: float = 0.05,
                              budget_us: Union[float, RelativeBudget, None] = None, candidate_ranks: int = 64,
-                             work: SearchWork = SEARCH_WORK, critical_path: bool = False) -> Materialized:
+                             work: SearchWork = SEARCH_WORK, critical_path: bool = False,
+                             meter: Optional[WorkMeter] = None) -> Materialized:
     """Replica placement minimising :func:`estimate_layer` under ``budget_per_rank`` extra experts/rank: the greedy
     search :func:`_greedy` (its docstring has the moves, the acceptance rule and the anytime budget).
 
@@ -421,9 +350,18 @@ def schedule_materialization(counts: Sequence[Sequence[float]], owners: Sequence
     ``critical_path``: every rank waits for this search (calibration after the gate), so it also stops once its
     last :data:`PAY_WINDOW` steps' estimated work exceeds what they took off the layer's estimate (both in
     microseconds of the same layer call, the work from the search's work model: every rank stops at the same
-    step)."""
-    return run_to_end(search_steps(counts, owners, costs, budget_per_rank, ranks_per_node, start, prefetched,
-                                   candidate_experts, min_gain, budget_us, candidate_ranks, work, critical_path))
+    step).
+
+    ``meter``: add the search's work to it (:func:`~.search_work.run_metered`), what the simulator charges."""
+    steps = search_steps(counts, owners, costs, budget_per_rank, ranks_per_node, start, prefetched,
+                         candidate_experts, min_gain, budget_us, candidate_ranks, work, critical_path)
+    if meter is None:
+        return run_to_end(steps)
+    world, num_experts = len(counts), len(owners)
+    upper_us = budget_us.cap_us if isinstance(budget_us, RelativeBudget) else budget_us
+    unsearched = upper_us is not None and work.first_step_us(world, num_experts, candidate_experts,
+                                                             candidate_ranks) > upper_us
+    return run_metered(steps, meter, 0.0 if unsearched else work.setup_cost_us(world, num_experts))
 
 
 def search_steps(counts: Sequence[Sequence[float]], owners: Sequence[int], costs: StepCostModel,
@@ -435,14 +373,46 @@ def search_steps(counts: Sequence[Sequence[float]], owners: Sequence[int], costs
                  work: SearchWork = SEARCH_WORK,
                  critical_path: bool = False) -> Generator[Progress, None, Materialized]:
     """:func:`schedule_materialization` as a generator of :class:`Progress` before each search step (both passes;
-    during the second the best so far is the first pass's result, the one its estimate is judged against)."""
+    during the second the best so far is the first pass's result, the one its estimate is judged against).
+
+    A fresh search before the gate (no ``start``, not ``critical_path``) then judges the proportional start
+    (:mod:`.proportional`) against its result, as one more step of its work: kept where it beats the result and
+    the sharded placement by ``min_gain``."""
+    result, done_us, result_s = yield from _passes(counts, owners, costs, budget_per_rank, ranks_per_node, start,
+                                                   prefetched, candidate_experts, min_gain, budget_us,
+                                                   candidate_ranks, work, critical_path)
+    slots = fill_slots(len(owners), len(counts), budget_per_rank)
+    if start is not None or critical_path or slots == 0:
+        return result
+    world, num_experts = len(counts), len(owners)
+    fill_us = work.fill_cost_us(slots * world, world, num_experts)
+    limit = budget_us.cap_us if isinstance(budget_us, RelativeBudget) else budget_us
+    if limit is not None and done_us + fill_us > limit:
+        return result
+    result_mat = holders_matrix(result, world, num_experts)
+    if result_s is None:
+        result_s = estimate_layer(counts, owners, result, costs, ranks_per_node, prefetched=prefetched).time_s
+    yield Progress(done_us, fill_us, result_s, result_mat)
+    filled = proportional_fill(counts, owners, slots)
+    fill_s = estimate_layer(counts, owners, materialized_of(filled), costs, ranks_per_node,
+                            prefetched=prefetched).time_s
+    sharded = int(result_mat.sum()) == num_experts   # the search kept the owners alone
+    bar = result_s * (1.0 - min_gain) if sharded else result_s   # a kept result beat the owners by min_gain
+    return materialized_of(filled) if float(_round12(fill_s)) < float(_round12(bar)) else result
+
+
+def _passes(counts, owners, costs: StepCostModel, budget_per_rank: int, ranks_per_node: int, start, prefetched,
+            candidate_experts: int, min_gain: float, budget_us, candidate_ranks: int, work: SearchWork,
+            critical_path: bool) -> Generator[Progress, None, Tuple[Materialized, float, Optional[float]]]:
+    """The greedy passes of :func:`search_steps`: (their placement, the work they took, its estimate where a pass
+    computed it, else None)."""
     # the second pass answers the barrier of levels run at the wait: a stream-ordered runtime has none
     relays_possible = (costs.fanout > 0 and costs.relay_levels_exposed and not costs.relay_stream_ordered
                        and len(counts) - 1 > costs.fanout)
     search = dict(candidate_experts=candidate_experts, min_gain=min_gain, candidate_ranks=candidate_ranks, work=work)
     first = _greedy_steps(counts, owners, costs, budget_per_rank, ranks_per_node, start, prefetched,
                           budget_us=budget_us, pay_window=PAY_WINDOW if critical_path else 0, **search)
-    done_us = 0.0
+    done_us = work.setup_cost_us(len(counts), len(owners))   # a pass that yields no step still built its state
     while True:
         try:
             progress = next(first)
@@ -452,25 +422,30 @@ def search_steps(counts: Sequence[Sequence[float]], owners: Sequence[int], costs
         done_us = progress.spent_us + progress.step_us
         yield progress
     if start is not None or not relays_possible:
-        return priced
+        return priced, done_us, None
     estimate = estimate_layer(counts, owners, priced, costs, ranks_per_node, prefetched=prefetched)
     if estimate.imbalance <= FLOW_PASS_IMBALANCE:
-        return priced
+        return priced, done_us, estimate.time_s
     second = _greedy_steps(counts, owners, replace(costs, relay_levels_exposed=False), budget_per_rank,
                            ranks_per_node, None, prefetched, budget_us=budget_us, **search)
     priced_mat = holders_matrix(priced, len(counts), len(owners))
+    second_us = 0.0
     while True:
         try:
             progress = next(second)
         except StopIteration as end:
             flow = end.value
             break
+        second_us = progress.spent_us + progress.step_us
         yield Progress(done_us + progress.spent_us, progress.step_us, estimate.time_s, priced_mat,
                        progress.last_gain_us)
+    done_us += second_us
     if flow == priced:
-        return priced
+        return priced, done_us, estimate.time_s
     flow_s = estimate_layer(counts, owners, flow, costs, ranks_per_node, prefetched=prefetched).time_s
-    return flow if float(_round12(flow_s)) < float(_round12(estimate.time_s)) else priced
+    if float(_round12(flow_s)) < float(_round12(estimate.time_s)):
+        return flow, done_us, flow_s
+    return priced, done_us, estimate.time_s
 
 
 def _greedy(*args, **kwargs) -> Materialized:

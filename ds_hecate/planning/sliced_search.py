@@ -39,6 +39,7 @@ class SlicedSearch:
     progress: Optional[Progress] = None            # before the next step; None before the first slice
     result: Optional[Materialized] = None          # set once the search ended
     _frozen: tuple = (None, None)                  # (the best matrix, it as expert lists): one freeze per best
+    last_slice_us: float = 0.0                     # the work of the last advance (what the simulator charges)
 
     def advance(self, slice_us: float) -> bool:
         """Take steps while this call's work stays within ``slice_us`` (at least one step), and beyond it while the
@@ -51,10 +52,12 @@ class SlicedSearch:
         while self.result is None:
             if (stepped and used + self.progress.step_us > slice_us
                     and self.progress.last_gain_us <= self.progress.step_us):
+                self.last_slice_us = used
                 return False
             used += self.progress.step_us
             self._step()
             stepped = True
+        self.last_slice_us = used
         return True
 
     def replay(self, taken: int) -> None:

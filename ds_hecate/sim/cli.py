@@ -67,7 +67,8 @@ def run_simulate(args: argparse.Namespace) -> int:
                       materialize_budget_mb=args.materialize_budget_mb,
                       zero_stage=args.zero_stage if args.zero_stage is not None else stage,
                       precision=args.precision or precision, spag=args.spag,
-                      charge_planning=not args.no_planning_charge, ep_size=args.ep_size)
+                      charge_planning=not args.no_planning_charge, ep_size=args.ep_size,
+                      planning_clock=args.planning_clock)
     print(format_table(result))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:
@@ -132,7 +133,10 @@ def add_parsers(sub: Any) -> None:
                           "config's hecate.ep_size, else the runtime's rule)")
     sim.add_argument("--seed", type=int, default=0, help="workload seed (W4, W7)")
     sim.add_argument("--no-planning-charge", action="store_true",
-                     help="leave Hecate's host planning time (measured on this machine) out of its step")
+                     help="leave Hecate's host planning time out of its step")
+    sim.add_argument("--planning-clock", choices=("work", "thread"), default="work",
+                     help="count the host planning from what the planner did, in its work models' microseconds "
+                          "(work: the same figures on every machine), or as this machine's thread CPU time")
     sim.add_argument("--json", default=None, help="also write the results as JSON to this file")
     sim.set_defaults(run=run_simulate)
 

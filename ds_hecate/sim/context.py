@@ -30,7 +30,8 @@ class SimContext:
     precision: str
     spag: str = "p2p"                   # how Hecate's sparse collectives travel: "p2p" (as collectives.py) or "ring"
     planner_costs: Optional[Dict[str, float]] = None   # what the planners see, when not the time model's costs
-    charge_planning: bool = True        # add Hecate's measured host planning time (critical path, exposed search)
+    charge_planning: bool = True        # add Hecate's host planning time (critical path, exposed search)
+    planning_clock: str = "work"        # how it is counted: "work" (the planner's work models), "thread" (CPU time)
     ep_size: int = 0                    # G: Hecate's domain and the EP baselines' expert-parallel size; 0: the world
 
     def __post_init__(self) -> None:

@@ -181,7 +181,8 @@ def simulate(cluster: Union[str, Cluster], model: Union[str, ModelShape], worklo
              zero_stage: int = 1, precision: str = "bf16", optimizer: OptimizerStateLayout = ADAM,
              spag: str = "p2p", counts: Optional[Sequence[Sequence[Any]]] = None,
              planner_costs: Optional[Dict[str, float]] = None, force_balanced: bool = True,
-             charge_planning: bool = True, ep_size: Optional[int] = None) -> SimResult:
+             charge_planning: bool = True, ep_size: Optional[int] = None,
+             planning_clock: str = "work") -> SimResult:
     """Simulate ``steps`` training steps of ``model`` on ``cluster`` under ``workload`` for each of ``systems``.
 
     ``workload``: W0..W7 or a trace file (ds_hecate.tools.trace). ``hecate``: the ``hecate`` config the Hecate systems
@@ -199,10 +200,14 @@ def simulate(cluster: Union[str, Cluster], model: Union[str, ModelShape], worklo
     differ from the cluster's time model: a run's runtime planned with its own measurement, and replaying its
     decisions needs those numbers even where the step time is modelled with other unit costs.
 
-    ``charge_planning``: Hecate's host planning is timed on this machine as the runtime runs it
-    (:func:`~ds_hecate.planning.critical_path.plan_after_gate` for one rank, and the prediction-driven search) and
+    ``charge_planning``: Hecate's host planning, as the runtime runs it
+    (:func:`~ds_hecate.planning.critical_path.plan_after_gate` for one rank, and the prediction-driven search), is
     added to its step: the critical path in full, the search where it outlasts the non-MoE compute that hides it
-    (``host_planning`` in the breakdown). False: leave it out (reproducible figures for tests).
+    (``host_planning`` in the breakdown). False: leave it out. ``planning_clock``: how it is counted, ``work`` (the
+    default) from what the planner did, in its work models' estimated microseconds
+    (:mod:`~ds_hecate.planning.call_work`, :class:`~ds_hecate.planning.search_work.SearchWork`): the same figures on
+    every machine and under any load; ``thread``: this thread's CPU time as it runs here (moves with the host and
+    by up to a quarter between runs on an idle one).
 
     ``ep_size``: the group size G every system but the ideal runs in (Hecate's domain, the EP baselines'
     expert-parallel size); default the ``hecate`` config's ``ep_size``, else the runtime's rule
@@ -218,7 +223,7 @@ def simulate(cluster: Union[str, Cluster], model: Union[str, ModelShape], worklo
     mdl = resolve_model(model)
     if world_size is not None:
         cl = cl.with_world_size(world_size)
-    _check_arguments(systems, steps, warmup, spag, precision)
+    _check_arguments(systems, steps, warmup, spag, precision, planning_clock)
     tokens = tokens_per_rank or mdl.tokens_per_rank
     budget = (materialize_budget_mb if materialize_budget_mb is not None
               else 0.1 * cl.device_memory_gb * 1024.0)
@@ -228,7 +233,7 @@ def simulate(cluster: Union[str, Cluster], model: Union[str, ModelShape], worklo
         hecate = hecate.model_copy(update={"materialize_budget_mb": float(materialize_budget_mb)})
     group = _group_size(cl, mdl, ep_size if ep_size is not None else hecate.ep_size)
     ctx = _context(cl, mdl, tokens, hecate, zero_stage, precision, optimizer, spag, planner_costs, charge_planning,
-                   group)
+                   group, planning_clock)
     if counts is None:
         counts, notes = _workload_counts(workload, mdl, cl.world_size, steps, tokens, seed)
     else:
@@ -255,7 +260,7 @@ def simulate(cluster: Union[str, Cluster], model: Union[str, ModelShape], worklo
             cl, mdl, workload, systems=systems, steps=steps, tokens_per_rank=tokens, warmup=warmup, seed=seed,
             hecate=hecate, zero_stage=zero_stage, precision=precision, optimizer=optimizer, spag=spag,
             counts=forced, planner_costs=planner_costs, force_balanced=False, charge_planning=charge_planning,
-            ep_size=group)
+            ep_size=group, planning_clock=planning_clock)
         for name, r in results.items():
             r.force_balanced_step_s = r.step_time_s if uniform is None else uniform.systems[name].step_time_s
             r.force_balanced_fraction = r.force_balanced_step_s / r.step_time_s
@@ -264,7 +269,8 @@ def simulate(cluster: Union[str, Cluster], model: Union[str, ModelShape], worklo
                      edp_size=ctx.edp_size)
 
 
-def _check_arguments(systems: Sequence[str], steps: int, warmup: int, spag: str, precision: str) -> None:
+def _check_arguments(systems: Sequence[str], steps: int, warmup: int, spag: str, precision: str,
+                     planning_clock: str) -> None:
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown:
         raise HecateError(f"unknown system(s) {unknown}; choose from {', '.join(SYSTEMS)}")
@@ -274,6 +280,8 @@ def _check_arguments(systems: Sequence[str], steps: int, warmup: int, spag: str,
         raise HecateError(f"simulate: spag must be 'p2p' or 'ring', got {spag!r}")
     if precision not in ("bf16", "fp16", "fp32"):
         raise HecateError(f"simulate: precision must be bf16, fp16 or fp32, got {precision!r}")
+    if planning_clock not in ("work", "thread"):
+        raise HecateError(f"simulate: planning_clock must be 'work' or 'thread', got {planning_clock!r}")
 
 
 def _group_size(cl: Cluster, mdl: ModelShape, explicit: Optional[int]) -> int:
@@ -301,7 +309,7 @@ def _wire_bytes(hecate: HecateConfig, precision: str, stage: str) -> int:
 
 def _context(cl: Cluster, mdl: ModelShape, tokens: int, hecate: HecateConfig, zero_stage: int, precision: str,
              optimizer: OptimizerStateLayout, spag: str, planner_costs: Optional[Dict[str, float]],
-             charge_planning: bool, ep_size: int) -> SimContext:
+             charge_planning: bool, ep_size: int, planning_clock: str = "work") -> SimContext:
     """The simulated setting: unit costs from the cluster's FLOP rate unless it carries measured ones."""
     flops = cl.device_tflops * 1e12
     return SimContext(cluster=cl, model=mdl, world=cl.world_size, rpn=cl.devices_per_node, tokens=tokens,
@@ -314,7 +322,7 @@ def _context(cl: Cluster, mdl: ModelShape, tokens: int, hecate: HecateConfig, ze
                       hecate=hecate, optimizer=optimizer, zero_stage=zero_stage, precision=precision, ep_size=ep_size,
                       spag=spag,
                       planner_costs=None if planner_costs is None else {k: float(v) for k, v in planner_costs.items()},
-                      charge_planning=charge_planning)
+                      charge_planning=charge_planning, planning_clock=planning_clock)
 
 
 def _fixed_step_s(ctx: SimContext) -> float:

@@ -282,6 +282,8 @@ class _GroupPlanner:
         if after.extras is not None:   # calibration's replicas are gathered after the gate
             cal = after.plan.placement.holders
             late, mat = cal & ~mat, cal
+        if self.ctx.planning_clock == "work":   # what the planner did, in its work models' microseconds
+            critical_s, search_s = after.work_us * 1e-6, self.planner.last_search_us * 1e-6
         # host planning on the critical path, and the search where the preceding non-MoE compute does not hide it
         planning = (critical_s + max(0.0, search_s - self.ctx.t_fwd)) if self.ctx.charge_planning else 0.0
         timing_key = (mat.tobytes(), counts.tobytes(), None if late is None else late.tobytes())

@@ -327,6 +327,30 @@ MUTATIONS: List[Mutation] = [
         "a search for routing calibration just placed for starts over from the start layout instead of refining "
         "that placement (a fresh search's host time after every move of a hot spot)"),
     Mutation(
+        "work-clock-misses-the-shadow-estimates", "ds_hecate/planning/critical_path.py",
+        (("""    before = estimate_layer(counts, prefetched.owners, holders, costs, ranks_per_node, prefetched=holders)
+    if meter is not None:
+        meter.add(estimate_us)""",
+          """    before = estimate_layer(counts, prefetched.owners, holders, costs, ranks_per_node, prefetched=holders)
+    # MUTATION: the second estimate is not counted"""),),
+        "the simulator's work clock leaves the shadow move's second estimate out of the critical path's charge"),
+    Mutation(
+        "planning-charged-on-the-thread-clock", "ds_hecate/sim/systems.py",
+        (("        if self.ctx.planning_clock == \"work\":   # what the planner did, in its work models' microseconds\n",
+          "        if False:  # MUTATION: the charge is this thread's CPU time whatever the clock\n"),),
+        "host planning is charged in the simulating thread's CPU time: the tables move with the machine's load"),
+    Mutation(
+        "proportional-start-without-the-bar", "ds_hecate/planning/scheduler.py",
+        (("    bar = result_s * (1.0 - min_gain) if sharded else result_s   # a kept result beat the owners by min_gain\n",
+          "    bar = result_s  # MUTATION: any gain over the owners keeps the proportional start\n"),),
+        "the proportional start is kept for any estimated gain over the owners, not the search's min_gain: replicas "
+        "for a percent or two of noisy predicted gain"),
+    Mutation(
+        "proportional-start-never-judged", "ds_hecate/planning/scheduler.py",
+        (("    if start is not None or critical_path or slots == 0:\n",
+          "    if True:  # MUTATION: the proportional start is never tried\n"),),
+        "a fresh search returns the greedy passes' result alone: ragged sources keep the owners"),
+    Mutation(
         "stream-ordered-relay-waits-for-the-wait", "ds_hecate/comm/relay.py",
         (("    if not async_op or not getattr(comm.weights, \"stream_ordered\", False):\n",
           "    if True:  # MUTATION: stream-ordered transports run the deeper levels at the wait, as gloo\n"),),
@@ -412,6 +436,12 @@ TESTS_FOR: Dict[str, List[str]] = {
     "relay-deeper-levels-charged-hidden": ["tests/test_fanout.py::test_scheduler_exposes_the_deeper_levels"],
     "search-ignores-the-remembered-calibration": [
         "tests/test_sliced_search.py::test_the_search_starts_from_the_remembered_calibration"],
+    "work-clock-misses-the-shadow-estimates": ["tests/test_sim.py::test_work_clock_counts_what_the_planner_did"],
+    "planning-charged-on-the-thread-clock": [
+        "tests/test_sim.py::test_planning_charge_does_not_move_with_the_machines_load"],
+    "proportional-start-without-the-bar": ["tests/test_proportional.py::test_the_start_must_beat_the_owners_by_min_gain"],
+    "proportional-start-never-judged": [
+        "tests/test_proportional.py::test_ragged_sources_take_the_proportional_start_the_greedy_misses"],
     "stream-ordered-relay-waits-for-the-wait": [
         "tests/test_fanout.py::test_stream_ordered_relay_issues_every_stage_at_start_bit_equal"],
     "node-tree-counted-at-the-full-fan-out": ["tests/test_fanout.py::test_vectorised_counts_are_the_explicit_trees"],
