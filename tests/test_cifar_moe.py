@@ -44,6 +44,12 @@ def runs():
     return run_ranks(2, _both)
 
 
+def _window_rel_diff(reference: torch.Tensor, losses: torch.Tensor) -> float:
+    """The largest relative difference of the 10-step mean losses."""
+    ref = reference.view(-1, 10).mean(1)
+    return ((ref - losses.view(-1, 10).mean(1)).abs() / ref).max().item()
+
+
 def test_tutorial_config_trains_and_tests_like_data_parallel(runs):
     for rank, (oracle, mine, ds_ep) in enumerate(runs):
         lo, lm = torch.tensor(oracle["losses"]), torch.tensor(mine["losses"])
@@ -53,16 +59,21 @@ def test_tutorial_config_trains_and_tests_like_data_parallel(runs):
         # expert gradients in fp16, Hecate sums them in fp32) now and then flips a learned top-1 route, which moves
         # one step's loss; DeepSpeed's own ep_size 2 run moves as much (the control below). When the first such
         # one-ulp step comes depends on the CPU's fp16 kernels (measured: none in 20 steps on one 2-vCPU host, step
-        # 18 on another, where DeepSpeed's ep_size 2 run first moves at step 25). So the trajectory is held per
-        # 10-step window at the fp16 tolerance and per step against that control.
+        # 18 on another, where DeepSpeed's ep_size 2 run first moves at step 25), and so does how far it carries.
+        # So the trajectory is held per 10-step window and per step at the fp16 tolerance or against that control.
         first = ((lo[:10] - lm[:10]).abs() / lo[:10]).max().item()
         assert first == 0.0, f"rank {rank}: first 10 steps differ by {first:.3e}: {lo[:10]} vs {lm[:10]}"
         early = ((lo[:20] - lm[:20]).abs() / lo[:20]).max().item()
         assert early <= 2.0 ** -10, f"rank {rank}: steps 10-19 differ by {early:.3e}: {lo[:20]} vs {lm[:20]}"
-        window = ((lo.view(-1, 10).mean(1) - lm.view(-1, 10).mean(1)).abs() / lo.view(-1, 10).mean(1)).max().item()
-        assert window <= LOSS_RTOL, f"rank {rank}: 10-step mean loss rel diff {window:.3e}"
+        lc = torch.tensor(ds_ep["losses"])
+        window = _window_rel_diff(lo, lm)
+        control_window = _window_rel_diff(lo, lc)
+        # per 10-step window (measured on a 2-vCPU host and in CI, alike: Hecate 7.7e-3 / 5.9e-3 on ranks 0 / 1 at steps 80-89
+        # and 70-79, DeepSpeed ep_size 2 8.7e-3 / 6.0e-3 in the same windows)
+        assert window <= max(LOSS_RTOL, 1.25 * control_window), (
+            f"rank {rank}: 10-step mean loss rel diff {window:.3e} (DeepSpeed ep_size 2: {control_window:.3e})")
         rel = ((lo - lm).abs() / lo.abs()).max().item()
-        control = ((lo - torch.tensor(ds_ep["losses"])).abs() / lo.abs()).max().item()
+        control = ((lo - lc).abs() / lo.abs()).max().item()
         # per step: no further from data parallelism than DeepSpeed's own ep_size 2 run is (measured: Hecate
         # 4.4e-2 / 3.1e-2 on ranks 0 / 1, DeepSpeed ep_size 2 4.3e-2 / 4.1e-2)
         assert rel <= max(LOSS_RTOL, 1.25 * control), (
