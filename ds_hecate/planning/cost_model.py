@@ -41,6 +41,11 @@ class CommCostModel:
         """Bytes of one SparseAllGather + SparseReduceScatter of one expert."""
         return self.expert_numel * (self.param_bytes + self.grad_bytes)
 
+    @property
+    def reduce_bytes(self) -> int:
+        """Bytes of one SparseReduceScatter of one expert (the part of :attr:`expert_bytes` backward hides)."""
+        return self.expert_numel * self.grad_bytes
+
     def materialize_is_cheaper(self, num_tokens: int) -> bool:
         """True when gathering the expert moves fewer bytes than sending its tokens away and back."""
         return self.token_bytes(num_tokens) > self.expert_bytes
@@ -54,6 +59,14 @@ class StepCostModel:
     token_transfer_s: one token row leaving (or entering) a rank, all four all-to-all passes together.
     expert_transfer_s: one expert through SparseAllGather + SparseReduceScatter on one rank's link.
     overlap_s: communication time hidden behind the non-MoE compute before the layer (T_nonMoE).
+    reduce_share, reduce_overlap_s: the share of ``expert_transfer_s`` that is the SparseReduceScatter, and the
+    window that hides it: the runtime issues it asynchronously in backward and the rest of backward runs while it is
+    in flight (:data:`BACKWARD_FACTOR` times ``overlap_s``). 0 and 0: the whole transfer hides behind ``overlap_s``
+    alone, as before the reduction's own window was priced (a prefetched copy of an expert whose gather and reduction
+    both fit their windows costs nothing; charged to the forward window together, a copy of a large expert looked
+    dearer than it is: simulated bert-moe W4 on v100/a100-4x8 kept the owners, 6-8% slower than with replicas).
+    regather: the layer re-materializes (``hecate.rematerialize``), so its backward gathers the copies again, in the
+    reduction's window.
     token_transfer_inter_s, expert_transfer_inter_s: the same over the links between nodes, per rank's share of
     its node's NICs (the node's ranks share them). None: one link for everything at the first two prices (one
     node, or a model that does not tell the links apart). Set, the first two are the price on the links inside a
@@ -80,6 +93,9 @@ class StepCostModel:
     relay_chunks: int = 1
     relay_levels_exposed: bool = True
     relay_stream_ordered: bool = False
+    reduce_share: float = 0.0
+    reduce_overlap_s: float = 0.0
+    regather: bool = False
 
     @property
     def relays(self) -> Tuple[int, int, bool, bool]:
@@ -150,7 +166,10 @@ def rank_seconds(costs: StepCostModel, ranks_per_node: int, processed, tokens, e
     rank, 2.12x with 32 GiB."""
     token_s = link_seconds(costs, ranks_per_node, costs.token_transfer_s, costs.token_transfer_inter_s, *tokens)
     hidden = link_seconds(costs, ranks_per_node, costs.expert_transfer_s, costs.expert_transfer_inter_s, *early)
-    exposed = np.maximum(0.0, hidden - costs.overlap_s) + link_seconds(
+    r = costs.reduce_share   # the gather hides behind the forward's window, the reduction behind backward's
+    backward = (1.0 if costs.regather else r) * hidden   # re-materialized: the gather again, beside the reduction
+    exposed = (np.maximum(0.0, (1.0 - r) * hidden - costs.overlap_s)
+               + np.maximum(0.0, backward - costs.reduce_overlap_s)) + link_seconds(
         costs, ranks_per_node, costs.expert_transfer_s, costs.expert_transfer_inter_s, *late)
     exposed = np.max(exposed, axis=-1, keepdims=True)   # a barrier: see the docstring
     return processed * costs.compute_s_per_pair + token_s + exposed
@@ -252,12 +271,20 @@ def imbalance(loads: Sequence[float]) -> float:
     return max(loads) / mean if mean > 0 else 1.0
 
 
+#: backward compute over forward compute (the usual 2x of a transformer block): how much longer the window is that
+#: hides the asynchronous SparseReduceScatter than T_nonMoE, which hides the gather (the simulator's t_b = 2 t_f)
+BACKWARD_FACTOR = 2.0
+
+
 def scheduler_costs(config: Any, measured: Mapping[str, float], world_size: int, ranks_per_node: int,
                     expert_bytes: int, token_bytes: int, overlaps_compute: bool,
-                    relays_stream_ordered: Optional[bool] = None) -> StepCostModel:
+                    relays_stream_ordered: Optional[bool] = None, reduce_bytes: int = 0,
+                    regather: bool = False) -> StepCostModel:
     """The scheduler's cost model from the ``hecate`` config and measured values (configured values win).
 
-    ``expert_bytes``: one expert through SparseAllGather + SparseReduceScatter; ``token_bytes``: one token row
+    ``expert_bytes``: one expert through SparseAllGather + SparseReduceScatter, ``reduce_bytes`` of them the
+    SparseReduceScatter's (priced apart, hidden behind backward: :class:`StepCostModel`; 0: not apart), ``regather``
+    whether the layer re-materializes (its backward gathers again); ``token_bytes``: one token row
     through the four all-to-all passes. On one node one link prices everything (``link_gbps``). On more than one,
     two: ``link_gbps`` inside a node and ``inter_node_gbps`` (per rank, the node's NICs shared by its ranks;
     measured ``inter_node_gbps`` next, else ``link_gbps``) between nodes, each rank charged for its slowest link
@@ -283,4 +310,7 @@ def scheduler_costs(config: Any, measured: Mapping[str, float], world_size: int,
                          expert_transfer_inter_s=None if inter_bps is None else expert_bytes / inter_bps,
                          fanout=cfg.fanout, relay_chunks=cfg.relay_chunks,
                          relay_stream_ordered=overlaps_compute if relays_stream_ordered is None
-                         else bool(relays_stream_ordered))
+                         else bool(relays_stream_ordered),
+                         reduce_share=reduce_bytes / expert_bytes if expert_bytes else 0.0,
+                         reduce_overlap_s=BACKWARD_FACTOR * overlap_s if reduce_bytes else 0.0,
+                         regather=bool(regather and reduce_bytes))

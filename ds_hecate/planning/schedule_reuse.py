@@ -247,7 +247,9 @@ class ScheduleReuse:
         first observation). ``scheduled`` False: the prefetched placement is not this schedule (only the owners and
         the start layout were prefetched, the window's newest call being an outlier), so it was planned for no
         loads at all and only the imbalance decides; the schedule itself stays for the calls after the outlier."""
-        actual = np.asarray(counts, dtype=np.float64)     # one conversion for both scores
+        # the counts as they came (int64 from the exchange: load_shift subtracts in float64 without a converted
+        # copy, 15 us of a 64 x 256 call on this repository's 2-vCPU host); a float copy only for the estimate below
+        actual = counts if isinstance(counts, np.ndarray) else np.asarray(counts, dtype=np.float64)
         total = self._asked[1] if predicted is not None and predicted is self._asked[0] else None
         mispredicted = (predicted is not None
                         and load_shift(predicted, actual, total) > self.miss_threshold(predicted))

@@ -145,7 +145,8 @@ class HecateRuntime:
         # One formula for the runtime, ``ds-hecate plan`` and the simulator (ds_hecate.planning.cost_model).
         return scheduler_costs(self.config, self.measured, self.world_size, self.ranks_per_node,
                                binding.cost.expert_bytes, binding.cost.token_bytes(1), self.overlaps_compute,
-                               relays_stream_ordered=self.relays_stream_ordered)
+                               relays_stream_ordered=self.relays_stream_ordered,
+                               reduce_bytes=binding.cost.reduce_bytes, regather=binding.rematerializes)
 
     @property
     def relays_stream_ordered(self) -> bool:

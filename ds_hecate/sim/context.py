@@ -78,9 +78,10 @@ class SimContext:
             out["inter_node_gbps"] = self.cluster.inter_node_gbps_per_device
         return out
 
-    def step_costs(self, world: int) -> StepCostModel:
+    def step_costs(self, world: int, rematerialize: bool = False) -> StepCostModel:
         """The cost model the runtime would build for a ``world``-rank domain on this cluster (the runtime's own
-        formula; a group's planner sees only its group's ranks)."""
+        formula; a group's planner sees only its group's ranks), for a layer that re-materializes or not."""
         return scheduler_costs(self.hecate, self.measured(world), world, self.rpn,
                                expert_bytes=self.numel * (self.compute_b + self.grad_b),
-                               token_bytes=4 * self.row_bytes, overlaps_compute=self.cluster.overlaps_compute)
+                               token_bytes=4 * self.row_bytes, overlaps_compute=self.cluster.overlaps_compute,
+                               reduce_bytes=self.numel * self.grad_b, regather=rematerialize)

@@ -15,7 +15,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..planning.cost_model import imbalance, replica_transfers
+from ..planning.cost_model import BACKWARD_FACTOR, imbalance, replica_transfers
 from ..planning.dispatch import dispatch_flows
 from ..planning.fanout import chunk_bounds
 from ..planning.plan import holders_matrix, owned_experts
@@ -116,7 +116,7 @@ def layer_time(ctx: SimContext, counts: np.ndarray, mat: np.ndarray, owners: np.
         gather = link_time(ctx, world, ones, ones, per_node, per_node, ctx.numel * ctx.compute_b)
         reduce = link_time(ctx, world, ones, ones, per_node, per_node, ctx.numel * ctx.grad_b)
     hide = ctx.cluster.overlaps_compute
-    t_f, t_b = (ctx.t_fwd, 2 * ctx.t_fwd) if hide else (0.0, 0.0)
+    t_f, t_b = (ctx.t_fwd, BACKWARD_FACTOR * ctx.t_fwd) if hide else (0.0, 0.0)
     if mode in ("critical", "broadcast"):
         exp_f, exp_b = gather, reduce
     elif mode == "persistent":

@@ -176,7 +176,8 @@ def plan_memory(model: Any, hecate: Any, world_size: int, ranks_per_node: int, z
                      "measures T_nonMoE at the first step")
     costs = scheduler_costs(hecate, measured, group_size, ranks_per_node,
                             expert_bytes=numel * (compute_b + reduce_b), token_bytes=4 * model.hidden_size * compute_b,
-                            overlaps_compute=cluster.overlaps_compute if cluster is not None else True)
+                            overlaps_compute=cluster.overlaps_compute if cluster is not None else True,
+                            reduce_bytes=numel * reduce_b)
     return MemoryPlan(
         world_size=world_size, ranks_per_node=ranks_per_node, zero_stage=zero_stage, precision=precision,
         optimizer=optimizer.name, dense_params=model.dense_params, expert_params_per_expert=numel,
