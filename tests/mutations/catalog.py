@@ -375,13 +375,15 @@ MUTATIONS: List[Mutation] = [
         "materialize_budget_mb)"),
     Mutation(
         "reduction-priced-in-the-forward-window", "ds_hecate/planning/cost_model.py",
-        (("    r = costs.reduce_share   # the gather hides behind the forward's window, the reduction behind backward's\n",
+        (("    r = costs.reduce_share   # the gather hides behind the forward's window, "
+          "the reduction behind backward's\n",
           "    r = 0.0  # MUTATION: gather and reduction together in the forward window\n"),),
         "the scheduler charges a copy's SparseReduceScatter to T_nonMoE beside its gather, though the runtime issues "
         "it asynchronously in backward: copies of large experts look dearer than they are"),
     Mutation(
         "regather-outside-the-backward-window", "ds_hecate/planning/cost_model.py",
-        (("    backward = (1.0 if costs.regather else r) * hidden   # re-materialized: the gather again, beside the reduction\n",
+        (("    backward = (1.0 if costs.regather else r) * hidden   "
+          "# re-materialized: the gather again, beside the reduction\n",
           "    backward = r * hidden  # MUTATION: a re-materializing layer's second gather costs nothing\n"),),
         "a layer that re-materializes gathers its copies again in backward, but the scheduler leaves that gather out "
         "of the reduction's window"),
@@ -477,7 +479,8 @@ TESTS_FOR: Dict[str, List[str]] = {
         "tests/test_reduce_window.py::test_gather_and_reduction_hide_in_their_own_windows"],
     "regather-outside-the-backward-window": [
         "tests/test_reduce_window.py::test_gather_and_reduction_hide_in_their_own_windows"],
-    "runtime-prices-no-reduction-window": ["tests/test_reduce_window.py::test_runtime_prices_its_layers_reduction_and_regather"],
+    "runtime-prices-no-reduction-window": [
+        "tests/test_reduce_window.py::test_runtime_prices_its_layers_reduction_and_regather"],
     "weight-traffic-on-token-communicator": [
         "tests/test_weight_traffic.py::test_token_gradient_all_to_all_completes_before_a_delayed_reduce_scatter"],
     "layer-call-reads-the-device": ["tests/test_host_syncs.py::test_one_host_read_per_layer_call_and_none_in_backward"],
