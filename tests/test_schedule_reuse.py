@@ -117,6 +117,23 @@ def test_calibration_only_when_the_prediction_missed_and_the_step_would_run_imba
     assert not fresh.after_gate(None, balanced, owners_only, 2)
 
 
+def test_a_reused_schedule_is_scored_against_its_own_loads_only():
+    """While a schedule is reused, the prefetched placement was planned for older loads than this call's prediction:
+    only those loads decide (one L1 pass), and counts that still fit them run no imbalance estimate (``scored``,
+    the work the simulator charges), however far they are from the newer prediction."""
+    reuse = ScheduleReuse(0.05)
+    placement = reuse.schedule(hot(600), OWNERS, COSTS, 8, 2)
+    newer_prediction = [[600 * 0.5] + r[1:] for r in hot(600)]            # 300 of 1,500 pairs a rank: 20% away
+    assert not reuse.after_gate(newer_prediction, hot(600, step_noise=5), placement, 2)
+    assert reuse.scored is False                                        # fits the planned loads: nothing to estimate
+    burst = [[40, 40, 40, 40, 600, 40, 40, 40] for _ in range(2)]
+    owners_only = ((0, 1, 2, 3), (4, 5, 6, 7))
+    assert reuse.after_gate(newer_prediction, burst, owners_only, 2)   # off the planned loads, and imbalanced
+    assert reuse.scored is True
+    assert not reuse.after_gate(newer_prediction, [[40] * 8, [40] * 8], owners_only, 2)   # off them, balanced
+    assert reuse.scored is True
+
+
 def test_an_old_checkpoints_misses_record_is_ignored():
     """Checkpoints before the robust load window kept a record of missed predictions; it still loads."""
     reuse = ScheduleReuse(0.05)

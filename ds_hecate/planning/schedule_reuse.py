@@ -250,14 +250,20 @@ class ScheduleReuse:
         # the counts as they came (int64 from the exchange: load_shift subtracts in float64 without a converted
         # copy, 15 us of a 64 x 256 call on this repository's 2-vCPU host); a float copy only for the estimate below
         actual = counts if isinstance(counts, np.ndarray) else np.asarray(counts, dtype=np.float64)
-        total = self._asked[1] if predicted is not None and predicted is self._asked[0] else None
-        mispredicted = (predicted is not None
-                        and load_shift(predicted, actual, total) > self.miss_threshold(predicted))
-        # the usual case after a search: the prefetched placement was planned for this very prediction
-        same = predicted is not None and predicted is self.planned_for
-        off_plan = True if not scheduled else mispredicted if same else not self.still_fits(actual)
+        # One L1 pass at most: only the loads the prefetched placement was planned for decide. The usual case after
+        # a search is that they are this very prediction (its sum taken before the gate); while a schedule is
+        # reused they are older loads, and how far this call moved from the newer prediction decides nothing (it
+        # cost a second pass, 20-50 us of a 64 x 256 call on this repository's 2-vCPU host, and an imbalance
+        # estimate whose answer was dropped).
+        if not scheduled:
+            off_plan = True
+        elif predicted is not None and predicted is self.planned_for:
+            total = self._asked[1] if predicted is self._asked[0] else None
+            off_plan = load_shift(predicted, actual, total) > self.miss_threshold(predicted)
+        else:
+            off_plan = not self.still_fits(actual)
         imbalanced = False
-        self.scored = mispredicted or off_plan   # the dispatch estimate below ran (work the simulator charges)
+        self.scored = off_plan   # the dispatch estimate below ran (work the simulator charges)
         if self.scored:   # the usual case, a held prediction, needs no dispatch estimate
             holders = holders_matrix(materialized, *actual.shape)
             per_rank = dispatch_flows(actual.T, holders.T, ranks_per_node).processed.sum(axis=0)
