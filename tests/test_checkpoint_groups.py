@@ -49,24 +49,31 @@ def _global_losses(results) -> torch.Tensor:
 def legs(tmp_path_factory):
     base = tmp_path_factory.mktemp("groups_ckpt")
     dirs = {name: str(base / name) for name in LAYOUTS}
-    saved = {}
-    for name, (world, _) in LAYOUTS.items():   # every layout trains to step 3 and saves (ep2x2: to the end)
-        steps = STEPS if name == "ep2x2" else SAVE
-        saved[name] = run_specs(world, [_spec(name, steps=steps, save_after=SAVE, ckpt_dir=dirs[name])])[0]
+    # every layout trains to step 3 and saves (ep2x2: to the end); the runs of one world share one launch of its
+    # processes (start-up is most of a run's time on a CPU)
+    saved = _by_world({name: (LAYOUTS[name][0], _spec(name, steps=STEPS if name == "ep2x2" else SAVE,
+                                                       save_after=SAVE, ckpt_dir=dirs[name])) for name in LAYOUTS})
     to_universal(*(os.path.join(dirs[n], f"global_step{SAVE}") for n in LAYOUTS))
-    dumps = {}
+    dumps = {(s, t): str(base / f"loaded-{s}-{t}") for s, t in LEGS}
 
     def resume(source: str, target: str):
         world = LAYOUTS[target][0]
         changes = LAYOUTS[source][0] != world
-        dumps[(source, target)] = str(base / f"loaded-{source}-{target}")
-        spec = _spec(target, resume_from=dirs[source], extra_config=UNIVERSAL if changes else {},
-                     step_hook=functools.partial(dump_expert_state, dumps[(source, target)]))
-        return run_specs(world, [spec])[0]
+        return world, _spec(target, resume_from=dirs[source], extra_config=UNIVERSAL if changes else {},
+                            step_hook=functools.partial(dump_expert_state, dumps[(source, target)]))
 
-    continued = {(s, t): resume(s, t) for s, t in [("ep2x2", "ep4"), ("ep2x2", "two"), ("ep2x2", "one"),
-                                                     ("ep4", "ep2x2"), ("two", "ep2x2"), ("one", "ep2x2")]}
+    continued = _by_world({(s, t): resume(s, t) for s, t in LEGS})
     return {"saved": saved, "continued": continued, "dirs": dirs, "dumps": dumps}
+
+
+def _by_world(runs):
+    """``{key: (world, spec)}`` -> ``{key: results}``, one launch per world size, in the order given."""
+    out = {}
+    for world in dict.fromkeys(w for w, _ in runs.values()):
+        keys = [k for k, (w, _) in runs.items() if w == world]
+        for key, result in zip(keys, run_specs(world, [runs[k][1] for k in keys])):
+            out[key] = result
+    return out
 
 
 LEGS = [("ep2x2", "ep4"), ("ep2x2", "two"), ("ep2x2", "one"), ("ep4", "ep2x2"), ("two", "ep2x2"), ("one", "ep2x2")]
