@@ -74,7 +74,7 @@ def measure(trials: int, seed: int = 1) -> Dict[Tuple[int, int], Dict[str, float
         shadow = _shadowed(counts, owners)
         pieces = {
             # the prediction held: its score and the rank's dispatch, nothing else
-            "call": lambda: plan_after_gate(counts, placement, prediction, schedule, COSTS, REPLICAS_PER_RANK,
+            "call": lambda: plan_after_gate(counts, placement, schedule, COSTS, REPLICAS_PER_RANK,
                                             RANKS_PER_NODE, 0, True, None),
             "score": lambda: imbalance(dispatch_flows(counts.astype(np.float64).T, placement.holders.T,
                                                       RANKS_PER_NODE).processed.sum(axis=0).tolist()),

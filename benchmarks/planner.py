@@ -134,7 +134,7 @@ def one_setting(ranks: int, experts: int, top_k: int, load: str, calls: int, see
         host = exchanged.cpu().numpy()                            # what Communicator.exchange_counts returns
         call_counts = host[:, :experts]
         check_gate_health(host[:, experts:], "bench", experts)   # the runtime's health check
-        after = plan_after_gate(call_counts, placement, prediction, schedule, COSTS, REPLICAS_PER_RANK, rpn,
+        after = plan_after_gate(call_counts, placement, schedule, COSTS, REPLICAS_PER_RANK, rpn,
                                 rank, cfg.calibration, cfg.plan_budget_us)
         critical_s.append(time.thread_time() - t0)
         t0 = time.thread_time()

@@ -39,7 +39,7 @@ def decisions(ranks: int, experts: int, top_k: int, load: str, budgets: bool, se
         prefetched = schedule.schedule(prediction, owners, COSTS, REPLICAS_PER_RANK, rpn,
                                        budget_us=cfg.search_budget_us if budgets else None)
         counts = seq.draw(call)
-        after = plan_after_gate(counts, Placement(owners, prefetched), prediction, schedule, COSTS,
+        after = plan_after_gate(counts, Placement(owners, prefetched), schedule, COSTS,
                                 REPLICAS_PER_RANK, rpn, rank, cfg.calibration, cfg.plan_budget_us if budgets else 1e12)
         mine = after.mine
         seen = (prefetched, after.plan.materialized, mine.send_splits, mine.recv_splits, mine.send_rows.tolist(),

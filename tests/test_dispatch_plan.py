@@ -132,10 +132,10 @@ def test_plan_after_gate_is_deterministic_and_calibrates_within_budget():
     outs = []
     for _ in range(2):
         schedule = ScheduleReuse(0.05)
-        after = plan_after_gate(skewed, placement, counts, schedule, costs, 4, 4, 3, True, 1e9)
+        after = plan_after_gate(skewed, placement, schedule, costs, 4, 4, 3, True, 1e9)
         outs.append((after.plan.materialized, after.extras.materialized, after.mine.send_splits))
     assert outs[0] == outs[1] and outs[0][0] != placement.materialized
-    none = plan_after_gate(skewed, placement, counts, ScheduleReuse(0.05), costs, 4, 4, 3, True, 0.0)
+    none = plan_after_gate(skewed, placement, ScheduleReuse(0.05), costs, 4, 4, 3, True, 0.0)
     assert none.extras is None and none.plan.materialized == placement.materialized
 
 
@@ -167,7 +167,7 @@ def test_automatic_calibration_budget_is_a_share_of_the_prefetched_estimate():
                              prefetched=placement.materialized).time_s
     budget = AUTO_PLAN_BUDGET.resolve(layer_s)
     assert AUTO_PLAN_BUDGET.floor_us < budget < AUTO_PLAN_BUDGET.cap_us     # the share itself decides here
-    after = plan_after_gate(burst, placement, counts, ScheduleReuse(0.05), costs, 4, 4, 3, True, None)
+    after = plan_after_gate(burst, placement, ScheduleReuse(0.05), costs, 4, 4, 3, True, None)
     holders = placement.holders
     want = schedule_materialization(burst, owners, costs, 4, 4, start=holders, prefetched=holders, budget_us=budget)
     assert after.searched and after.plan.materialized == want

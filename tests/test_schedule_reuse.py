@@ -106,31 +106,30 @@ def test_calibration_only_when_the_prediction_missed_and_the_step_would_run_imba
     reuse = ScheduleReuse(0.05)
     placement = reuse.schedule(hot(600), OWNERS, COSTS, 8, 2)
     owners_only = ((0, 1, 2, 3), (4, 5, 6, 7))
-    assert not reuse.after_gate(hot(600), hot(600, step_noise=5), placement, 2)     # the prediction held
+    assert not reuse.after_gate(hot(600, step_noise=5), placement, 2)     # the prediction held
     balanced = [[40] * 8, [40] * 8]                                                  # missed, but balanced anyway
     assert reuse.still_fits(balanced) is False
-    assert not reuse.after_gate(hot(600), balanced, owners_only, 2)
+    assert not reuse.after_gate(balanced, owners_only, 2)
     burst = [[40, 40, 40, 40, 600, 40, 40, 40] for _ in range(2)]                   # missed, and rank 1 overloaded
-    assert reuse.after_gate(hot(600), burst, owners_only, 2)
+    assert reuse.after_gate(burst, owners_only, 2)
     fresh = ScheduleReuse(0.05)                                                      # nothing planned yet
-    assert fresh.after_gate(None, burst, owners_only, 2)
-    assert not fresh.after_gate(None, balanced, owners_only, 2)
+    assert fresh.after_gate(burst, owners_only, 2)
+    assert not fresh.after_gate(balanced, owners_only, 2)
 
 
 def test_a_reused_schedule_is_scored_against_its_own_loads_only():
-    """While a schedule is reused, the prefetched placement was planned for older loads than this call's prediction:
-    only those loads decide (one L1 pass), and counts that still fit them run no imbalance estimate (``scored``,
-    the work the simulator charges), however far they are from the newer prediction."""
+    """The prefetched placement is judged against the loads it was planned for (one L1 pass; while a schedule is
+    reused those are older than the window's newest prediction, which decides nothing): counts that still fit them
+    run no imbalance estimate (``scored``, the work the simulator charges)."""
     reuse = ScheduleReuse(0.05)
     placement = reuse.schedule(hot(600), OWNERS, COSTS, 8, 2)
-    newer_prediction = [[600 * 0.5] + r[1:] for r in hot(600)]            # 300 of 1,500 pairs a rank: 20% away
-    assert not reuse.after_gate(newer_prediction, hot(600, step_noise=5), placement, 2)
+    assert not reuse.after_gate(hot(600, step_noise=5), placement, 2)
     assert reuse.scored is False                                        # fits the planned loads: nothing to estimate
     burst = [[40, 40, 40, 40, 600, 40, 40, 40] for _ in range(2)]
     owners_only = ((0, 1, 2, 3), (4, 5, 6, 7))
-    assert reuse.after_gate(newer_prediction, burst, owners_only, 2)   # off the planned loads, and imbalanced
+    assert reuse.after_gate(burst, owners_only, 2)   # off the planned loads, and imbalanced
     assert reuse.scored is True
-    assert not reuse.after_gate(newer_prediction, [[40] * 8, [40] * 8], owners_only, 2)   # off them, balanced
+    assert not reuse.after_gate([[40] * 8, [40] * 8], owners_only, 2)   # off them, balanced
     assert reuse.scored is True
 
 
@@ -148,7 +147,7 @@ def test_an_old_checkpoints_misses_record_is_ignored():
 def test_saved_state_is_checked_against_the_layer():
     reuse = ScheduleReuse(0.05)
     reuse.schedule(hot(600), OWNERS, COSTS, 8, 2)
-    reuse.after_gate(hot(600), hot(600), reuse.placement, 2)
+    reuse.after_gate(hot(600), reuse.placement, 2)
     state = reuse.state_dict()
     assert ScheduleReuse.state_fits(state, 2, 8) and ScheduleReuse.state_fits({}, 2, 8)
     assert not ScheduleReuse.state_fits(state, 4, 8)                                  # other world size

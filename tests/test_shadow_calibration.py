@@ -37,7 +37,7 @@ def _no_search(*args, **kwargs):
 def test_a_burst_is_calibrated_by_its_expert_everywhere_without_a_search(monkeypatch):
     counts = _burst()
     monkeypatch.setattr(critical_path, "schedule_materialization", _no_search)
-    after = plan_after_gate(counts, _owners_only(), None, ScheduleReuse(0.05), COSTS, 4, RPN, 0, True, None,
+    after = plan_after_gate(counts, _owners_only(), ScheduleReuse(0.05), COSTS, 4, RPN, 0, True, None,
                             speculative=False)
     holders = after.plan.placement.holders
     assert holders[:, 5].all() and after.extras is not None and not after.searched

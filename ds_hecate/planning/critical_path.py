@@ -101,9 +101,8 @@ def _affordable(world: int, num_experts: int, budget_us: Optional[float]) -> boo
     return SEARCH_WORK.first_step_us(world, num_experts) <= (AUTO_BUDGET_CAP_US if budget_us is None else budget_us)
 
 
-def plan_after_gate(counts: np.ndarray, prefetched: Placement, prediction: Optional[np.ndarray],
-                    schedule: ScheduleReuse, costs: StepCostModel, replica_budget: int, ranks_per_node: int,
-                    rank: int, calibration: bool, budget_us: Optional[float],
+def plan_after_gate(counts: np.ndarray, prefetched: Placement, schedule: ScheduleReuse, costs: StepCostModel,
+                    replica_budget: int, ranks_per_node: int, rank: int, calibration: bool, budget_us: Optional[float],
                     speculative: bool = True, start: Optional[np.ndarray] = None) -> AfterGate:
     """Plan one call from the exchanged ``counts`` (``[ranks, experts]`` int64) and the prefetched placement.
 
@@ -126,7 +125,7 @@ def plan_after_gate(counts: np.ndarray, prefetched: Placement, prediction: Optio
     meter.add(CALL_WORK.call_cost_us(*counts.shape))
     schedule.scored = False
     calibrating = (calibration and _affordable(*counts.shape, budget_us)
-                   and schedule.after_gate(prediction, counts, prefetched.holders, ranks_per_node, speculative))
+                   and schedule.after_gate(counts, prefetched.holders, ranks_per_node, speculative))
     if schedule.scored:
         meter.add(CALL_WORK.score_cost_us(*counts.shape))
     known = shadows = None

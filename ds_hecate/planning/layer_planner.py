@@ -173,7 +173,7 @@ class LayerPlanner:
             return AfterGate(plan, plan.for_rank(rank), None, False)
         if prefetched is None:
             raise ValueError("plan_call: the 'hecate' policy plans over the prefetched placement; pass it")
-        return plan_after_gate(counts, prefetched, self.prediction, self.schedule, inputs.costs,
+        return plan_after_gate(counts, prefetched, self.schedule, inputs.costs,
                                inputs.replica_budget, s.ranks_per_node, rank, s.calibration, s.plan_budget_us,
                                self.speculative, self._start_holders(inputs))
 

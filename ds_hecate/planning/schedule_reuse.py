@@ -88,9 +88,6 @@ class ScheduleReuse:
         self.reuses = 0
         self._noise: Optional[float] = None   # sampling_noise(planned_for), computed with the search
         self._planned_total: Optional[float] = None   # planned_for's sum, scored against on every call
-        #: the last loads :meth:`schedule` was asked about (the prediction) and their sum, taken before the gate so
-        #: that scoring the prediction after it needs one pass fewer
-        self._asked: Tuple[Optional[np.ndarray], float] = (None, 0.0)
         #: a search spread over calls, in progress (:mod:`.sliced_search`)
         self.pending: Optional[SlicedSearch] = None
         #: (placement, counts it was made for, owners) of the last calibration that changed the prefetched placement
@@ -112,8 +109,6 @@ class ScheduleReuse:
         ``tolerance`` of those; else it is dropped. None: the whole search in this call."""
         key = self._situation(owners, costs, budget_per_rank, ranks_per_node, start, budget_us)
         self.last_work_us = 0.0
-        if isinstance(counts, np.ndarray):
-            self._asked = (counts, float(counts.sum()))
         pending = self.pending
         if pending is not None and (pending.key != key
                                     or load_shift(pending.loads, counts, pending.loads_total) > self.tolerance):
@@ -219,49 +214,38 @@ class ScheduleReuse:
             start_key = tuple(tuple(int(e) for e in r) for r in start)
         return (tuple(int(o) for o in owners), costs, budget_per_rank, ranks_per_node, start_key, budget_us)
 
-    def miss_threshold(self, predicted: Optional[Sequence[Sequence[float]]] = None) -> float:
-        """How far actual counts may move from the loads a placement was planned for (or from ``predicted``) and
-        still count as predicted: ``tolerance``, or :data:`NOISE_FACTOR` times the sampling noise if larger."""
-        if self.planned_for is not None:
-            if self._noise is None:
-                self._noise = sampling_noise(self.planned_for)
-            noise = self._noise
-        else:
-            noise = sampling_noise(predicted) if predicted is not None else 0.0
-        return max(self.tolerance, NOISE_FACTOR * noise)
+    def miss_threshold(self) -> float:
+        """How far actual counts may move from the loads a placement was planned for and still count as predicted:
+        ``tolerance``, or :data:`NOISE_FACTOR` times those loads' sampling noise if larger."""
+        if self.planned_for is not None and self._noise is None:
+            self._noise = sampling_noise(self.planned_for)
+        return max(self.tolerance, NOISE_FACTOR * (self._noise or 0.0))
 
     def still_fits(self, counts: Sequence[Sequence[float]]) -> bool:
         """Whether ``counts`` are within :meth:`miss_threshold` of the loads the current schedule was computed for."""
         return (self.planned_for is not None
                 and load_shift(self.planned_for, counts, self._planned_total) <= self.miss_threshold())
 
-    def after_gate(self, predicted: Optional[Sequence[Sequence[float]]], counts: Sequence[Sequence[float]],
-                   materialized: Sequence[Sequence[int]], ranks_per_node: int, scheduled: bool = True) -> bool:
-        """Score this call's prediction and say whether calibration (a re-plan after the gate) can pay.
+    def after_gate(self, counts: Sequence[Sequence[float]], materialized: Sequence[Sequence[int]],
+                   ranks_per_node: int, scheduled: bool = True) -> bool:
+        """Score this call's prefetched placement and say whether calibration (a re-plan after the gate) can pay.
 
         Calibration can pay when the actual ``counts`` left :meth:`miss_threshold` of the loads the prefetched
         placement was planned for (the tolerance, or the sampling noise a correct prediction still has) *and* under
         that placement they leave the ranks' expert compute imbalanced (max/mean) by more
         than the tolerance: a balanced step has nothing to fix, and the search would only cost time (about a
-        millisecond per layer on a CPU). ``predicted``: the load window's prediction for this call (None before the
-        first observation). ``scheduled`` False: the prefetched placement is not this schedule (only the owners and
-        the start layout were prefetched, the window's newest call being an outlier), so it was planned for no
-        loads at all and only the imbalance decides; the schedule itself stays for the calls after the outlier."""
+        millisecond per layer on a CPU). Only the loads the placement was planned for decide: after a search they are
+        the window's prediction for this call; while the schedule is reused, older loads, and how far the call moved
+        from the newer prediction decides nothing (scoring it too cost a second L1 pass, 20-50 us of a 64 x 256 call
+        on this repository's 2-vCPU host, and an imbalance estimate whose answer was dropped).
+
+        ``scheduled`` False: the prefetched placement is not this schedule (only the owners and the start layout
+        were prefetched, the window's newest call being an outlier), so it was planned for no loads at all and only
+        the imbalance decides; the schedule itself stays for the calls after the outlier."""
         # the counts as they came (int64 from the exchange: load_shift subtracts in float64 without a converted
         # copy, 15 us of a 64 x 256 call on this repository's 2-vCPU host); a float copy only for the estimate below
         actual = counts if isinstance(counts, np.ndarray) else np.asarray(counts, dtype=np.float64)
-        # One L1 pass at most: only the loads the prefetched placement was planned for decide. The usual case after
-        # a search is that they are this very prediction (its sum taken before the gate); while a schedule is
-        # reused they are older loads, and how far this call moved from the newer prediction decides nothing (it
-        # cost a second pass, 20-50 us of a 64 x 256 call on this repository's 2-vCPU host, and an imbalance
-        # estimate whose answer was dropped).
-        if not scheduled:
-            off_plan = True
-        elif predicted is not None and predicted is self.planned_for:
-            total = self._asked[1] if predicted is self._asked[0] else None
-            off_plan = load_shift(predicted, actual, total) > self.miss_threshold(predicted)
-        else:
-            off_plan = not self.still_fits(actual)
+        off_plan = not scheduled or not self.still_fits(actual)
         imbalanced = False
         self.scored = off_plan   # the dispatch estimate below ran (work the simulator charges)
         if self.scored:   # the usual case, a held prediction, needs no dispatch estimate

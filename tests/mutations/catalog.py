@@ -140,8 +140,8 @@ MUTATIONS: List[Mutation] = [
         "a one-call burst drops the schedule, so routing back where it was searches again"),
     Mutation(
         "kept-schedule-taken-for-the-prefetch", "ds_hecate/planning/schedule_reuse.py",
-        (("        off_plan = True if not scheduled else mispredicted if same else not self.still_fits(actual)\n",
-          "        off_plan = mispredicted if same else not self.still_fits(actual)  # MUTATION: scheduled ignored\n"),),
+        (("        off_plan = not scheduled or not self.still_fits(actual)\n",
+          "        off_plan = not self.still_fits(actual)  # MUTATION: scheduled ignored\n"),),
         "after an outlier only the owners are prefetched, but calibration judges the counts against the kept "
         "schedule and skips (the call runs unbalanced)"),
     Mutation(
