@@ -46,7 +46,7 @@ def decisions(ranks: int, experts: int, top_k: int, load: str, budgets: bool, se
                 mine.order_starts.tolist(), mine.order_lengths.tolist(), mine.sizes, after.searched,
                 after.plan.node_traffic(rpn))
         row = {"digest": hashlib.sha1(repr(seen).encode()).hexdigest()[:16]}
-        if after.searched or getattr(after, "shadowed", False):   # calibration placed: how good, estimated
+        if after.searched or after.shadowed or after.grown:   # calibration placed: how good, estimated
             def layer_s(materialized):
                 return estimate_layer(counts, owners, materialized, COSTS, rpn, prefetched=prefetched).time_s
             row.update(layer_s=layer_s(after.plan.materialized), prefetched_s=layer_s(prefetched),

@@ -13,6 +13,7 @@ from ds_hecate.planning.critical_path import plan_after_gate
 from ds_hecate.planning.layer_planner import LayerPlanner, PlanInputs, PlannerSettings
 from ds_hecate.planning.plan import Placement, owned_experts
 from ds_hecate.planning.schedule_reuse import ScheduleReuse
+from ds_hecate.planning.search_record import SearchRecord
 from ds_hecate.planning.sharding import even_sharding
 
 WORLD, EXPERTS, RPN = 8, 16, 4
@@ -35,8 +36,10 @@ def _owners_only() -> Placement:
 @pytest.fixture(autouse=True)
 def _searching_calibration(monkeypatch):
     """These tests are about the memory and the search: hot sets that the shadow move alone would balance
-    (critical_path.shadow_calibration, tests/test_shadow_calibration.py) go to the search here."""
+    (critical_path.shadow_calibration, tests/test_shadow_calibration.py) go to the search here, whatever the layer's
+    record of what its searches saved (search_record, tests/test_search_record.py)."""
     monkeypatch.setattr(critical_path, "shadow_calibration", lambda *args, **kwargs: None)
+    monkeypatch.setattr(SearchRecord, "pays", lambda self: True)
 
 
 def _no_search(*args, **kwargs):

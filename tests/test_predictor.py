@@ -151,3 +151,12 @@ def test_robust_window_without_a_majority_averages_everything():
 def test_unknown_predictor_is_refused():
     with pytest.raises(ValueError, match="load predictor"):
         LoadPredictor(5, "median")
+
+
+def test_window_median_is_numpys_median():
+    """The predictor's sorted median equals ``np.median`` bit for bit, odd and even windows, ties and zeros."""
+    from ds_hecate.planning.predictor import window_median
+    rng = np.random.default_rng(5)
+    for n in range(1, 8):
+        for margins in (rng.random((n, 12)) * 100, rng.integers(0, 4, (n, 12)).astype(np.float64)):
+            assert np.array_equal(window_median(margins), np.median(margins, axis=0)), n

@@ -1,8 +1,9 @@
 """What a layer call plans after its gate: the host work on the critical path, as one pure function.
 
 Between the count exchange and the token all-to-all every rank runs, on the all-gathered counts: the score of the
-load prediction, the decision whether calibration can pay, calibration itself (an anytime search under
-``plan_budget_us``), and its own sends, receives and expert-major order (:mod:`.dispatch_plan`). The runtime calls
+load prediction, the decision whether calibration can pay, calibration itself (the remembered placement, the
+shadow move, FasterMoE's growth, and an anytime search under ``plan_budget_us`` where the layer's searches pay),
+and its own sends, receives and expert-major order (:mod:`.dispatch_plan`). The runtime calls
 :func:`plan_after_gate` and then gathers the calibration extras; ``python -m benchmarks.planner`` times the same
 call, so the figures in docs/benchmarks.md are the runtime's own code path.
 """
@@ -10,13 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Optional
+from typing import NamedTuple, Optional, Tuple, Union
 
 import numpy as np
 
 from .call_work import CALL_WORK, WorkMeter
 from .dispatch_plan import DispatchPlan, RankDispatch
-from .plan import Placement, materialized_of
+from .plan import Materialized, Placement, holders_matrix, materialized_of
 from .schedule_reuse import ScheduleReuse
 from .scheduler import SEARCH_WORK, RelativeBudget, schedule_materialization
 from .cost_model import StepCostModel, estimate_layer
@@ -33,8 +34,9 @@ AUTO_PLAN_BUDGET = RelativeBudget(AUTO_BUDGET_SHARE, AUTO_BUDGET_FLOOR_US, AUTO_
 class AfterGate:
     """The plan of one call, this rank's part of it, the replicas calibration added (None: none), whether
     calibration searched at all (it may search and keep the prefetched placement), whether it took the
-    remembered calibration instead of searching, and whether it took the shadow move (:func:`shadow_calibration`)
-    instead."""
+    remembered calibration instead of searching, whether it took the shadow move (:func:`shadow_calibration`)
+    instead, and whether it took the growth's placement without a search (:func:`growth_calibration`; the layer's
+    searches had not been paying, :mod:`.search_record`)."""
 
     plan: DispatchPlan
     mine: RankDispatch
@@ -43,6 +45,7 @@ class AfterGate:
     remembered: bool = False
     shadowed: bool = False
     work_us: float = 0.0   # what the call's planning did, in estimated microseconds (:mod:`.call_work`)
+    grown: bool = False
 
 
 def calibration_extras(calibrated: Placement, prefetched: np.ndarray) -> Placement:
@@ -94,6 +97,70 @@ def shadow_calibration(counts: np.ndarray, prefetched: Placement, costs: StepCos
     return shadows if after.time_s <= before.time_s * (1.0 - min_gain) else None
 
 
+class Growth(NamedTuple):
+    """What :func:`growth_calibration` placed: holders ``[ranks, experts]`` bool, their estimate and the prefetched
+    placement's estimate (seconds)."""
+
+    holders: np.ndarray
+    time_s: float
+    prefetched_s: float
+
+
+def growth_calibration(counts: np.ndarray, prefetched: Placement, costs: StepCostModel, replica_budget: int,
+                       ranks_per_node: int, budget_us: Union[float, RelativeBudget], min_gain: float = 0.05,
+                       meter: Optional[WorkMeter] = None) -> Optional[Growth]:
+    """Calibration's second try, FasterMoE's growth: the experts by load, hottest first (ties on the expert id),
+    each added on every rank that lacks it and has a free slot, while that lowers :func:`estimate_layer` (priced as
+    calibration: the added copies gathered after the gate, exposed); stops at the first expert that does not, or
+    before an estimate the calibration budget (``budget_us``, a relative one resolved from the prefetched
+    placement's estimate) cannot pay. The grown placement where it beats the prefetched one by ``min_gain``, else
+    the prefetched holders; None where the budget cannot pay two estimates (large worlds: the search alone).
+
+    Why beside the search: it costs one estimate per expert it tries (three or four on a burst) where the search
+    costs its setup and at least two steps, and on small layers it takes most of what a burst offers; the search
+    runs too only where the layer's searches have been paying (:mod:`.search_record`). Not the search's start: a
+    hot expert on every rank spends a slot on each, which the search cannot take back (it only adds), and from there
+    it placed 64 x 256 bursts 45-76% slower (``python -m benchmarks.planner_decisions``, calls 9-39)."""
+    world = counts.shape[0]
+    owners = prefetched.owners
+    holders = prefetched.holders
+    estimate_us = CALL_WORK.estimate_cost_us(*counts.shape)
+    relative = isinstance(budget_us, RelativeBudget)
+    if 2 * estimate_us > (budget_us.cap_us if relative else budget_us):
+        return None
+    spent_us = 0.0
+
+    def estimate(candidate: np.ndarray) -> float:
+        nonlocal spent_us
+        spent_us += estimate_us
+        if meter is not None:
+            meter.add(estimate_us)
+        return estimate_layer(counts, owners, candidate, costs, ranks_per_node, prefetched=holders).time_s
+
+    start_s = best_s = estimate(holders)
+    limit_us = budget_us.resolve(start_s) if relative else float(budget_us)
+    loads = counts.sum(axis=0)
+    owned = np.bincount(np.asarray(owners, dtype=np.int64), minlength=world)
+    room = replica_budget - (holders.sum(axis=1) - owned)
+    grown = holders
+    for e in np.argsort(-loads, kind="stable").tolist():
+        if loads[e] <= 0 or spent_us + estimate_us > limit_us:
+            break
+        open_ranks = ~grown[:, e] & (room > 0)
+        if not open_ranks.any():
+            continue
+        candidate = grown.copy()
+        candidate[open_ranks, e] = True
+        candidate_s = estimate(candidate)
+        if not candidate_s < best_s:
+            break
+        grown, best_s = candidate, candidate_s
+        room = room - open_ranks
+    if best_s > start_s * (1.0 - min_gain):
+        grown, best_s = holders, start_s
+    return Growth(grown, best_s, start_s)
+
+
 @lru_cache(maxsize=64)
 def _affordable(world: int, num_experts: int, budget_us: Optional[float]) -> bool:
     """Whether the calibration budget pays the search's setup and a first step (one answer per shape and budget:
@@ -109,8 +176,9 @@ def plan_after_gate(counts: np.ndarray, prefetched: Placement, schedule: Schedul
     Calibration re-plans only when the prediction missed and the step would run imbalanced
     (:meth:`ScheduleReuse.after_gate`); while the counts stay where the last calibration placed for, it takes that
     placement joined with the prefetched one without a search (:meth:`ScheduleReuse.calibrated_fit`); else, where
-    the hot experts on every rank balance the call (:func:`shadow_calibration`), those; else it extends the
-    prefetched placement with a search within ``budget_us`` (None: the automatic budget, :data:`AUTO_PLAN_BUDGET`).
+    the hot experts on every rank balance the call (:func:`shadow_calibration`), those; else FasterMoE's growth
+    (:func:`growth_calibration`), extended by a search within ``budget_us`` (None: the automatic budget,
+    :data:`AUTO_PLAN_BUDGET`) where the layer's last searches paid for their host time (:mod:`.search_record`).
     ``speculative``: the prefetched placement holds replicas for a prediction (False: only the owners and the
     start layout). What calibration placed is remembered (:meth:`ScheduleReuse.remember_calibration`), from a
     speculative start only what it added, with the owners and ``start`` (the start layout, ``[ranks, experts]``
@@ -129,6 +197,7 @@ def plan_after_gate(counts: np.ndarray, prefetched: Placement, schedule: Schedul
     if schedule.scored:
         meter.add(CALL_WORK.score_cost_us(*counts.shape))
     known = shadows = None
+    searched = False
     if calibrating:
         holders = prefetched.holders
         known = schedule.calibrated_fit(counts, prefetched.owners, holders, replica_budget)
@@ -140,10 +209,8 @@ def plan_after_gate(counts: np.ndarray, prefetched: Placement, schedule: Schedul
         elif shadows is not None:   # a burst: its experts everywhere, no search
             calibrated = materialized_of(shadows)
         else:
-            calibrated = schedule_materialization(counts, prefetched.owners, costs, replica_budget, ranks_per_node,
-                                                  start=holders, prefetched=holders,
-                                                  budget_us=AUTO_PLAN_BUDGET if budget_us is None else budget_us,
-                                                  critical_path=True, meter=meter)
+            calibrated, searched = _grow_then_search(counts, prefetched, schedule, costs, replica_budget,
+                                                     ranks_per_node, budget_us, meter)
         if calibrated != prefetched.materialized:
             meter.add(CALL_WORK.tables_cost_us(*counts.shape))   # its dispatch tables are built on this call
             placement = Placement(prefetched.owners, calibrated)
@@ -155,5 +222,41 @@ def plan_after_gate(counts: np.ndarray, prefetched: Placement, schedule: Schedul
                     remembered = materialized_of(kept)
                 schedule.remember_calibration(remembered, counts, prefetched.owners)
     plan = DispatchPlan.build(counts, placement, ranks_per_node)
-    return AfterGate(plan, plan.for_rank(rank), extras, calibrating and known is None and shadows is None,
-                     known is not None, shadows is not None, meter.us)
+    searched = searched and calibrating
+    return AfterGate(plan, plan.for_rank(rank), extras, searched, known is not None, shadows is not None, meter.us,
+                     calibrating and known is None and shadows is None and not searched)
+
+
+def _grow_then_search(counts: np.ndarray, prefetched: Placement, schedule: ScheduleReuse, costs: StepCostModel,
+                      replica_budget: int, ranks_per_node: int, budget_us: Optional[float],
+                      meter: WorkMeter) -> Tuple[Materialized, bool]:
+    """Calibration past the remembered placement and the shadow move: the growth (:func:`growth_calibration`),
+    and, where the layer's searches have been paying (:class:`~.search_record.SearchRecord`), the search from the
+    prefetched placement; the faster of the two by the estimate (ties: the growth's), and the search's net over
+    the growth recorded. Each within the calibration budget (``budget_us``; None: :data:`AUTO_PLAN_BUDGET`): the
+    search keeps its whole budget (taking the growth's work out of it cut the search short on 8 x 64 bursts, 3%
+    slower placements by the estimate), so calibration's work is at most twice it. Where the budget cannot pay the
+    growth, the search alone, as before the growth existed. Returns (the placement, whether the search ran)."""
+    holders = prefetched.holders
+    budget = AUTO_PLAN_BUDGET if budget_us is None else budget_us
+    growth = growth_calibration(counts, prefetched, costs, replica_budget, ranks_per_node, budget, meter=meter)
+    if growth is None:
+        return schedule_materialization(counts, prefetched.owners, costs, replica_budget, ranks_per_node,
+                                        start=holders, prefetched=holders, budget_us=budget, critical_path=True,
+                                        meter=meter), True
+    record = schedule.search_record
+    if not record.pays():
+        record.skipped()
+        return materialized_of(growth.holders), False
+    before_us = meter.us
+    found = schedule_materialization(counts, prefetched.owners, costs, replica_budget, ranks_per_node,
+                                     start=holders, prefetched=holders,
+                                     budget_us=budget, critical_path=True, meter=meter)
+    found_holders = holders_matrix(found, *counts.shape)
+    found_s = growth.prefetched_s
+    if (found_holders != holders).any():   # what the search found, estimated once to weigh it against the growth
+        meter.add(CALL_WORK.estimate_cost_us(*counts.shape))
+        found_s = estimate_layer(counts, prefetched.owners, found_holders, costs, ranks_per_node,
+                                 prefetched=holders).time_s
+    record.searched(max(0.0, growth.time_s - found_s) * 1e6, meter.us - before_us)
+    return (found if found_s < growth.time_s else materialized_of(growth.holders)), True

@@ -15,6 +15,7 @@ from .call_work import WorkMeter
 from .cost_model import StepCostModel, imbalance
 from .dispatch import dispatch_flows
 from .scheduler import schedule_materialization, search_steps
+from .search_record import SearchRecord
 from .sliced_search import SlicedSearch
 
 
@@ -96,6 +97,8 @@ class ScheduleReuse:
         #: :meth:`schedule` call's search (:class:`~.search_work.SearchWork` microseconds, 0 when reused)
         self.scored = False
         self.last_work_us = 0.0
+        #: whether calibration's search pays on this layer (:mod:`.search_record`)
+        self.search_record = SearchRecord()
 
     def schedule(self, counts: Sequence[Sequence[float]], owners: Sequence[int], costs: StepCostModel,
                  budget_per_rank: int, ranks_per_node: int,
@@ -269,6 +272,8 @@ class ScheduleReuse:
             placement, loads, owners = self.calibrated
             state["calibrated"] = {"placement": [list(r) for r in placement], "counts": loads.tolist(),
                                    "owners": list(owners)}
+        if self.search_record.nets_us or self.search_record.unsearched:
+            state["search_record"] = self.search_record.state_dict()
         if self.pending is not None:   # replayed on load: the same steps, so the same interim placements after
             p = self.pending
             state["pending"] = {"loads": p.loads.tolist(), "taken": p.taken, "owners": list(p.key[0]),
@@ -282,6 +287,8 @@ class ScheduleReuse:
         placement."""
         try:
             if not all(isinstance(m, bool) for m in state.get("misses", [])):
+                return False
+            if not SearchRecord.state_fits(state.get("search_record")):
                 return False
             if "calibrated" in state and not ScheduleReuse._placement_fits(state["calibrated"]["placement"],
                                                                            state["calibrated"]["counts"],
@@ -325,6 +332,7 @@ class ScheduleReuse:
             self._plan_for(np.array(state["planned_for"], dtype=np.float64))
             self.placement = tuple(tuple(int(e) for e in r) for r in state["placement"])
             self._key = self._situation(state["owners"], costs, budget_per_rank, ranks_per_node, start, budget_us)
+        self.search_record.load_state_dict(state.get("search_record"))
         self.calibrated = None
         if "calibrated" in state:
             saved = state["calibrated"]

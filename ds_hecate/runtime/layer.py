@@ -96,6 +96,7 @@ class LayerBinding:
         self.extensions = 0   # calls whose prefetched placement calibration extended (extras in the reserved rows)
         self.remembered_calibrations = 0   # calibrations that took the remembered placement instead of searching
         self.shadow_calibrations = 0   # calibrations that took the hot experts on every rank instead of searching
+        self.growth_calibrations = 0   # calibrations that took FasterMoE's growth without a search (search_record)
         self.pairs_processed = 0
         self.gap_time = Intervals(keep=16)   # device time between the previous MoE layer and this one
         self.device_time = {p: Intervals(keep=0) for p in PHASES}   # device time per phase: stats, cost model
@@ -246,6 +247,7 @@ class LayerBinding:
         after = self.planner.plan_call(counts, inputs, pending.placement, rank)
         self.remembered_calibrations += after.remembered
         self.shadow_calibrations += after.shadowed
+        self.growth_calibrations += after.grown
         return after.plan, pending, after.extras
 
     def _cached_plan(self, counts: np.ndarray) -> Tuple[DispatchPlan, Placement, Optional[Placement]]:
@@ -360,6 +362,7 @@ class LayerBinding:
                "schedule_searches": self.schedule.searches, "schedule_reuses": self.schedule.reuses,
                "remembered_calibrations": self.remembered_calibrations,
                "shadow_calibrations": self.shadow_calibrations,
+               "growth_calibrations": self.growth_calibrations,
                "peak_replica_bytes": self.peak_replica_bytes, **self.counters.as_dict(),
                "cross_node_tokens": self.cross_node_rows,
                "avoidable_cross_node_tokens": self.avoidable_cross_node_rows,

@@ -374,6 +374,16 @@ MUTATIONS: List[Mutation] = [
         "calibration's shadow move places a burst's expert on ranks whose replica slots are full (beyond "
         "materialize_budget_mb)"),
     Mutation(
+        "calibration-search-never-probed", "ds_hecate/planning/search_record.py",
+        (("        return not self.nets_us or sum(self.nets_us) > 0.0 or self.unsearched >= PROBE_INTERVAL\n",
+          "        return not self.nets_us or sum(self.nets_us) > 0.0  # MUTATION: no probe\n"),),
+        "a layer whose calibration searches stopped paying never searches again, whatever its routing becomes"),
+    Mutation(
+        "growth-taken-over-a-better-search", "ds_hecate/planning/critical_path.py",
+        (("    return (found if found_s < growth.time_s else materialized_of(growth.holders)), True\n",
+          "    return materialized_of(growth.holders), True  # MUTATION: the search's placement dropped\n"),),
+        "calibration searches but keeps the growth's placement where the search found a faster one"),
+    Mutation(
         "reduction-priced-in-the-forward-window", "ds_hecate/planning/cost_model.py",
         (("    r = costs.reduce_share   # the gather hides behind the forward's window, "
           "the reduction behind backward's\n",
@@ -466,6 +476,10 @@ TESTS_FOR: Dict[str, List[str]] = {
         "tests/test_fanout.py::test_stream_ordered_relay_issues_every_stage_at_start_bit_equal"],
     "node-tree-counted-at-the-full-fan-out": ["tests/test_fanout.py::test_vectorised_counts_are_the_explicit_trees"],
     "stream-ordered-levels-priced-at-the-wait": ["tests/test_fanout.py::test_scheduler_exposes_the_deeper_levels"],
+    "calibration-search-never-probed": [
+        "tests/test_search_record.py::test_searches_that_do_not_pay_are_skipped_then_probed"],
+    "growth-taken-over-a-better-search": [
+        "tests/test_search_record.py::test_searches_that_pay_keep_running_and_beat_the_growth"],
     "shadow-calibration-ignores-the-budget": [
         "tests/test_shadow_calibration.py::test_shadows_respect_the_budget_hottest_first"],
     "search-keeps-the-priced-pass": ["tests/test_fanout.py::test_fresh_search_passes_the_relay_barrier"],

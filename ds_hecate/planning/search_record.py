@@ -1,0 +1,70 @@
+"""Whether calibration's search pays on this layer: the record of what its last searches saved against their cost.
+
+Why: calibration (:mod:`.critical_path`) runs on the critical path, so its host time adds to the layer call on every
+rank. Its cheap move, FasterMoE's growth (:func:`~.critical_path.growth_calibration`: the hottest experts in turn on
+every rank with room, while the estimate falls, a few estimates), takes most of what a burst offers; the greedy
+search (:func:`~.scheduler.schedule_materialization`) then starts from the growth's placement and finds what it
+missed, at the price of its setup and at least two steps. On some layers that pays on every call (a hot set the
+growth cannot spread without flooding the links: simulated W4); on others it almost never does. The demo trace of
+the real 2-rank benchmark, replayed through the planner with the benchmark's measured costs: over the searched
+calls the search's placement beat the growth's by 0.05 ms (median) for 3.3 ms of host time per search, and the
+benchmark resolved ds_hecate 5.6% slower than FasterMoE-style shadowing (0.944 [0.905, 0.973]) while ds_hecate's
+compute phase tied FasterMoE's. So each layer keeps the net of its last :data:`RECORD_LENGTH` searches (estimated
+layer time saved below the growth's placement, minus the search's work, both in microseconds of the same call) and
+searches while that sum is positive; after :data:`PROBE_INTERVAL` calibrations without a search it searches again,
+since the routing may have moved to where searches pay. Deterministic: every input is identical on every rank
+(the counts, the cost model, the search's work model), so every rank takes the same decision; the record travels
+with the schedule in checkpoints (:meth:`~.schedule_reuse.ScheduleReuse.state_dict`) so a resumed run decides the
+same.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Deque, Optional
+
+#: how many of a layer's last calibration searches decide whether the next one runs
+RECORD_LENGTH = 4
+#: calibrations a layer goes without a search, while its record says searches do not pay, before it searches again
+PROBE_INTERVAL = 8
+
+
+class SearchRecord:
+    """The net of a layer's last calibration searches (microseconds each: estimated layer time the search saved
+    below its start, minus its work) and the calibrations since the last one."""
+
+    def __init__(self) -> None:
+        self.nets_us: Deque[float] = deque(maxlen=RECORD_LENGTH)
+        self.unsearched = 0
+
+    def pays(self) -> bool:
+        """Whether the next calibration searches: no record yet, the last searches' nets sum above zero, or
+        :data:`PROBE_INTERVAL` calibrations went without one."""
+        return not self.nets_us or sum(self.nets_us) > 0.0 or self.unsearched >= PROBE_INTERVAL
+
+    def searched(self, saved_us: float, work_us: float) -> None:
+        """A calibration searched: it took ``saved_us`` off the layer's estimate below its start, for ``work_us``."""
+        self.nets_us.append(float(saved_us) - float(work_us))
+        self.unsearched = 0
+
+    def skipped(self) -> None:
+        """A calibration took the growth's placement without a search."""
+        self.unsearched += 1
+
+    def state_dict(self) -> dict:
+        return {"nets_us": list(self.nets_us), "unsearched": self.unsearched}
+
+    @staticmethod
+    def state_fits(state: Optional[dict]) -> bool:
+        """Whether a saved record (None: none saved, an older checkpoint) is well formed."""
+        if state is None:
+            return True
+        try:
+            nets = [float(v) for v in state["nets_us"]]
+            return len(nets) <= RECORD_LENGTH and int(state["unsearched"]) >= 0
+        except (KeyError, TypeError, ValueError):
+            return False
+
+    def load_state_dict(self, state: Optional[dict]) -> None:
+        """Restore :meth:`state_dict`; None (a checkpoint from before the record) starts an empty record."""
+        self.nets_us = deque((float(v) for v in (state or {}).get("nets_us", [])), maxlen=RECORD_LENGTH)
+        self.unsearched = int((state or {}).get("unsearched", 0))
