@@ -17,6 +17,7 @@ import numpy as np
 
 from .call_work import CALL_WORK, WorkMeter
 from .dispatch_plan import DispatchPlan, RankDispatch
+from .placement import grow_hottest
 from .plan import Materialized, Placement, holders_matrix, materialized_of
 from .schedule_reuse import ScheduleReuse
 from .scheduler import SEARCH_WORK, RelativeBudget, schedule_materialization
@@ -121,41 +122,27 @@ def growth_calibration(counts: np.ndarray, prefetched: Placement, costs: StepCos
     runs too only where the layer's searches have been paying (:mod:`.search_record`). Not the search's start: a
     hot expert on every rank spends a slot on each, which the search cannot take back (it only adds), and from there
     it placed 64 x 256 bursts 45-76% slower (``python -m benchmarks.planner_decisions``, calls 9-39)."""
-    world = counts.shape[0]
     owners = prefetched.owners
     holders = prefetched.holders
     estimate_us = CALL_WORK.estimate_cost_us(*counts.shape)
     relative = isinstance(budget_us, RelativeBudget)
     if 2 * estimate_us > (budget_us.cap_us if relative else budget_us):
         return None
-    spent_us = 0.0
+    spent_us, limit_us = 0.0, float("inf")
 
     def estimate(candidate: np.ndarray) -> float:
-        nonlocal spent_us
+        nonlocal spent_us, limit_us
         spent_us += estimate_us
         if meter is not None:
             meter.add(estimate_us)
-        return estimate_layer(counts, owners, candidate, costs, ranks_per_node, prefetched=holders).time_s
+        time_s = estimate_layer(counts, owners, candidate, costs, ranks_per_node, prefetched=holders).time_s
+        if limit_us == float("inf"):   # the first estimate, the prefetched placement's, resolves a relative budget
+            limit_us = budget_us.resolve(time_s) if relative else float(budget_us)
+        return time_s
 
-    start_s = best_s = estimate(holders)
-    limit_us = budget_us.resolve(start_s) if relative else float(budget_us)
-    loads = counts.sum(axis=0)
-    owned = np.bincount(np.asarray(owners, dtype=np.int64), minlength=world)
-    room = replica_budget - (holders.sum(axis=1) - owned)
-    grown = holders
-    for e in np.argsort(-loads, kind="stable").tolist():
-        if loads[e] <= 0 or spent_us + estimate_us > limit_us:
-            break
-        open_ranks = ~grown[:, e] & (room > 0)
-        if not open_ranks.any():
-            continue
-        candidate = grown.copy()
-        candidate[open_ranks, e] = True
-        candidate_s = estimate(candidate)
-        if not candidate_s < best_s:
-            break
-        grown, best_s = candidate, candidate_s
-        room = room - open_ranks
+    owned = np.bincount(np.asarray(owners, dtype=np.int64), minlength=counts.shape[0])
+    grown, best_s, start_s = grow_hottest(counts.sum(axis=0), holders, replica_budget - (holders.sum(axis=1) - owned),
+                                          estimate, lambda: spent_us + estimate_us <= limit_us)
     if best_s > start_s * (1.0 - min_gain):
         grown, best_s = holders, start_s
     return Growth(grown, best_s, start_s)
@@ -222,7 +209,6 @@ def plan_after_gate(counts: np.ndarray, prefetched: Placement, schedule: Schedul
                     remembered = materialized_of(kept)
                 schedule.remember_calibration(remembered, counts, prefetched.owners)
     plan = DispatchPlan.build(counts, placement, ranks_per_node)
-    searched = searched and calibrating
     return AfterGate(plan, plan.for_rank(rank), extras, searched, known is not None, shadows is not None, meter.us,
                      calibrating and known is None and shadows is None and not searched)
 

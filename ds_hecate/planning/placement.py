@@ -19,11 +19,13 @@ bandwidth) rather than the byte-only :class:`CommCostModel`; callers look this u
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Callable, Dict, Optional, Sequence, Union
+from typing import Callable, Dict, Optional, Sequence, Tuple, Union
+
+import numpy as np
 
 from .cost_model import CommCostModel, StepCostModel, estimate_layer
 from .dispatch import topology_aware_routes
-from .plan import LayerPlan, Materialized, check_routes_cover, owned_experts
+from .plan import LayerPlan, Materialized, check_routes_cover, holders_matrix, materialized_of, owned_experts
 
 PlacementPolicy = Callable[[Sequence[Sequence[int]], Sequence[int], Optional[Union[CommCostModel, StepCostModel]]],
                            Materialized]
@@ -74,31 +76,48 @@ def shadow_placement(counts, owners, cost: Optional[StepCostModel] = None) -> Ma
     if not isinstance(cost, StepCostModel):
         raise ValueError("placement 'shadow' needs a StepCostModel (compute and transfer seconds), got "
                          f"{type(cost).__name__}")
-    world, num_experts = len(counts), len(owners)
+    world = len(counts)
     # FasterMoE's model: every transfer on one link (the slowest), each shadow a ring broadcast (every rank receives
     # it once and forwards it once: a chain, fan-out 1), as the simulator times it; NCCL pipelines a broadcast in
     # small chunks, so the chain is priced as one flow (not as Hecate's relays run)
     cost = replace(cost.single_link(), fanout=1, relay_levels_exposed=False)
-    base = _owned(owners, world)
-    nothing_prefetched = tuple(() for _ in range(world))
-    load = [sum(row[e] for row in counts) for e in range(num_experts)]
-    hottest = [e for e in sorted(range(num_experts), key=lambda e: (-load[e], e)) if load[e] > 0]
+    pairs = np.asarray(counts, dtype=np.float64).reshape(world, len(owners))
+    nothing_prefetched = np.zeros(pairs.shape, dtype=bool)
 
-    def with_shadows(n: int) -> Materialized:
-        sets = [set(s) for s in base]
-        for s in sets:
-            s.update(hottest[:n])
-        return tuple(tuple(sorted(s)) for s in sets)
+    def estimate(holders: np.ndarray) -> float:
+        return estimate_layer(pairs, owners, holders, cost, world, nothing_prefetched).time_s
 
-    best = with_shadows(0)
-    best_time = estimate_layer(counts, owners, best, cost, world, nothing_prefetched).time_s
-    for n in range(1, len(hottest) + 1):
-        candidate = with_shadows(n)
-        time_s = estimate_layer(counts, owners, candidate, cost, world, nothing_prefetched).time_s
-        if not time_s < best_time:
+    grown, _, _ = grow_hottest(pairs.sum(axis=0), holders_matrix(owned_experts(owners, world), *pairs.shape),
+                               None, estimate)
+    return materialized_of(grown)
+
+
+def grow_hottest(loads: np.ndarray, holders: np.ndarray, room: Optional[np.ndarray],
+                 estimate: Callable[[np.ndarray], float],
+                 can_try: Callable[[], bool] = lambda: True) -> Tuple[np.ndarray, float, float]:
+    """FasterMoE's growth, the one loop of the ``shadow`` baseline and of calibration's growth
+    (:func:`~.critical_path.growth_calibration`): the experts by ``loads`` (``[experts]``), hottest first (ties on
+    the expert id), each added on every rank that lacks it (and, with ``room``, ``[ranks]`` free slots, has one),
+    while that lowers ``estimate`` (of a ``[ranks, experts]`` bool holders matrix); stops at the first expert that
+    does not, at the first without load, or where ``can_try`` says no further estimate is affordable. Returns (the
+    grown holders, their estimate, the estimate of ``holders``); ``holders`` itself is not modified."""
+    start_s = best_s = estimate(holders)
+    grown = holders
+    for e in np.argsort(-np.asarray(loads), kind="stable").tolist():
+        if loads[e] <= 0 or not can_try():
             break
-        best, best_time = candidate, time_s
-    return best
+        open_ranks = ~grown[:, e] if room is None else ~grown[:, e] & (room > 0)
+        if not open_ranks.any():
+            continue
+        candidate = grown.copy()
+        candidate[open_ranks, e] = True
+        candidate_s = estimate(candidate)
+        if not candidate_s < best_s:
+            break
+        grown, best_s = candidate, candidate_s
+        if room is not None:
+            room = room - open_ranks
+    return grown, best_s, start_s
 
 
 POLICIES: Dict[str, PlacementPolicy] = {
