@@ -39,7 +39,7 @@ def _searching_calibration(monkeypatch):
     (critical_path.shadow_calibration, tests/test_shadow_calibration.py) go to the search here, whatever the layer's
     record of what its searches saved (search_record, tests/test_search_record.py)."""
     monkeypatch.setattr(critical_path, "shadow_calibration", lambda *args, **kwargs: None)
-    monkeypatch.setattr(SearchRecord, "pays", lambda self: True)
+    monkeypatch.setattr(SearchRecord, "pays", lambda self, budget_share=float("inf"): True)
 
 
 def _no_search(*args, **kwargs):

@@ -30,16 +30,29 @@ def test_search_work_benchmark_times_setups_and_steps(capsys):
 
 
 def test_planner_decisions_digest_and_compare(capsys):
-    """benchmarks/planner_decisions.py: a call sequence digests identically twice; compare flags a differing
-    calibrated call that is worse than its prefetched or sharded placement."""
+    """benchmarks/planner_decisions.py: a call sequence digests identically twice; compare flags a differing call
+    estimated slower than before (calibrated or not), and a differing calibrated call slower than its prefetched or
+    sharded placement."""
     from benchmarks import planner_decisions as pd
     rows = pd.decisions(8, 16, 8, "burst", budgets=True)
-    assert rows == pd.decisions(8, 16, 8, "burst", budgets=True) and any("layer_s" in r for r in rows)
+    assert rows == pd.decisions(8, 16, 8, "burst", budgets=True) and all("layer_s" in r for r in rows)
     base = {"case": rows}
     assert pd.compare(base, base)
-    i = next(i for i, r in enumerate(rows) if "layer_s" in r)
-    better = dict(rows[i], digest="x", layer_s=min(rows[i]["prefetched_s"], rows[i]["sharded_s"]) * 0.5)
+    i = next(i for i, r in enumerate(rows) if "prefetched_s" in r)
+    better = dict(rows[i], digest="x", layer_s=rows[i]["layer_s"] * 0.5)
     worse = dict(rows[i], digest="y", layer_s=max(rows[i]["prefetched_s"], rows[i]["sharded_s"]) * 2)
     assert pd.compare(base, {"case": rows[:i] + [better] + rows[i + 1:]})
+    capsys.readouterr()
     assert not pd.compare(base, {"case": rows[:i] + [worse] + rows[i + 1:]})
-    assert "WORSE" in capsys.readouterr().out
+    assert "WORSE THAN ITS START" in capsys.readouterr().out
+    # an uncalibrated call that differs: only the estimate before decides
+    j = next(j for j, r in enumerate(rows) if "prefetched_s" not in r)
+    slower = dict(rows[j], digest="z", layer_s=rows[j]["layer_s"] * 1.01)
+    faster = dict(rows[j], digest="z", layer_s=rows[j]["layer_s"] * 0.99)
+    assert pd.compare(base, {"case": rows[:j] + [faster] + rows[j + 1:]})
+    capsys.readouterr()
+    assert not pd.compare(base, {"case": rows[:j] + [slower] + rows[j + 1:]})
+    assert "WORSE THAN BEFORE" in capsys.readouterr().out
+    # a file from before every call was estimated: nothing to weigh an uncalibrated call against
+    old = [{k: v for k, v in r.items() if "prefetched_s" in r or k == "digest"} for r in rows]
+    assert pd.compare({"case": old}, {"case": rows[:j] + [slower] + rows[j + 1:]})

@@ -11,7 +11,7 @@ from ds_hecate.planning.cost_model import StepCostModel, estimate_layer
 from ds_hecate.planning.critical_path import growth_calibration, plan_after_gate
 from ds_hecate.planning.plan import Placement, owned_experts
 from ds_hecate.planning.schedule_reuse import ScheduleReuse
-from ds_hecate.planning.search_record import PROBE_INTERVAL, RECORD_LENGTH, SearchRecord
+from ds_hecate.planning.search_record import NEGLIGIBLE_SHARE, PROBE_INTERVAL, RECORD_LENGTH, SearchRecord
 from ds_hecate.planning.sharding import even_sharding
 
 WORLD, EXPERTS, RPN = 8, 16, 4
@@ -60,6 +60,19 @@ def test_searches_that_do_not_pay_are_skipped_then_probed():
     # the growth alone balanced every call: each moving hot expert held beyond its owner
     for call, after in enumerate(calls):
         assert after.plan.placement.holders[:, (call * 5) % EXPERTS].sum() > 1, call
+
+
+def test_a_search_negligible_against_the_layer_runs_whatever_the_record():
+    """CHEAP's calls a hundred times slower: the same decisions by the estimate, but the automatic budget is capped
+    (20 ms) far below 5% of the layer, so a search costs under NEGLIGIBLE_SHARE of it and runs on every call, though
+    it finds nothing below the growth (each net negative)."""
+    slow = StepCostModel(compute_s_per_pair=1e-3, token_transfer_s=1e-5, expert_transfer_s=1e-2, overlap_s=1e-1)
+    schedule = ScheduleReuse(0.05)
+    calls = _calls(slow, False, PROBE_INTERVAL + 3, schedule)
+    start_s = estimate_layer(_moving_hot(0, False), OWNERS, _owners_only().materialized, slow, RPN).time_s
+    assert critical_path.AUTO_BUDGET_CAP_US * 1e-6 / start_s <= NEGLIGIBLE_SHARE
+    assert all(c.searched for c in calls)
+    assert schedule.search_record.nets_us and all(net < 0 for net in schedule.search_record.nets_us)
 
 
 def test_searches_that_pay_keep_running_and_beat_the_growth():
@@ -140,6 +153,7 @@ def test_record_rule():
     assert record.pays()
     record.searched(100.0, 300.0)
     assert not record.pays()
+    assert record.pays(NEGLIGIBLE_SHARE) and not record.pays(2 * NEGLIGIBLE_SHARE)
     for _ in range(PROBE_INTERVAL - 1):
         record.skipped()
     assert not record.pays()

@@ -217,8 +217,8 @@ def _grow_then_search(counts: np.ndarray, prefetched: Placement, schedule: Sched
                       replica_budget: int, ranks_per_node: int, budget_us: Optional[float],
                       meter: WorkMeter) -> Tuple[Materialized, bool]:
     """Calibration past the remembered placement and the shadow move: the growth (:func:`growth_calibration`),
-    and, where the layer's searches have been paying (:class:`~.search_record.SearchRecord`), the search from the
-    prefetched placement; the faster of the two by the estimate (ties: the growth's), and the search's net over
+    and, where the layer's searches have been paying or the search's budget is a negligible share of the layer
+    (:class:`~.search_record.SearchRecord`), the search from the prefetched placement; the faster of the two by the estimate (ties: the growth's), and the search's net over
     the growth recorded. Each within the calibration budget (``budget_us``; None: :data:`AUTO_PLAN_BUDGET`): the
     search keeps its whole budget (taking the growth's work out of it cut the search short on 8 x 64 bursts, 3%
     slower placements by the estimate), so calibration's work is at most twice it. Where the budget cannot pay the
@@ -231,7 +231,8 @@ def _grow_then_search(counts: np.ndarray, prefetched: Placement, schedule: Sched
                                         start=holders, prefetched=holders, budget_us=budget, critical_path=True,
                                         meter=meter), True
     record = schedule.search_record
-    if not record.pays():
+    budget_s = (budget.resolve(growth.prefetched_s) if isinstance(budget, RelativeBudget) else float(budget)) * 1e-6
+    if not record.pays(budget_s / growth.prefetched_s if growth.prefetched_s > 0 else float("inf")):
         record.skipped()
         return materialized_of(growth.holders), False
     before_us = meter.us

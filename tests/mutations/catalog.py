@@ -384,6 +384,11 @@ MUTATIONS: List[Mutation] = [
           "    return materialized_of(growth.holders), True  # MUTATION: the search's placement dropped\n"),),
         "calibration searches but keeps the growth's placement where the search found a faster one"),
     Mutation(
+        "record-consulted-for-a-negligible-search", "ds_hecate/planning/critical_path.py",
+        (("    if not record.pays(budget_s / growth.prefetched_s if growth.prefetched_s > 0 else float(\"inf\")):\n",
+          "    if not record.pays():  # MUTATION: the search's share of the layer ignored\n"),),
+        "a layer whose search costs a negligible share of it skips searches after one lost to the growth"),
+    Mutation(
         "reduction-priced-in-the-forward-window", "ds_hecate/planning/cost_model.py",
         (("    r = costs.reduce_share   # the gather hides behind the forward's window, "
           "the reduction behind backward's\n",
@@ -480,6 +485,8 @@ TESTS_FOR: Dict[str, List[str]] = {
         "tests/test_search_record.py::test_searches_that_do_not_pay_are_skipped_then_probed"],
     "growth-taken-over-a-better-search": [
         "tests/test_search_record.py::test_searches_that_pay_keep_running_and_beat_the_growth"],
+    "record-consulted-for-a-negligible-search": [
+        "tests/test_search_record.py::test_a_search_negligible_against_the_layer_runs_whatever_the_record"],
     "shadow-calibration-ignores-the-budget": [
         "tests/test_shadow_calibration.py::test_shadows_respect_the_budget_hottest_first"],
     "search-keeps-the-priced-pass": ["tests/test_fanout.py::test_fresh_search_passes_the_relay_barrier"],
