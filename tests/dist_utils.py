@@ -7,11 +7,19 @@ import queue
 import socket
 import time
 import traceback
-from typing import Any, Callable, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch.multiprocessing as mp
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("DS_HECATE_TEST_TIMEOUT", "300"))
+#: how the rank processes start: ``forkserver`` (default) forks each from a server that imported torch once; ``spawn``
+#: starts a fresh interpreter per rank. Why: a fresh interpreter spends about 3 s importing torch, so on 2 cores a
+#: 2-rank run of nothing took 3.4 s and a 4-rank one 8 s (0.7 and 1.3 s forked), over a suite of a few hundred runs.
+#: The server preloads torch alone (not deepspeed, not ds_hecate: oracle ranks check that ds_hecate is never imported),
+#: and each rank gets the caller's environment as it is when the run starts, as a spawned one would.
+START_METHOD = os.environ.get("DS_HECATE_TEST_START_METHOD", "forkserver")
+if START_METHOD not in ("forkserver", "spawn"):
+    raise ValueError(f"DS_HECATE_TEST_START_METHOD must be 'forkserver' or 'spawn', got {START_METHOD!r}")
 
 
 def free_port() -> int:
@@ -20,8 +28,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _become_rank(rank: int, world_size: int, port: int) -> None:
-    """The environment torch.distributed / DeepSpeed read, as a launcher would set it, and one thread."""
+def _become_rank(rank: int, world_size: int, port: int, environ: Optional[Dict[str, str]] = None) -> None:
+    """The environment torch.distributed / DeepSpeed read, as a launcher would set it, and one thread. ``environ``:
+    the caller's environment when the run started (a forked rank otherwise keeps the fork server's)."""
+    if environ is not None:
+        os.environ.clear()
+        os.environ.update(environ)
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": os.environ.get("TEST_LOCAL_WORLD_SIZE", str(world_size)),
@@ -30,8 +42,9 @@ def _become_rank(rank: int, world_size: int, port: int) -> None:
     torch.set_num_threads(1)
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: Sequence[Any], results) -> None:
-    _become_rank(rank, world_size, port)
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: Sequence[Any], results,
+            environ: Optional[Dict[str, str]] = None) -> None:
+    _become_rank(rank, world_size, port, environ)
     try:
         # Plain pickle (tensor data inline): the shared-memory handles of torch's queue die with this process.
         results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
@@ -44,11 +57,15 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: Sequence[
 
 
 def _spawn(target: Callable, world_size: int, fn: Callable, args: Sequence[Any]):
-    """Start ``world_size`` spawned processes running ``target(rank, world_size, port, fn, args, results)``."""
-    ctx = mp.get_context("spawn")
+    """Start ``world_size`` processes (:data:`START_METHOD`) running ``target(rank, world_size, port, fn, args,
+    results, environ)``."""
+    ctx = mp.get_context(START_METHOD)
+    if START_METHOD == "forkserver":
+        ctx.set_forkserver_preload(["torch"])   # read when the server starts, at the first run
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=target, args=(r, world_size, port, fn, args, results), daemon=True)
+    environ = dict(os.environ)
+    procs = [ctx.Process(target=target, args=(r, world_size, port, fn, args, results, environ), daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -95,9 +112,10 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = DEFAUL
     return out
 
 
-def _worker_until_exit(rank: int, world_size: int, port: int, fn: Callable, args: Sequence[Any], results) -> None:
+def _worker_until_exit(rank: int, world_size: int, port: int, fn: Callable, args: Sequence[Any], results,
+                       environ: Optional[Dict[str, str]] = None) -> None:
     """Like ``_worker``, but a failure ends the process with a non-zero exit code, as a real job's rank would."""
-    _become_rank(rank, world_size, port)
+    _become_rank(rank, world_size, port, environ)
     try:
         results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
     except BaseException:
