@@ -84,6 +84,7 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = DEFAUL
     pending = set(range(world_size))
     deadline = time.monotonic() + timeout
     dead_since: Dict[int, float] = {}
+    hung = False
     try:
         while pending and not failures:
             try:
@@ -91,6 +92,7 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = DEFAUL
             except queue.Empty:
                 now = time.monotonic()
                 if now > deadline:
+                    hung = True   # no grace for the ranks below: they are killed at once
                     raise AssertionError(f"watchdog: {world_size}-rank run of {fn.__name__} did not finish within "
                                          f"{timeout:.0f} s (hang?); ranks still running: {sorted(pending)}") from None
                 for r in pending:  # a rank that died without reporting (crash, kill) fails the run
@@ -104,7 +106,7 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = DEFAUL
                 failures.append(f"rank {rank} failed:\n{payload}")
     finally:
         for p in procs:
-            p.join(timeout=5 if not failures else 1)
+            p.join(timeout=0 if hung else 5 if not failures else 1)
             if p.is_alive():
                 p.kill()
     if failures:
