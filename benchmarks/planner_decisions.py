@@ -50,7 +50,8 @@ def decisions(ranks: int, experts: int, top_k: int, load: str, budgets: bool, se
             return estimate_layer(counts, owners, materialized, COSTS, rpn, prefetched=prefetched).time_s
 
         # every call's executed placement, estimated on its own counts: a differing call is weighed against before
-        row = {"digest": hashlib.sha1(repr(seen).encode()).hexdigest()[:16], "layer_s": layer_s(after.plan.materialized)}
+        row = {"digest": hashlib.sha1(repr(seen).encode()).hexdigest()[:16],
+               "layer_s": layer_s(after.plan.materialized)}
         if after.searched or after.shadowed or after.grown:   # calibration placed: against what it started from
             row.update(prefetched_s=layer_s(prefetched), sharded_s=layer_s(sharded))
         out.append(row)

@@ -7,7 +7,7 @@ import queue
 import socket
 import time
 import traceback
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Sequence
 
 import torch.multiprocessing as mp
 
@@ -28,12 +28,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _become_rank(rank: int, world_size: int, port: int, environ: Optional[Dict[str, str]] = None) -> None:
+def _become_rank(rank: int, world_size: int, port: int, environ: Dict[str, str]) -> None:
     """The environment torch.distributed / DeepSpeed read, as a launcher would set it, and one thread. ``environ``:
     the caller's environment when the run started (a forked rank otherwise keeps the fork server's)."""
-    if environ is not None:
-        os.environ.clear()
-        os.environ.update(environ)
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": os.environ.get("TEST_LOCAL_WORLD_SIZE", str(world_size)),
@@ -43,7 +42,7 @@ def _become_rank(rank: int, world_size: int, port: int, environ: Optional[Dict[s
 
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: Sequence[Any], results,
-            environ: Optional[Dict[str, str]] = None) -> None:
+            environ: Dict[str, str]) -> None:
     _become_rank(rank, world_size, port, environ)
     try:
         # Plain pickle (tensor data inline): the shared-memory handles of torch's queue die with this process.
@@ -115,7 +114,7 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = DEFAUL
 
 
 def _worker_until_exit(rank: int, world_size: int, port: int, fn: Callable, args: Sequence[Any], results,
-                       environ: Optional[Dict[str, str]] = None) -> None:
+                       environ: Dict[str, str]) -> None:
     """Like ``_worker``, but a failure ends the process with a non-zero exit code, as a real job's rank would."""
     _become_rank(rank, world_size, port, environ)
     try:

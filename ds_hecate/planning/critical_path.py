@@ -21,6 +21,7 @@ from .placement import grow_hottest
 from .plan import Materialized, Placement, holders_matrix, materialized_of
 from .schedule_reuse import ScheduleReuse
 from .scheduler import SEARCH_WORK, RelativeBudget, schedule_materialization
+from .search_work import budget_upper_us, budget_us_for
 from .cost_model import StepCostModel, estimate_layer
 
 #: ``plan_budget_us: null``: calibration may spend this share of the layer's estimated time (under the prefetched
@@ -125,8 +126,7 @@ def growth_calibration(counts: np.ndarray, prefetched: Placement, costs: StepCos
     owners = prefetched.owners
     holders = prefetched.holders
     estimate_us = CALL_WORK.estimate_cost_us(*counts.shape)
-    relative = isinstance(budget_us, RelativeBudget)
-    if 2 * estimate_us > (budget_us.cap_us if relative else budget_us):
+    if 2 * estimate_us > budget_upper_us(budget_us):
         return None
     spent_us, limit_us = 0.0, float("inf")
 
@@ -137,7 +137,7 @@ def growth_calibration(counts: np.ndarray, prefetched: Placement, costs: StepCos
             meter.add(estimate_us)
         time_s = estimate_layer(counts, owners, candidate, costs, ranks_per_node, prefetched=holders).time_s
         if limit_us == float("inf"):   # the first estimate, the prefetched placement's, resolves a relative budget
-            limit_us = budget_us.resolve(time_s) if relative else float(budget_us)
+            limit_us = budget_us_for(budget_us, time_s)
         return time_s
 
     owned = np.bincount(np.asarray(owners, dtype=np.int64), minlength=counts.shape[0])
@@ -218,8 +218,8 @@ def _grow_then_search(counts: np.ndarray, prefetched: Placement, schedule: Sched
                       meter: WorkMeter) -> Tuple[Materialized, bool]:
     """Calibration past the remembered placement and the shadow move: the growth (:func:`growth_calibration`),
     and, where the layer's searches have been paying or the search's budget is a negligible share of the layer
-    (:class:`~.search_record.SearchRecord`), the search from the prefetched placement; the faster of the two by the estimate (ties: the growth's), and the search's net over
-    the growth recorded. Each within the calibration budget (``budget_us``; None: :data:`AUTO_PLAN_BUDGET`): the
+    (:class:`~.search_record.SearchRecord`), the search from the prefetched placement; the faster of the two by the
+    estimate (ties: the growth's), and the search's net over the growth recorded. Each within the calibration budget (``budget_us``; None: :data:`AUTO_PLAN_BUDGET`): the
     search keeps its whole budget (taking the growth's work out of it cut the search short on 8 x 64 bursts, 3%
     slower placements by the estimate), so calibration's work is at most twice it. Where the budget cannot pay the
     growth, the search alone, as before the growth existed. Returns (the placement, whether the search ran)."""
@@ -231,7 +231,7 @@ def _grow_then_search(counts: np.ndarray, prefetched: Placement, schedule: Sched
                                         start=holders, prefetched=holders, budget_us=budget, critical_path=True,
                                         meter=meter), True
     record = schedule.search_record
-    budget_s = (budget.resolve(growth.prefetched_s) if isinstance(budget, RelativeBudget) else float(budget)) * 1e-6
+    budget_s = budget_us_for(budget, growth.prefetched_s) * 1e-6
     if not record.pays(budget_s / growth.prefetched_s if growth.prefetched_s > 0 else float("inf")):
         record.skipped()
         return materialized_of(growth.holders), False

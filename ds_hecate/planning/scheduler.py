@@ -29,7 +29,7 @@ from .dispatch import dispatch_flows
 from .plan import Materialized, holders_matrix, materialized_of
 from .proportional import fill_slots, proportional_fill
 from .search_work import (SEARCH_WORK, Progress, RelativeBudget, SearchWork,  # noqa: F401  (re-exported)
-                          run_metered, run_to_end)
+                          budget_upper_us, budget_us_for, run_metered, run_to_end)
 
 
 def _round12(values):
@@ -199,11 +199,6 @@ def _lex_less(a, b) -> bool:
     return bool(diff.size) and bool(a[diff[0]] < b[diff[0]])
 
 
-def _upper_us(budget_us: Union[float, RelativeBudget, None]) -> Optional[float]:
-    """The most work a budget can allow (a relative budget's cap; None: unbounded), known before the search."""
-    return budget_us.cap_us if isinstance(budget_us, RelativeBudget) else budget_us
-
-
 def _step_gain(before, after) -> float:
     """Seconds a search step took off the layer's estimate, ties counted: the drop of the slowest rank's time, or,
     where several ranks tie at the maximum and the step relieves only some of them (the maximum falls once all are
@@ -363,7 +358,7 @@ def schedule_materialization(counts: Sequence[Sequence[float]], owners: Sequence
     if meter is None:
         return run_to_end(steps)
     world, num_experts = len(counts), len(owners)
-    upper_us = _upper_us(budget_us)
+    upper_us = budget_upper_us(budget_us)
     unsearched = upper_us is not None and work.first_step_us(world, num_experts, candidate_experts,
                                                              candidate_ranks) > upper_us
     return run_metered(steps, meter, 0.0 if unsearched else work.setup_cost_us(world, num_experts))
@@ -391,7 +386,7 @@ def search_steps(counts: Sequence[Sequence[float]], owners: Sequence[int], costs
         return result
     world, num_experts = len(counts), len(owners)
     fill_us = work.fill_cost_us(slots * world, world, num_experts)
-    limit = _upper_us(budget_us)
+    limit = budget_upper_us(budget_us)
     if limit is not None and done_us + fill_us > limit:
         return result
     result_mat = holders_matrix(result, world, num_experts)
@@ -495,7 +490,7 @@ def _greedy_steps(counts: Sequence[Sequence[float]], owners: Sequence[int], cost
     """
     world, num_experts = len(counts), len(owners)
     spent = work.setup_cost_us(world, num_experts)
-    upper_us = _upper_us(budget_us)
+    upper_us = budget_upper_us(budget_us)
     if upper_us is not None and work.first_step_us(world, num_experts, candidate_experts,
                                                    candidate_ranks) > upper_us:
         holders = np.zeros((world, num_experts), dtype=bool)
@@ -508,8 +503,7 @@ def _greedy_steps(counts: Sequence[Sequence[float]], owners: Sequence[int], cost
 
     best_times = search.times
     best_max = float(best_times.max())
-    if isinstance(budget_us, RelativeBudget):
-        budget_us = budget_us.resolve(best_max)
+    budget_us = budget_us_for(budget_us, best_max)
     # The search may pass through placements that only break a tie among the slowest ranks; what it returns is the
     # earliest placement with the lowest layer time, so no replica is kept that does not shorten the step.
     result_time, result_mat = best_max, search.mat.copy()

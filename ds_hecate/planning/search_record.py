@@ -4,8 +4,9 @@ Why: calibration (:mod:`.critical_path`) runs on the critical path, so its host 
 rank. Its cheap move, FasterMoE's growth (:func:`~.critical_path.growth_calibration`: the hottest experts in turn on
 every rank with room, while the estimate falls, a few estimates), takes most of what a burst offers; the greedy
 search (:func:`~.scheduler.schedule_materialization`, from the prefetched placement) finds what it missed, at the
-price of its setup and at least two steps, and the faster of the two is taken. On some layers that pays on every call (a hot set the
-growth cannot spread without flooding the links: simulated W4); on others it almost never does. The demo trace of
+price of its setup and at least two steps, and the faster of the two is taken. On some layers that pays on every
+call (a hot set the growth cannot spread without flooding the links: simulated W4); on others it almost never
+does. The demo trace of
 the real 2-rank benchmark, replayed through the planner with the benchmark's measured costs: over the searched
 calls the search's placement beat the growth's by 0.05 ms (median) for 3.3 ms of host time per search, and the
 benchmark resolved ds_hecate 5.6% slower than FasterMoE-style shadowing (0.944 [0.905, 0.973]) while ds_hecate's

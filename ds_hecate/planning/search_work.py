@@ -7,7 +7,7 @@ same estimated microseconds, so that every rank stops at the same step whatever 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Generator, Optional
+from typing import Generator, Optional, Union
 
 import numpy as np
 
@@ -110,3 +110,17 @@ class RelativeBudget:
 
     def resolve(self, layer_s: float) -> float:
         return min(self.cap_us, max(self.floor_us, self.share * layer_s * 1e6))
+
+
+Budget = Union[float, RelativeBudget, None]
+
+
+def budget_upper_us(budget: Budget) -> Optional[float]:
+    """The most work a budget can allow (a relative one's cap; None: unbounded), known before any estimate."""
+    return budget.cap_us if isinstance(budget, RelativeBudget) else budget
+
+
+def budget_us_for(budget: Budget, layer_s: float) -> Optional[float]:
+    """The budget of a search for a layer estimated at ``layer_s`` seconds: a relative one resolved, a number as it
+    is, None (unbounded) as None."""
+    return budget.resolve(layer_s) if isinstance(budget, RelativeBudget) else budget

@@ -281,8 +281,8 @@ MUTATIONS: List[Mutation] = [
         "runs them when the collective is waited for"),
     Mutation(
         "search-keeps-the-priced-pass", "ds_hecate/planning/scheduler.py",
-        (("    if flow == priced:\n        return priced\n",
-          "    if True:  # MUTATION: the flow-priced pass is never taken\n        return priced\n"),),
+        (("    if flow == priced:\n        return priced, done_us, estimate.time_s\n",
+          "    if True:  # MUTATION: the flow-priced pass is never taken\n        return priced, done_us, estimate.time_s\n"),),
         "the fresh search stops at the relay barrier: the second pass (trees priced as one flow) is ignored"),
     Mutation(
         "critical-search-ignores-its-cost", "ds_hecate/planning/scheduler.py",
@@ -375,8 +375,8 @@ MUTATIONS: List[Mutation] = [
         "materialize_budget_mb)"),
     Mutation(
         "calibration-search-never-probed", "ds_hecate/planning/search_record.py",
-        (("        return not self.nets_us or sum(self.nets_us) > 0.0 or self.unsearched >= PROBE_INTERVAL\n",
-          "        return not self.nets_us or sum(self.nets_us) > 0.0  # MUTATION: no probe\n"),),
+        (("                or self.unsearched >= PROBE_INTERVAL)\n",
+          "                )  # MUTATION: no probe\n"),),
         "a layer whose calibration searches stopped paying never searches again, whatever its routing becomes"),
     Mutation(
         "growth-taken-over-a-better-search", "ds_hecate/planning/critical_path.py",

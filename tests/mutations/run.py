@@ -112,6 +112,17 @@ def _failing_from_junit(path: str) -> List[str]:
     return failing
 
 
+def stale_snippets(mutations: Sequence[Mutation]) -> List[str]:
+    """A line for every snippet that does not occur exactly once in its file (the code moved under the mutation)."""
+    stale = []
+    for m in mutations:
+        with open(os.path.join(REPO, m.file), encoding="utf-8") as f:
+            text = f.read()
+        stale += [f"{m.name}: snippet {i + 1} found {text.count(old)} times in {m.file}"
+                  for i, (old, _) in enumerate(m.edits) if text.count(old) != 1]
+    return stale
+
+
 def run_tests(root: str, tests: Sequence[str], env: Dict[str, str], timeout_s: float, label: str) -> Outcome:
     junit = os.path.join(os.path.dirname(root), "junit.xml")
     cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *tests]
@@ -225,12 +236,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
 
     # Stale snippets fail before anything runs.
-    stale = []
-    for m in selected:
-        with open(os.path.join(REPO, m.file), encoding="utf-8") as f:
-            text = f.read()
-        stale += [f"{m.name}: snippet {i + 1} found {text.count(old)} times in {m.file}"
-                  for i, (old, _) in enumerate(m.edits) if text.count(old) != 1]
+    stale = stale_snippets(selected)
     if stale:
         print("STALE MUTATIONS (update them to the code):\n  " + "\n  ".join(stale), file=sys.stderr)
         return 2
