@@ -15,11 +15,20 @@ DEFAULT_TIMEOUT_S = float(os.environ.get("DS_HECATE_TEST_TIMEOUT", "300"))
 #: how the rank processes start: ``forkserver`` (default) forks each from a server that imported torch once; ``spawn``
 #: starts a fresh interpreter per rank. Why: a fresh interpreter spends about 3 s importing torch, so on 2 cores a
 #: 2-rank run of nothing took 3.4 s and a 4-rank one 8 s (0.7 and 1.3 s forked), over a suite of a few hundred runs.
-#: The server preloads torch alone (not deepspeed, not ds_hecate: oracle ranks check that ds_hecate is never imported),
-#: and each rank gets the caller's environment as it is when the run starts, as a spawned one would.
+#: The server preloads torch, DeepSpeed and what its ``initialize`` imports (:data:`SERVER_PRELOAD`; never ds_hecate:
+#: oracle ranks check that it is never imported, and an editable install has no autoload hook), and each rank gets
+#: the caller's environment as it is when the run starts, as a spawned one would. DeepSpeed picks its accelerator once, at import:
+#: the server imports it with ``DS_ACCELERATOR=cpu``, which every rank sets anyway (:func:`_become_rank`), so that a
+#: CUDA machine's ranks do not inherit a CUDA accelerator.
 START_METHOD = os.environ.get("DS_HECATE_TEST_START_METHOD", "forkserver")
 if START_METHOD not in ("forkserver", "spawn"):
     raise ValueError(f"DS_HECATE_TEST_START_METHOD must be 'forkserver' or 'spawn', got {START_METHOD!r}")
+#: What every training rank imports anyway, heaviest last: ``deepspeed.initialize`` builds a torch Adam, whose
+#: constructor imports ``torch._dynamo``, and checks the optimizer against ZeRO's list, which imports DeepSpeed's Muon
+#: (``torch.compile`` decorators, inductor's config): 4 s a rank on this host, on every run, where the server pays it
+#: once. A module that fails to import (another DeepSpeed release) is skipped by the server.
+SERVER_PRELOAD = ["torch", "deepspeed", "torch._dynamo", "deepspeed.runtime.engine",
+                  "deepspeed.runtime.zero.muon.muon_optimizer"]
 
 
 def free_port() -> int:
@@ -55,12 +64,30 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: Sequence[
             dist.destroy_process_group()
 
 
+def _start_fork_server(ctx) -> None:
+    """Start the fork server (once; later calls find it running) with :data:`SERVER_PRELOAD` imported under the
+    environment a rank has for DeepSpeed's import-time choices (``DS_ACCELERATOR=cpu``); the caller's own environment
+    is left as it was."""
+    from multiprocessing import forkserver
+
+    ctx.set_forkserver_preload(SERVER_PRELOAD)
+    saved = os.environ.get("DS_ACCELERATOR")
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    try:
+        forkserver.ensure_running()
+    finally:
+        if saved is None:
+            del os.environ["DS_ACCELERATOR"]
+        else:
+            os.environ["DS_ACCELERATOR"] = saved
+
+
 def _spawn(target: Callable, world_size: int, fn: Callable, args: Sequence[Any]):
     """Start ``world_size`` processes (:data:`START_METHOD`) running ``target(rank, world_size, port, fn, args,
     results, environ)``."""
     ctx = mp.get_context(START_METHOD)
     if START_METHOD == "forkserver":
-        ctx.set_forkserver_preload(["torch"])   # read when the server starts, at the first run
+        _start_fork_server(ctx)
     results = ctx.Queue()
     port = free_port()
     environ = dict(os.environ)
