@@ -12,21 +12,22 @@ from typing import Any, Callable, Dict, List, Sequence
 import torch.multiprocessing as mp
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("DS_HECATE_TEST_TIMEOUT", "300"))
-#: how the rank processes start: ``forkserver`` (default) forks each from a server that imported torch once; ``spawn``
-#: starts a fresh interpreter per rank. Why: a fresh interpreter spends about 3 s importing torch, so on 2 cores a
-#: 2-rank run of nothing took 3.4 s and a 4-rank one 8 s (0.7 and 1.3 s forked), over a suite of a few hundred runs.
-#: The server preloads torch, DeepSpeed and what its ``initialize`` imports (:data:`SERVER_PRELOAD`; never ds_hecate:
-#: oracle ranks check that it is never imported, and an editable install has no autoload hook), and each rank gets
-#: the caller's environment as it is when the run starts, as a spawned one would. DeepSpeed picks its accelerator once, at import:
-#: the server imports it with ``DS_ACCELERATOR=cpu``, which every rank sets anyway (:func:`_become_rank`), so that a
-#: CUDA machine's ranks do not inherit a CUDA accelerator.
+#: how the rank processes start: ``forkserver`` (default) forks each from a server that imported torch and DeepSpeed
+#: once; ``spawn`` starts a fresh interpreter per rank. Why: a fresh interpreter spends about 3 s importing torch, so
+#: on 2 cores a 2-rank run of nothing took 3.4 s and a 4-rank one 8 s (0.7 and 1.3 s forked), over a suite of a few
+#: hundred runs. The server preloads torch, DeepSpeed and what its ``initialize`` imports (:data:`SERVER_PRELOAD`;
+#: never ds_hecate: oracle ranks check that it is never imported, and an editable install has no autoload hook), and
+#: each rank gets the caller's environment as it is when the run starts, as a spawned one would. DeepSpeed picks its
+#: accelerator once, at import: the server imports it with ``DS_ACCELERATOR=cpu``, which every rank sets anyway
+#: (:func:`_become_rank`), so that a CUDA machine's ranks do not inherit a CUDA accelerator.
 START_METHOD = os.environ.get("DS_HECATE_TEST_START_METHOD", "forkserver")
 if START_METHOD not in ("forkserver", "spawn"):
     raise ValueError(f"DS_HECATE_TEST_START_METHOD must be 'forkserver' or 'spawn', got {START_METHOD!r}")
 #: What every training rank imports anyway, heaviest last: ``deepspeed.initialize`` builds a torch Adam, whose
 #: constructor imports ``torch._dynamo``, and checks the optimizer against ZeRO's list, which imports DeepSpeed's Muon
-#: (``torch.compile`` decorators, inductor's config): 4 s a rank on this host, on every run, where the server pays it
-#: once. A module that fails to import (another DeepSpeed release) is skipped by the server.
+#: (``torch.compile`` decorators, inductor's config): 6.6 s of a 4-step 2-rank training's 8.6 s in each rank on this
+#: 2-vCPU host, on every run, where the server pays it once. A module that fails to import (another DeepSpeed
+#: release) is skipped by the server.
 SERVER_PRELOAD = ["torch", "deepspeed", "torch._dynamo", "deepspeed.runtime.engine",
                   "deepspeed.runtime.zero.muon.muon_optimizer"]
 

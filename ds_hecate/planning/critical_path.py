@@ -173,7 +173,8 @@ def plan_after_gate(counts: np.ndarray, prefetched: Placement, schedule: Schedul
     over the moves of a rotating hot spot (simulated W6, 131 replicas a layer instead of 77), while what it added
     lets the next call, prefetched without the prediction, calibrate without a second search (simulated a100-4x8
     bert-moe W6: 10 ms of host time per move of the hot spot on this repository's 2-vCPU host). Where the budget
-    cannot pay the search's setup and a first step (large worlds), calibration is off, as with ``calibration: false``: no scoring, no estimate on the critical path.
+    cannot pay the search's setup and a first step (large worlds), calibration is off, as with
+    ``calibration: false``: no scoring, no estimate on the critical path.
     """
     placement, extras = prefetched, None
     meter = WorkMeter()
@@ -219,10 +220,11 @@ def _grow_then_search(counts: np.ndarray, prefetched: Placement, schedule: Sched
     """Calibration past the remembered placement and the shadow move: the growth (:func:`growth_calibration`),
     and, where the layer's searches have been paying or the search's budget is a negligible share of the layer
     (:class:`~.search_record.SearchRecord`), the search from the prefetched placement; the faster of the two by the
-    estimate (ties: the growth's), and the search's net over the growth recorded. Each within the calibration budget (``budget_us``; None: :data:`AUTO_PLAN_BUDGET`): the
-    search keeps its whole budget (taking the growth's work out of it cut the search short on 8 x 64 bursts, 3%
-    slower placements by the estimate), so calibration's work is at most twice it. Where the budget cannot pay the
-    growth, the search alone, as before the growth existed. Returns (the placement, whether the search ran)."""
+    estimate (ties: the growth's), and the search's net over the growth recorded. Each within the calibration
+    budget (``budget_us``; None: :data:`AUTO_PLAN_BUDGET`): the search keeps its whole budget (taking the growth's
+    work out of it cut the search short on 8 x 64 bursts, 3% slower placements by the estimate), so calibration's
+    work is at most twice it. Where the budget cannot pay the growth, the search alone, as before the growth
+    existed. Returns (the placement, whether the search ran)."""
     holders = prefetched.holders
     budget = AUTO_PLAN_BUDGET if budget_us is None else budget_us
     growth = growth_calibration(counts, prefetched, costs, replica_budget, ranks_per_node, budget, meter=meter)
