@@ -144,6 +144,22 @@ def test_layer_call_stage_reports_tflops_against_the_peak(tmp_path, monkeypatch,
         assert "deepseek-v3" in res["summary"]
 
 
+def test_tests_stage_names_the_failed_tests(monkeypatch):
+    """A failing pytest run is reported with the tests that failed, even when its last lines are all warnings (the
+    first GPU run's table said only "2 failed")."""
+    from benchmarks.gpu import suite
+    text = "\n".join([".F.F", "FAILED tests/gpu/test_gpu_comm.py::test_one - ValueError: no group",
+                       "FAILED tests/gpu/test_gpu_comm.py::test_two - AssertionError"]
+                      + ["  DeprecationWarning: ExternalStream is deprecated"] * 40
+                      + ["2 failed, 119 passed, 2 skipped, 135 warnings in 46.13s"])
+    monkeypatch.setattr(suite, "run_command", lambda cmd, timeout, env=None: (1, text))
+    res = suite.run(Context(timeout_s=60))
+    assert res["status"] == "failed"
+    assert "test_gpu_comm.py::test_one" in res["summary"] and "test_gpu_comm.py::test_two" in res["summary"]
+    assert res["failures"][1].endswith("AssertionError") and res["tail"][0].startswith("FAILED ")
+    assert "-rfEs" in suite.pytest_args(Context())
+
+
 def _wheel(path: Path, name: str, requires):
     with zipfile.ZipFile(path / f"{name}-1.0-py3-none-any.whl", "w") as z:
         z.writestr(f"{name}-1.0.dist-info/METADATA", "Name: %s\n" % name

@@ -330,6 +330,19 @@ def test_cupy_transport_device_ops_are_the_kernels():
     assert transport.device_ops.combine is not None
 
 
+def test_one_rank_cupy_transport_needs_no_process_group():
+    """On one rank the CuPy transport runs without torch.distributed (the NCCL unique id is not broadcast, object
+    collectives return the rank's own): the first GPU run failed here, in a pytest process with no group."""
+    import torch.distributed as dist
+    from ds_hecate.comm.gpu.nccl_comm import CupyTransport
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.gpu.fakes import FakeNccl, ImmediateStreams, LoopbackComm
+    assert not dist.is_initialized()
+    transport = CupyTransport(None, 0, 1, torch.device("cuda", 0), comm=LoopbackComm(), streams=ImmediateStreams(),
+                              nccl=FakeNccl())
+    assert transport.all_gather_object({"rank": 0}) == [{"rank": 0}]
+
+
 def test_training_through_the_cupy_transport_runs_its_kernels_and_matches_torch():
     """A 1-rank training run over the CuPy transport (fakes for NCCL, the kernels' contracts for the kernels, the
     CUDA stand-in): the layer call's pack and combine go through the transport's device ops, and the losses are

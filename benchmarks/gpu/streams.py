@@ -22,6 +22,32 @@ from .common import Context, host_seconds, result
 SLEEP_S = 0.2
 
 
+class Span:
+    """A stretch of the caller's stream between two timing events (its length is read after a sync)."""
+
+    def __init__(self, start, end, nominal_s: float) -> None:
+        self.start, self.end, self.nominal_s = start, end, nominal_s
+
+    @classmethod
+    def record(cls) -> "Span":
+        import torch
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        return cls(start, None, 0.0)
+
+    def close(self) -> None:
+        import torch
+        self.end = torch.cuda.Event(enable_timing=True)
+        self.end.record()
+
+    def seconds(self) -> float:
+        """The span's device time (waits for its end); the nominal length under the stand-in."""
+        if self.start is None:
+            return self.nominal_s
+        self.end.synchronize()
+        return self.start.elapsed_time(self.end) / 1e3
+
+
 class Device:
     """The GPU (or the stand-in): a delay queued on the caller's stream, and a transport."""
 
@@ -30,19 +56,25 @@ class Device:
         self.ctx, self.dev = ctx, torch.device("cuda", 0)
         self.cycles_per_s = None
 
-    def delay(self, seconds: float) -> None:
-        """Queue ``seconds`` of sleep on the caller's stream (nothing under the stand-in)."""
+    def delay(self, seconds: float) -> "Span":
+        """Queue ``seconds`` of sleep on the caller's stream (nothing under the stand-in); returns the sleep's
+        :class:`Span`, whose length the checks read afterwards: the SM clock ramps from idle (345 MHz) to 1,980
+        MHz under load, so a sleep counted in cycles lasts what the clock makes of it, and a check that assumed
+        its nominal length would judge against the wrong figure."""
         import torch
         if self.ctx.dry_run:
-            return
+            return Span(None, None, seconds)
         if self.cycles_per_s is None:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            torch.cuda._sleep(10_000_000)
-            end.record()
-            end.synchronize()
-            self.cycles_per_s = 10_000_000 / (start.elapsed_time(end) / 1e3)
+            torch.cuda._sleep(1_000_000)   # loads the kernel and wakes the clock before it is measured
+            torch.cuda.synchronize()
+            probe = Span.record()
+            torch.cuda._sleep(50_000_000)
+            probe.close()
+            self.cycles_per_s = 50_000_000 / probe.seconds()
+        span = Span.record()
         torch.cuda._sleep(int(seconds * self.cycles_per_s))
+        span.close()
+        return span
 
     def transport(self, timeout_s, stalled: bool = False):
         if self.ctx.dry_run:
@@ -81,21 +113,26 @@ def stream_side_waits(d: Device) -> dict:
     recv = torch.empty_like(send)
     transport.all_reduce(torch.zeros(1, device=d.dev), dist.ReduceOp.SUM)   # warm-up: NCCL's first call sets up
     d.ctx.sync()
-    d.delay(SLEEP_S)
+    first = d.delay(SLEEP_S)
     reduce_s = host_seconds(lambda: transport.all_reduce(value, dist.ReduceOp.SUM))
     work = transport.all_to_all(recv, send, [64], [64], True)
     wait_s = host_seconds(work.wait)
     d.ctx.sync()
     right = bool((value == 3.0).all()) and bool(torch.equal(recv, send))
-    d.delay(SLEEP_S)
+    second = d.delay(SLEEP_S)
     counts = torch.empty(4, dtype=torch.int64, device=d.dev)
     gather_s = host_seconds(lambda: transport.all_gather(counts, torch.arange(4, device=d.dev)))
     right = right and counts.tolist() == [0, 1, 2, 3]
-    # The sleep is 0.2 s: a stream-side wait returns within a few ms; the count exchange's host wait sits it out.
-    limit = SLEEP_S / 4
-    ok = right and reduce_s < limit and wait_s < limit and (d.ctx.dry_run or gather_s > SLEEP_S / 2)
+    # Judged against the sleeps as the device measured them: a stream-side wait returns within a few ms of a
+    # 0.2 s sleep; the count exchange's host wait sits it out. A sleep far shorter than asked proves nothing.
+    slept = (first.seconds(), second.seconds())
+    long_enough = min(slept) >= SLEEP_S / 2
+    limit = slept[0] / 4
+    ok = (right and long_enough and reduce_s < limit and wait_s < limit
+          and (d.ctx.dry_run or gather_s > slept[1] / 2))
     return {"ok": ok, "results_right": right, "all_reduce_host_s": reduce_s, "wait_host_s": wait_s,
-            "count_exchange_host_s": gather_s, "sleep_s": SLEEP_S}
+            "count_exchange_host_s": gather_s, "sleep_s": SLEEP_S, "slept_s": slept, "sleeps_long_enough":
+            long_enough}
 
 
 def watchdog(d: Device) -> dict:
@@ -105,7 +142,7 @@ def watchdog(d: Device) -> dict:
     send = torch.ones(256, device=d.dev)
     recv = torch.empty_like(send)
     d.ctx.sync()
-    d.delay(5 * timeout_s)   # the primitive cannot complete before its deadline
+    span = d.delay(5 * timeout_s)   # the primitive cannot complete before its deadline
     start = time.monotonic()
     transport.all_to_all(recv, send, [256], [256], False)
     call_s = time.monotonic() - start
@@ -118,10 +155,11 @@ def watchdog(d: Device) -> dict:
     except TimeoutError as exc:
         raised = str(exc)
     d.ctx.sync()
-    ok = (call_s < timeout_s and transport.aborted and "NCCL all-to-all did not complete within 0.2 s" in raised
-          and fired_s < 10 * timeout_s)
+    slept = span.seconds()
+    ok = (slept > 2 * timeout_s and call_s < timeout_s and transport.aborted and fired_s < 10 * timeout_s
+          and "NCCL all-to-all did not complete within 0.2 s" in raised)
     return {"ok": ok, "call_host_s": call_s, "fired_after_s": fired_s, "aborted": transport.aborted,
-            "next_call_raised": raised, "timeout_s": timeout_s}
+            "next_call_raised": raised, "timeout_s": timeout_s, "slept_s": slept}
 
 
 def run(ctx: Context) -> dict:

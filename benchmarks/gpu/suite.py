@@ -19,7 +19,7 @@ _UNUSABLE = ("no CUDA device visible to torch", "CuPy cannot run here")
 
 
 def pytest_args(ctx: Context) -> List[str]:
-    args = ["-q", "-rs", "-p", "no:cacheprovider", "tests/gpu", "tests/test_kernels.py"]
+    args = ["-q", "-rfEs", "--tb=short", "-p", "no:cacheprovider", "tests/gpu", "tests/test_kernels.py"]
     if ctx.dry_run:
         args += ["-k", "contract or accumulate or device_ops or not test_kernels"]
     return args
@@ -39,13 +39,17 @@ def run(ctx: Context) -> dict:
     lines = text.strip().splitlines()
     counts = summary_counts(lines[-1] if lines else "")
     unusable = sorted({why for why in _UNUSABLE if why in text})
-    figures = {"pytest_returncode": code, "counts": counts, "tail": lines[-20:]}
+    # pytest's "FAILED test - reason" lines: the tail alone can be all warnings and lose which test failed
+    failures = [line for line in lines if line.startswith(("FAILED ", "ERROR "))]
+    figures = {"pytest_returncode": code, "counts": counts, "failures": failures,
+               "tail": failures[-8:] + lines[-12:]}
     summary = ", ".join(f"{n} {word}" for word, n in counts.items()) or "no summary line"
     if code is None:
         return result(False, f"pytest ran past {limit:.0f} s (killed); last line: {lines[-1] if lines else ''}",
                       **figures)
     if code != 0:
-        return result(False, f"pytest exit {code}: {summary}", **figures)
+        named = "; ".join(line.split(" ", 1)[1].split(" - ")[0] for line in failures[:3])
+        return result(False, f"pytest exit {code}: {summary}" + (f" ({named})" if named else ""), **figures)
     if unusable and not ctx.dry_run:
         return result(False, f"tests/gpu skipped ({'; '.join(unusable)}): {summary}", **figures)
     return result(True, summary, **figures)

@@ -93,8 +93,32 @@ def _launch(source: str, kernel: str, device: torch.device, grid, block, args, s
     import cupy
     index = device.index if device.index is not None else torch.cuda.current_device()
     fn = _function(source, kernel, index)
-    with cupy.cuda.Device(index), cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream):
+    with cupy.cuda.Device(index), _cupy_stream(torch.cuda.current_stream(device)):
         fn(grid, block, args, shared_mem=shared_mem)
+
+
+def _cupy_stream(stream: "torch.cuda.Stream"):
+    """torch's stream as a CuPy stream: through the CUDA stream protocol where this CuPy and torch both have it
+    (CuPy 14 deprecates ``ExternalStream``), else by its handle."""
+    import cupy
+    if _stream_protocol_works():
+        return cupy.cuda.Stream.from_external(stream)
+    return cupy.cuda.ExternalStream(stream.cuda_stream)
+
+
+@functools.lru_cache(maxsize=None)
+def _stream_protocol_works() -> bool:
+    """Whether ``cupy.cuda.Stream.from_external`` takes a torch stream and lands on the same CUDA stream (probed
+    once per process on the current stream)."""
+    import cupy
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is None or not hasattr(torch.cuda.Stream, "__cuda_stream__"):
+        return False
+    current = torch.cuda.current_stream()
+    try:
+        return from_external(current).ptr == current.cuda_stream
+    except Exception:  # noqa: BLE001 - an older protocol on either side: the handle works everywhere
+        return False
 
 
 def _blocks(work_items: int, chunks: int, device: torch.device) -> int:

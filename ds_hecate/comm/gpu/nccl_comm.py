@@ -354,7 +354,11 @@ class CupyTransport:
             value.data_ptr(), value.numel(), self._dtype(value.dtype), src, s), False)
 
     def all_gather_object(self, obj: Any) -> List[Any]:
+        """Through Hecate's torch.distributed group (objects are host data); on one rank no group is needed, as
+        for the NCCL unique id."""
         self.check()
+        if self.world_size == 1:
+            return [obj]
         out = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self.group)
         return out
