@@ -51,35 +51,14 @@ template <> __device__ __forceinline__ bf16_t convert<bf16_t, bf16_t>(bf16_t v) 
 // V elements of T moved as one aligned access (16 bytes for the V > 1 variants on the input side).
 template <typename T, int V> struct __align__(sizeof(T) * V) Vec { T v[V]; };
 
-// Vectors each thread has in flight per round of copy_chunk's main loop: all loads are issued before the first
-// store, so a thread keeps HECATE_UNROLL 16-byte loads outstanding instead of one (memory-level parallelism; with
-// one, the first H200 run moved 2,231 GB/s where torch.stack's batched copy moved 3,834).
-#ifndef HECATE_UNROLL
-#define HECATE_UNROLL 4
-#endif
-
-// dst[i] = convert(src[i]) for i < numel, V elements per thread access, grid-strided over blockIdx.x. Element i is
-// written by the same thread whether it falls in an unrolled round or in the remainder loop.
+// dst[i] = convert(src[i]) for i < numel, V elements per thread access, grid-strided over blockIdx.x.
 template <typename In, typename Out, int V>
 __device__ __forceinline__ void copy_chunk(const In* __restrict__ src, Out* __restrict__ dst, long long numel) {
     const long long nvec = numel / V;
     const long long stride = (long long)gridDim.x * blockDim.x;
     const Vec<In, V>* s = reinterpret_cast<const Vec<In, V>*>(src);
     Vec<Out, V>* d = reinterpret_cast<Vec<Out, V>*>(dst);
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    for (; i + (HECATE_UNROLL - 1) * stride < nvec; i += HECATE_UNROLL * stride) {
-        Vec<In, V> a[HECATE_UNROLL];
-#pragma unroll
-        for (int u = 0; u < HECATE_UNROLL; ++u) a[u] = s[i + u * stride];
-#pragma unroll
-        for (int u = 0; u < HECATE_UNROLL; ++u) {
-            Vec<Out, V> b;
-#pragma unroll
-            for (int k = 0; k < V; ++k) b.v[k] = convert<In, Out>(a[u].v[k]);
-            d[i + u * stride] = b;
-        }
-    }
-    for (; i < nvec; i += stride) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < nvec; i += stride) {
         const Vec<In, V> a = s[i];
         Vec<Out, V> b;
 #pragma unroll

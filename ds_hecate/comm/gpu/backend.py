@@ -2,7 +2,7 @@
 
 ``hecate.comm_backend``: ``"torch"`` always uses torch.distributed (NCCL on CUDA). ``"cupy"`` insists on the CuPy+NCCL
 transport: every rank raises, naming the rank and the missing piece, if any rank cannot use it. ``"auto"`` picks
-CuPy+NCCL only once it has passed a GPU check (:data:`CUPY_VERIFIED`; none has yet) and every rank can use it, and
+CuPy+NCCL only once it has passed a multi-GPU check (:data:`CUPY_VERIFIED`) and every rank can use it, and
 otherwise torch.distributed, saying why in one log line. The choice is agreed by all ranks in one collective.
 """
 from __future__ import annotations
@@ -48,8 +48,9 @@ def cupy_status() -> Tuple[bool, str]:
     return True, f"cupy {cupy.__version__}, {count} GPU(s), NCCL available"
 
 
-#: Whether the CuPy+NCCL transport has passed ``make gpu-check`` on a GPU (results in docs/benchmarks.md). Until it
-#: has, ``auto`` uses torch.distributed on CUDA too and the CuPy transport is opt-in (``comm_backend: "cupy"``).
+#: Whether the CuPy+NCCL transport has passed ``make gpu-check`` on 2 or more GPUs (docs/benchmarks.md). It passed on
+#: one H200 (2026-12-04), where NCCL refuses a second rank, so it has never run between processes; until it has,
+#: ``auto`` uses torch.distributed on CUDA too and the CuPy transport is opt-in (``comm_backend: "cupy"``).
 CUPY_VERIFIED = False
 
 
@@ -72,8 +73,10 @@ def agree_backend(requested: str, device: torch.device, group, world_size: int) 
     if requested == "torch":
         return "torch", None
     if requested == "auto" and not (CUPY_VERIFIED and device.type == "cuda"):
-        return "torch", ("the CuPy+NCCL transport has not passed a GPU check yet (make gpu-check); set "
-                         "comm_backend: 'cupy' to opt in" if device.type == "cuda" else local_status(device)[1])
+        if device.type != "cuda":
+            return "torch", local_status(device)[1]
+        return "torch", ("the CuPy+NCCL transport has not passed a GPU check on 2 or more GPUs yet (make gpu-check); "
+                         "set comm_backend: 'cupy' to opt in")
     status = local_status(device)
     statuses = [status]
     if world_size > 1:
