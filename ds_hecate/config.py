@@ -127,9 +127,15 @@ class HecateConfig(BaseModel):
         description="Rank 0 records every layer's gate counts and executed plan here (JSON Lines, ds_hecate.tools.trace); "
                     "null: no trace.")
     comm_backend: Literal["auto", "torch", "cupy"] = Field(
-        "auto", description="Transport of Hecate's collectives: 'cupy' (NCCL through CuPy on its own CUDA stream, "
-                            "with ds_hecate's CUDA kernels), 'torch' (torch.distributed), 'auto' (cupy when the "
-                            "tensors are on CUDA and CuPy with NCCL works, else torch, logging why).")
+        "auto", description="Transport of Hecate's collectives: 'cupy' (NCCL through CuPy on its own CUDA stream), "
+                            "'torch' (torch.distributed), 'auto' (torch until the CuPy transport has passed the GPU "
+                            "check on 2 or more GPUs, then cupy where every rank can use it; logs why not).")
+    device_kernels: Literal["auto", "torch", "cupy"] = Field(
+        "auto", description="Device work around the collectives and in the layer call (expert pack, the owners' "
+                            "gradient sum, the weighted un-permute): 'cupy' (ds_hecate's CUDA kernels through CuPy; "
+                            "every rank raises if one cannot run them), 'torch' (torch ops), 'auto' (the kernels "
+                            "on CUDA where CuPy compiles them, else torch ops, logging why). Both give the same "
+                            "bits, so ranks may differ.")
 
 
 WIRE_STAGES = ("sparse_reduce_scatter", "expert_data_parallel")

@@ -243,6 +243,12 @@ def cuda_shim():
     originals = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
     for name, fn in originals.items():
         setattr(dist, name, _checked_collective(shim, name, fn))
+    # the CUDA kernels cannot take the stand-in's tensors (their memory is the CPU's): on a machine with a real GPU
+    # the runtime's probe would find them usable, so under the stand-in they are not (a test that wants kernel
+    # device ops hands in their torch contracts)
+    from ds_hecate.comm.gpu import backend
+    saved_status = backend.kernels_status
+    backend.kernels_status = lambda device_index: (False, "the CUDA stand-in's tensors are on the CPU")
     _READS.append(shim.host_reads)
     try:
         with _Function(shim.copies), _Dispatch():
@@ -253,3 +259,4 @@ def cuda_shim():
             setattr(torch.cuda, name, value)
         for name, fn in originals.items():
             setattr(dist, name, fn)
+        backend.kernels_status = saved_status

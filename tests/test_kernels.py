@@ -366,6 +366,65 @@ def test_comm_backend_config_key():
         parse_hecate_section({"comm_backend": "nccl"})
 
 
+def test_device_kernels_config_key():
+    assert parse_hecate_section({}).device_kernels == "auto"
+    for value in ("auto", "torch", "cupy"):
+        assert parse_hecate_section({"device_kernels": value}).device_kernels == value
+    with pytest.raises(HecateConfigError, match="device_kernels"):
+        parse_hecate_section({"device_kernels": "triton"})
+
+
+def test_device_work_follows_device_kernels(monkeypatch):
+    """``hecate.device_kernels``: on CUDA where the kernels compile, ``auto`` gives the token and the weight transport
+    the kernels as their device work (over torch.distributed too: the kernels need no NCCL); ``torch`` keeps torch
+    ops; ``cupy`` refuses, naming the key and the reason, where they cannot run; on the CPU, torch ops."""
+    from ds_hecate.comm.gpu import backend
+    from ds_hecate.comm.gpu.device_ops import KernelDeviceOps
+    from ds_hecate.comm.transport import TORCH_DEVICE_OPS
+    cuda, weights = torch.device("cuda", 0), object()
+
+    def ops(kernels, device=cuda):
+        comm = backend.build_communicator("torch", None, 0, 1, device, weight_group=weights, device_kernels=kernels)
+        assert comm.separate_weight_traffic and comm.weights.device_ops is comm.transport.device_ops
+        return comm.transport.device_ops
+
+    assert ops("auto", torch.device("cpu")) is TORCH_DEVICE_OPS
+    assert backend.agree_device_ops("auto", torch.device("cpu"), None, 1)[1].endswith("not CUDA")
+    monkeypatch.setattr(backend, "kernels_status", lambda index: (True, "cupy (stand-in), kernels compiled"))
+    assert type(ops("auto")) is KernelDeviceOps and type(ops("cupy")) is KernelDeviceOps
+    assert ops("torch") is TORCH_DEVICE_OPS
+    monkeypatch.setattr(backend, "kernels_status", lambda index: (False, "the CUDA kernels did not compile (x)"))
+    assert ops("auto") is TORCH_DEVICE_OPS
+    with pytest.raises(HecateConfigError, match=r"device_kernels='cupy' but the CUDA kernels cannot run \(rank 0: "
+                                                r"the CUDA kernels did not compile"):
+        ops("cupy")
+    with pytest.raises(HecateConfigError, match="device_kernels='triton'"):
+        backend.agree_device_ops("triton", cuda, None, 1)
+
+
+def test_training_over_torch_distributed_runs_the_kernels_where_chosen(monkeypatch):
+    """The default on CUDA (``device_kernels: auto`` where the kernels compile) runs the layer call's pack and
+    combine through the kernels over the torch transport too (their contracts here, under the CUDA stand-in), with
+    the losses and routing of torch ops alone."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.gpu.fakes import reference_launchers
+    from benchmarks.gpu.training import demo_losses
+    from device_shim import cuda_shim
+    from ds_hecate.comm.gpu import backend, device_ops
+    # the kernels chosen as on a GPU (the stand-in's own probe says they cannot take its tensors), run as their
+    # contracts
+    choose = backend.agree_device_ops
+    monkeypatch.setattr(backend, "agree_device_ops", lambda requested, *a: (
+        ("cupy", None) if requested == "auto" else choose(requested, *a)))
+    monkeypatch.setattr(device_ops, "_kernels", reference_launchers())
+    with cuda_shim():
+        kernels = demo_losses("cuda", 2, "torch")
+        torch_ops = demo_losses("cuda", 2, "torch", "torch")
+    assert kernels[0] == torch_ops[0] and kernels[1] == torch_ops[1]
+    assert kernels[2].get("pack", 0) >= 2 and kernels[2].get("combine", 0) >= 2, kernels[2]
+    assert torch_ops[2] == {}
+
+
 def resolve_backend(requested, device):
     return agree_backend(requested, device, None, 1)
 

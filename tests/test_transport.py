@@ -38,8 +38,8 @@ def test_build_runtime_takes_the_device_of_the_local_rank(monkeypatch):
 
     seen = {}
 
-    def capture(requested, group, rank, world, device, timeout_s=None, weight_group=None):
-        seen["device"] = device
+    def capture(requested, group, rank, world, device, timeout_s=None, weight_group=None, device_kernels="auto"):
+        seen["device"], seen["device_kernels"] = device, device_kernels
         raise KeyboardInterrupt  # stop before building the runtime
 
     monkeypatch.setenv("LOCAL_RANK", "1")
@@ -283,6 +283,7 @@ def test_cupy_build_communicator_gives_weights_their_own_nccl_communicator_and_s
         return fakes.LoopbackComm()
     monkeypatch.setattr(backend, "agree_backend", lambda *a: ("cupy", None))
     monkeypatch.setattr(backend, "cupy_status", lambda: (True, "cupy (stand-in)"))
+    monkeypatch.setattr(backend, "kernels_status", lambda index: (True, "cupy (stand-in)"))   # never cached
     monkeypatch.setattr(nccl_comm, "CudaStreams", lambda device: fakes.ImmediateStreams())
     monkeypatch.setattr(nccl_comm.CupyTransport, "_nccl_communicator", communicator)
     tokens_group, weights_group = object(), object()
@@ -321,6 +322,34 @@ def test_cupy_refused_on_every_rank_when_one_rank_cannot_use_it():
 def test_auto_falls_back_on_every_rank_when_one_rank_cannot_use_cupy():
     results = run_ranks(2, _agree, "auto")
     assert results == [("ok", "TorchTransport"), ("ok", "TorchTransport")], results
+
+
+def _agree_kernels(rank, world, requested):
+    import torch.distributed as dist
+
+    import ds_hecate.comm.gpu.backend as backend
+    from ds_hecate.errors import HecateConfigError
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # rank 0 compiles the kernels, rank 1 cannot (e.g. no NVRTC on that node)
+    backend.kernels_status = lambda index: (True, "ok") if rank == 0 else (False, "the CUDA kernels did not compile")
+    try:
+        comm = backend.build_communicator("torch", dist.group.WORLD, rank, world, torch.device("cuda", rank),
+                                          device_kernels=requested)
+        return ("ok", type(comm.transport.device_ops).__name__)
+    except HecateConfigError as exc:
+        return ("refused", str(exc))
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        return ("error", f"{type(exc).__name__}: {exc}")
+
+
+def test_cuda_kernels_refused_on_every_rank_when_one_rank_cannot_run_them():
+    """``device_kernels: cupy`` is agreed in one collective: a rank that cannot run the kernels makes every rank
+    raise (alone it would leave the others waiting); ``auto`` decides per rank (kernels and torch ops give the same
+    bits), with no collective."""
+    refused = run_ranks(2, _agree_kernels, "cupy")
+    assert [r[0] for r in refused] == ["refused", "refused"], refused
+    assert all("rank 1: the CUDA kernels did not compile" in r[1] for r in refused)
+    assert run_ranks(2, _agree_kernels, "auto") == [("ok", "KernelDeviceOps"), ("ok", "DeviceOps")]
 
 
 def test_auto_uses_torch_distributed_on_cuda_until_a_gpu_check_passed(monkeypatch):

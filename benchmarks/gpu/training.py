@@ -4,9 +4,10 @@ initial weights on the same batches; the losses must agree within 1e-4 (relative
 Routing is deterministic, so the two devices route alike: DeepSpeed's top-2 gate samples its second expert with
 Gumbel noise from the device's generator by default (``top2_2nd_expert_sampling``), which CPU and CUDA draw
 differently, so it is switched off, as are RSample/Jitter (``noisy_gate_policy=None``) and random token selection.
-TF32 is off (fp32 products on both). CUDA runs twice: over the torch transport and over the CuPy transport, whose
-device ops (the pack of the owned experts, the weighted un-permute) are the CUDA kernels. The per-step token counts
-per expert are compared too: the first step whose routing differs is named.
+TF32 is off (fp32 products on both). CUDA runs three times: over the CuPy transport, whose device ops (the pack of
+the owned experts, the weighted un-permute) are the CUDA kernels, and over the torch transport twice: with the
+kernels as its device work (``device_kernels: auto``, the default, which must run them on a GPU) and with torch ops
+alone. The per-step token counts per expert are compared too: the first step whose routing differs is named.
 
 Dry run: the CPU against the CUDA stand-in (torch transport, and the CuPy transport over the 1-rank fakes with the
 kernels' torch references), 2 steps.
@@ -20,14 +21,15 @@ from .common import Context, result
 TOLERANCE = 1e-4
 
 
-def _communicator(transport: str, device):
-    """A 1-rank Communicator over ``transport`` ("torch", "cupy", or "cupy-fake": the CuPy transport over fakes)."""
+def _communicator(transport: str, device, kernels: str = "auto"):
+    """A 1-rank Communicator over ``transport`` ("torch", "cupy", or "cupy-fake": the CuPy transport over fakes),
+    its device work on ``kernels`` (``hecate.device_kernels``)."""
     from ds_hecate.comm.collectives import Communicator
     from ds_hecate.comm.gpu import build_communicator
     if transport == "cupy-fake":
         from .fakes import loopback_transport
         return Communicator(None, 0, 1, transport=loopback_transport(device, timeout_s=60))
-    return build_communicator(transport, None, 0, 1, device, timeout_s=60)
+    return build_communicator(transport, None, 0, 1, device, timeout_s=60, device_kernels=kernels)
 
 
 HIDDEN = 64
@@ -48,7 +50,8 @@ def build_model():
                                                top2_2nd_expert_sampling=False)})
 
 
-def demo_losses(device: str, steps: int, transport: str = "torch") -> Tuple[List[float], List[List[int]], dict]:
+def demo_losses(device: str, steps: int, transport: str = "torch",
+                kernels: str = "auto") -> Tuple[List[float], List[List[int]], dict]:
     """(losses, tokens per expert per step, the transport's kernel use) of the demo model trained ``steps`` steps
     on 1 rank on ``device`` (the Hecate runtime and its expert optimizer, as the engine drives them)."""
     import torch
@@ -60,7 +63,7 @@ def demo_losses(device: str, steps: int, transport: str = "torch") -> Tuple[List
 
     model = build_model()
     dev = torch.device("cuda", 0) if device == "cuda" else torch.device(device)
-    comm = _communicator(transport, dev)
+    comm = _communicator(transport, dev, kernels)
     cfg = parse_hecate_section({"enabled": True, "compute_s_per_pair": 1e-6, "link_gbps": 1.0,
                                 "non_moe_time_s": 0.0})
     rt = HecateRuntime(cfg, comm, torch.float32, 1)
@@ -109,7 +112,10 @@ def run(ctx: Context) -> dict:
     steps = 2 if ctx.dry_run else (10 if ctx.quick else 20)
     _fp32_everywhere()
     cpu = demo_losses("cpu", steps)
-    runs: List[Tuple[str, Callable]] = [("cuda_torch", lambda: demo_losses("cuda", steps, "torch"))]
+    # torch.distributed with the CUDA kernels (device_kernels auto: the default on CUDA), with torch ops alone, and
+    # the CuPy transport (its NCCL and the kernels)
+    runs: List[Tuple[str, Callable]] = [("cuda_torch", lambda: demo_losses("cuda", steps, "torch")),
+                                        ("cuda_torch_ops", lambda: demo_losses("cuda", steps, "torch", "torch"))]
     runs.append(("cuda_cupy", lambda: demo_losses("cuda", steps, "cupy-fake" if ctx.dry_run else "cupy")))
     out = {"steps": steps, "tolerance": TOLERANCE, "cpu_losses": cpu[0]}
     for name, fn in runs:
@@ -119,6 +125,10 @@ def run(ctx: Context) -> dict:
         except Exception as exc:  # noqa: BLE001 - one transport failing must not hide the other's result
             out[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
     ok = all(out[name]["ok"] for name, _ in runs)
+    if not ctx.dry_run:   # on a GPU the default must have run the kernels, and torch ops alone none
+        kernels_used = out["cuda_torch"].get("kernel_use", {})
+        out["cuda_torch_ran_kernels"] = kernels_used.get("pack", 0) > 0 and kernels_used.get("combine", 0) > 0
+        ok = ok and out["cuda_torch_ran_kernels"] and not out["cuda_torch_ops"].get("kernel_use")
     parts = []
     for name, _ in runs:
         r = out[name]

@@ -191,7 +191,8 @@ def build_runtime(hcfg: HecateConfig, ds_config: Dict[str, Any], model: Optional
         group = dist.new_group(ranks=list(range(world)), timeout=timeout)
         weight_group = dist.new_group(ranks=list(range(world)), timeout=timeout)
         comm = build_communicator(hcfg.comm_backend, group, rank, world, device,
-                                  timeout_s=hcfg.collective_timeout_s, weight_group=weight_group)
+                                  timeout_s=hcfg.collective_timeout_s, weight_group=weight_group,
+                                  device_kernels=hcfg.device_kernels)
         layout = GroupLayout.single(comm, rpn)
         release_gloo_works_at_exit([group, weight_group])
     else:
@@ -201,7 +202,8 @@ def build_runtime(hcfg: HecateConfig, ds_config: Dict[str, Any], model: Optional
         world_group = dist.new_group(ranks=list(range(world)), timeout=timeout)
         mine, local = groups.group_of(rank), groups.local_rank(rank)
         comm = build_communicator(hcfg.comm_backend, tokens[mine], local, group_size, device,
-                                  timeout_s=hcfg.collective_timeout_s, weight_group=weights[mine])
+                                  timeout_s=hcfg.collective_timeout_s, weight_group=weights[mine],
+                                  device_kernels=hcfg.device_kernels)
         world_comm = Communicator(world_group, rank, world, timeout_s=hcfg.collective_timeout_s, device=device)
         edp = Communicator(peers[local], mine, groups.num_groups, timeout_s=hcfg.collective_timeout_s,
                            device=device)

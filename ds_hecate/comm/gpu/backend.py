@@ -4,6 +4,11 @@
 transport: every rank raises, naming the rank and the missing piece, if any rank cannot use it. ``"auto"`` picks
 CuPy+NCCL only once it has passed a multi-GPU check (:data:`CUPY_VERIFIED`) and every rank can use it, and
 otherwise torch.distributed, saying why in one log line. The choice is agreed by all ranks in one collective.
+
+``hecate.device_kernels`` chooses the device work apart from the transport (the kernels need CuPy, not NCCL):
+``"auto"`` runs ds_hecate's CUDA kernels where they compile on the rank's CUDA device (they passed ``make
+gpu-check`` on an H200 bit for bit against their torch contracts), else torch ops; ``"cupy"`` insists, agreed by
+all ranks; ``"torch"`` never.
 """
 from __future__ import annotations
 
@@ -46,6 +51,71 @@ def cupy_status() -> Tuple[bool, str]:
     except Exception as exc:
         return False, str(exc)
     return True, f"cupy {cupy.__version__}, {count} GPU(s), NCCL available"
+
+
+@functools.lru_cache(maxsize=None)
+def kernels_status(device_index: int) -> Tuple[bool, str]:
+    """(usable, reason): whether ds_hecate's CUDA kernels compile and can run on CUDA device ``device_index`` (CuPy
+    importable, a GPU, the sources found, every kernel compiled by NVRTC now rather than at a first launch in the
+    middle of a layer call). NCCL is not needed. Cached per device."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import cupy
+    except Exception as exc:  # noqa: BLE001 - ImportError, or a broken CUDA install raising at import
+        return False, (f"cupy is not importable ({type(exc).__name__}: {exc}); install it with pip install "
+                       "'ds_hecate[gpu]' (CUDA 12) or 'ds_hecate[gpu13]' (CUDA 13)")
+    version = getattr(cupy, "__version__", "(no version)")
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # noqa: BLE001 - cupy_backends CUDARuntimeError: no driver / insufficient driver
+        return False, f"cupy {version} is installed but sees no usable GPU ({type(exc).__name__}: {exc})"
+    if device_index >= count:
+        return False, f"cupy {version} sees {count} GPU(s), not device {device_index}"
+    try:
+        from .kernels import compile_all
+        compile_all(device_index)
+    except Exception as exc:  # noqa: BLE001 - a missing source or an NVRTC error: the kernels cannot run here
+        return False, f"the CUDA kernels did not compile ({type(exc).__name__}: {str(exc)[:300]})"
+    return True, f"cupy {version}, kernels compiled for device {device_index}"
+
+
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def local_kernels_status(device: torch.device) -> Tuple[bool, str]:
+    """(usable, reason) of the CUDA kernels on this rank, for Hecate's working ``device``."""
+    if device.type != "cuda":
+        return False, f"Hecate's tensors are on '{device.type}', not CUDA"
+    return kernels_status(_device_index(device))
+
+
+def agree_device_ops(requested: str, device: torch.device, group, world_size: int) -> Tuple[str, Optional[str]]:
+    """("cupy" | "torch", why the kernels are not used or None) for ``hecate.device_kernels``. ``auto`` decides per
+    rank with no collective: kernels and torch ops give the same bits (the kernels' contracts,
+    :mod:`.reference`, checked on a GPU by tests/gpu), so ranks that differ still train alike. ``cupy`` exchanges
+    every rank's probe in one collective and every rank raises HecateConfigError, naming the ranks, if one cannot
+    run them (a rank raising alone would leave the others waiting in the next collective)."""
+    if requested not in BACKENDS:
+        raise HecateConfigError(f"hecate.device_kernels={requested!r} is not one of {', '.join(BACKENDS)}")
+    if requested == "torch":
+        return "torch", None
+    status = local_kernels_status(device)
+    if requested == "auto":
+        return ("cupy", None) if status[0] else ("torch", status[1])
+    statuses = [status]
+    if world_size > 1:
+        import torch.distributed as dist
+        statuses = [None] * world_size
+        dist.all_gather_object(statuses, status, group=group)
+    bad = [(r, why) for r, (ok, why) in enumerate(statuses) if not ok]
+    if not bad:
+        return "cupy", None
+    why = "; ".join(f"rank {r}: {reason}" for r, reason in bad[:4]) + (" ..." if len(bad) > 4 else "")
+    raise HecateConfigError(f"hecate.device_kernels='cupy' but the CUDA kernels cannot run ({why}); set "
+                            "device_kernels to 'auto' or 'torch', or run on CUDA devices with pip install "
+                            "'ds_hecate[gpu]'")
 
 
 #: Whether the CuPy+NCCL transport has passed ``make gpu-check`` on 2 or more GPUs (docs/benchmarks.md). It passed on
@@ -95,24 +165,41 @@ def agree_backend(requested: str, device: torch.device, group, world_size: int) 
 
 
 def build_communicator(requested: str, group, rank: int, world_size: int, device: torch.device,
-                       timeout_s: Optional[float] = None, weight_group=None):
-    """The Communicator over the transport all ranks agreed on (see :func:`agree_backend`); logs it once.
+                       timeout_s: Optional[float] = None, weight_group=None, device_kernels: str = "auto"):
+    """The Communicator over the transport all ranks agreed on (see :func:`agree_backend`), its device work on the
+    ops :func:`agree_device_ops` chose (``hecate.device_kernels``); logs both once.
 
     ``weight_group`` (a second process group over the same ranks) gives the weight traffic a transport of its own:
     a second NCCL communicator, so a second stream; None shares the token transport."""
     from ..collectives import Communicator
-    from ..transport import TorchTransport
+    from ..transport import TORCH_DEVICE_OPS, TorchTransport
 
     backend, why = agree_backend(requested, device, group, world_size)
+    ops_name, ops_why = agree_device_ops(device_kernels, device, group, world_size)
+    if ops_name == "cupy":
+        from .device_ops import KernelDeviceOps
+        ops = KernelDeviceOps()
+        log_rank0(f"device work: ds_hecate's CUDA kernels ({kernels_status(_device_index(device))[1]})")
+    else:
+        ops = TORCH_DEVICE_OPS
+        if ops_why is not None and device.type == "cuda":
+            log_rank0(f"device work: torch ops; CUDA kernels not used: {ops_why}")
     if backend == "cupy":
         from .nccl_comm import CupyTransport
-        transport = CupyTransport(group, rank, world_size, device, timeout_s=timeout_s)
-        weights = (CupyTransport(weight_group, rank, world_size, device, timeout_s=timeout_s)
+        transport = CupyTransport(group, rank, world_size, device, timeout_s=timeout_s, device_ops=ops)
+        weights = (CupyTransport(weight_group, rank, world_size, device, timeout_s=timeout_s, device_ops=ops)
                    if weight_group is not None else None)
         log_rank0(f"communication backend: CuPy+NCCL on {device} ({cupy_status()[1]})")
         return Communicator(group, rank, world_size, timeout_s=timeout_s, transport=transport,
                             weight_transport=weights)
     if why is not None:
         log_rank0(f"communication backend: torch.distributed; CuPy+NCCL not used: {why}")
-    weights = TorchTransport(weight_group, rank, world_size, device) if weight_group is not None else None
-    return Communicator(group, rank, world_size, timeout_s=timeout_s, device=device, weight_transport=weights)
+    transport = TorchTransport(group, rank, world_size, device)
+    transport.device_ops = ops
+    weights = None
+    if weight_group is not None:
+        weights = TorchTransport(weight_group, rank, world_size, device)
+        weights.device_ops = ops
+    return Communicator(group, rank, world_size, timeout_s=timeout_s, transport=transport,
+                        weight_transport=weights)
+
