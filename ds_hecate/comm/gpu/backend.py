@@ -91,6 +91,20 @@ def local_kernels_status(device: torch.device) -> Tuple[bool, str]:
     return kernels_status(_device_index(device))
 
 
+def _unusable_ranks(status: Tuple[bool, str], group, world_size: int) -> Optional[str]:
+    """Every rank's ``status`` exchanged in one collective over ``group`` (none on one rank): the ranks that cannot
+    use the candidate, with their reasons ("rank r: why; ..."), or None when all can. The same on every rank."""
+    statuses = [status]
+    if world_size > 1:
+        import torch.distributed as dist
+        statuses = [None] * world_size
+        dist.all_gather_object(statuses, status, group=group)
+    bad = [(r, why) for r, (ok, why) in enumerate(statuses) if not ok]
+    if not bad:
+        return None
+    return "; ".join(f"rank {r}: {reason}" for r, reason in bad[:4]) + (" ..." if len(bad) > 4 else "")
+
+
 def agree_device_ops(requested: str, device: torch.device, group, world_size: int) -> Tuple[str, Optional[str]]:
     """("cupy" | "torch", why the kernels are not used or None) for ``hecate.device_kernels``. ``auto`` decides per
     rank with no collective: kernels and torch ops give the same bits (the kernels' contracts,
@@ -104,15 +118,9 @@ def agree_device_ops(requested: str, device: torch.device, group, world_size: in
     status = local_kernels_status(device)
     if requested == "auto":
         return ("cupy", None) if status[0] else ("torch", status[1])
-    statuses = [status]
-    if world_size > 1:
-        import torch.distributed as dist
-        statuses = [None] * world_size
-        dist.all_gather_object(statuses, status, group=group)
-    bad = [(r, why) for r, (ok, why) in enumerate(statuses) if not ok]
-    if not bad:
+    why = _unusable_ranks(status, group, world_size)
+    if why is None:
         return "cupy", None
-    why = "; ".join(f"rank {r}: {reason}" for r, reason in bad[:4]) + (" ..." if len(bad) > 4 else "")
     raise HecateConfigError(f"hecate.device_kernels='cupy' but the CUDA kernels cannot run ({why}); set "
                             "device_kernels to 'auto' or 'torch', or run on CUDA devices with pip install "
                             "'ds_hecate[gpu]'")
@@ -148,15 +156,9 @@ def agree_backend(requested: str, device: torch.device, group, world_size: int) 
         return "torch", ("the CuPy+NCCL transport has not passed a GPU check on 2 or more GPUs yet (make gpu-check); "
                          "set comm_backend: 'cupy' to opt in")
     status = local_status(device)
-    statuses = [status]
-    if world_size > 1:
-        import torch.distributed as dist
-        statuses = [None] * world_size
-        dist.all_gather_object(statuses, status, group=group)
-    bad = [(r, why) for r, (ok, why) in enumerate(statuses) if not ok]
-    if not bad:
+    why = _unusable_ranks(status, group, world_size)
+    if why is None:
         return "cupy", None
-    why = "; ".join(f"rank {r}: {reason}" for r, reason in bad[:4]) + (" ..." if len(bad) > 4 else "")
     if requested == "cupy":
         raise HecateConfigError(f"hecate.comm_backend='cupy' but the CuPy+NCCL transport cannot be used ({why}); "
                                 "set comm_backend to 'auto' or 'torch', or run on CUDA devices with "
