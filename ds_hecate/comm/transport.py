@@ -151,9 +151,9 @@ class TorchTransport:
     """torch.distributed on one process group (Hecate's own, created with ``collective_timeout_s``)."""
 
     def __init__(self, group: Optional[dist.ProcessGroup], rank: int, world_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, device_ops: Optional[DeviceOps] = None) -> None:
         self.group, self.rank, self.world_size, self.device = group, rank, world_size, torch.device(device)
-        self.device_ops = TORCH_DEVICE_OPS
+        self.device_ops = device_ops if device_ops is not None else TORCH_DEVICE_OPS
         self._side_stream: Any = None   # the relays' stream, made on first use (CUDA with NCCL only)
 
     @property

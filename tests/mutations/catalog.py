@@ -305,8 +305,9 @@ MUTATIONS: List[Mutation] = [
         "state in the wrong order"),
     Mutation(
         "weight-traffic-on-token-communicator", "ds_hecate/comm/gpu/backend.py",
-        (("        weights = TorchTransport(weight_group, rank, world_size, device)\n        weights.device_ops = ops\n",
-          "        pass  # MUTATION: SparseAllGather/SparseReduceScatter share the token all-to-all's communicator\n"),),
+        (("    weights = (TorchTransport(weight_group, rank, world_size, device, device_ops=ops)\n"
+           "               if weight_group is not None else None)\n",
+          "    weights = None  # MUTATION: SparseAllGather/SparseReduceScatter share the token all-to-all's communicator\n"),),
         "weight traffic on the token traffic's communicator: backward's token all-to-all queues behind "
         "SparseReduceScatter"),
     Mutation(

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import warnings
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 
@@ -25,32 +25,44 @@ from ...logging_utils import log_rank0
 BACKENDS = ("auto", "torch", "cupy")
 
 
+def _cupy_gpus(with_nccl: bool) -> Tuple[Any, str, int]:
+    """(cupy module or None, its version or why it cannot run, visible GPUs): the probe both status functions start
+    with. ``with_nccl`` also imports CuPy's NCCL module (its warning when libnccl is missing is silenced: the
+    caller reports it)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import cupy
+            if with_nccl:
+                from cupy.cuda import nccl  # noqa: F401 - what the CuPy transport needs
+    except Exception as exc:  # noqa: BLE001 - ImportError, or a broken CUDA install raising at import
+        return None, (f"cupy is not importable ({type(exc).__name__}: {exc}); install it with pip install "
+                      "'ds_hecate[gpu]' (CUDA 12) or 'ds_hecate[gpu13]' (CUDA 13)"), 0
+    version = getattr(cupy, "__version__", "(no version)")
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # noqa: BLE001 - cupy_backends CUDARuntimeError: no driver / insufficient driver
+        return None, f"cupy {version} is installed but sees no usable GPU ({type(exc).__name__}: {exc})", 0
+    if count == 0:
+        return None, f"cupy {version} is installed but sees no GPU", 0
+    return cupy, version, count
+
+
 @functools.lru_cache(maxsize=None)
 def cupy_status() -> Tuple[bool, str]:
     """(usable, reason): whether CuPy can run Hecate's kernels and NCCL here, and if not, why. Cached."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # CuPy warns on import when libnccl is missing; we report it below
-            import cupy
-            from cupy.cuda import nccl
-    except Exception as exc:  # ImportError, or a broken CUDA install raising at import
-        return False, f"cupy is not importable ({type(exc).__name__}: {exc}); install it with pip install " \
-                      "'ds_hecate[gpu]' (CUDA 12) or 'ds_hecate[gpu13]' (CUDA 13)"
-    try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as exc:  # cupy_backends CUDARuntimeError: no driver / insufficient driver
-        return False, f"cupy {cupy.__version__} is installed but sees no usable GPU ({exc})"
-    if count == 0:
-        return False, f"cupy {cupy.__version__} is installed but sees no GPU"
-    if not getattr(nccl, "available", False):
-        return False, f"cupy {cupy.__version__} is installed but cannot load NCCL (libnccl.so.2); install it with " \
+    cupy, version, count = _cupy_gpus(with_nccl=True)
+    if cupy is None:
+        return False, version
+    if not getattr(cupy.cuda.nccl, "available", False):
+        return False, f"cupy {version} is installed but cannot load NCCL (libnccl.so.2); install it with " \
                       "pip install nvidia-nccl-cu12 (or nvidia-nccl-cu13 for CUDA 13)"
     try:
         from .kernels import kernel_dir
         kernel_dir()
     except Exception as exc:
         return False, str(exc)
-    return True, f"cupy {cupy.__version__}, {count} GPU(s), NCCL available"
+    return True, f"cupy {version}, {count} GPU(s), NCCL available"
 
 
 @functools.lru_cache(maxsize=None)
@@ -58,18 +70,9 @@ def kernels_status(device_index: int) -> Tuple[bool, str]:
     """(usable, reason): whether ds_hecate's CUDA kernels compile and can run on CUDA device ``device_index`` (CuPy
     importable, a GPU, the sources found, every kernel compiled by NVRTC now rather than at a first launch in the
     middle of a layer call). NCCL is not needed. Cached per device."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            import cupy
-    except Exception as exc:  # noqa: BLE001 - ImportError, or a broken CUDA install raising at import
-        return False, (f"cupy is not importable ({type(exc).__name__}: {exc}); install it with pip install "
-                       "'ds_hecate[gpu]' (CUDA 12) or 'ds_hecate[gpu13]' (CUDA 13)")
-    version = getattr(cupy, "__version__", "(no version)")
-    try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as exc:  # noqa: BLE001 - cupy_backends CUDARuntimeError: no driver / insufficient driver
-        return False, f"cupy {version} is installed but sees no usable GPU ({type(exc).__name__}: {exc})"
+    cupy, version, count = _cupy_gpus(with_nccl=False)
+    if cupy is None:
+        return False, version
     if device_index >= count:
         return False, f"cupy {version} sees {count} GPU(s), not device {device_index}"
     try:
@@ -196,12 +199,8 @@ def build_communicator(requested: str, group, rank: int, world_size: int, device
                             weight_transport=weights)
     if why is not None:
         log_rank0(f"communication backend: torch.distributed; CuPy+NCCL not used: {why}")
-    transport = TorchTransport(group, rank, world_size, device)
-    transport.device_ops = ops
-    weights = None
-    if weight_group is not None:
-        weights = TorchTransport(weight_group, rank, world_size, device)
-        weights.device_ops = ops
+    transport = TorchTransport(group, rank, world_size, device, device_ops=ops)
+    weights = (TorchTransport(weight_group, rank, world_size, device, device_ops=ops)
+               if weight_group is not None else None)
     return Communicator(group, rank, world_size, timeout_s=timeout_s, transport=transport,
                         weight_transport=weights)
-
