@@ -43,7 +43,9 @@ def test_fill_gives_copies_by_load_per_copy_within_the_slots():
 
 def test_ragged_sources_take_the_proportional_start_the_greedy_misses(monkeypatch):
     """Simulated W4 (ragged sources) on 32 ranks: a node of ranks waits on its NICs, no single replica shows, and
-    the greedy passes keep the owners; the proportional start takes more than 5% off the estimate and is kept."""
+    the greedy passes keep the owners; the proportional start takes more than 5% off the estimate and is kept. (The
+    node exchange, which relieves every node's NICs at once, is switched off: it finds a placement too.)"""
+    monkeypatch.setattr(scheduler, "_node_exchange_moves", lambda *a, **k: [])
     counts = _counts("W4")
     owners = even_sharding(EXPERTS, WORLD)
     sharded = _time(counts, owners, [[2 * r, 2 * r + 1] for r in range(WORLD)])
@@ -55,10 +57,14 @@ def test_ragged_sources_take_the_proportional_start_the_greedy_misses(monkeypatc
     assert _time(counts, owners, greedy) > 0.95 * sharded
 
 
-def test_uniform_routing_keeps_the_owners():
-    """W0: the proportional start gains less than ``min_gain`` (or loses), so the owners stay."""
+def test_uniform_routing_does_not_take_it(monkeypatch):
+    """W0: the proportional start gains less than ``min_gain`` (or loses): not taken; the node exchange's copies
+    are (search_moves), and without them the owners stay."""
     counts = _counts("W0")
     owners = even_sharding(EXPERTS, WORLD)
+    placed = holders_matrix(schedule_materialization(counts, owners, A100_GPT, BUDGET, RPN), WORLD, EXPERTS)
+    assert (placed != proportional_fill(counts, owners, fill_slots(EXPERTS, WORLD, BUDGET))).any()
+    monkeypatch.setattr(scheduler, "_node_exchange_moves", lambda *a, **k: [])
     placed = schedule_materialization(counts, owners, A100_GPT, BUDGET, RPN)
     assert holders_matrix(placed, WORLD, EXPERTS).sum() == EXPERTS
 
@@ -88,9 +94,39 @@ def test_the_start_must_beat_the_owners_by_min_gain(monkeypatch, budget, kept):
     rank takes 1.9% off the estimate, under the 5% bar, and the owners stay; two slots take 5.3% and are kept."""
     monkeypatch.setattr(scheduler, "_candidate_moves", lambda *a, **k: [])
     monkeypatch.setattr(scheduler, "_quota_move", lambda *a, **k: None)
+    monkeypatch.setattr(scheduler, "_node_exchange_moves", lambda *a, **k: [])
     counts = _counts("W5")
     owners = even_sharding(EXPERTS, WORLD)
     sharded = _time(counts, owners, [[2 * r, 2 * r + 1] for r in range(WORLD)])
     placed = schedule_materialization(counts, owners, A100_GPT, budget, RPN)
     assert (holders_matrix(placed, WORLD, EXPERTS).sum() > EXPERTS) == kept
     assert (_time(counts, owners, placed) <= 0.95 * sharded) == kept
+
+
+def test_a_sliced_search_prefetches_it_from_its_first_call(monkeypatch):
+    """Judged first, the proportional start is the best so far from the search's first call on: sliced over calls,
+    W4's calls prefetch it while the greedy passes go on (judged last, it came in when they ended)."""
+    from ds_hecate.planning.plan import materialized_of
+    from ds_hecate.planning.schedule_reuse import ScheduleReuse
+    monkeypatch.setattr(scheduler, "_node_exchange_moves", lambda *a, **k: [])
+    counts = _counts("W4").astype(np.float64)
+    owners = even_sharding(EXPERTS, WORLD)
+    schedule = ScheduleReuse(0.05)
+    first = schedule.schedule(counts, owners, A100_GPT, BUDGET, RPN, slice_us=1.0)
+    assert schedule.pending is not None                      # the search goes on at the next calls
+    assert first == materialized_of(proportional_fill(counts, owners, fill_slots(EXPERTS, WORLD, BUDGET)))
+
+
+def test_its_work_is_counted_when_the_passes_take_no_step(monkeypatch):
+    """The judgement's work is part of the search's: counted by a meter even where the greedy passes find no move at
+    all (the simulator charges what the meter counts)."""
+    from ds_hecate.planning.call_work import WorkMeter
+    for name in ("_candidate_moves", "_node_exchange_moves"):
+        monkeypatch.setattr(scheduler, name, lambda *a, **k: [])
+    monkeypatch.setattr(scheduler, "_quota_move", lambda *a, **k: None)
+    counts = _counts("W4")
+    owners = even_sharding(EXPERTS, WORLD)
+    meter = WorkMeter()
+    schedule_materialization(counts, owners, A100_GPT, BUDGET, RPN, meter=meter)
+    fill_us = SEARCH_WORK.fill_cost_us(fill_slots(EXPERTS, WORLD, BUDGET) * WORLD, WORLD, EXPERTS)
+    assert meter.us == pytest.approx(SEARCH_WORK.setup_cost_us(WORLD, EXPERTS) + fill_us)

@@ -9,7 +9,7 @@ import pytest
 from ds_hecate.planning import critical_path
 from ds_hecate.planning.cost_model import StepCostModel, estimate_layer
 from ds_hecate.planning.critical_path import plan_after_gate, shadow_calibration
-from ds_hecate.planning.plan import Placement, owned_experts
+from ds_hecate.planning.plan import Placement, materialized_of, owned_experts
 from ds_hecate.planning.schedule_reuse import ScheduleReuse
 from ds_hecate.planning.scheduler import schedule_materialization
 from ds_hecate.planning.sharding import even_sharding
@@ -89,3 +89,16 @@ def test_shadows_respect_the_budget_hottest_first():
     assert ((shadows.sum(axis=1) - owned) <= 2).all()
     assert shadows[:, 5].all()                         # the hotter burst everywhere
     assert np.flatnonzero(shadows[:, 9]).tolist() == [2, 4, 5, 6, 7]
+
+
+def test_the_shadow_move_is_judged_against_the_balance_the_schedule_was_planned_at():
+    """A burst whose copies cannot reach rank 7 (its one slot holds a prefetched replica) leaves the compute 1.24
+    imbalanced: rejected against a schedule planned balanced (the search's business), taken against one planned at
+    1.2 (a node exchange keeps tokens home and runs the compute that imbalanced on purpose)."""
+    counts = _burst()
+    holders = _owners_only().holders.copy()
+    holders[7, 0] = True
+    prefetched = Placement(OWNERS, materialized_of(holders))
+    assert shadow_calibration(counts, prefetched, COSTS, 1, RPN, 0.05) is None
+    shadows = shadow_calibration(counts, prefetched, COSTS, 1, RPN, 0.05, planned_imbalance=1.2)
+    assert shadows is not None and shadows[:, 5].sum() == WORLD - 1

@@ -11,7 +11,7 @@ from typing import Optional, Sequence, Tuple
 import numpy as np
 
 from .plan import Materialized, holders_matrix
-from .call_work import WorkMeter
+from .call_work import CALL_WORK, WorkMeter
 from .cost_model import StepCostModel, imbalance
 from .dispatch import dispatch_flows
 from .scheduler import schedule_materialization, search_steps
@@ -99,6 +99,8 @@ class ScheduleReuse:
         self.last_work_us = 0.0
         #: whether calibration's search pays on this layer (:mod:`.search_record`)
         self.search_record = SearchRecord()
+        #: (placement, the loads it was planned for, its compute imbalance): :meth:`planned_imbalance`'s answer
+        self._imbalance: Tuple[Optional[Materialized], Optional[np.ndarray], float] = (None, None, 1.0)
 
     def schedule(self, counts: Sequence[Sequence[float]], owners: Sequence[int], costs: StepCostModel,
                  budget_per_rank: int, ranks_per_node: int,
@@ -145,6 +147,25 @@ class ScheduleReuse:
             self._plan_for(pending.loads)
         self._key = key
         return self.placement
+
+    def planned_imbalance(self, ranks_per_node: int, meter: Optional[WorkMeter] = None) -> float:
+        """Max/mean expert compute of the current schedule on the loads it was planned for (1.0 without one).
+
+        Why: a schedule that keeps tokens on their node (the search's node exchange) runs the compute a little
+        imbalanced on purpose, and calibration's shadow move is judged balanced against this, not against 1.0.
+        Computed when first asked for a schedule (one dispatch estimate, added to ``meter``), so only on the calls
+        that try the shadow move, a burst's: computed with every search it added 0.2 ms of host work to each, a
+        millisecond a step where the routing keeps moving (simulated a100-4x8 gpt-moe-s W6)."""
+        if self.placement is None or self.planned_for is None:
+            return 1.0
+        if self._imbalance[0] is not self.placement or self._imbalance[1] is not self.planned_for:
+            loads = np.asarray(self.planned_for, dtype=np.float64)
+            holders = holders_matrix(self.placement, *loads.shape)
+            per_rank = dispatch_flows(loads.T, holders.T, ranks_per_node).processed.sum(axis=0)
+            self._imbalance = (self.placement, self.planned_for, max(1.0, imbalance(per_rank.tolist())))
+            if meter is not None:
+                meter.add(CALL_WORK.score_cost_us(*loads.shape))
+        return self._imbalance[2]
 
     def _start_search(self, loads: np.ndarray, owners, costs: StepCostModel, budget_per_rank: int,
                       ranks_per_node: int, start, budget_us, key: tuple,

@@ -13,6 +13,7 @@ replica must earn its cost. Compared with the paper this (1) never replicates an
 shorten the step (e.g. hot but sourced on its owner's rank under local-first dispatch), (2) trades replicas
 against the token traffic they save, and (3) respects a per-rank budget rather than one global slot count. Every
 input is identical on all ranks and ties break on (expert id, rank), so all ranks compute the same placement.
+The moves themselves, and why each exists, are in :mod:`.search_moves`.
 """
 from __future__ import annotations
 
@@ -28,29 +29,9 @@ from .fanout import relay_transfers
 from .dispatch import dispatch_flows
 from .plan import Materialized, holders_matrix, materialized_of
 from .proportional import fill_slots, proportional_fill
+from .search_moves import _candidate_moves, _node_exchange_moves, _quota_move, _round12  # noqa: F401
 from .search_work import (SEARCH_WORK, Progress, RelativeBudget, SearchWork,  # noqa: F401  (re-exported)
                           budget_upper_us, budget_us_for, run_metered, run_to_end)
-
-
-def _round12(values):
-    """Round to 12 significant digits (as ``float(f"{t:.12g}")``), elementwise on a numpy array."""
-    values = np.asarray(values, dtype=np.float64)
-    magnitude = np.abs(values)
-    normal = np.isfinite(values) & (magnitude > 1e-280) & (magnitude < 1e280)
-    if normal.all():   # the usual case (rank times): the same arithmetic without the masked copies
-        scale = 10.0 ** (11 - np.floor(np.log10(magnitude)))
-        return np.round(values * scale) / scale
-    out = values.copy()
-    if normal.any():
-        v = values[normal]
-        scale = 10.0 ** (11 - np.floor(np.log10(np.abs(v))))
-        out[normal] = np.round(v * scale) / scale
-    extreme = np.flatnonzero(~normal & (values != 0))
-    if extreme.size:   # denormals, huge values, inf/nan: the exact string rounding, elementwise
-        flat = out.reshape(-1)
-        for i in extreme:
-            flat[i] = float(f"{flat[i]:.12g}")
-    return out
 
 
 def _profile(est: LayerEstimate) -> Tuple[float, ...]:
@@ -214,105 +195,6 @@ def _step_gain(before, after) -> float:
     return max(0.0, drop, share)
 
 
-def _candidate_moves(search: "_Search", best_times, extra, budget_per_rank: int, ranks_per_node: int,
-                     candidate_experts: int, candidate_ranks: int):
-    """Moves for the experts that load the bottleneck rank most: one replica on one open rank, one on every open
-    rank of a node, one on every open rank, and (on more than one node) one on the least-loaded open rank of every
-    node that lacks the expert. With more open ranks than ``candidate_ranks``, single replicas and node groups are
-    tried only on the least-loaded open ranks (and their nodes): beyond a few dozen ranks the full set costs
-    ranks^2 per step for moves that cannot beat the idlest ranks.
-
-    Why one per node: with the NICs priced apart from NVLink, the replicas that keep an expert's tokens on their
-    node cost one NIC transfer per node, while every open rank costs one per rank; a search with only the latter
-    took it first for a hot expert owned by one rank and ran into its owner's NICs (simulated a100-4x8 gpt-moe-s
-    W1: 62 replicas, 3.37x of EP, against 26 and 5.7x with this move).
-
-    And, where the bottleneck is slow for the rows it sends rather than those it processes (ragged sources), a copy
-    on the bottleneck itself of the experts it sends most rows to: the objective counts the token traffic such a
-    replica keeps home, but no move above would try it."""
-    bottleneck = int(np.argmax(best_times))   # first (lowest) rank among the slowest
-    load_on_bottleneck = search.proc[:, bottleneck]
-    loaded = np.flatnonzero(load_on_bottleneck > 0)
-    hot = sorted(loaded.tolist(), key=lambda e: (-load_on_bottleneck[e], e))[:candidate_experts]
-    moves = set()
-    several_nodes = search.world > ranks_per_node
-    # every rank by (rounded time, rank id), once: an expert's open ranks in that order are a filter of it
-    by_time_all = np.lexsort((np.arange(search.world), _round12(best_times)))
-    has_room = extra < budget_per_rank
-    for e in hot:
-        is_open = ~search.mat[:, e] & has_room
-        open_ranks = np.flatnonzero(is_open)
-        by_time = by_time_all[is_open[by_time_all]]
-        if open_ranks.size > candidate_ranks:
-            singles = np.sort(by_time[:candidate_ranks])
-            nodes = set((singles // ranks_per_node).tolist())
-        else:
-            singles = open_ranks
-            nodes = None
-        open_list = open_ranks.tolist()
-        moves.update((e, (d,)) for d in singles.tolist())
-        # the open ranks of each node (ascending, so each node's ranks are one run of the list)
-        node_of_open = (open_ranks // ranks_per_node).tolist()
-        run_start = 0
-        for i in range(1, len(open_list) + 1):
-            if i == len(open_list) or node_of_open[i] != node_of_open[run_start]:
-                if nodes is None or node_of_open[run_start] in nodes:
-                    moves.add((e, tuple(open_list[run_start:i])))
-                run_start = i
-        if open_list:
-            moves.add((e, tuple(open_list)))
-        if several_nodes and by_time.size:
-            node_of = by_time // ranks_per_node
-            _, first = np.unique(node_of, return_index=True)       # least-loaded open rank of each node
-            lacking = ~np.isin(node_of[first], np.flatnonzero(search.mat[:, e]) // ranks_per_node)
-            picks = tuple(sorted(int(d) for d in by_time[first][lacking]))
-            if picks:
-                moves.add((e, picks))
-    if extra[bottleneck] < budget_per_rank:
-        # keep the bottleneck's tokens home: a copy, on the bottleneck, of the experts it sends most rows to
-        sent = search.cols[1][:, bottleneck]
-        away = np.flatnonzero((sent > 0) & ~search.mat[bottleneck])
-        for e in sorted(away.tolist(), key=lambda e: (-sent[e], e))[:candidate_experts]:
-            moves.add((e, (bottleneck,)))
-    return sorted(moves)
-
-
-def _quota_move(search: "_Search", best_times, extra, budget_per_rank: int) -> Optional[List[Tuple[int, int]]]:
-    """One move that relieves every bottleneck at once: when several ranks tie at the slowest time, each gets one
-    replica of the expert that loads it most, on the least-loaded open rank of its own node, else of the others
-    (distinct ranks; ties on rank id).
-
-    Why: a move for one expert cannot lower a maximum that other ranks share, so a greedy step over single-expert
-    moves either stops or takes the move that pushes its one bottleneck furthest down (a replica on every rank of
-    a node), spending the slots the other bottlenecks needed, and at scale a step costs milliseconds, so the search
-    budget runs out first. The slowest time is shared by many ranks there (a quarter of 256 experts hot: 64 tied
-    owners); this is UltraEP's quota idea as one candidate beside the others, taken only when it gives the better
-    profile. Own node first: a replica on the bottleneck's node takes its tokens over NVLink, one elsewhere over
-    the NICs (before the objective priced the links apart, least-loaded anywhere measured 3.08x of EP against 3.90x
-    node-first on simulated a100-4x8 gpt-moe-s W1). None when the slowest time is not shared or no rank is open."""
-    rounded = _round12(best_times)
-    tied = np.flatnonzero(rounded == rounded.max())
-    if tied.size < 2:
-        return None
-    room = extra < budget_per_rank
-    room[tied] = False
-    node = np.arange(search.world) // search.rpn
-    pairs: List[Tuple[int, int]] = []
-    for r in tied.tolist():
-        load = search.proc[:, r]
-        e = int(np.argmax(load))   # the first expert with the largest load on it
-        if load[e] <= 0:
-            continue
-        order = np.lexsort((np.arange(search.world), rounded, node != node[r]))   # its node first, least loaded
-        open_ranks = order[room[order] & ~search.mat[order, e]]
-        if open_ranks.size == 0:
-            continue
-        d = int(open_ranks[0])
-        pairs.append((e, d))
-        room[d] = False
-    return pairs if len(pairs) >= 2 else None
-
-
 #: steps whose work a critical-path search weighs against their estimated gain (``critical_path``): simulated W6
 #: cells gained 2-4% against no such stop. One step alone gained 0.1-0.7% on the 32-GPU W6/W7 cells (host time),
 #: but a step of little gain can precede one of much (tie-breaking): ``planner_decisions`` found 4 burst calls
@@ -375,27 +257,47 @@ def search_steps(counts: Sequence[Sequence[float]], owners: Sequence[int], costs
     """:func:`schedule_materialization` as a generator of :class:`Progress` before each search step (both passes;
     during the second the best so far is the first pass's result, the one its estimate is judged against).
 
-    A fresh search before the gate (no ``start``, not ``critical_path``) then judges the proportional start
-    (:mod:`.proportional`) against its result, as one more step of its work: kept where it beats the result and
-    the sharded placement by ``min_gain``."""
-    result, done_us, result_s = yield from _passes(counts, owners, costs, budget_per_rank, ranks_per_node, start,
-                                                   prefetched, candidate_experts, min_gain, budget_us,
-                                                   candidate_ranks, work, critical_path)
-    slots = fill_slots(len(owners), len(counts), budget_per_rank)
-    if start is not None or critical_path or slots == 0:
-        return result
+    A fresh search before the gate (no ``start``, not ``critical_path``) also judges the proportional start
+    (:mod:`.proportional`), first, its work part of the search's setup: the passes' best so far is shown as the
+    proportional start wherever that beats it and the sharded placement by ``min_gain``, and the search returns it on
+    the same terms. Why first: sliced over calls (:mod:`.sliced_search`), the calls meanwhile prefetch the best so far, and
+    judged last it came in only when the passes ended (simulated a100-4x8 gpt-moe-s W4: the proportional start, 18%
+    off the estimate, prefetched from the seventh call of a search that takes one step a call; with the node
+    exchange's steps, from the fourteenth)."""
     world, num_experts = len(counts), len(owners)
+    slots = fill_slots(num_experts, world, budget_per_rank)
     fill_us = work.fill_cost_us(slots * world, world, num_experts)
     limit = budget_upper_us(budget_us)
-    if limit is not None and done_us + fill_us > limit:
+    judged = start is None and not critical_path and slots > 0 and (limit is None or fill_us <= limit)
+    filled = fill_s = None
+    if judged:
+        filled = proportional_fill(counts, owners, slots)
+        fill_s = estimate_layer(counts, owners, materialized_of(filled), costs, ranks_per_node,
+                                prefetched=prefetched).time_s
+    offset = fill_us if judged else 0.0
+    passes = _passes(counts, owners, costs, budget_per_rank, ranks_per_node, start, prefetched, candidate_experts,
+                     min_gain, budget_us, candidate_ranks, work, critical_path)
+    fill_pays: Optional[bool] = None   # whether it beats the sharded placement (the passes' first best) by min_gain
+    yielded = False
+    while True:
+        try:
+            progress = next(passes)
+        except StopIteration as end:
+            result, done_us, result_s = end.value
+            break
+        yielded = True
+        if filled is not None and fill_pays is None:
+            fill_pays = float(_round12(fill_s)) < float(_round12(progress.best_time_s * (1.0 - min_gain)))
+        if fill_pays and float(_round12(fill_s)) < float(_round12(progress.best_time_s)):
+            progress = replace(progress, best_time_s=fill_s, best=filled)
+        yield replace(progress, spent_us=progress.spent_us + offset)
+    if filled is None:
         return result
     result_mat = holders_matrix(result, world, num_experts)
+    if not yielded:   # the passes took no step: the judgement's work is announced here, so that a meter counts it
+        yield Progress(done_us, fill_us, float("nan"), result_mat)
     if result_s is None:
         result_s = estimate_layer(counts, owners, result, costs, ranks_per_node, prefetched=prefetched).time_s
-    yield Progress(done_us, fill_us, result_s, result_mat)
-    filled = proportional_fill(counts, owners, slots)
-    fill_s = estimate_layer(counts, owners, materialized_of(filled), costs, ranks_per_node,
-                            prefetched=prefetched).time_s
     sharded = int(result_mat.sum()) == num_experts   # the search kept the owners alone
     bar = result_s * (1.0 - min_gain) if sharded else result_s   # a kept result beat the owners by min_gain
     return materialized_of(filled) if float(_round12(fill_s)) < float(_round12(bar)) else result
@@ -448,6 +350,17 @@ def _passes(counts, owners, costs: StepCostModel, budget_per_rank: int, ranks_pe
     return priced, done_us, estimate.time_s
 
 
+def _next_stage(stage: int, last_stage: int, moved_since_stage0: bool) -> Tuple[int, bool]:
+    """Where :func:`_greedy_steps` goes when its stage finds no move: the next stage; after the last, back to the
+    first if a later stage moved since the first last stopped (a new placement may open single moves again);
+    else ``-1``, the end."""
+    if stage < last_stage:
+        return stage + 1, moved_since_stage0
+    if stage and moved_since_stage0:
+        return 0, False
+    return -1, moved_since_stage0
+
+
 def _greedy(*args, **kwargs) -> Materialized:
     """:func:`_greedy_steps` run to its end."""
     return run_to_end(_greedy_steps(*args, **kwargs))
@@ -464,8 +377,9 @@ def _greedy_steps(counts: Sequence[Sequence[float]], owners: Sequence[int], cost
 
     Moves considered for the experts that load the bottleneck rank most: one new replica on one rank, a replica on
     every rank of one node that lacks the expert, and a replica on every rank that lacks it (see
-    :func:`_candidate_moves`); and, when several ranks share the slowest time, one replica for each of them at once
-    (:func:`_quota_move`). Single replicas alone get stuck where local-first dispatch makes each new copy
+    :func:`_candidate_moves`); when several ranks share the slowest time, one replica for each of them at once
+    (:func:`_quota_move`); and, once those find nothing, before the gate only, the node exchange with one then two
+    copies a node (:func:`_node_exchange_moves`), after which the moves above are tried again. Single replicas alone get stuck where local-first dispatch makes each new copy
     overload its own rank; the group moves are Algorithm 1's "replicate on all devices" as one option among
     others. A move is taken when it lowers the sorted profile of rank times (see :func:`_profile`); ties break on
     (expert, ranks); the result is the earliest placement on that path with the lowest layer time, kept only if it
@@ -510,29 +424,51 @@ def _greedy_steps(counts: Sequence[Sequence[float]], owners: Sequence[int], cost
     threshold = best_max * (1.0 - min_gain)
     paid: List[Tuple[float, float]] = []   # (work, estimated gain) of each step taken, microseconds
     last_gain_us = 0.0
+    # stage 0: the moves above; 1 and 2: the node exchange with one, then two copies a node, tried once the stage
+    # before finds nothing, and only before the gate (a copy gathered after it is exposed, and what it saves on the
+    # NICs is less than its weights). Why staged: proposed at every step, it cost the 1,024-rank searches of
+    # DeepSeek-V3 a third more work and was never taken (simulated host planning 60 -> 123 ms a step)
+    last_stage = 0 if pay_window else 2
+    stage, moved_since_stage0 = 0, False
     while True:
-        ordered = _candidate_moves(search, best_times, extra, budget_per_rank, ranks_per_node, candidate_experts,
-                                   candidate_ranks)
-        quota = _quota_move(search, best_times, extra, budget_per_rank)
-        if not ordered and quota is None:
-            break
-        step_us = work.step_cost_us(len(ordered) + (len(quota) if quota else 0), world, num_experts)
+        if stage == 0:
+            ordered = _candidate_moves(search, best_times, extra, budget_per_rank, ranks_per_node,
+                                       candidate_experts, candidate_ranks)
+            quota = _quota_move(search, best_times, extra, budget_per_rank)
+            exchanges = []
+        else:
+            ordered, quota = [], None
+            exchanges = _node_exchange_moves(search, best_times, extra, budget_per_rank, copies=stage)
+        if not ordered and quota is None and not exchanges:
+            stage, moved_since_stage0 = _next_stage(stage, last_stage, moved_since_stage0)
+            if stage < 0:
+                break
+            continue
+        batched = (len(quota) if quota else 0) + sum(len(pairs) for pairs in exchanges)
+        step_us = work.step_cost_us(len(ordered) + batched, world, num_experts)
         if budget_us is not None and spent + step_us > budget_us:
             break
         yield Progress(spent, step_us, result_time, result_mat, last_gain_us)
         spent += step_us
         times = search.evaluate(ordered) if ordered else np.zeros((0, world))
-        if quota is not None:   # last: a single move that ties with it wins
-            times = np.vstack([times, search.evaluate_many(quota)[None, :]])
+        # the moves of several replicas last: a single move that ties with them wins
+        multi = ([quota] if quota is not None else []) + exchanges
+        if multi:
+            times = np.vstack([times] + [search.evaluate_many(pairs)[None, :] for pairs in multi])
         peaks = _round12(times.max(axis=1))
         tied = np.flatnonzero(peaks == peaks.min())
         profiles = -np.sort(-_round12(times[tied]), axis=1)
         pick = _lex_min(profiles)
         best_profile = -np.sort(-_round12(best_times))
         if not _lex_less(profiles[pick], best_profile):
-            break
+            stage, moved_since_stage0 = _next_stage(stage, last_stage, moved_since_stage0)
+            if stage < 0:
+                break
+            continue
+        moved_since_stage0 = moved_since_stage0 or stage > 0
         chosen = int(tied[pick])
-        pairs = quota if chosen == len(ordered) else [(ordered[chosen][0], d) for d in ordered[chosen][1]]
+        pairs = multi[chosen - len(ordered)] if chosen >= len(ordered) else [(ordered[chosen][0], d)
+                                                                              for d in ordered[chosen][1]]
         search.add_many(pairs)
         for _, d in pairs:
             extra[d] += 1

@@ -118,7 +118,7 @@ MUTATIONS: List[Mutation] = [
           "    pass  # MUTATION: each rank waits only for its own exposed transfers\n"),),
         "the cost model charges a rank's exposed expert transfers to that rank alone, not as the barrier they are"),
     Mutation(
-        "search-never-keeps-tokens-home", "ds_hecate/planning/scheduler.py",
+        "search-never-keeps-tokens-home", "ds_hecate/planning/search_moves.py",
         (("    if extra[bottleneck] < budget_per_rank:\n",
           "    if False:  # MUTATION: no copy on a sending bottleneck\n"),),
         "the search never tries a copy on the bottleneck of the experts it sends most rows to"),
@@ -290,7 +290,7 @@ MUTATIONS: List[Mutation] = [
           "                          budget_us=budget_us, pay_window=0, **search)  # MUTATION: calibration searches on whatever its steps cost\n"),),
         "calibration after the gate keeps searching while its steps cost every rank more host time than they save"),
     Mutation(
-        "quota-replicas-off-their-node", "ds_hecate/planning/scheduler.py",
+        "quota-replicas-off-their-node", "ds_hecate/planning/search_moves.py",
         (("        order = np.lexsort((np.arange(search.world), rounded, node != node[r]))",
           "        order = np.lexsort((np.arange(search.world), rounded))  # MUTATION: least loaded anywhere\n"
           "        order = order"),),
@@ -348,9 +348,19 @@ MUTATIONS: List[Mutation] = [
         "for a percent or two of noisy predicted gain"),
     Mutation(
         "proportional-start-never-judged", "ds_hecate/planning/scheduler.py",
-        (("    if start is not None or critical_path or slots == 0:\n",
-          "    if True:  # MUTATION: the proportional start is never tried\n"),),
+        (("    judged = start is None and not critical_path and slots > 0 and (limit is None or fill_us <= limit)\n",
+          "    judged = False  # MUTATION: the proportional start is never tried\n"),),
         "a fresh search returns the greedy passes' result alone: ragged sources keep the owners"),
+    Mutation(
+        "node-exchange-never-proposed", "ds_hecate/planning/search_moves.py",
+        (("    if nodes < 2 or costs.token_transfer_inter_s is None:\n",
+          "    if True:  # MUTATION: no node exchange\n"),),
+        "the search never relieves every node's NICs at once: balanced routing over nodes keeps the owners"),
+    Mutation(
+        "node-exchange-in-calibration", "ds_hecate/planning/scheduler.py",
+        (("    last_stage = 0 if pay_window else 2\n",
+          "    last_stage = 2  # MUTATION: calibration's search tries the node exchange too\n"),),
+        "calibration's search after the gate proposes node exchanges, whose copies it would gather exposed"),
     Mutation(
         "stream-ordered-relay-waits-for-the-wait", "ds_hecate/comm/relay.py",
         (("    if not async_op or not getattr(comm.weights, \"stream_ordered\", False):\n",
@@ -495,6 +505,10 @@ TESTS_FOR: Dict[str, List[str]] = {
         "tests/test_scheduler.py::test_critical_path_search_stops_when_its_steps_cost_more_than_they_save"],
     "scheduler-charges-the-flat-fan-out": [
         "tests/test_fanout.py::test_scheduler_charges_the_tree_not_the_flat_fan_out"],
+    "node-exchange-never-proposed": [
+        "tests/test_node_exchange.py::test_balanced_routing_over_nodes_gets_replicas_that_keep_tokens_home"],
+    "node-exchange-in-calibration": [
+        "tests/test_node_exchange.py::test_calibrations_search_never_proposes_the_exchange"],
     "quota-replicas-off-their-node": ["tests/test_quota_move.py::test_quota_places_on_the_bottleneck_node_first"],
     "edp-state-gathered-out-of-order": ["tests/test_checkpoint_groups.py"],
     "reduction-priced-in-the-forward-window": [
