@@ -152,7 +152,7 @@ def _node_exchange_moves(search: "SearchState", best_times, extra, budget_per_ra
     home cuts that node's sends and its owner node's receives, so no NIC gets faster until every node is relieved
     in both directions, which a single replica never does, and the quota move only gives replicas to ranks off
     the tie. On balanced routing all ranks tie on the NICs: simulated a100-4x8 gpt-moe-s W0 kept the owners
-    (13.94 ms a layer by the estimate) while repeated cyclic exchanges reach 12.3 ms, the replicas' weights
+    (13.94 ms a layer by the estimate); with cyclic exchanges the search reaches 12.4 ms, the replicas' weights
     crossing the NICs while the non-MoE compute runs. A cyclic shift is a permutation of the nodes, so every node
     sends and receives one fewer expert's rows. Two copies a node: the search tries them where one finds nothing,
     as where the compute is balanced already and one holder would take its whole node's pairs (simulated a100-4x8
