@@ -358,20 +358,13 @@ def test_training_through_the_cupy_transport_runs_its_kernels_and_matches_torch(
 
 
 # -- backend selection ---------------------------------------------------------------------------------------------
-def test_comm_backend_config_key():
-    assert parse_hecate_section({}).comm_backend == "auto"
+@pytest.mark.parametrize("key,unknown", [("comm_backend", "nccl"), ("device_kernels", "triton")])
+def test_backend_config_keys(key, unknown):
+    assert getattr(parse_hecate_section({}), key) == "auto"
     for value in ("auto", "torch", "cupy"):
-        assert parse_hecate_section({"comm_backend": value}).comm_backend == value
-    with pytest.raises(HecateConfigError, match="comm_backend"):
-        parse_hecate_section({"comm_backend": "nccl"})
-
-
-def test_device_kernels_config_key():
-    assert parse_hecate_section({}).device_kernels == "auto"
-    for value in ("auto", "torch", "cupy"):
-        assert parse_hecate_section({"device_kernels": value}).device_kernels == value
-    with pytest.raises(HecateConfigError, match="device_kernels"):
-        parse_hecate_section({"device_kernels": "triton"})
+        assert getattr(parse_hecate_section({key: value}), key) == value
+    with pytest.raises(HecateConfigError, match=key):
+        parse_hecate_section({key: unknown})
 
 
 def test_device_work_follows_device_kernels(monkeypatch):

@@ -100,5 +100,23 @@ def test_the_shadow_move_is_judged_against_the_balance_the_schedule_was_planned_
     holders[7, 0] = True
     prefetched = Placement(OWNERS, materialized_of(holders))
     assert shadow_calibration(counts, prefetched, COSTS, 1, RPN, 0.05) is None
-    shadows = shadow_calibration(counts, prefetched, COSTS, 1, RPN, 0.05, planned_imbalance=1.2)
+    shadows = shadow_calibration(counts, prefetched, COSTS, 1, RPN, 0.05, planned_imbalance=lambda: 1.2)
     assert shadows is not None and shadows[:, 5].sum() == WORLD - 1
+
+
+def test_the_planned_balance_is_asked_only_where_the_shadows_leave_the_compute_imbalanced():
+    """A burst the shadow move balances within the tolerance never asks for the schedule's planned balance (a
+    dispatch estimate on the critical path); one it leaves 1.24 imbalanced does."""
+    asked = []
+
+    def planned() -> float:
+        asked.append(1)
+        return 1.2
+
+    assert shadow_calibration(_burst(), _owners_only(), COSTS, 4, RPN, 0.05, planned_imbalance=planned) is not None
+    assert not asked
+    holders = _owners_only().holders.copy()
+    holders[7, 0] = True
+    shadow_calibration(_burst(), Placement(OWNERS, materialized_of(holders)), COSTS, 1, RPN, 0.05,
+                       planned_imbalance=planned)
+    assert asked == [1]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import NamedTuple, Optional, Tuple, Union
+from typing import Callable, NamedTuple, Optional, Tuple, Union
 
 import numpy as np
 
@@ -60,12 +60,14 @@ def calibration_extras(calibrated: Placement, prefetched: np.ndarray) -> Placeme
 
 def shadow_calibration(counts: np.ndarray, prefetched: Placement, costs: StepCostModel, replica_budget: int,
                        ranks_per_node: int, tolerance: float, min_gain: float = 0.05,
-                       meter: Optional[WorkMeter] = None, planned_imbalance: float = 1.0) -> Optional[np.ndarray]:
+                       meter: Optional[WorkMeter] = None,
+                       planned_imbalance: Optional[Callable[[], float]] = None) -> Optional[np.ndarray]:
     """Calibration's first try, FasterMoE's move: every expert one rank cannot hold alone (its pairs exceed a
     rank's fair share of the call's) added on every rank with a free slot, taken (``[ranks, experts]`` bool holders)
     when its estimate beats the prefetched placement's by ``min_gain`` and leaves the expert compute within
-    ``tolerance`` of the balance the prefetched schedule was planned at (``planned_imbalance``, max/mean: 1.0, or
-    above where its replicas keep tokens on their node on purpose); else None, and the search runs.
+    ``tolerance`` of balanced, or of the balance the prefetched schedule was planned at (``planned_imbalance``, asked
+    only then: max/mean, above 1.0 where its replicas keep tokens on their node on purpose; None: balanced); else
+    None, and the search runs.
 
     Why: a burst (W7) or a hot spot that just moved (W6) is one or two experts everywhere, which the search finds
     in its first step and then spends two more confirming that nothing else pays (its pay window), three steps of
@@ -92,8 +94,10 @@ def shadow_calibration(counts: np.ndarray, prefetched: Placement, costs: StepCos
     after = estimate_layer(counts, prefetched.owners, shadows, costs, ranks_per_node, prefetched=holders)
     if meter is not None:
         meter.add(estimate_us)
-    if after.imbalance > planned_imbalance * (1.0 + tolerance):   # not balanced: the search's business
-        return None
+    if after.imbalance > 1.0 + tolerance:   # not balanced, unless the schedule itself was not: the search's business
+        planned = planned_imbalance() if planned_imbalance is not None else 1.0
+        if after.imbalance > planned * (1.0 + tolerance):
+            return None
     before = estimate_layer(counts, prefetched.owners, holders, costs, ranks_per_node, prefetched=holders)
     if meter is not None:
         meter.add(estimate_us)
@@ -192,10 +196,10 @@ def plan_after_gate(counts: np.ndarray, prefetched: Placement, schedule: Schedul
         known = schedule.calibrated_fit(counts, prefetched.owners, holders, replica_budget)
         shadows = None if known is not None else shadow_calibration(counts, prefetched, costs, replica_budget,
                                                                      ranks_per_node, schedule.tolerance,
-                                                                     meter=meter,
-                                                                     planned_imbalance=schedule.planned_imbalance(
-                                                                         ranks_per_node, meter)
-                                                                     if speculative else 1.0)
+                                                                     meter=meter, planned_imbalance=(
+                                                                         lambda: schedule.planned_imbalance(
+                                                                             ranks_per_node, meter))
+                                                                     if speculative else None)
         if known is not None:   # routing that stayed where the last calibration placed for: no search
             calibrated = materialized_of(known)
         elif shadows is not None:   # a burst: its experts everywhere, no search

@@ -43,6 +43,13 @@ def load_shift(before: Sequence[Sequence[float]], after: Sequence[Sequence[float
 NOISE_FACTOR = 1.5
 
 
+def compute_imbalance(counts: np.ndarray, materialized, ranks_per_node: int) -> float:
+    """Max/mean expert compute per rank when ``counts`` (``[ranks, experts]``) are dispatched over ``materialized``
+    (one dispatch estimate: :func:`~.dispatch.dispatch_flows`)."""
+    holders = holders_matrix(materialized, *counts.shape)
+    return imbalance(dispatch_flows(counts.T, holders.T, ranks_per_node).processed.sum(axis=0).tolist())
+
+
 def sampling_noise(loads) -> float:
     """Expected L1 shift (over the total) of fresh counts drawn around ``loads``: cells are multinomial draws, so
     even a perfect prediction misses each by about sqrt(2 * load / pi). With many ranks and experts and few pairs per
@@ -160,9 +167,8 @@ class ScheduleReuse:
             return 1.0
         if self._imbalance[0] is not self.placement or self._imbalance[1] is not self.planned_for:
             loads = np.asarray(self.planned_for, dtype=np.float64)
-            holders = holders_matrix(self.placement, *loads.shape)
-            per_rank = dispatch_flows(loads.T, holders.T, ranks_per_node).processed.sum(axis=0)
-            self._imbalance = (self.placement, self.planned_for, max(1.0, imbalance(per_rank.tolist())))
+            self._imbalance = (self.placement, self.planned_for,
+                               max(1.0, compute_imbalance(loads, self.placement, ranks_per_node)))
             if meter is not None:
                 meter.add(CALL_WORK.score_cost_us(*loads.shape))
         return self._imbalance[2]
@@ -273,9 +279,7 @@ class ScheduleReuse:
         imbalanced = False
         self.scored = off_plan   # the dispatch estimate below ran (work the simulator charges)
         if self.scored:   # the usual case, a held prediction, needs no dispatch estimate
-            holders = holders_matrix(materialized, *actual.shape)
-            per_rank = dispatch_flows(actual.T, holders.T, ranks_per_node).processed.sum(axis=0)
-            imbalanced = imbalance(per_rank.tolist()) > 1.0 + self.tolerance
+            imbalanced = compute_imbalance(actual, materialized, ranks_per_node) > 1.0 + self.tolerance
         return off_plan and imbalanced
 
     def reset(self) -> None:

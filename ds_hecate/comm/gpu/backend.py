@@ -21,6 +21,7 @@ import torch
 
 from ...errors import HecateConfigError
 from ...logging_utils import log_rank0
+from .kernels import compile_all, device_index, kernel_dir
 
 BACKENDS = ("auto", "torch", "cupy")
 
@@ -58,7 +59,6 @@ def cupy_status() -> Tuple[bool, str]:
         return False, f"cupy {version} is installed but cannot load NCCL (libnccl.so.2); install it with " \
                       "pip install nvidia-nccl-cu12 (or nvidia-nccl-cu13 for CUDA 13)"
     try:
-        from .kernels import kernel_dir
         kernel_dir()
     except Exception as exc:
         return False, str(exc)
@@ -66,32 +66,27 @@ def cupy_status() -> Tuple[bool, str]:
 
 
 @functools.lru_cache(maxsize=None)
-def kernels_status(device_index: int) -> Tuple[bool, str]:
-    """(usable, reason): whether ds_hecate's CUDA kernels compile and can run on CUDA device ``device_index`` (CuPy
+def kernels_status(index: int) -> Tuple[bool, str]:
+    """(usable, reason): whether ds_hecate's CUDA kernels compile and can run on CUDA device ``index`` (CuPy
     importable, a GPU, the sources found, every kernel compiled by NVRTC now rather than at a first launch in the
     middle of a layer call). NCCL is not needed. Cached per device."""
     cupy, version, count = _cupy_gpus(with_nccl=False)
     if cupy is None:
         return False, version
-    if device_index >= count:
-        return False, f"cupy {version} sees {count} GPU(s), not device {device_index}"
+    if index >= count:
+        return False, f"cupy {version} sees {count} GPU(s), not device {index}"
     try:
-        from .kernels import compile_all
-        compile_all(device_index)
+        compile_all(index)
     except Exception as exc:  # noqa: BLE001 - a missing source or an NVRTC error: the kernels cannot run here
         return False, f"the CUDA kernels did not compile ({type(exc).__name__}: {str(exc)[:300]})"
-    return True, f"cupy {version}, kernels compiled for device {device_index}"
-
-
-def _device_index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
+    return True, f"cupy {version}, kernels compiled for device {index}"
 
 
 def local_kernels_status(device: torch.device) -> Tuple[bool, str]:
     """(usable, reason) of the CUDA kernels on this rank, for Hecate's working ``device``."""
     if device.type != "cuda":
         return False, f"Hecate's tensors are on '{device.type}', not CUDA"
-    return kernels_status(_device_index(device))
+    return kernels_status(device_index(device))
 
 
 def _unusable_ranks(status: Tuple[bool, str], group, world_size: int) -> Optional[str]:
@@ -184,7 +179,7 @@ def build_communicator(requested: str, group, rank: int, world_size: int, device
     if ops_name == "cupy":
         from .device_ops import KernelDeviceOps
         ops = KernelDeviceOps()
-        log_rank0(f"device work: ds_hecate's CUDA kernels ({kernels_status(_device_index(device))[1]})")
+        log_rank0(f"device work: ds_hecate's CUDA kernels ({local_kernels_status(device)[1]})")
     else:
         ops = TORCH_DEVICE_OPS
         if ops_why is not None and device.type == "cuda":

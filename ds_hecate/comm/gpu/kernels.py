@@ -91,10 +91,15 @@ def _ptr_table(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.T
 
 def _launch(source: str, kernel: str, device: torch.device, grid, block, args, shared_mem: int = 0) -> None:
     import cupy
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = device_index(device)
     fn = _function(source, kernel, index)
     with cupy.cuda.Device(index), _cupy_stream(torch.cuda.current_stream(device)):
         fn(grid, block, args, shared_mem=shared_mem)
+
+
+def device_index(device: torch.device) -> int:
+    """The CUDA device ordinal of ``device`` (``cuda`` without an index: the current device)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def _cupy_stream(stream: "torch.cuda.Stream"):
