@@ -4,8 +4,8 @@
 
 Search budgets (``search_budget_us``, ``plan_budget_us``) are counted in estimated microseconds of search work, not
 on a clock, so that every rank stops at the same step. This times real searches (fresh ones from the sharded
-placement, and calibration-like ones extending a placement searched for other loads) for 8 to 256 ranks and 8 to
-256 experts, and prints per setting the measured / estimated ratio of the setup and of each step (median and 90th
+placement, and calibration-like ones extending a placement searched for other loads) for 8 to 1,024 ranks and 8
+to 256 experts, and prints per setting the measured / estimated ratio of the setup and of each step (median and 90th
 percentile; above 1 the budget is overrun on this host). ``--fit`` also searches the constants that bring every
 setting's 90th percentile to about 0.95, how the defaults were chosen.
 
@@ -29,7 +29,11 @@ from ds_hecate.planning.sharding import even_sharding
 
 from .planner import COSTS, REPLICAS_PER_RANK, RANKS_PER_NODE, draw_counts, zipf
 
-SETTINGS = ((8, 8), (8, 64), (8, 256), (64, 8), (64, 64), (64, 256), (256, 8), (256, 64), (256, 256))
+SETTINGS = ((8, 8), (8, 64), (8, 256), (64, 8), (64, 64), (64, 256), (256, 8), (256, 64), (256, 256),
+            (1024, 8), (1024, 64), (1024, 256))
+#: the budget of each timed search: at 1,024 ranks a first step costs more than 20 ms, so there the default
+#: ``search_budget_us``
+BUDGET_US = {8: 20000.0, 64: 20000.0, 256: 20000.0, 1024: 200000.0}
 
 
 class _TimedWork(SearchWork):
@@ -62,8 +66,8 @@ def measure(trials: int, seed: int = 1) -> List[Tuple[str, int, int, int, float]
                 work = _TimedWork()
                 t0 = time.perf_counter()
                 # one greedy pass, what SearchWork prices (a fresh schedule_materialization may run two)
-                _greedy(counts, owners, COSTS, REPLICAS_PER_RANK, RANKS_PER_NODE, budget_us=20000, work=work,
-                        **extra)
+                _greedy(counts, owners, COSTS, REPLICAS_PER_RANK, RANKS_PER_NODE, budget_us=BUDGET_US[ranks],
+                        work=work, **extra)
                 end = time.perf_counter()
                 if not work.charges:
                     continue

@@ -7,6 +7,7 @@ def test_one_setting_times_the_runtime_calls_and_renders(tmp_path):
     for row in rows:
         assert row["critical_path"]["calls"] == 11 and row["critical_path"]["median_us"] > 0   # the first left out
         assert row["search"]["median_us"] > 0 and row["explicit_routes"]["calls"] == 5
+        assert row["search_charged"]["median_us"] > 0                  # the work its budget counted
     assert rows[0]["calibration_searches"] == 0            # balanced: the prediction holds
     assert rows[2]["calibration_searches"] > 0             # bursts: calibration searches after the gate
     res = {"generated": "2026-01-01T00:00", "machine": planner.machine(), "machine_after": planner.machine(),
@@ -16,6 +17,8 @@ def test_one_setting_times_the_runtime_calls_and_renders(tmp_path):
     planner.replace_block(str(doc), planner.markdown(res), planner.BEGIN, planner.END, "here")
     text = doc.read_text()
     assert "OLD-BLOCK" not in text and text.endswith("tail\n") and "| 8 x 16 | 2 | burst |" in text
+    charged = f" | {rows[0]['search_charged']['median_us']:.0f} | "
+    assert charged in text.split("| 8 x 16 | 2 | balanced |")[1].split("\n")[0]
 
 
 def test_search_work_benchmark_times_setups_and_steps(capsys):

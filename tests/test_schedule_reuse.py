@@ -156,3 +156,21 @@ def test_saved_state_is_checked_against_the_layer():
     assert not ScheduleReuse.state_fits({**state, "placement": [[0, 1, 2, 3, 99], [4, 5, 6, 7]]}, 2, 8)
     assert not ScheduleReuse.state_fits({**state, "misses": ["yes"]}, 2, 8)
     assert not ScheduleReuse.state_fits({"placement": [[0]]}, 2, 8)                   # planned_for missing
+
+
+def test_the_sampling_noise_is_computed_with_the_search_not_after_the_gate(monkeypatch):
+    """The noise of the planned loads is part of planning (off the critical path): computed lazily, on the first call
+    that scored against a new schedule, it made that call's critical path twice the others' (benchmarks.planner's
+    p99 at 3x its median at 256 x 256)."""
+    import ds_hecate.planning.schedule_reuse as schedule_reuse
+    calls = []
+    real = schedule_reuse.sampling_noise
+    monkeypatch.setattr(schedule_reuse, "sampling_noise", lambda loads: calls.append(1) or real(loads))
+    reuse = ScheduleReuse(0.05)
+    placement = reuse.schedule(hot(600), OWNERS, COSTS, 8, 2)
+    planned = len(calls)
+    assert planned == 1
+    reuse.after_gate(hot(600, step_noise=5), placement, 2)
+    assert reuse.still_fits(hot(600, step_noise=5)) and reuse.miss_threshold() >= 0.05
+    assert len(calls) == planned                     # nothing computed after the gate
+    assert reuse.miss_threshold() == max(0.05, schedule_reuse.NOISE_FACTOR * real(reuse.planned_for))
