@@ -23,6 +23,7 @@ from typing import Dict, List, Tuple
 
 import numpy as np
 
+from ds_hecate.config import HecateConfig
 from ds_hecate.planning.plan import Placement
 from ds_hecate.planning.scheduler import SEARCH_WORK, SearchWork, _greedy, schedule_materialization
 from ds_hecate.planning.sharding import even_sharding
@@ -31,9 +32,9 @@ from .planner import COSTS, REPLICAS_PER_RANK, RANKS_PER_NODE, draw_counts, zipf
 
 SETTINGS = ((8, 8), (8, 64), (8, 256), (64, 8), (64, 64), (64, 256), (256, 8), (256, 64), (256, 256),
             (1024, 8), (1024, 64), (1024, 256))
-#: the budget of each timed search: at 1,024 ranks a first step costs more than 20 ms, so there the default
+#: the budget of each timed search; at 1,024 ranks a first step costs more than that, so there the default
 #: ``search_budget_us``
-BUDGET_US = {8: 20000.0, 64: 20000.0, 256: 20000.0, 1024: 200000.0}
+BUDGET_US = 20000.0
 
 
 class _TimedWork(SearchWork):
@@ -64,10 +65,11 @@ def measure(trials: int, seed: int = 1) -> List[Tuple[str, int, int, int, float]
                                                                RANKS_PER_NODE, budget_us=3000)).holders
             for extra in ({}, {"start": start, "prefetched": start}):
                 work = _TimedWork()
+                budget_us = BUDGET_US if ranks < 1024 else HecateConfig().search_budget_us
                 t0 = time.perf_counter()
                 # one greedy pass, what SearchWork prices (a fresh schedule_materialization may run two)
-                _greedy(counts, owners, COSTS, REPLICAS_PER_RANK, RANKS_PER_NODE, budget_us=BUDGET_US[ranks],
-                        work=work, **extra)
+                _greedy(counts, owners, COSTS, REPLICAS_PER_RANK, RANKS_PER_NODE, budget_us=budget_us, work=work,
+                        **extra)
                 end = time.perf_counter()
                 if not work.charges:
                     continue

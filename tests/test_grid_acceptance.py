@@ -1,8 +1,9 @@
 """Issue 26, acceptance 1, held as the simulator computes it: on the 32-GPU grid (v100-4x8 and a100-4x8; gpt-moe-s
 and bert-moe; W0-W7; host planning charged by the planner's work models, so the figures do not depend on the host
 running them) Hecate is at least as fast as every baseline within 0.5%, and at least 95% of its force-balanced step
-on W1, W2, W3, W5 and W6, 90% on W7, and the post-plan compute imbalance at most 1.15 but on W4. Model outputs of ds_hecate's own planner, not timings: a planner change that
-gives a cell away fails here, where it would otherwise only show when someone regenerates docs/benchmarks.md."""
+on W1, W2, W3, W5 and W6, 90% on W7, and the post-plan compute imbalance at most 1.15 but on W4. Model outputs of
+ds_hecate's own planner, not timings: a planner change that gives a cell away fails here, where it would otherwise
+only show when someone regenerates docs/benchmarks.md."""
 from __future__ import annotations
 
 import pytest
