@@ -64,6 +64,8 @@ if REPO not in sys.path:
 SCHEMA = "ds_hecate-calibration/1"
 TOLERANCE = 0.25
 REQUIRED_COSTS = ("compute_s_per_pair", "link_gbps", "non_moe_time_s")
+#: measured costs the planner uses when the run recorded them (older results lack them)
+OPTIONAL_COSTS = ("replica_overhead_s",)
 #: (row name, simulator system, measured benchmark system, padded counts, acceptance row)
 ROWS = (("hecate", "hecate", "ds_hecate", False, True),
         ("ep", "ep", "autoep", False, True),
@@ -214,7 +216,8 @@ def calibrate(results: dict, tolerance: float = TOLERANCE, empty_steps: Optional
             sims[padded] = simulate(cluster, model, wname, systems=["ep"] if padded else ["hecate", "ep", "ideal"],
                                     steps=steps, warmup=warmup, seed=int(cfg["seed"]), hecate=hecate,
                                     zero_stage=2, precision="fp32", counts=_padded(counts) if padded else counts,
-                                    planner_costs={k: float(measured[k]) for k in REQUIRED_COSTS},
+                                    planner_costs={k: float(measured[k]) for k in REQUIRED_COSTS + OPTIONAL_COSTS
+                                                   if k in measured},
                                     force_balanced=not padded,   # padding a uniform routing is no counterpart
                                     # the measured empty step already holds the runtime's host planning
                                     charge_planning=False)

@@ -92,6 +92,11 @@ class HecateConfig(BaseModel):
         100, ge=0, le=1 << 30, description="Heterogeneous re-sharding every N optimizer steps (0: never).")
     compute_s_per_pair: Optional[float] = Field(
         None, gt=0, le=1.0, description="Expert compute per token-expert pair, fwd+bwd (s); null: measured.")
+    replica_overhead_s: Optional[float] = Field(
+        None, ge=0, le=1.0,
+        description="What one replica costs the rank that holds it in a layer call (forward + backward) besides its "
+                    "rows' compute and its transfer: one more expert kernel and weight gradient, its weights landed "
+                    "and its gradient sent back (s); null: measured at the profiling step; 0: not priced.")
     link_gbps: Optional[float] = Field(
         None, gt=0, le=1e6, description="Bandwidth between ranks of one node (GB/s); null: measured.")
     inter_node_gbps: Optional[float] = Field(

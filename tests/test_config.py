@@ -15,14 +15,15 @@ from ds_hecate.config import HecateConfig, parse_hecate_section, split_hecate_se
 from ds_hecate.errors import HecateConfigError, HecateError
 
 KNOWN_KEYS = ("enabled", "placement", "load_window", "load_predictor", "materialize_budget_mb", "overlap_degree", "calibration",
-              "replan_tolerance", "plan_budget_us", "search_budget_us", "search_slice_us", "rematerialize", "fanout", "relay_chunks", "prefetch", "reshard_interval", "compute_s_per_pair", "link_gbps", "inter_node_gbps",
+              "replan_tolerance", "plan_budget_us", "search_budget_us", "search_slice_us", "rematerialize", "fanout", "relay_chunks", "prefetch", "reshard_interval", "compute_s_per_pair", "replica_overhead_s", "link_gbps",
+              "inter_node_gbps",
               "non_moe_time_s", "ranks_per_node", "ep_size", "reduce_dtype", "collective_timeout_s", "log_conversion", "monitor",
               "monitor_interval", "trace_file", "comm_backend", "device_kernels")
 DEFAULTS = dict(enabled=False, placement="hecate", load_window=5, load_predictor="robust", fanout=4, relay_chunks=4,
                 materialize_budget_mb=1024.0, overlap_degree=None,
                 calibration=True, replan_tolerance=0.05, plan_budget_us=None, search_budget_us=200000.0, search_slice_us=None,
                 rematerialize=None, prefetch=True, reshard_interval=100,
-                compute_s_per_pair=None, link_gbps=None, inter_node_gbps=None, non_moe_time_s=None,
+                compute_s_per_pair=None, replica_overhead_s=None, link_gbps=None, inter_node_gbps=None, non_moe_time_s=None,
                 ranks_per_node=None, ep_size=None, reduce_dtype="auto", collective_timeout_s=600.0, log_conversion=True,
                 monitor=True, monitor_interval=1, trace_file=None, comm_backend="auto", device_kernels="auto")
 PLACEMENTS = ["hecate", "cost", "owner", "local", "shadow", "all"]
@@ -49,7 +50,7 @@ def test_defaults():
 def test_full_valid_section():
     raw = dict(enabled=True, placement="local", load_window=3, load_predictor="mean", fanout=2, relay_chunks=3, materialize_budget_mb=12.5, overlap_degree=2,
                calibration=False, replan_tolerance=0.2, plan_budget_us=250.0, search_budget_us=0.0, search_slice_us=300.0, rematerialize=True, prefetch=False, reshard_interval=7,
-               compute_s_per_pair=1e-6,
+               compute_s_per_pair=1e-6, replica_overhead_s=2e-4,
                link_gbps=100.0, inter_node_gbps=12.5, non_moe_time_s=0.01, ranks_per_node=8, ep_size=64,
                reduce_dtype="bf16",
                collective_timeout_s=30.5, log_conversion=False, monitor=False, monitor_interval=5,
@@ -351,6 +352,7 @@ _VALID = {
     "replan_tolerance": st.floats(0.0, 1.0), "plan_budget_us": st.none() | st.floats(0.0, 1e9),
     "search_budget_us": st.floats(0.0, 1e9), "search_slice_us": st.none() | st.floats(0.0, 1e9), "rematerialize": st.none() | st.booleans(), "prefetch": st.booleans(), "reshard_interval": st.integers(0, 1 << 30),
     "compute_s_per_pair": st.one_of(st.none(), st.floats(1e-12, 1.0)),
+    "replica_overhead_s": st.one_of(st.none(), st.floats(0.0, 1.0)),
     "link_gbps": st.one_of(st.none(), st.floats(1e-3, 1e6)),
     "inter_node_gbps": st.one_of(st.none(), st.floats(1e-3, 1e6)),
     "non_moe_time_s": st.one_of(st.none(), st.floats(0, 3600.0)),

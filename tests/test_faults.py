@@ -63,7 +63,7 @@ SAVED_STEP = 2    # every killed run saved global_step2 (complete) before its ra
 KILL_STEP = {"save-experts": 3, "save-deepspeed": 3}   # a save of the NEW tag global_step3; others: step 2
 # Costs pinned (configured values win over measured ones): every run schedules alike, so a run resumed from a
 # killed run's checkpoint can be compared bit for bit with a run that was never interrupted.
-PINNED = {"compute_s_per_pair": 5e-5, "link_gbps": 0.5}
+PINNED = {"compute_s_per_pair": 5e-5, "link_gbps": 0.5, "replica_overhead_s": 0.0}
 
 
 def _die(stamp: str) -> None:

@@ -80,7 +80,8 @@ HOT = (3.0, 3.0) + (0.0,) * 6   # two hot experts, both owned by rank 0 under ev
 # Configured costs (configured values win over measured ones): the plans, hence the replicas, do not depend on how
 # fast this machine happens to be; expert compute dominates, so the scheduler wants many replicas.
 SCHEDULER = {"enabled": True, "placement": "hecate", "overlap_degree": 1, "reshard_interval": 3,
-             "compute_s_per_pair": 1e-4, "link_gbps": 100.0}
+             "compute_s_per_pair": 1e-4, "link_gbps": 100.0,
+             "replica_overhead_s": 0.0}
 # One expert is 16*256*2 + 256 + 16 = 8464 fp32 = 33,856 bytes = 2**6 * 23**2: no block of token rows (at most 64
 # rows of 16 or 256 values) or DeepSpeed bucket (2**18 bytes) is a whole number of experts.
 BASE = Spec(gate_bias=HOT, hidden=16, ffn=256, tokens=16, layers=2, steps=WARM_STEPS + MEASURED_STEPS)

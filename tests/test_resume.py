@@ -23,7 +23,8 @@ HOT = (3.0, 3.0) + (0.0,) * 6
 # With measured costs it follows the timings, so a run resumed before the warm re-profiling (step 4) plans with other
 # numbers than the run that never stopped and may sum the same partial gradients in another order.
 SCHEDULER = {"enabled": True, "placement": "hecate", "overlap_degree": 1, "reshard_interval": 3,
-             "compute_s_per_pair": 5e-5, "link_gbps": 0.5}
+             "compute_s_per_pair": 5e-5, "link_gbps": 0.5,
+             "replica_overhead_s": 0.0}
 # Small and hot: experts 0 and 1 (both on rank 0 under even sharding) take most tokens, so the re-sharding at step 3
 # moves experts between the ranks.
 # An LR schedule: the resumed run's experts must follow the schedule DeepSpeed restores (the loaded dense optimizer

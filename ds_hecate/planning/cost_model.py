@@ -81,6 +81,14 @@ class StepCostModel:
     the levels exposed. relay_stream_ordered: the runtime issues every level of the trees when the collective
     starts (a CUDA transport: each stage waits for the one before on the device, not the host), so the deeper
     levels, fill included, hide behind compute with the first (:func:`~.fanout.relay_transfers`).
+    replica_overhead_s: what one replica costs the rank that holds it in a layer call besides its rows' compute and
+    its transfer (``hecate.replica_overhead_s``, else measured: :mod:`ds_hecate.runtime.profiling`): one more expert
+    kernel and its weight gradient, its weights landed in the call's buffer and its gradient sent back. Why: on two
+    CPU ranks (benchmarks/run.py W4, 2026-12-05) two replicas a layer priced 2 ms a step faster than none were
+    2.5-3.2% slower (forward and backward 1.4 and 1.7 ms longer, the timed exchanges alike); replayed with 0.13 ms or
+    more a replica the planner keeps the owners there and every other workload's replicas; measured (0.17 ms) the
+    next run placed none there and was ahead of AutoEP. 0: not priced (the simulator's presets: a GPU's grouped
+    kernel takes one more expert at no launch of its own).
     """
 
     compute_s_per_pair: float
@@ -96,6 +104,7 @@ class StepCostModel:
     reduce_share: float = 0.0
     reduce_overlap_s: float = 0.0
     regather: bool = False
+    replica_overhead_s: float = 0.0
 
     @property
     def relays(self) -> Tuple[int, int, bool, bool]:
@@ -172,7 +181,10 @@ def rank_seconds(costs: StepCostModel, ranks_per_node: int, processed, tokens, e
                + np.maximum(0.0, backward - costs.reduce_overlap_s)) + link_seconds(
         costs, ranks_per_node, costs.expert_transfer_s, costs.expert_transfer_inter_s, *late)
     exposed = np.max(exposed, axis=-1, keepdims=True)   # a barrier: see the docstring
-    return processed * costs.compute_s_per_pair + token_s + exposed
+    compute = processed * costs.compute_s_per_pair
+    if costs.replica_overhead_s:   # every replica is received once (a first level, a relay or after the gate)
+        compute = compute + costs.replica_overhead_s * (early[0] + early[2] + late[0] + late[2])
+    return compute + token_s + exposed
 
 
 def replica_transfers(replicas, owners, ranks_per_node: int, fanout: int = 0, chunks: int = 1,
@@ -290,7 +302,8 @@ def scheduler_costs(config: Any, measured: Mapping[str, float], world_size: int,
     measured ``inter_node_gbps`` next, else ``link_gbps``) between nodes, each rank charged for its slowest link
     (:func:`rank_seconds`). The paper's t uses the slowest link. A measured T_nonMoE hides communication only
     where collectives run beside compute (CUDA streams); on a CPU the same cores do both, so nothing is hidden
-    unless the user says otherwise. ``relays_stream_ordered``: whether the weight transport issues every relay
+    unless the user says otherwise. ``replica_overhead_s``: configured, else measured, else 0 (not priced).
+    ``relays_stream_ordered``: whether the weight transport issues every relay
     level when a sparse collective starts (default: where collectives overlap compute, the CUDA transports).
     """
     cfg, m = config, measured
@@ -313,4 +326,6 @@ def scheduler_costs(config: Any, measured: Mapping[str, float], world_size: int,
                          else bool(relays_stream_ordered),
                          reduce_share=reduce_bytes / expert_bytes if expert_bytes else 0.0,
                          reduce_overlap_s=BACKWARD_FACTOR * overlap_s if reduce_bytes else 0.0,
-                         regather=bool(regather and reduce_bytes))
+                         regather=bool(regather and reduce_bytes),
+                         replica_overhead_s=(cfg.replica_overhead_s if cfg.replica_overhead_s is not None
+                                             else m.get("replica_overhead_s", 0.0)))

@@ -1,5 +1,6 @@
-"""Measured inputs of the scheduler's cost model: link bandwidth, expert compute per token-expert pair, and the
-non-MoE compute time that hides a layer's SparseAllGather (T_nonMoE in the paper).
+"""Measured inputs of the scheduler's cost model: link bandwidth, expert compute per token-expert pair, what one
+replica costs its holder besides (``replica_overhead_s``), and the non-MoE compute time that hides a layer's
+SparseAllGather (T_nonMoE in the paper).
 
 Measured at the first optimizer step, so planning can start, and again at step :data:`WARM_PROFILE_STEP` from the
 work of the steps in between: the first step is cold (allocations, first-call kernel set-up) and on a CPU its
@@ -18,6 +19,9 @@ from .timing import DeviceClock
 
 PROBE_BYTES_PER_PEER = 1 << 20
 WARM_PROFILE_STEP = 4
+#: rows of the replica probe: a replica's share of a call is a small group (2-rank W4: about 40 rows a layer)
+REPLICA_PROBE_ROWS = 64
+REPLICA_PROBE_REPS = 5
 
 
 def expert_work(rt) -> Tuple[int, float]:
@@ -41,6 +45,48 @@ def _probe_link_gbps(rt) -> float:
     return PROBE_BYTES_PER_PEER * (rt.world_size - 1) / max(elapsed, 1e-9) / 1e9
 
 
+def _probe_replica_overhead_s(rt) -> float:
+    """What one replica costs its holder in a layer call besides its rows' compute and its transfer, on the compute
+    device: the first layer's expert kernel, forward and backward, on :data:`REPLICA_PROBE_ROWS` rows split over two
+    experts against the same rows held by one (one more weight buffer, kernel and weight gradient), plus two copies
+    of one expert (its gathered weights landed in the call's buffer, its gradient handed to the SparseReduceScatter).
+    Medians of :data:`REPLICA_PROBE_REPS` after a warm-up. Why measured: the per-pair compute and the link are, and
+    without this a replica's fixed cost is priced at nothing (2-rank CPU benchmark W4: replicas that lost 2.5-3.2%
+    of a step were priced 2% faster)."""
+    from ..ops.grouped_experts import RowGroups, expert_outputs
+    binding = rt.bindings[0]
+    kernel, device, dtype = binding.shard.kernel, rt.comm.device, rt.compute_dtype
+    gen = torch.Generator(device="cpu").manual_seed(0)   # the probe's values do not matter; its own generator
+    rows = (torch.randn(REPLICA_PROBE_ROWS, binding.hidden_size, generator=gen) * 0.1).to(device=device, dtype=dtype)
+    weights = (torch.randn(2, kernel.numel, generator=gen) * 0.02).to(device=device, dtype=dtype)
+    clock = DeviceClock(device)
+
+    def call(sizes) -> float:
+        start = clock.mark()
+        buffer = weights[:len(sizes)].clone().requires_grad_(True)
+        x = rows.clone().requires_grad_(True)
+        out = expert_outputs(kernel, buffer, x, RowGroups.build(sizes, device))
+        out.backward(torch.ones_like(out))
+        return DeviceClock.seconds(start, clock.mark())
+
+    def copies() -> float:
+        start = clock.mark()
+        landed = torch.empty_like(weights[0])
+        landed.copy_(weights[1])
+        sent = torch.empty_like(weights[0])
+        sent.copy_(landed)
+        return DeviceClock.seconds(start, clock.mark())
+
+    half = REPLICA_PROBE_ROWS // 2
+    with torch.enable_grad():
+        call([REPLICA_PROBE_ROWS]), call([half, half]), copies()   # warm-up: allocator, first-call set-up
+        one = sorted(call([REPLICA_PROBE_ROWS]) for _ in range(REPLICA_PROBE_REPS))
+        two = sorted(call([half, half]) for _ in range(REPLICA_PROBE_REPS))
+        copy = sorted(copies() for _ in range(REPLICA_PROBE_REPS))
+    mid = REPLICA_PROBE_REPS // 2
+    return max(0.0, two[mid] - one[mid]) + copy[mid]
+
+
 def measure_costs(rt, since: Optional[Tuple[int, float]] = None) -> Dict[str, float]:
     """The cost-model inputs; ``since`` (an :func:`expert_work` snapshot) limits the compute figure to the work done
     after it."""
@@ -52,13 +98,14 @@ def measure_costs(rt, since: Optional[Tuple[int, float]] = None) -> Dict[str, fl
     gaps = [g for b in rt.bindings for g in b.gap_time.values()]
     non_moe = sum(gaps) / len(gaps) if gaps else 0.0
     link = _probe_link_gbps(rt)
-    values = torch.tensor([per_pair, non_moe, link], dtype=torch.float64).to(rt.comm.device)
+    replica = _probe_replica_overhead_s(rt) if rt.bindings else 0.0
+    values = torch.tensor([per_pair, non_moe, link, replica], dtype=torch.float64).to(rt.comm.device)
     world = rt.layout.world   # every group plans with the same figures (re-sharding must agree across groups)
     world.all_reduce(values, collective="cost measurement all-reduce")
     values /= world.world_size
     world.broadcast(values, 0, collective="cost measurement broadcast")
-    per_pair, non_moe, link = values.tolist()
-    out = {"non_moe_time_s": non_moe, "profiled_at_step": float(rt.global_steps)}
+    per_pair, non_moe, link, replica = values.tolist()
+    out = {"non_moe_time_s": non_moe, "profiled_at_step": float(rt.global_steps), "replica_overhead_s": replica}
     if per_pair > 0:
         out["compute_s_per_pair"] = per_pair
     if link > 0:

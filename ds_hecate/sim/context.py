@@ -76,6 +76,8 @@ class SimContext:
                "non_moe_time_s": self.t_fwd}
         if world > self.rpn:
             out["inter_node_gbps"] = self.cluster.inter_node_gbps_per_device
+        if self.cluster.replica_overhead_s:
+            out["replica_overhead_s"] = self.cluster.replica_overhead_s
         return out
 
     def step_costs(self, world: int, rematerialize: bool = False) -> StepCostModel:

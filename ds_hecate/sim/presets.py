@@ -115,6 +115,7 @@ class Cluster:
     non_moe_time_s: Optional[float] = None        # measured override: forward non-MoE time per block (s)
     fixed_step_s: float = 0.0                     # per-step time outside the blocks (optimizer step, data), s
     layer_overhead_s: float = 0.0                 # per MoE layer call, fwd+bwd: count exchange, planning, launch
+    replica_overhead_s: float = 0.0               # measured: what the runtime's planner charges per replica held
     description: str = ""
 
     @property
@@ -146,6 +147,8 @@ class Cluster:
         ``fixed_step_s`` (per-step time outside the blocks: optimizer step, framework), ``layer_overhead_s`` (per
         MoE layer call, forward + backward: count exchange, planning, launch) and ``collective_latency_s`` (the
         fixed cost of one collective round, added to every all-to-all pass and sparse collective phase).
+        ``replica_overhead_s`` (the runtime measures it too) goes to the planner, which then decides as the runtime
+        that measured it did; the simulated step does not charge it (modelled on a GPU: one grouped kernel a call).
         """
         missing = [k for k in ("compute_s_per_pair", "link_gbps", "non_moe_time_s") if k not in measured]
         if missing:
@@ -159,6 +162,7 @@ class Cluster:
                    non_moe_time_s=float(measured["non_moe_time_s"]),
                    fixed_step_s=float(measured.get("fixed_step_s", 0.0)),
                    layer_overhead_s=float(measured.get("layer_overhead_s", 0.0)),
+                   replica_overhead_s=float(measured.get("replica_overhead_s", 0.0)),
                    description="calibrated from ds_hecate's measured costs")
 
 

@@ -419,6 +419,17 @@ MUTATIONS: List[Mutation] = [
           "                               )  # MUTATION: the runtime's cost model without the reduction's bytes"),),
         "the runtime builds its scheduler's cost model without the reduction's share, so on GPUs it plans with "
         "another model than the simulator and ds-hecate plan"),
+    Mutation(
+        "replica-overhead-unpriced", "ds_hecate/planning/cost_model.py",
+        (("    if costs.replica_overhead_s:   # every replica is received once",
+          "    if False:   # MUTATION: a replica's fixed cost on its holder is not charged"),),
+        "the scheduler prices a replica by its rows and its transfer only, so a replica that saves less than what "
+        "holding it costs (2-rank CPU benchmark W4) is placed"),
+    Mutation(
+        "replica-overhead-not-measured", "ds_hecate/runtime/profiling.py",
+        (("    replica = _probe_replica_overhead_s(rt) if rt.bindings else 0.0\n",
+          "    replica = 0.0  # MUTATION: the replica probe never runs\n"),),
+        "the profiling step records no replica overhead, so with nothing configured replicas are priced at nothing"),
 ]
 
 _EXACT2 = "tests/test_exactness.py::test_trajectories_match_data_parallel[2rank]"
@@ -521,4 +532,8 @@ TESTS_FOR: Dict[str, List[str]] = {
         "tests/test_weight_traffic.py::test_token_gradient_all_to_all_completes_before_a_delayed_reduce_scatter"],
     "layer-call-reads-the-device": ["tests/test_host_syncs.py::test_one_host_read_per_layer_call_and_none_in_backward"],
     "grouped-rows-in-plan-order": [_RANDOM2, _ORACLE2 % "zero2-default-skewed", _EXACT2],
+    "replica-overhead-unpriced": [
+        "tests/test_replica_overhead.py::test_a_replica_that_saves_less_than_its_overhead_is_not_placed"],
+    "replica-overhead-not-measured": [
+        "tests/test_replica_overhead.py::test_training_measures_the_overhead_once_for_every_rank"],
 }
