@@ -35,25 +35,30 @@ def release_gloo_works_at_exit(groups: Iterable = ()) -> None:
     destroyed are skipped) and then, on gloo, sleeps :data:`GLOO_WORKER_GRACE_S` so that gloo's worker threads
     release their completed works while the interpreter is whole. Later calls add their groups to the same
     handler. Local to the rank: no collective."""
-    global _registered
+    global _registered, _on_gloo
     _groups.extend(groups)
+    # Remembered now: a script that destroys its process groups before exiting (the usual ending) leaves no
+    # backend to ask at exit, and its gloo workers may still be waiting for the GIL to release their last works.
+    _on_gloo = _on_gloo or (dist.is_initialized() and dist.get_backend() == "gloo")
     if not _registered:
         atexit.register(_at_exit)
         _registered = True
 
 
 _groups: list = []
+_on_gloo = False
 
 
 def _at_exit() -> None:
-    if not dist.is_initialized():
-        return
-    on_gloo = dist.get_backend() == "gloo"
-    for group in _groups:
-        try:
-            dist.destroy_process_group(group)
-        except (RuntimeError, ValueError):   # already destroyed by the script
-            pass
+    """Destroy Hecate's groups if the script left them, then give gloo's workers the grace: also when the script
+    destroyed every group itself (``destroy_process_group()`` before exit), since destroying does not hand them
+    the GIL (CI, 2026-12-05: a DeepSpeed-MoE script ending in barrier + destroy aborted on one rank)."""
+    if dist.is_initialized():
+        for group in _groups:
+            try:
+                dist.destroy_process_group(group)
+            except (RuntimeError, ValueError):   # already destroyed by the script
+                pass
     _groups.clear()
-    if on_gloo:
+    if _on_gloo:
         time.sleep(GLOO_WORKER_GRACE_S)

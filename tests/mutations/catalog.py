@@ -255,6 +255,12 @@ MUTATIONS: List[Mutation] = [
         "exit guard: gloo's worker threads never get the GIL before finalization, so a work they release at exit "
         "aborts the process (the Trainer's exit abort)"),
     Mutation(
+        "exit-guard-no-grace-after-destroy", "ds_hecate/comm/exit_guard.py",
+        (("    _on_gloo = _on_gloo or (dist.is_initialized() and dist.get_backend() == \"gloo\")\n",
+          "    _on_gloo = False  # MUTATION: the backend asked only at exit, when the script may have destroyed it\n"),),
+        "exit guard: a script that destroyed its process groups before exiting gets no grace, so gloo's workers "
+        "may still release a work during finalization (CI abort of 2026-12-05)"),
+    Mutation(
         "relay-gather-stops-after-the-first-stage", "ds_hecate/comm/relay.py",
         (("        _pipelined(comm, relay, numel, dtype, \"SparseAllGather\", counters, \"allgather_bytes\", sends=sends,\n",
           "        return gathered  # MUTATION: the relays never forward\n"
@@ -485,6 +491,8 @@ TESTS_FOR: Dict[str, List[str]] = {
         "tests/test_group_containment.py::test_layer_calls_stay_in_the_group_and_edp_work_between_peers"],
     "objective-ignores-links": ["tests/test_links.py::test_search_keeps_a_hot_experts_tokens_on_their_node"],
     "exit-guard-skips-the-grace": ["tests/test_exit_guard.py::test_the_guard_lets_the_ranks_exit_cleanly"],
+    "exit-guard-no-grace-after-destroy": [
+        "tests/test_exit_guard.py::test_the_grace_is_given_when_the_script_destroyed_its_groups"],
     "relay-skips-a-hop": ["tests/test_fanout.py::test_relayed_collectives_deliver_and_sum_every_copy"],
     "relay-gather-stops-after-the-first-stage": [
         "tests/test_fanout.py::test_relayed_collectives_deliver_and_sum_every_copy"],
