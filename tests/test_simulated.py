@@ -117,3 +117,35 @@ def test_reading_lines_flag_a_baseline_beating_hecate():
     assert "c/m/W1 (" not in lines.split("faster than Hecate")[1].split("\n")[0]
     lines = "\n".join(gen.grid_lines([_rec("W1", 3.0, 2.5)]))
     assert "No baseline is faster than Hecate" in lines
+
+
+def test_token_price_reaches_hecates_planner_only():
+    """The what-if knob of benchmarks/balance_whatif.py: Hecate's planners see token traffic at the price, the
+    baselines' planners and the time model do not; a price outside [0, 1] is refused by name."""
+    from ds_hecate.sim.core import _context
+    from ds_hecate.config import HecateConfig
+    from ds_hecate.sim.model_state import ADAM
+    from ds_hecate.sim.presets import resolve_cluster, resolve_model
+
+    cl, mdl = resolve_cluster("a100-4x8"), resolve_model("bert-moe")
+    ctx = _context(cl, mdl, mdl.tokens_per_rank, HecateConfig(enabled=True), 1, "bf16", ADAM, "p2p", None, True,
+                   cl.world_size, "work", 0.25)
+    whole, seen = ctx.step_costs(cl.world_size), ctx.hecate_step_costs(cl.world_size)
+    assert seen.token_transfer_s == pytest.approx(0.25 * whole.token_transfer_s) and whole.token_transfer_s > 0
+    assert seen.token_transfer_inter_s == pytest.approx(0.25 * whole.token_transfer_inter_s)
+    assert seen.expert_transfer_s == whole.expert_transfer_s and seen.compute_s_per_pair == whole.compute_s_per_pair
+    with pytest.raises(Exception, match="planner_token_price"):
+        simulate("a100-4x8", "bert-moe", "W4", systems=["ep"], steps=2, planner_token_price=1.5)
+
+
+def test_balancing_w4_compute_costs_step_time():
+    """docs/simulator.md's W4 claim: the scheduler leaves W4's expert compute unbalanced because balancing it is
+    slower. With token traffic unpriced the planner balances it (imbalance at most 1.15) and the step is slower than
+    with the runtime's model; the baselines do not move."""
+    cells = {p: simulate("a100-4x8", "bert-moe", "W4", systems=["ep", "fastermoe", "hecate"], steps=30,
+                         planner_token_price=p, force_balanced=False) for p in (1.0, 0.0)}
+    own, balanced = cells[1.0].systems, cells[0.0].systems
+    assert own["hecate"].imbalance > 1.15 >= balanced["hecate"].imbalance
+    assert balanced["hecate"].step_time_s > own["hecate"].step_time_s
+    for baseline in ("ep", "fastermoe"):
+        assert balanced[baseline].step_time_s == own[baseline].step_time_s

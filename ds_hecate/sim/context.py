@@ -2,7 +2,7 @@
 there."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, Optional
 
 from ..config import HecateConfig
@@ -33,6 +33,7 @@ class SimContext:
     charge_planning: bool = True        # add Hecate's host planning time (critical path, exposed search)
     planning_clock: str = "work"        # how it is counted: "work" (the planner's work models), "thread" (CPU time)
     ep_size: int = 0                    # G: Hecate's domain and the EP baselines' expert-parallel size; 0: the world
+    planner_token_price: float = 1.0    # what-if: Hecate's planners see token traffic at this fraction of its cost
 
     def __post_init__(self) -> None:
         if not self.ep_size:
@@ -87,3 +88,15 @@ class SimContext:
                                expert_bytes=self.numel * (self.compute_b + self.grad_b),
                                token_bytes=4 * self.row_bytes, overlaps_compute=self.cluster.overlaps_compute,
                                reduce_bytes=self.numel * self.grad_b, regather=rematerialize)
+
+    def hecate_step_costs(self, world: int, rematerialize: bool = False) -> StepCostModel:
+        """:meth:`step_costs` as Hecate's planners see it: token traffic priced at ``planner_token_price`` of its
+        cost (1: the runtime's model). A what-if only: a price below 1 makes the search trade token traffic for
+        compute balance, while the time model still charges every row whole (benchmarks/balance_whatif.py)."""
+        costs = self.step_costs(world, rematerialize)
+        if self.planner_token_price == 1.0:
+            return costs
+        price = self.planner_token_price
+        inter = costs.token_transfer_inter_s
+        return replace(costs, token_transfer_s=costs.token_transfer_s * price,
+                       token_transfer_inter_s=None if inter is None else inter * price)

@@ -182,7 +182,7 @@ def simulate(cluster: Union[str, Cluster], model: Union[str, ModelShape], worklo
              spag: str = "p2p", counts: Optional[Sequence[Sequence[Any]]] = None,
              planner_costs: Optional[Dict[str, float]] = None, force_balanced: bool = True,
              charge_planning: bool = True, ep_size: Optional[int] = None,
-             planning_clock: str = "work") -> SimResult:
+             planning_clock: str = "work", planner_token_price: float = 1.0) -> SimResult:
     """Simulate ``steps`` training steps of ``model`` on ``cluster`` under ``workload`` for each of ``systems``.
 
     ``workload``: W0..W7 or a trace file (ds_hecate.tools.trace). ``hecate``: the ``hecate`` config the Hecate systems
@@ -214,6 +214,9 @@ def simulate(cluster: Union[str, Cluster], model: Union[str, ModelShape], worklo
     (:func:`~ds_hecate.planning.groups.resolve_ep_size` with the model's experts and the cluster's node size: the
     world when it is at most the number of experts). Groups that split a node are not modelled (an error).
 
+    ``planner_token_price``: a what-if, Hecate's planners see token traffic at this fraction of its cost (the time
+    model charges it whole): below 1 they trade token traffic for compute balance (benchmarks/balance_whatif.py).
+
     ``force_balanced``: also simulate every system on the same routing forced uniform
     (:func:`ds_hecate.planning.balance.force_uniform`: same pairs per rank, spread evenly over the experts) and
     set ``force_balanced_step_s`` and ``force_balanced_fraction`` (that step time / the system's own).
@@ -224,6 +227,8 @@ def simulate(cluster: Union[str, Cluster], model: Union[str, ModelShape], worklo
     if world_size is not None:
         cl = cl.with_world_size(world_size)
     _check_arguments(systems, steps, warmup, spag, precision, planning_clock)
+    if not 0.0 <= planner_token_price <= 1.0:
+        raise HecateError(f"simulate: planner_token_price must be in [0, 1], got {planner_token_price!r}")
     tokens = tokens_per_rank or mdl.tokens_per_rank
     budget = (materialize_budget_mb if materialize_budget_mb is not None
               else 0.1 * cl.device_memory_gb * 1024.0)
@@ -233,7 +238,7 @@ def simulate(cluster: Union[str, Cluster], model: Union[str, ModelShape], worklo
         hecate = hecate.model_copy(update={"materialize_budget_mb": float(materialize_budget_mb)})
     group = _group_size(cl, mdl, ep_size if ep_size is not None else hecate.ep_size)
     ctx = _context(cl, mdl, tokens, hecate, zero_stage, precision, optimizer, spag, planner_costs, charge_planning,
-                   group, planning_clock)
+                   group, planning_clock, float(planner_token_price))
     if counts is None:
         counts, notes = _workload_counts(workload, mdl, cl.world_size, steps, tokens, seed)
     else:
@@ -260,7 +265,7 @@ def simulate(cluster: Union[str, Cluster], model: Union[str, ModelShape], worklo
             cl, mdl, workload, systems=systems, steps=steps, tokens_per_rank=tokens, warmup=warmup, seed=seed,
             hecate=hecate, zero_stage=zero_stage, precision=precision, optimizer=optimizer, spag=spag,
             counts=forced, planner_costs=planner_costs, force_balanced=False, charge_planning=charge_planning,
-            ep_size=group, planning_clock=planning_clock)
+            ep_size=group, planning_clock=planning_clock, planner_token_price=planner_token_price)
         for name, r in results.items():
             r.force_balanced_step_s = r.step_time_s if uniform is None else uniform.systems[name].step_time_s
             r.force_balanced_fraction = r.force_balanced_step_s / r.step_time_s
@@ -309,7 +314,8 @@ def _wire_bytes(hecate: HecateConfig, precision: str, stage: str) -> int:
 
 def _context(cl: Cluster, mdl: ModelShape, tokens: int, hecate: HecateConfig, zero_stage: int, precision: str,
              optimizer: OptimizerStateLayout, spag: str, planner_costs: Optional[Dict[str, float]],
-             charge_planning: bool, ep_size: int, planning_clock: str = "work") -> SimContext:
+             charge_planning: bool, ep_size: int, planning_clock: str = "work",
+             planner_token_price: float = 1.0) -> SimContext:
     """The simulated setting: unit costs from the cluster's FLOP rate unless it carries measured ones."""
     flops = cl.device_tflops * 1e12
     return SimContext(cluster=cl, model=mdl, world=cl.world_size, rpn=cl.devices_per_node, tokens=tokens,
@@ -322,7 +328,8 @@ def _context(cl: Cluster, mdl: ModelShape, tokens: int, hecate: HecateConfig, ze
                       hecate=hecate, optimizer=optimizer, zero_stage=zero_stage, precision=precision, ep_size=ep_size,
                       spag=spag,
                       planner_costs=None if planner_costs is None else {k: float(v) for k, v in planner_costs.items()},
-                      charge_planning=charge_planning, planning_clock=planning_clock)
+                      charge_planning=charge_planning, planning_clock=planning_clock,
+                      planner_token_price=planner_token_price)
 
 
 def _fixed_step_s(ctx: SimContext) -> float:

@@ -254,7 +254,7 @@ class _GroupPlanner:
                                    search_slice_us=h.search_slice_us)
         self.planner = LayerPlanner(settings, group, ctx.model.num_experts)
         self.budget = grant.replicas
-        self.inputs = PlanInputs(tuple(int(o) for o in self.owners), ctx.step_costs(group, grant.rematerialize),
+        self.inputs = PlanInputs(tuple(int(o) for o in self.owners), ctx.hecate_step_costs(group, grant.rematerialize),
                                  self.budget)
         self.timings: Dict[Any, LayerTime] = {}
         self.placements: Dict[Any, Placement] = {}
