@@ -16,22 +16,21 @@ import argparse
 import json
 from typing import Any, Dict, List, Optional, Sequence
 
-from .simulated import GRID_CLUSTERS, GRID_MODELS, best_baseline, cli_defaults
+from .simulated import BASELINES, GRID_CLUSTERS, GRID_MODELS, best_baseline, cli_defaults
 
 PRICES = (1.0, 0.1, 0.01, 0.0)
 
 
 def run_cell(cluster: str, model: str, workload: str, price: float, defaults: Dict[str, Any]) -> Dict[str, Any]:
     """One grid cell with Hecate's planners pricing token traffic at ``price``; the figures the table prints."""
-    from ds_hecate.sim.core import SYSTEMS, simulate
+    from ds_hecate.sim.core import simulate
 
-    result = simulate(cluster, model, workload, systems=list(SYSTEMS), steps=defaults["steps"],
+    result = simulate(cluster, model, workload, systems=["ep", *BASELINES, "hecate"], steps=defaults["steps"],
                       warmup=defaults["warmup"], seed=defaults["seed"], spag=defaults["spag"],
                       planner_token_price=price)
-    systems = {name: {"speedup_vs_ep": r.speedup_vs_ep, "step_time_s": r.step_time_s} for name, r in
-               result.systems.items()}
     hecate = result.systems["hecate"]
-    baseline, baseline_speedup = best_baseline({"systems": systems})
+    baseline, baseline_speedup = best_baseline(
+        {"systems": {name: {"speedup_vs_ep": r.speedup_vs_ep} for name, r in result.systems.items()}})
     return {"cluster": cluster, "model": model, "workload": workload, "token_price": price,
             "hecate_step_s": hecate.step_time_s, "hecate_vs_ep": hecate.speedup_vs_ep,
             "imbalance": hecate.imbalance, "force_balanced_fraction": hecate.force_balanced_fraction,
