@@ -13,23 +13,24 @@ import torch
 VOCAB, SEQ = 64, 8
 
 
-def tiny_config(kind: str):
-    """Tiny random configs (no download); 4 routed experts, top-2, router logits on so the aux loss is in the loss."""
+def tiny_config(kind: str, experts: int = 4):
+    """Tiny random configs (no download); ``experts`` routed experts (4 by default), top-2, router logits on so the
+    aux loss is in the loss."""
     import transformers as tf
     common = dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
                   num_key_value_heads=1, max_position_embeddings=64, output_router_logits=True,
                   router_aux_loss_coef=0.02, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1,
                   eos_token_id=2, initializer_range=0.3)  # large init: experts move the loss visibly
     if kind == "mixtral":
-        return tf.MixtralConfig(intermediate_size=24, num_local_experts=4, num_experts_per_tok=2, **common)
+        return tf.MixtralConfig(intermediate_size=24, num_local_experts=experts, num_experts_per_tok=2, **common)
     if kind == "qwen3_moe":
-        return tf.Qwen3MoeConfig(intermediate_size=24, moe_intermediate_size=12, num_experts=4, num_experts_per_tok=2,
+        return tf.Qwen3MoeConfig(intermediate_size=24, moe_intermediate_size=12, num_experts=experts, num_experts_per_tok=2,
                                  head_dim=8, decoder_sparse_step=1, norm_topk_prob=True, **common)
     if kind == "qwen2_moe":
         return tf.Qwen2MoeConfig(intermediate_size=24, moe_intermediate_size=12, shared_expert_intermediate_size=20,
-                                 num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, **common)
+                                 num_experts=experts, num_experts_per_tok=2, decoder_sparse_step=1, **common)
     if kind == "olmoe":
-        return tf.OlmoeConfig(intermediate_size=12, num_experts=4, num_experts_per_tok=2, **common)
+        return tf.OlmoeConfig(intermediate_size=12, num_experts=experts, num_experts_per_tok=2, **common)
     if kind == "deepseek_v3":
         c = dict(common)
         c.pop("output_router_logits")
@@ -37,7 +38,7 @@ def tiny_config(kind: str):
         # Multi-head latent attention has one key/value head per query head: transformers 5.24 enforces it
         # (5.10 ignored a smaller num_key_value_heads).
         c["num_key_value_heads"] = c["num_attention_heads"]
-        return tf.DeepseekV3Config(intermediate_size=24, moe_intermediate_size=12, n_routed_experts=4,
+        return tf.DeepseekV3Config(intermediate_size=24, moe_intermediate_size=12, n_routed_experts=experts,
                                    n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
                                    first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=8, qk_rope_head_dim=4,
                                    qk_nope_head_dim=4, v_head_dim=4, **c)
@@ -48,9 +49,11 @@ def tiny_config(kind: str):
 
 
 class TokenData(torch.utils.data.Dataset):
-    def __init__(self, n: int, seed: int = 123) -> None:
+    """``n`` random sequences of token ids from ``[3, high)`` (the whole vocabulary by default)."""
+
+    def __init__(self, n: int, seed: int = 123, high: int = VOCAB) -> None:
         g = torch.Generator().manual_seed(seed)
-        self.ids = torch.randint(3, VOCAB, (n, SEQ), generator=g)
+        self.ids = torch.randint(3, high, (n, SEQ), generator=g)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -59,11 +62,15 @@ class TokenData(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-def ds_config(stage: int, hecate: bool, ds_optimizer: bool = True) -> Dict[str, Any]:
-    """A DeepSpeed config as HF users write it: "auto" everywhere the Trainer fills values in."""
+def ds_config(stage: int, hecate: bool, ds_optimizer: bool = True,
+              leaf_classes: Optional[List[str]] = None) -> Dict[str, Any]:
+    """A DeepSpeed config as HF users write it: "auto" everywhere the Trainer fills values in. ``leaf_classes``:
+    ZeRO-3's ``leaf_module.classes`` (None: DeepSpeed's default list)."""
     zero: Dict[str, Any] = {"stage": stage}
     if stage == 3:
         zero["stage3_gather_16bit_weights_on_model_save"] = True
+    if leaf_classes is not None:
+        zero["leaf_module"] = {"classes": list(leaf_classes)}
     if hecate:
         zero["hecate"] = {"enabled": True, "log_conversion": False}
     cfg: Dict[str, Any] = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
@@ -93,16 +100,24 @@ def trainer_run(case: Dict[str, Any], workdir: str) -> Dict[str, Any]:
     args = tf.TrainingArguments(
         output_dir=out_dir, per_device_train_batch_size=2, gradient_accumulation_steps=case.get("gas", 1),
         max_steps=case.get("steps", 10), learning_rate=case.get("lr", 5e-3), max_grad_norm=case.get("clip", 1.0),
-        weight_decay=0.01, logging_steps=1, save_strategy="steps" if case.get("save_steps") else "no",
+        weight_decay=0.01, adam_epsilon=case.get("adam_epsilon", 1e-8), logging_steps=1, save_strategy="steps" if case.get("save_steps") else "no",
         save_steps=case.get("save_steps") or 500, report_to=[], use_cpu=True, seed=0, data_seed=0,
         gradient_checkpointing=case.get("grad_ckpt", False), disable_tqdm=True, dataloader_num_workers=0,
-        deepspeed=ds_config(stage, hecate, case.get("ds_optimizer", True)), lr_scheduler_type="linear",
+        deepspeed=ds_config(stage, hecate, case.get("ds_optimizer", True), case.get("leaf_classes")),
+        lr_scheduler_type="linear",
         save_only_model=False)
     deepspeed.init_distributed(dist_backend="gloo")  # before from_config under ZeRO-3 (zero.Init reads the world)
     torch.manual_seed(0)
-    model = tf.AutoModelForCausalLM.from_config(tiny_config(kind), dtype=torch.float32)
+    if case.get("pretrained"):  # the same initial weights whatever the stage (zero.Init draws them otherwise)
+        model = tf.AutoModelForCausalLM.from_pretrained(case["pretrained"], dtype=torch.float32)
+    else:
+        model = tf.AutoModelForCausalLM.from_config(tiny_config(kind, case.get("experts", 4)), dtype=torch.float32)
     n = 2 * 2 * case.get("gas", 1) * case.get("steps", 10)
-    trainer = tf.Trainer(model=model, args=args, train_dataset=TokenData(n))
+    # "skewed": every rank its own data, rank 0's from a narrow band of the vocabulary (its tokens route to a few
+    # experts, rank 1's everywhere), so the ranks' routing differs; else one data set the sampler splits
+    data = (TokenData(n, seed=100 + rank_of_world(), high=11 if rank_of_world() == 0 else VOCAB)
+            if case.get("routing") == "skewed" else TokenData(n))
+    trainer = tf.Trainer(model=model, args=args, train_dataset=data)
     # resume_from: (case name, step): continue from that case's Trainer checkpoint, as `--resume_from_checkpoint`
     resume = case.get("resume_from")
     trainer.train(resume_from_checkpoint=os.path.join(workdir, resume[0], f"checkpoint-{resume[1]}")
@@ -122,6 +137,7 @@ def trainer_run(case: Dict[str, Any], workdir: str) -> Dict[str, Any]:
         takeover = hecate_of(trainer.model)
         result["ds_hecate_num_parameters"] = num_parameters(trainer.model)
         result["hecate_layers"] = list(takeover.runtime.layer_names) if takeover else []
+        result["hecate_layer_stats"] = takeover.runtime.stats()["layers"] if takeover else []
     if case.get("final_state"):  # fp32 weights after the last step: dense (ZeRO-1/2) and Hecate's expert masters
         from ds_hecate.hf import hecate_of
         result["dense"] = {n: p.detach().float().clone() for n, p in trainer.model_wrapped.module.named_parameters()}
@@ -146,6 +162,20 @@ def trainer_run(case: Dict[str, Any], workdir: str) -> Dict[str, Any]:
     trainer.accelerator.free_memory()
     del trainer
     return result
+
+
+def save_random_model(kind: str, experts: int, directory: str) -> str:
+    """A randomly initialized tiny model (seed 0) saved as a pretrained folder, for runs that must start from the
+    same weights at different ZeRO stages (single process; no DeepSpeed)."""
+    import transformers as tf
+    torch.manual_seed(0)
+    tf.AutoModelForCausalLM.from_config(tiny_config(kind, experts), dtype=torch.float32).save_pretrained(directory)
+    return directory
+
+
+def rank_of_world() -> int:
+    import torch.distributed as dist
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def run_cases(rank: int, world_size: int, cases: List[Dict[str, Any]], workdir: str) -> List[Optional[dict]]:

@@ -37,11 +37,31 @@ class FusedExpertSlice(nn.Module):
         return F.linear(self.act_fn(gate) * up, self.down_proj)
 
 
-def fused_expert_kernel(gate_up_shape: torch.Size, down_shape: torch.Size, act_fn: Callable) -> ExpertKernel:
+def hook_free(act_fn: Callable, where: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``act_fn`` as a plain function: a module's own ``forward``, which runs none of the module's hooks.
+
+    Why: the experts module's ``act_fn`` is a submodule of the model, and under ZeRO-3 every submodule outside a
+    leaf carries DeepSpeed's forward/backward hooks, which record each call into a per-rank module trace that the
+    ranks must agree on. Hecate runs the activation once per materialized expert (the loop) or once per call
+    (grouped), a number that depends on the rank's placement and tokens; called through the module it made the
+    traces differ (OLMoE, DeepSeek-V3 or any model with ``leaf_module.classes: []``: a list-length disagreement
+    or a hang). An activation with parameters would need ZeRO-3 to gather them, so it is refused by name."""
+    if not isinstance(act_fn, nn.Module):
+        return act_fn
+    if any(True for _ in act_fn.parameters()) or any(True for _ in act_fn.buffers()):
+        raise HecateModelError(f"{where}: the activation {type(act_fn).__name__} has parameters or buffers; Hecate "
+                               "runs parameter-free activations only (see docs/huggingface.md#adding-an-architecture)")
+    return act_fn.forward
+
+
+def fused_expert_kernel(gate_up_shape: torch.Size, down_shape: torch.Size, act_fn: Callable,
+                        where: str = "experts module") -> ExpertKernel:
     """An :class:`ExpertKernel` for one fused HF expert, whose form does HF's eager arithmetic:
-    ``gate, up = linear(x, gate_up).chunk(2)``, ``linear(act(gate) * up, down)`` (per expert or grouped)."""
-    return ExpertKernel(FusedExpertSlice(gate_up_shape, down_shape, act_fn),
-                        form=FFNForm(act=act_fn, gate_up="gate_up_proj", down="down_proj"))
+    ``gate, up = linear(x, gate_up).chunk(2)``, ``linear(act(gate) * up, down)`` (per expert or grouped). The
+    activation runs hook-free (:func:`hook_free`)."""
+    act = hook_free(act_fn, where)
+    return ExpertKernel(FusedExpertSlice(gate_up_shape, down_shape, act),
+                        form=FFNForm(act=act, gate_up="gate_up_proj", down="down_proj"))
 
 
 def hecate_experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,

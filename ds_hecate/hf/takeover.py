@@ -80,7 +80,8 @@ def _take_over(name: str, module: nn.Module, arch: MoEArchitecture, runtime) -> 
     else:
         full_gu, full_d = gate_up.detach(), down.detach()
     num_experts = full_gu.shape[0]
-    kernel = fused_expert_kernel(full_gu.shape[1:], full_d.shape[1:], module.act_fn)
+    kernel = fused_expert_kernel(full_gu.shape[1:], full_d.shape[1:], module.act_fn,
+                                 f"experts module '{name}' ({type(module).__name__})")
     local = {e: initial_master(torch.cat([full_gu[e].reshape(-1), full_d[e].reshape(-1)]), runtime.compute_dtype)
              for e in range(num_experts)}
     owners = even_sharding(num_experts, runtime.world_size)   # inside the rank's group
