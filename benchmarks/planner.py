@@ -50,7 +50,7 @@ from ds_hecate.planning.schedule_reuse import ScheduleReuse
 from ds_hecate.planning.cost_model import StepCostModel
 from ds_hecate.planning.scheduler import schedule_materialization
 from ds_hecate.planning.sharding import even_sharding
-from ds_hecate.runtime.layer import check_gate_health
+from ds_hecate.runtime.stops import gate_problem
 
 from .machine import cpu_model
 from .markdown import replace_block
@@ -134,7 +134,7 @@ def one_setting(ranks: int, experts: int, top_k: int, load: str, calls: int, see
         t0 = time.thread_time()
         host = exchanged.cpu().numpy()                            # what Communicator.exchange_counts returns
         call_counts = host[:, :experts]
-        check_gate_health(host[:, experts:], "bench", experts)   # the runtime's health check
+        gate_problem(host[:, experts:], "bench", experts, str)   # the runtime's health check
         after = plan_after_gate(call_counts, placement, schedule, COSTS, REPLICAS_PER_RANK, rpn,
                                 rank, cfg.calibration, cfg.plan_budget_us)
         critical_s.append(time.thread_time() - t0)

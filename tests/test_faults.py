@@ -48,8 +48,8 @@ def _bad_numbers_worker(rank: int, world: int, fault: str) -> str:
     return "NO ERROR"
 
 
-@pytest.mark.parametrize("fault,rank_text", [("nan", "non-finite gate values (NaN/Inf) on rank(s) [1]"),
-                                              ("out-of-range", "expert indices outside [0, 4) on rank(s) [0]")])
+@pytest.mark.parametrize("fault,rank_text", [("nan", "non-finite gate values (NaN/Inf) on global rank 1"),
+                                              ("out-of-range", "expert indices outside [0, 4) on global rank 0")])
 def test_bad_numbers_stop_every_rank_with_the_layer_named(fault, rank_text):
     messages = run_ranks(2, _bad_numbers_worker, fault, timeout=120)
     for message in messages:
@@ -81,7 +81,6 @@ def _arm_kill(phase: str, stamp: str, ckpt: str, kill_step: int, rank: int, step
     if step != kill_step:
         return
     if rank == 1:
-        import ds_hecate.deepspeed_glue.checkpoint as checkpoint
         from ds_hecate.comm.collectives import Communicator
         from ds_hecate.runtime.layer import LayerBinding
 
@@ -100,14 +99,15 @@ def _arm_kill(phase: str, stamp: str, ckpt: str, kill_step: int, rank: int, step
                 return exchange(self, *args, **kwargs)
             Communicator.exchange_rows = dying_exchange
         elif phase == "save-experts":  # its first expert file written, while writing the second
-            write, written = checkpoint._atomic_torch_save, []
+            from ds_hecate.deepspeed_glue.checkpoint_integrity import DigestingWriter
+            write, written = DigestingWriter.save, []
 
-            def dying_write(obj, path):
+            def dying_write(self, obj, path):
                 if written:
                     _die(stamp)
-                write(obj, path)
+                write(self, obj, path)
                 written.append(path)
-            checkpoint._atomic_torch_save = dying_write
+            DigestingWriter.save = dying_write
         else:  # save-deepspeed: every expert file written, while DeepSpeed writes this rank's optimizer state
             save = engine.checkpoint_engine.save
             engine.checkpoint_engine.save = lambda state, path: (_die(stamp) if "optim_states" in path
@@ -180,6 +180,28 @@ def test_a_save_killed_midway_leaves_latest_on_the_last_complete_checkpoint(kill
     assert not os.path.exists(os.path.join(tag, "zero_pp_rank_1_mp_rank_00_optim_states.pt"))
 
 
+def test_a_save_killed_midway_is_reported_and_refused_by_tag(killed_runs, capsys):
+    """The interrupted tag has no completion mark: ``ds-hecate check`` reports it incomplete (the complete one
+    beside it as complete), and loading it explicitly by tag is refused on every rank naming the missing mark."""
+    from dist_utils import run_ranks
+    from test_checkpoint import _load_tags
+
+    from ds_hecate.tools.cli import main
+
+    loads = []
+    for phase in ("save-experts", "save-deepspeed"):
+        ckpt = killed_runs[phase]["ckpt"]
+        capsys.readouterr()
+        assert main(["check", ckpt]) == 1
+        out = capsys.readouterr().out
+        assert f"global_step{SAVED_STEP} (latest): complete" in out, out
+        assert "global_step3: incomplete" in out and "complete.json is missing" in out, out
+        loads.append((ckpt, "global_step3"))
+    for r in run_ranks(2, _load_tags, loads):
+        for message in r["messages"]:
+            assert "global_step3 is an incomplete save: hecate/complete.json" in message and "missing" in message, message
+
+
 def test_last_complete_checkpoint_continues_exactly_after_each_kill(killed_runs, tmp_path):
     """Restarted from ``latest`` after each kill (one in a re-sharding among them), every expert is back with its
     optimizer state and training continues exactly as a run that was never interrupted."""
@@ -229,15 +251,19 @@ def test_nonfinite_expert_gradients_are_reported_in_the_step_statistics():
 
 
 def test_gate_health_check_names_the_flagged_ranks_at_scale():
-    """The exchanged health flags of 1,024 ranks: silent when healthy, and every flagged rank named otherwise."""
+    """The exchanged health flags of 1,024 ranks: silent when healthy, and every flagged rank named otherwise, by
+    its global name."""
     import numpy as np
-    from ds_hecate.errors import HecateError
-    from ds_hecate.runtime.layer import check_gate_health
+
+    from ds_hecate.planning.groups import ExpertGroups
+    from ds_hecate.runtime.stops import gate_problem
+
+    groups = ExpertGroups(2048, 1024, 8)
     flags = np.zeros((1024, 2), dtype=np.int64)
-    assert check_gate_health(flags, "moe.0", 256) is None
+    name = lambda i: groups.describe(groups.global_rank(1, i))   # noqa: E731 - group 1's communicator naming
+    assert gate_problem(flags, "moe.0", 256, name) is None
     flags[[7, 900], 0] = 1
     flags[1023, 1] = 1
-    with pytest.raises(HecateError) as err:
-        check_gate_health(flags, "moe.0", 256)
-    assert ("MoE layer 'moe.0': non-finite gate values (NaN/Inf) on rank(s) [7, 900] and expert indices outside "
-            "[0, 256) on rank(s) [1023]") in str(err.value)
+    assert gate_problem(flags, "moe.0", 256, name) == (
+        "MoE layer 'moe.0': non-finite gate values (NaN/Inf) on global rank 1031 (group 1, index 7), global rank 1924 "
+        "(group 1, index 900) and expert indices outside [0, 256) on global rank 2047 (group 1, index 1023)")

@@ -59,3 +59,33 @@ def test_restart_from_latest_continues_exactly(killed, tmp_path):
     assert clean[0]["hecate_stats"]["reshards"] >= 1
     assert_resumes_exactly(clean, loaded, SAVED_STEP, "groups kill")
     assert_loaded_every_expert(dump, WORLD, os.path.join(killed["ckpt"], f"global_step{SAVED_STEP}"), "groups kill")
+
+
+def _nan_input_on_rank3(rank: int, step: int, engine) -> None:
+    """Step hook: from step 1 on, global rank 3's input to the first MoE layer is NaN (its gate values follow)."""
+    if step == 1 and rank == 3:
+        moe = dict(engine.module.named_modules())["blocks.0.moe"]
+        moe.register_forward_pre_hook(lambda module, args: (args[0] * float("nan"),) + tuple(args[1:]))
+
+
+def test_a_nan_gate_in_one_group_stops_every_rank_of_every_group_with_the_same_error():
+    """NaN gate values on global rank 3 (group 1, index 1) of 4 ranks in 2 groups: every rank, the other group's
+    included, raises the same error naming the layer and the global rank, at the end of that forward (the stop
+    agreement), within seconds of each other; none dies of an unrelated collective error."""
+    from dist_utils import run_ranks_until_exit
+    from moe_training import train
+
+    spec = _group_spec(steps=3, step_hook=_nan_input_on_rank3)
+    ranks = run_ranks_until_exit(WORLD, train, spec, timeout=TIMEOUT_S + 120)
+    expected = ("HecateError: MoE layer 'blocks.0.moe': non-finite gate values (NaN/Inf) on global rank 3 (group 1, "
+                "index 1); ")   # then the next layer's, which the NaN reaches too
+    errors = []
+    for rank, result in enumerate(ranks):
+        assert result["exitcode"] not in (None, 0), (rank, result)
+        last = [line for line in (result["payload"] or "").splitlines() if line.strip()][-1]
+        errors.append(last)
+        assert expected in last and "every rank stops at the end of this forward, every group included" in last, \
+            (rank, result["payload"])
+    assert len(set(errors)) == 1, errors
+    times = [r["exit_time"] for r in ranks]
+    assert max(times) - min(times) < 10, times

@@ -53,6 +53,14 @@ class Communicator:
         self.weights: Transport = weight_transport if weight_transport is not None else self.transport
         self.device = torch.device(self.transport.device)
         self.activity = "work outside the MoE layers"  # what the caller is doing; named when a collective fails
+        #: how messages name this communicator's rank ``i`` (:meth:`name_ranks`: the global rank and group)
+        self.rank_name: Callable[[int], str] = lambda i: f"rank {i} of {self.world_size}"
+
+    def name_ranks(self, rank_name: Callable[[int], str]) -> "Communicator":
+        """Name this communicator's ranks in messages by ``rank_name(index)`` (a group's communicator numbers its
+        ranks inside the group; users know global ranks)."""
+        self.rank_name = rank_name
+        return self
 
     @property
     def separate_weight_traffic(self) -> bool:
@@ -80,7 +88,7 @@ class Communicator:
             limit = (f"hecate.collective_timeout_s = {self.timeout_s:g} s" if self.timeout_s
                      else "the process group's timeout")
             raise HecateCollectiveError(
-                f"Hecate collective '{collective}' failed on rank {self.rank} of {self.world_size} during "
+                f"Hecate collective '{collective}' failed on {self.rank_name(self.rank)} during "
                 f"{self.activity} ({cause}). Another rank probably died or stopped responding; Hecate's collectives "
                 f"wait at most {limit}. See the other ranks' logs.") from exc
 
@@ -274,7 +282,7 @@ class Communicator:
         numel = grads.shape[1]
         owned = owned_experts_of(placement, self.rank)
         if tuple(experts[:len(owned)]) != tuple(owned):
-            raise HecateError(f"SparseReduceScatter on rank {self.rank}: the gradient rows start with experts "
+            raise HecateError(f"SparseReduceScatter on {self.rank_name(self.rank)}: the gradient rows start with experts "
                               f"{list(experts[:len(owned)])}, not the owned {owned}")
         own_grads = grads[:len(owned)]
 

@@ -5,10 +5,12 @@ Layout, next to DeepSpeed's own files in ``<save_dir>/<tag>/``::
     hecate/meta.json                      layers (names, parameter layout, sharding), scheduler state, format
     hecate/layer000_expert00003.pt        {"master": fp32 vector, "state": {optimizer state tensors}}
 
-Each owner of the first group writes its experts (write to a temporary name, then rename); with groups
+Each owner of the first group writes its experts (write to a temporary name, then rename; each file's SHA-256 and
+size go into ``meta.json``, verified before anything loads: :mod:`.checkpoint_integrity`); with groups
 (``hecate.ep_size``) every group holds the same experts, so one group's copy is the checkpoint, its expert-data-
 parallel slices gathered first when the expert state is partitioned. All ranks meet at a barrier before DeepSpeed
-writes its files and, last, ``latest``, so ``latest`` never names a checkpoint with experts missing. Materialized
+writes its files; then ``hecate/complete.json`` marks the tag complete and, last, ``latest`` names it, so ``latest``
+never names a checkpoint with files missing, and loading a tag without the mark is refused. Materialized
 replicas are never saved. Loading reads the files of the experts a rank owns, whatever world size and group size
 saved them (with the saved sharding when the group size is the same, else an even one; partitioned, each rank
 keeps its slice), validates the model against ``meta.json`` and refuses to load partially: any missing, truncated
@@ -24,21 +26,19 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 from torch import nn
 
+from . import checkpoint_integrity as integrity
 from ..errors import HecateError
+from ..logging_utils import logger
 from ..planning import even_sharding
 
-FORMAT = "ds_hecate/1"
+FORMAT = "ds_hecate/2"
+#: Checkpoints written before expert-file digests and the completion mark: loaded unverified, with one warning.
+LEGACY_FORMAT = "ds_hecate/1"
 SUBDIR = "hecate"
 
 
 def expert_file(layer_id: int, expert: int) -> str:
     return f"layer{layer_id:03d}_expert{expert:05d}.pt"
-
-
-def _atomic_torch_save(obj: Any, path: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
 
 
 def _layer_meta(rt) -> List[Dict[str, Any]]:
@@ -56,7 +56,9 @@ def _planner_state(rt) -> List[Dict[str, Any]]:
 
 
 def save(rt, checkpoint_dir: str) -> None:
-    """Write the first group's experts and (rank 0) the metadata into ``checkpoint_dir/hecate``. Collective."""
+    """Write the first group's experts and (rank 0) the metadata, with every expert file's digest, into
+    ``checkpoint_dir/hecate``. Collective. An old completion mark of the same tag is removed before any rank
+    writes (:func:`.checkpoint_integrity.start_overwrite`)."""
     from ..runtime.edp import whole_masters
 
     rt.drop_pending()
@@ -64,30 +66,45 @@ def save(rt, checkpoint_dir: str) -> None:
     layout = rt.layout
     directory = os.path.join(checkpoint_dir, SUBDIR)
     os.makedirs(directory, exist_ok=True)
-    for binding in rt.bindings:
-        shard = binding.shard
-        masters, states = whole_masters(rt, shard, with_state=True)   # partitioned: collective over the peers
-        if layout.edp_index != 0:   # every group holds the same experts: the first group's copy is saved
-            continue
-        for e in shard.owned:
-            # Host copies: the files do not depend on which device (or how many) saved them.
-            _atomic_torch_save({"master": masters[e].detach().cpu().clone(),
-                                "state": {k: v.detach().cpu().clone() if torch.is_tensor(v) else v
-                                          for k, v in states[e].items()}},
-                               os.path.join(directory, expert_file(shard.layer_id, e)))
-    # every group's planner state (the group's rank 0 holds it), for an exact resume on the same layout
-    groups = layout.world.all_gather_object(_planner_state(rt) if rt.rank == 0 else None,
-                                            "checkpoint planner-state gather")
     if layout.global_rank == 0:
+        integrity.start_overwrite(checkpoint_dir, SUBDIR)
+    layout.world.barrier("checkpoint-save start barrier")
+    with integrity.DigestingWriter() as writer:
+        for binding in rt.bindings:
+            shard = binding.shard
+            masters, states = whole_masters(rt, shard, with_state=True)   # partitioned: collective over the peers
+            if layout.edp_index != 0:   # every group holds the same experts: the first group's copy is saved
+                continue
+            for e in shard.owned:
+                # Host copies: the files do not depend on which device (or how many) saved them.
+                writer.save({"master": masters[e].detach().cpu().clone(),
+                             "state": {k: v.detach().cpu().clone() if torch.is_tensor(v) else v
+                                       for k, v in states[e].items()}},
+                            os.path.join(directory, expert_file(shard.layer_id, e)))
+    # every group's planner state (the group's rank 0 holds it), for an exact resume on the same layout, and every
+    # writer's file digests
+    gathered = layout.world.all_gather_object((_planner_state(rt) if rt.rank == 0 else None, writer.records),
+                                              "checkpoint planner-state gather")
+    if layout.global_rank == 0:
+        files = {name: record for _, records in gathered for name, record in records.items()}
         meta = {"format": FORMAT, "world_size": layout.groups.world_size, "ep_size": rt.world_size,
-                "layers": _layer_meta(rt), "groups": [g for g in groups if g is not None],
+                "layers": _layer_meta(rt), "groups": [g for g, _ in gathered if g is not None],
                 "steps_applied": rt.steps_applied, "steps_skipped": rt.steps_skipped, "reshards": rt.reshards,
-                "measured_costs": rt.measured}
+                "measured_costs": rt.measured, "files": dict(sorted(files.items()))}
         tmp = os.path.join(directory, "meta.json.tmp")
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(meta, f)
         os.replace(tmp, os.path.join(directory, "meta.json"))
     layout.world.barrier("checkpoint-save barrier")
+
+
+def mark_complete(rt, checkpoint_dir: str, tag: str) -> None:
+    """Once every rank's files of the tag (DeepSpeed's and Hecate's) are written: rank 0 writes the completion
+    mark and removes what interrupted saves of this tag left behind. Collective (ends with a barrier)."""
+    if rt.layout.global_rank == 0:
+        integrity.write_marker(checkpoint_dir, tag, SUBDIR)
+        integrity.remove_leftovers(checkpoint_dir)
+    rt.layout.world.barrier("checkpoint completion barrier")
 
 
 def write_latest(rt, save_dir: str, tag: str, writer: bool) -> None:
@@ -138,9 +155,43 @@ def read_meta(meta_path: str) -> Dict[str, Any]:
     return meta
 
 
+def check_format(meta: Dict[str, Any], checkpoint_dir: str, warn: bool = True) -> Optional[Dict[str, Any]]:
+    """The file digests of a checkpoint whose save completed; None for a legacy checkpoint (no digests, no mark:
+    read unverified, with a warning when ``warn``). Raises naming what is missing when the save did not complete."""
+    form = meta.get("format")
+    if form == LEGACY_FORMAT:
+        if warn:
+                logger.warning(f"{checkpoint_dir} was saved before ds_hecate recorded expert-file digests (format "
+                           f"{LEGACY_FORMAT}); its expert files are loaded without verification")
+        return None
+    if form != FORMAT:
+        raise HecateError(f"{checkpoint_dir}: unknown Hecate checkpoint format {form!r} (expected {FORMAT} or "
+                          f"{LEGACY_FORMAT})")
+    problems = integrity.completeness_problems(checkpoint_dir, SUBDIR, lambda rel: _describe_file(meta, rel))
+    if problems:
+        raise HecateError(f"{checkpoint_dir} is an incomplete save: {'; '.join(problems[:4])}"
+                          f"{' ...' if len(problems) > 4 else ''}; load an earlier tag ('latest' names the last "
+                          "complete one)")
+    files = meta.get("files")
+    if not isinstance(files, dict):
+        raise HecateError(f"{checkpoint_dir}: {SUBDIR}/meta.json has no file digests; the checkpoint is damaged")
+    return files
+
+
+def _describe_file(meta: Dict[str, Any], rel: str) -> str:
+    """A checkpoint file as the user knows it: an expert file names its expert and layer."""
+    name = os.path.basename(rel)
+    layers = meta.get("layers") or []
+    if os.path.dirname(rel) == SUBDIR and name.startswith("layer") and "_expert" in name:
+        try:
+            layer_id, expert = int(name[5:8]), int(name[15:20])
+            return f"expert {expert} of MoE layer '{layers[layer_id]['name']}' ({rel})"
+        except (ValueError, IndexError, KeyError, TypeError):
+            pass
+    return rel
+
+
 def _check_meta(rt, meta: Dict[str, Any], where: str) -> None:
-    if meta.get("format") != FORMAT:
-        raise HecateError(f"{where}: unknown Hecate checkpoint format {meta.get('format')!r} (expected {FORMAT})")
     saved = meta["layers"]
     if len(saved) != len(rt.bindings):
         raise HecateError(f"{where}: checkpoint has {len(saved)} MoE layers, the model has {len(rt.bindings)}")
@@ -166,10 +217,15 @@ def prepare_load(rt, checkpoint_dir: str, load_optimizer_states: bool = True) ->
     owners_per_layer: List[tuple] = []
     meta: Dict[str, Any] = {}
     try:
+        if not os.path.isfile(meta_path) and os.path.isdir(directory):
+            raise HecateError(f"{checkpoint_dir} is an incomplete save: {SUBDIR}/{integrity.MARKER} and "
+                              f"{SUBDIR}/meta.json are missing; load an earlier tag ('latest' names the last complete "
+                              "one)")
         if not os.path.isfile(meta_path):
             raise HecateError(f"{checkpoint_dir} has no Hecate expert state ({meta_path} is missing); it was not "
                               "saved by a Hecate engine, or the save did not complete")
         meta = read_meta(meta_path)
+        digests = check_format(meta, checkpoint_dir, warn=rt.layout.global_rank == 0)   # once per job
         _check_meta(rt, meta, checkpoint_dir)
         same_group = _saved_group_size(meta) == rt.world_size
         for layer, binding in zip(meta["layers"], rt.bindings):
@@ -180,7 +236,8 @@ def prepare_load(rt, checkpoint_dir: str, load_optimizer_states: bool = True) ->
                 binding.check_saved_schedule(layer.get("schedule", {}))
             for e, owner in enumerate(owners):
                 if owner == rt.rank:
-                    loaded.setdefault(shard.layer_id, {})[e] = _read_expert(directory, checkpoint_dir, shard, e)
+                    loaded.setdefault(shard.layer_id, {})[e] = _read_expert(directory, checkpoint_dir, shard, e,
+                                                                            digests)
     except HecateError as exc:
         error = str(exc)
     gathered = rt.layout.world.all_gather_object((error, _state_keys(rt, loaded)), "checkpoint-load validation")
@@ -279,11 +336,27 @@ def _missing_state(gathered: List[tuple], checkpoint_dir: str) -> List[str]:
     return errors
 
 
-def _read_expert(directory: str, checkpoint_dir: str, shard, expert: int) -> Dict[str, Any]:
-    path = os.path.join(directory, expert_file(shard.layer_id, expert))
+def expert_record(digests: Optional[Dict[str, Any]], name: str, where: str) -> Optional[Dict[str, Any]]:
+    """The recorded digest of expert file ``name`` (None: a legacy checkpoint). A file the manifest does not list
+    is refused: it was not written by the save."""
+    if digests is None:
+        return None
+    record = digests.get(name)
+    if not isinstance(record, dict) or integrity.DIGEST not in record or "bytes" not in record:
+        raise HecateError(f"{where}: {SUBDIR}/meta.json records no digest for {name}; the checkpoint is damaged")
+    return record
+
+
+def _read_expert(directory: str, checkpoint_dir: str, shard, expert: int,
+                 digests: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    name = expert_file(shard.layer_id, expert)
+    path = os.path.join(directory, name)
     where = f"{checkpoint_dir}: expert {expert} of MoE layer '{shard.name}'"
     try:
-        blob = torch.load(path, map_location="cpu", weights_only=True)
+        data = integrity.read_verified(path, expert_record(digests, name, where), where)
+        blob = integrity.load_tensor_file(data)
+    except HecateError:
+        raise
     except Exception as exc:  # noqa: BLE001 - any unreadable file is reported by layer and expert
         raise HecateError(f"{where} cannot be loaded from {path}: {type(exc).__name__}: {exc}") from None
     master = blob.get("master") if isinstance(blob, dict) else None

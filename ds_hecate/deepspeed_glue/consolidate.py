@@ -14,7 +14,8 @@ from typing import Dict, Optional
 
 import torch
 
-from .checkpoint import SUBDIR, expert_file, read_meta
+from . import checkpoint_integrity as integrity
+from .checkpoint import SUBDIR, check_format, expert_file, expert_record, read_meta
 from ..errors import HecateError
 
 LAYOUTS = ("hecate", "deepspeed")
@@ -32,7 +33,8 @@ def resolve_tag(checkpoint_dir: str, tag: Optional[str]) -> str:
 
 def consolidated_state_dict(checkpoint_dir: str, tag: Optional[str] = None,
                             layout: str = "hecate") -> Dict[str, torch.Tensor]:
-    """Every parameter of the model, fp32, from a checkpoint written by a Hecate engine (any world size)."""
+    """Every parameter of the model, fp32, from a checkpoint written by a Hecate engine (any world size). A tag
+    whose save did not complete, or an expert file that does not match its recorded digest, is refused by name."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     if layout not in LAYOUTS:
@@ -43,6 +45,7 @@ def consolidated_state_dict(checkpoint_dir: str, tag: Optional[str] = None,
     if not os.path.isfile(meta_path):
         raise HecateError(f"{os.path.join(checkpoint_dir, tag)} has no Hecate expert state ({meta_path} is missing)")
     meta = read_meta(meta_path)
+    digests = check_format(meta, os.path.join(checkpoint_dir, tag))
     with contextlib.redirect_stdout(io.StringIO()):  # zero_to_fp32 prints progress
         dense = dict(get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag))
     out: Dict[str, torch.Tensor] = {}
@@ -56,12 +59,16 @@ def consolidated_state_dict(checkpoint_dir: str, tag: Optional[str] = None,
         prefix = (f"{layer['name']}.experts" if layout == "hecate"
                   else f"{layer['name']}.deepspeed_moe.experts.deepspeed_experts")
         for e in range(layer["num_experts"]):
-            path = os.path.join(directory, expert_file(layer_id, e))
+            name = expert_file(layer_id, e)
+            path = os.path.join(directory, name)
+            where = f"expert {e} of MoE layer '{layer['name']}'"
             try:
-                master = torch.load(path, map_location="cpu", weights_only=True)["master"]
+                data = integrity.read_verified(path, expert_record(digests, name, where), where)
+                master = integrity.load_tensor_file(data)["master"]
+            except HecateError:
+                raise
             except Exception as exc:  # noqa: BLE001 - named by layer and expert
-                raise HecateError(f"expert {e} of MoE layer '{layer['name']}' cannot be read from {path}: "
-                                  f"{type(exc).__name__}: {exc}") from None
+                raise HecateError(f"{where} cannot be read from {path}: {type(exc).__name__}: {exc}") from None
             offset = 0
             for name, shape in zip(layer["param_names"], layer["param_shapes"]):
                 numel = int(torch.Size(shape).numel())

@@ -3,6 +3,7 @@
 Hooks, all narrow:
 - ``save_checkpoint`` / ``load_checkpoint``: add the experts (``ds_hecate.deepspeed_glue.checkpoint``) around DeepSpeed's own.
 - ``clip_fp32_gradients`` (ZeRO stage 0): clips by the norm over dense and expert gradients.
+- ``forward``: with groups, the world agrees on a bad gate any group saw (every rank raises the same error).
 - ``backward``: completes the SparseReduceScatters issued asynchronously during backward.
 - ``step``: after DeepSpeed's own step (which decides overflow, computes the global norm and advances the LR
   schedule) the expert optimizer steps the owned shards with the same unscale/clip factor and the LR that applied;
@@ -36,8 +37,9 @@ class HecateEngine(DeepSpeedEngine):
 
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,
                         exclude_frozen_parameters=False):
-        """DeepSpeed's checkpoint plus every expert (``<tag>/hecate``), written before DeepSpeed's files and
-        ``latest``, so ``latest`` never points at a checkpoint whose experts are incomplete.
+        """DeepSpeed's checkpoint plus every expert (``<tag>/hecate``), written before DeepSpeed's files; then the
+        completion mark (``<tag>/hecate/complete.json``) and ``latest``, so ``latest`` never points at a checkpoint
+        whose files are incomplete, and a tag whose save did not complete is refused by name.
 
         ``latest`` is written here, once every rank has written its DeepSpeed files too: DeepSpeed's rank 0 writes
         it as soon as its own files are written, so a rank dying while it writes its optimizer state would leave
@@ -50,9 +52,21 @@ class HecateEngine(DeepSpeedEngine):
         commit_here = save_latest and not self.checkpoint_engine.is_decoupled()
         result = super().save_checkpoint(save_dir, tag, client_state, save_latest and not commit_here,
                                          exclude_frozen_parameters)  # ends with a barrier: every rank's files are in
+        if not self.checkpoint_engine.is_decoupled():   # a decoupled engine's files are complete at its commit
+            checkpoint.mark_complete(self.hecate, os.path.join(save_dir, tag), tag)
         if commit_here:
             checkpoint.write_latest(self.hecate, save_dir, tag, self.global_rank == 0)
         return result
+
+    def _commit_decoupled_checkpoint(self):
+        """A decoupled checkpoint engine (DeepSpeed's asynchronous writers) persists the files at its commit: the
+        completion mark goes after the commit and before ``latest``, as in a synchronous save."""
+        info = self.checkpoint_engine.get_commit_info()
+        if info is None:
+            return
+        self.checkpoint_engine.commit(info)
+        checkpoint.mark_complete(self.hecate, os.path.join(info.save_dir, info.tag), info.tag)
+        checkpoint.write_latest(self.hecate, info.save_dir, info.tag, self.global_rank == 0 and info.save_latest)
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
@@ -78,6 +92,13 @@ class HecateEngine(DeepSpeedEngine):
             if load_optimizer_states and not load_module_only and self.hecate.optimizer is not None:
                 self.hecate.optimizer.add_initial_step(None)  # the loaded state already holds DeepSpeed's
             self.hecate.global_steps = self.global_steps  # trace step numbers continue from the checkpoint
+        return result
+
+    def forward(self, *inputs, **kwargs):
+        """DeepSpeed's forward, then (with groups) the world's agreement on any bad gate a group saw, so every rank
+        of every group stops here with the same error (``ds_hecate.runtime.stops``)."""
+        result = super().forward(*inputs, **kwargs)
+        self.hecate.stops.agree()
         return result
 
     def clip_fp32_gradients(self):

@@ -193,6 +193,7 @@ def build_runtime(hcfg: HecateConfig, ds_config: Dict[str, Any], model: Optional
         comm = build_communicator(hcfg.comm_backend, group, rank, world, device,
                                   timeout_s=hcfg.collective_timeout_s, weight_group=weight_group,
                                   device_kernels=hcfg.device_kernels)
+        comm.name_ranks(groups.describe)
         layout = GroupLayout.single(comm, rpn)
         release_gloo_works_at_exit([group, weight_group])
     else:
@@ -207,6 +208,9 @@ def build_runtime(hcfg: HecateConfig, ds_config: Dict[str, Any], model: Optional
         world_comm = Communicator(world_group, rank, world, timeout_s=hcfg.collective_timeout_s, device=device)
         edp = Communicator(peers[local], mine, groups.num_groups, timeout_s=hcfg.collective_timeout_s,
                            device=device)
+        comm.name_ranks(lambda i: groups.describe(groups.global_rank(mine, i)))
+        world_comm.name_ranks(groups.describe)
+        edp.name_ranks(lambda g: groups.describe(groups.global_rank(g, local)))
         layout = GroupLayout(groups, rank, world_comm, edp, partitioned=_zero_stage(ds_config) >= 1)
         release_gloo_works_at_exit(tokens + weights + peers + [world_group])
     runtime = HecateRuntime(hcfg, comm, _compute_dtype(ds_config), rpn, layout)

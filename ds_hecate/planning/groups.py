@@ -154,6 +154,13 @@ class ExpertGroups:
     def all_groups(self) -> List[Tuple[int, ...]]:
         return [self.group_ranks(g) for g in range(self.num_groups)]
 
+    def describe(self, rank: int) -> str:
+        """How messages name a rank: its global rank, and with several groups its group and index in it
+        (``global rank 2 (group 1, index 0)``)."""
+        if self.num_groups == 1:
+            return f"global rank {rank}"
+        return f"global rank {rank} (group {self.group_of(rank)}, index {self.local_rank(rank)})"
+
 
 def _in_range(name: str, value: int, low: int, high: int) -> None:
     if not low <= value < high:

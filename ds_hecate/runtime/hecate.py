@@ -26,6 +26,7 @@ from .layer import LayerBinding, in_backward_pass
 from .phases import PHASES
 from .profiling import WARM_PROFILE_STEP, expert_work, measure_costs
 from .shard_store import ExpertShardStore, LayerShard
+from .stops import Stops
 from .timing import DeviceClock
 
 if TYPE_CHECKING:   # installed by the DeepSpeed glue (initialize); the runtime only calls its step
@@ -56,6 +57,7 @@ class HecateRuntime:
         self.rank = comm.rank   # in the group
         self.world_size = comm.world_size   # the group's size, hecate.ep_size
         self.layout = layout if layout is not None else GroupLayout.single(comm, ranks_per_node)
+        self.stops = Stops(self.layout)   # bad gates: every rank of every group stops with the same error
         self.compute_dtype = compute_dtype
         compute = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(compute_dtype, "fp32")
         wire = {"bf16": torch.bfloat16, "fp32": torch.float32}

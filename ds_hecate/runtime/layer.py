@@ -44,23 +44,6 @@ def in_backward_pass() -> bool:
     return current is not None and current() != -1
 
 
-def check_gate_health(flags: np.ndarray, layer: str, num_experts: int) -> None:
-    """Raise on every rank alike when any rank flagged its gate (``flags``: the exchanged ``[ranks, 2]`` non-finite
-    and out-of-range flags). One reduction on the healthy path: a loop over 1,024 ranks would cost the critical
-    path a millisecond."""
-    if not flags.any():
-        return
-    nonfinite = np.flatnonzero(flags[:, 0]).tolist()
-    out_of_range = np.flatnonzero(flags[:, 1]).tolist()
-    problems = []
-    if nonfinite:
-        problems.append(f"non-finite gate values (NaN/Inf) on rank(s) {nonfinite}")
-    if out_of_range:
-        problems.append(f"expert indices outside [0, {num_experts}) on rank(s) {out_of_range}")
-    raise HecateError(f"MoE layer '{layer}': " + " and ".join(problems) +
-                      "; every rank stops here (check the inputs and the learning rate of this layer)")
-
-
 def slot_histogram(flat: torch.Tensor, gates: torch.Tensor, num_experts: int) -> torch.Tensor:
     """This rank's row of the count exchange, built on the device without reading it: token-expert pairs per
     expert, then the health flags (any non-finite gate value; routes to an expert id outside ``[0, E)``). A scatter
@@ -271,8 +254,10 @@ class LayerBinding:
         arithmetic (:mod:`ds_hecate.ops.combine`: ``"deepspeed"`` or ``"hf"``).
 
         ``gates`` also feeds the health check: non-finite gate values or expert ids out of range travel with the
-        count exchange, so every rank learns of a bad rank at the same collective and all raise together. The
-        count exchange is the call's only host read of the device (``tests/test_host_syncs.py`` counts them).
+        count exchange, so every rank of the group learns of a bad rank at the same collective; with one group all
+        raise there, with several the whole world agrees at the end of the forward (:mod:`.stops`; out-of-range
+        routes are out of every count, so the call runs as if they were dropped). The count exchange is the
+        call's only host read of the device (``tests/test_host_syncs.py`` counts them).
         """
         rt, shard = self.runtime, self.shard
         rank, num_experts = rt.rank, shard.num_experts
@@ -286,7 +271,7 @@ class LayerBinding:
         with self.timed("counts"):
             exchanged = rt.comm.exchange_counts(slot_histogram(flat, gates, num_experts))
             counts = exchanged[:, :num_experts]   # [ranks, experts] int64 on the host: the planner's input
-            check_gate_health(exchanged[:, num_experts:], shard.name, num_experts)
+            rt.stops.check_gate(exchanged[:, num_experts:], shard.name, num_experts, rt.comm.rank_name)
         with self.timed("plan"):
             if recompute:
                 # The same gathers as the forward's, so the buffer holds its experts in the same rows (one gather of

@@ -38,6 +38,30 @@ def _export_hf(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check(args: argparse.Namespace) -> int:
+    """One line per tag (complete, legacy, incomplete or damaged, with what is wrong); exit 1 when any checked tag
+    cannot be loaded."""
+    from ..deepspeed_glue.checkpoint_status import hecate_tags, latest_tag, tag_status
+
+    tags = [args.tag] if args.tag else hecate_tags(args.save_dir)
+    if not tags:
+        print(f"{args.save_dir}: no tag with Hecate state (no <tag>/hecate folder)")
+        return 1
+    latest = latest_tag(args.save_dir)
+    bad = 0
+    for tag in tags:
+        status = tag_status(args.save_dir, tag, verify=not args.no_verify)
+        bad += not status.loadable
+        note = f", {status.verified_files} expert file(s) verified" if status.verified_files else ""
+        print(f"{tag}{' (latest)' if tag == latest else ''}: {status.state}{note}")
+        for problem in status.problems:
+            print(f"  - {problem}")
+        if status.leftovers:
+            print(f"  - temporary files of an interrupted save (removed by the next completed save of this tag): "
+                  f"{', '.join(status.leftovers)}")
+    return 1 if bad else 0
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="ds-hecate", description="ds_hecate tools")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -64,6 +88,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     export_hf.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="weights dtype")
     export_hf.add_argument("--output", "-o", required=True, help="output directory (from_pretrained loads it)")
     export_hf.set_defaults(run=_export_hf)
+    check = sub.add_parser("check", help="which checkpoint tags are complete, incomplete (a save that did not finish) "
+                                         "or damaged; verifies every expert file's digest")
+    check.add_argument("save_dir", help="the save_dir given to engine.save_checkpoint")
+    check.add_argument("--tag", default=None, help="check this tag only (default: every tag with Hecate state)")
+    check.add_argument("--no-verify", action="store_true", help="skip reading the expert files (marks and sizes only)")
+    check.set_defaults(run=_check)
     from ..sim.cli import add_parsers as add_sim_parsers
     add_sim_parsers(sub)   # simulate, plan
     args = parser.parse_args(argv)
