@@ -112,6 +112,7 @@ def _train(rank: int, world: int, device: str, kind: str, dtype_name: str, resha
         # checkpoint round trip: save, perturb, load, same masters and optimizer state
         directory = os.path.join(tempfile.gettempdir(), f"hecate_dev_ckpt_{os.environ['MASTER_PORT']}")
         checkpoint.save(rt, directory)
+        checkpoint.mark_complete(rt, directory, "tag")   # as the engine does once DeepSpeed's files are written
         before = {e: p.detach().cpu().clone() for e, p in rt.bindings[0].shard.masters.items()}
         for p in rt.store.parameters():
             p.data.add_(1.0)

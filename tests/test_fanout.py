@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from dist_utils import run_ranks
+from ds_hecate.comm.buffers import TensorAccumulator
 from ds_hecate.planning import Placement
 from ds_hecate.planning.cost_model import StepCostModel, estimate_layer
 from ds_hecate.planning.fanout import RelayPlan, node_fanout, relay_parents, relay_transfers, tree_transfers
@@ -161,8 +162,9 @@ def _collectives(rank, world, placement, fanout, numel, seed, rpn=2, chunks=1, f
     else:
         grads = torch.stack([torch.full((numel,), float(1 + rank * 7 + e)) for e in gathered.experts])
     accumulator = torch.zeros(gathered.owned, numel)
-    finish = comm.start_sparse_reduce_scatter(placement, gathered.experts, grads, torch.float32, counters,
-                                              lambda: accumulator, relay=plan)
+    finish = comm.start_sparse_reduce_scatter(placement, gathered.experts, grads[:gathered.owned],
+                                              grads[gathered.owned:], torch.float32, counters,
+                                              TensorAccumulator(accumulator), relay=plan)
     reduce_started = len(exchanges) - gather_total
     finish()
     return {"issued_at_start": (gather_started, reduce_started),

@@ -57,6 +57,7 @@ def collectives(comm, dev) -> Dict[str, bool]:
     """Every Hecate collective over ``comm`` on 1 rank, checked (the owned experts go through the device ops)."""
     import torch
 
+    from ds_hecate.comm.buffers import TensorAccumulator
     from ds_hecate.comm.collectives import CommCounters
     from ds_hecate.planning import Placement
     checks = {}
@@ -67,11 +68,11 @@ def collectives(comm, dev) -> Dict[str, bool]:
     masters = {e: torch.randn(numel).to(dev) for e in range(experts)}
     gathered = comm.start_sparse_all_gather(placement, masters, numel, torch.bfloat16, CommCounters()).wait()
     checks["sparse_all_gather"] = (gathered.experts == tuple(range(experts)) and all(
-        torch.equal(gathered.buffer[e], masters[e].to(torch.bfloat16)) for e in range(experts)))
+        torch.equal(gathered.flats()[e], masters[e].to(torch.bfloat16)) for e in range(experts)))
     grads = torch.randn(experts, numel).to(dev)
     accumulator = torch.ones(experts, numel, device=dev)
-    comm.start_sparse_reduce_scatter(placement, gathered.experts, grads, torch.float32, CommCounters(),
-                                     lambda: accumulator)()
+    comm.start_sparse_reduce_scatter(placement, gathered.experts, grads[:gathered.owned], grads[gathered.owned:],
+                                     torch.float32, CommCounters(), TensorAccumulator(accumulator))()
     checks["sparse_reduce_scatter"] = bool(torch.equal(accumulator, grads + 1))
     moved = comm.move_experts([0] * experts, [0] * experts, masters, numel)
     checks["expert_move"] = all(torch.equal(moved[e], masters[e]) for e in range(experts))
@@ -125,6 +126,7 @@ def _worker(rank: int, world: int, store: str, numel: int, dry_run: bool, q) -> 
         import torch
         import torch.distributed as dist
 
+        from ds_hecate.comm.buffers import TensorAccumulator
         from ds_hecate.comm.collectives import CommCounters, Communicator
         from ds_hecate.planning import Placement
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
@@ -159,8 +161,9 @@ def _worker(rank: int, world: int, store: str, numel: int, dry_run: bool, q) -> 
         own = sorted(owned)
         accumulator = torch.zeros(len(own), numel, device=dev)
         grads = torch.ones(len(gathered.experts), numel, device=dev)
-        comm.start_sparse_reduce_scatter(placement, gathered.experts, grads, torch.float32, CommCounters(),
-                                         lambda: accumulator)()
+        comm.start_sparse_reduce_scatter(placement, gathered.experts, grads[:gathered.owned],
+                                         grads[gathered.owned:], torch.float32, CommCounters(),
+                                         TensorAccumulator(accumulator))()
         sync()
         ok_reduce = bool(torch.equal(accumulator.cpu(), torch.full((len(own), numel), float(world))))
         moved = sum(1 for e in range(experts) if owners[e] != rank) * numel * 2

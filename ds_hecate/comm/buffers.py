@@ -5,7 +5,7 @@ an expert move's lists, and the helpers that order them. Shared by :mod:`.collec
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
@@ -45,23 +45,29 @@ def materialized_buffer(rows: int, numel: int, dtype: torch.dtype, device: torch
 
 @dataclass
 class GatheredExperts:
-    """This rank's materialized experts of one layer call, as the rows of one ``[n, numel]`` buffer in the compute
-    dtype: its own experts first (rows ``[0, owned)``, in expert order), then the replicas in the order they
-    arrive (owner rank ascending, then expert). The grouped expert compute reads the buffer as it is.
+    """This rank's materialized experts of one layer call, in the compute dtype: its own experts' rows
+    (``owned_rows``, in expert order: the shard's resident weights as they are, or a packed copy) and the replicas
+    received into ``buffer`` (in arrival order: owner rank ascending, then expert, or the relay plan's), the first
+    rows of ``block``. ``experts`` lists them in that order, own first. The grouped expert compute runs the two
+    parts as they are (no copy of the owned weights per call).
 
-    ``block`` is the allocation the buffer is the first rows of; rows after them are reserved for calibration's
-    extras (:meth:`extended`), which are received straight into them: extending a prefetched placement after the
-    gate copies nothing, so the replicas never live twice (a copy would hold the prefetched rows and the extended
-    buffer at once, up to twice the memory budget)."""
+    Rows of ``block`` after ``buffer``'s are reserved for calibration's extras (:meth:`extended`), which are
+    received straight into them: extending a prefetched placement after the gate copies nothing, so the replicas
+    never live twice (a copy would hold the prefetched rows and the extended buffer at once, up to twice the
+    memory budget)."""
 
     experts: Tuple[int, ...]
+    owned_rows: torch.Tensor
     buffer: torch.Tensor
-    owned: int
     block: Optional[torch.Tensor] = None
+
+    @property
+    def owned(self) -> int:
+        return self.owned_rows.shape[0]
 
     def flats(self) -> Dict[int, torch.Tensor]:
         """expert -> its row (a view), for consolidation, export and tests."""
-        return dict(zip(self.experts, self.buffer.unbind(0)))
+        return dict(zip(self.experts, list(self.owned_rows.unbind(0)) + list(self.buffer.unbind(0))))
 
     @property
     def spare_rows(self) -> int:
@@ -71,7 +77,7 @@ class GatheredExperts:
     @property
     def replica_bytes(self) -> int:
         """Bytes of the block's replica rows, the reserved ones included (they are allocated)."""
-        rows = len(self.experts) - self.owned + self.spare_rows
+        rows = self.buffer.shape[0] + self.spare_rows
         return rows * self.buffer.shape[1] * self.buffer.element_size()
 
     def spare(self, rows: int) -> torch.Tensor:
@@ -84,13 +90,66 @@ class GatheredExperts:
 
     def extended(self, extra: "GatheredExperts") -> "GatheredExperts":
         """These rows followed by ``extra``'s replicas, received into this block's reserved rows (no copy)."""
-        added = len(extra.experts) - extra.owned
+        added = extra.buffer.shape[0]
         if added == 0:
             return self
         if extra.owned or extra.buffer.data_ptr() != self.spare(added).data_ptr():
             raise HecateError("calibration's extras were not received into the rows reserved for them")
-        rows = len(self.experts) + added
-        return GatheredExperts(self.experts + extra.experts, self.block[:rows], self.owned, self.block)
+        rows = self.buffer.shape[0] + added
+        return GatheredExperts(self.experts + extra.experts, self.owned_rows, self.block[:rows], self.block)
+
+
+class Accumulator(Protocol):
+    """The owner's fp32 ``[owned, numel]`` gradient rows of one layer, as SparseReduceScatter and the expert
+    compute add into them: ``rows()``, and ``fresh_columns()``, the column ranges (one per expert parameter) that
+    hold nothing of the accumulation window yet: their first contribution is written, not added, so nothing
+    zero-fills them. ``written(names)`` once contributions to those parameters (None: all) are in."""
+
+    def rows(self) -> torch.Tensor: ...
+
+    def fresh_columns(self) -> List[Tuple[int, int]]: ...
+
+    def written(self, names: Optional[Sequence[str]] = None) -> None: ...
+
+
+@dataclass
+class TensorAccumulator:
+    """An :class:`Accumulator` over given rows that already hold the window's sums so far (zeros to start), or,
+    ``fresh``, nothing yet."""
+
+    tensor: torch.Tensor
+    fresh: bool = False
+
+    def rows(self) -> torch.Tensor:
+        return self.tensor
+
+    def fresh_columns(self) -> List[Tuple[int, int]]:
+        return [(0, self.tensor.shape[1])] if self.fresh else []
+
+    def written(self, names: Optional[Sequence[str]] = None) -> None:
+        self.fresh = False
+
+
+def add_into(accumulator: Accumulator, grads: torch.Tensor) -> torch.Tensor:
+    """``accumulator``'s rows plus ``grads`` (fp32 accumulation of compute-dtype gradients, whole rows): written
+    where the window is fresh (zeros plus ``grads`` without the zeros), added elsewhere. Returns the rows."""
+    rows = accumulator.rows()
+    fresh = accumulator.fresh_columns()
+    if not fresh:
+        rows.add_(grads)
+    elif fresh == [(0, rows.shape[1])] or sum(hi - lo for lo, hi in fresh) == rows.shape[1]:
+        rows.copy_(grads)
+    else:
+        done = 0
+        for lo, hi in sorted(fresh):
+            if lo > done:
+                rows[:, done:lo].add_(grads[:, done:lo])
+            rows[:, lo:hi].copy_(grads[:, lo:hi])
+            done = hi
+        if done < rows.shape[1]:
+            rows[:, done:].add_(grads[:, done:])
+    accumulator.written()
+    return rows
 
 
 class PendingGather:

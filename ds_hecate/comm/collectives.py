@@ -26,8 +26,8 @@ import torch.distributed as dist
 from ..errors import HecateCollectiveError, HecateError
 from ..planning import Placement
 from ..planning.fanout import RelayPlan
-from .buffers import (CommCounters, ExpertMove, GatheredExperts, PendingGather, _itemsize, _source_major,
-                      materialized_buffer, owned_experts_of)
+from .buffers import (Accumulator, CommCounters, ExpertMove, GatheredExperts, PendingGather, _itemsize,
+                      _source_major, add_into, materialized_buffer, owned_experts_of)
 from .device import to_device
 from .relay import relayed_all_gather, relayed_reduce_scatter
 from .transport import TorchTransport, Transport
@@ -213,16 +213,19 @@ class Communicator:
                                 dtype: torch.dtype, counters: CommCounters, async_op: bool = True,
                                 include_owned: bool = True, spare_rows: int = 0,
                                 into: Optional[GatheredExperts] = None,
-                                relay: Optional[RelayPlan] = None) -> PendingGather:
-        """spAG(P, P'): start materializing this rank's experts of ``placement`` into one buffer
-        (:class:`GatheredExperts`); :meth:`PendingGather.wait` gives it.
+                                relay: Optional[RelayPlan] = None,
+                                resident: Optional[torch.Tensor] = None) -> PendingGather:
+        """spAG(P, P'): start materializing this rank's experts of ``placement`` (:class:`GatheredExperts`);
+        :meth:`PendingGather.wait` gives them.
 
-        Owned experts are packed into the first rows (cast to ``dtype``; left out with ``include_owned=False``, for
-        calibration's extras); every other materialized expert is sent by its owner straight into the remaining
-        rows, and only the pairs in P' \\ P cross the wire.
+        The owned experts are ``resident`` as they are (the shard's ``[owned, numel]`` compute-dtype weights, in
+        expert order), or, None, packed from ``owned`` (cast to ``dtype``; left out with ``include_owned=False``,
+        for calibration's extras). Every other materialized expert is sent by its owner straight into the rows of a
+        replica block, and only the pairs in P' \\ P cross the wire.
 
-        ``spare_rows`` reserves rows after these in the same block for calibration's extras; their gather passes
-        ``into`` (the prefetched :class:`GatheredExperts`, with ``include_owned=False``) and receives into them.
+        ``spare_rows`` reserves rows after the replicas' in the same block for calibration's extras; their gather
+        passes ``into`` (the prefetched :class:`GatheredExperts`, with ``include_owned=False``) and receives into
+        them.
 
         ``relay`` (:class:`~ds_hecate.planning.fanout.RelayPlan` of ``placement``): with relayed copies, one
         exchange per stage of the trees, each rank forwarding the rows it received at the stage before; the replica
@@ -232,13 +235,13 @@ class Communicator:
         """
         if relay is not None and relay.relayed and placement.num_moved:
             return relayed_all_gather(self, placement, owned, numel, dtype, counters, async_op, include_owned,
-                                      spare_rows, into, relay)
+                                      spare_rows, into, relay, resident)
         own = owned_experts_of(placement, self.rank) if include_owned else []
         recv_lists = placement.gather_recvs(self.rank)
         received = _source_major(recv_lists)
+        owned_rows = self.owned_rows(own, owned, numel, dtype, resident)
         buffer, block = self.gather_block(own, received, numel, dtype, spare_rows, into)
-        self.pack([owned[e] for e in own], numel, dtype, out=buffer[:len(own)])
-        gathered = GatheredExperts(tuple(own) + tuple(received), buffer, len(own), block)
+        gathered = GatheredExperts(tuple(own) + tuple(received), owned_rows, buffer, block)
         if placement.num_moved == 0:
             return PendingGather(placement, lambda: gathered)
         counters.count("allgather")
@@ -248,7 +251,7 @@ class Communicator:
         counts_to = [len(send_lists.get(d, ())) for d in range(self.world_size)]
         counts_from = [len(recv_lists.get(s, ())) for s in range(self.world_size)]
         finish_exchange = self.exchange_rows(send, counts_to, counts_from, numel, async_op, "SparseAllGather",
-                                             out=buffer[len(own):])
+                                             out=buffer)
         counters.allgather_bytes += len(sent) * numel * _itemsize(dtype)
 
         def finish() -> GatheredExperts:
@@ -256,11 +259,22 @@ class Communicator:
             return gathered
         return PendingGather(placement, finish)
 
+    def owned_rows(self, own: List[int], owned: Dict[int, torch.Tensor], numel: int, dtype: torch.dtype,
+                   resident: Optional[torch.Tensor]) -> torch.Tensor:
+        """A gather's owned rows: ``resident`` as it is, or ``owned``'s experts ``own`` packed into new rows."""
+        if resident is not None and own:
+            if tuple(resident.shape) != (len(own), numel) or resident.dtype != dtype:
+                raise HecateError(f"SparseAllGather: resident weights {tuple(resident.shape)} {resident.dtype} are "
+                                  f"not the {len(own)} owned experts' [{len(own)}, {numel}] {dtype} rows")
+            return resident
+        return self.pack([owned[e] for e in own], numel, dtype)
+
     def gather_block(self, own: List[int], received: List[int], numel: int, dtype: torch.dtype,
-                      spare_rows: int, into: Optional[GatheredExperts]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """The rows a gather fills (its own experts, then ``received``) and the block they start (None when they
+                     spare_rows: int, into: Optional[GatheredExperts]) -> Tuple[torch.Tensor,
+                                                                                Optional[torch.Tensor]]:
+        """The rows a gather receives its replicas (``received``) into and the block they start (None when they
         are ``into``'s reserved rows)."""
-        rows = len(own) + len(received)
+        rows = len(received)
         if into is not None:
             if own:
                 raise HecateError("a gather into reserved rows carries replicas only (include_owned=False)")
@@ -268,43 +282,42 @@ class Communicator:
         block = materialized_buffer(rows + spare_rows, numel, dtype, self.device)
         return block[:rows], block
 
-    def start_sparse_reduce_scatter(self, placement: Placement, experts: Sequence[int], grads: torch.Tensor,
-                                    wire_dtype: torch.dtype, counters: CommCounters,
-                                    accumulator: Callable[[], torch.Tensor],
+    def start_sparse_reduce_scatter(self, placement: Placement, experts: Sequence[int],
+                                    own_grads: Optional[torch.Tensor], replica_grads: torch.Tensor,
+                                    wire_dtype: torch.dtype, counters: CommCounters, accumulator: Accumulator,
                                     async_op: bool = True, relay: Optional[RelayPlan] = None) -> Callable[[], None]:
         """spRS(P', P): add every materialized copy's gradient into the expert's owner's accumulator.
 
-        ``grads`` is the gradient of a :class:`GatheredExperts` buffer whose rows hold ``experts`` (its own experts
-        first, in expert order). ``accumulator()`` gives the owner's fp32 ``[owned, numel]`` gradient rows (this
-        rank's owned experts in expert order), into which the returned function adds, in place and in a fixed
-        order: the rank's own copies first, then the received copies by source rank.
+        ``experts`` are a :class:`GatheredExperts`' experts (its own first, in expert order, then its replicas);
+        ``replica_grads`` the gradients of its replica rows, in its buffer's order; ``own_grads`` those of its owned
+        rows, or None when the expert compute has written them into ``accumulator`` already. ``accumulator`` holds
+        the owner's fp32 ``[owned, numel]`` gradient rows (this rank's owned experts in expert order), into which
+        the returned function adds, in place and in a fixed order: the rank's own copies first (written into a
+        fresh accumulator), then the received copies by source rank.
         """
-        numel = grads.shape[1]
+        numel = replica_grads.shape[1]
         owned = owned_experts_of(placement, self.rank)
         if tuple(experts[:len(owned)]) != tuple(owned):
-            raise HecateError(f"SparseReduceScatter on {self.rank_name(self.rank)}: the gradient rows start with experts "
-                              f"{list(experts[:len(owned)])}, not the owned {owned}")
-        own_grads = grads[:len(owned)]
+            raise HecateError(f"SparseReduceScatter on {self.rank_name(self.rank)}: the gradient rows start with "
+                              f"experts {list(experts[:len(owned)])}, not the owned {owned}")
 
         def add_own() -> torch.Tensor:
-            target = accumulator()
-            if owned:
-                target.add_(own_grads)
-            return target
+            return accumulator.rows() if own_grads is None else add_into(accumulator, own_grads)
         if placement.num_moved == 0:
             return lambda: (add_own(), None)[1]
         if relay is not None and relay.relayed:
-            return relayed_reduce_scatter(self, placement, experts, grads, wire_dtype, counters, add_own, owned,
-                                          async_op, relay, accumulator)
+            return relayed_reduce_scatter(self, placement, experts, replica_grads, wire_dtype, counters, add_own,
+                                          owned, async_op, relay, accumulator)
         counters.count("reducescatter")
         # As a replica, send to each owner the experts it sent us in spAG (same lists, opposite direction).
         send_lists, recv_lists = placement.gather_recvs(self.rank), placement.gather_sends(self.rank)
-        rows = {e: i for i, e in enumerate(experts)}
+        rows = {e: i for i, e in enumerate(experts[len(owned):])}
         picks = [rows[e] for e in _source_major(send_lists)]
-        if picks == list(range(len(owned), len(owned) + len(picks))):
-            send = grads[len(owned):len(owned) + len(picks)]   # the replica rows in wire order already: a view
+        if picks == list(range(len(picks))):
+            send = replica_grads[:len(picks)]   # the replica rows in wire order already: a view
         else:
-            send = grads.index_select(0, to_device(torch.tensor(picks, dtype=torch.int64), grads.device))
+            send = replica_grads.index_select(0, to_device(torch.tensor(picks, dtype=torch.int64),
+                                                           replica_grads.device))
         send = send.to(wire_dtype)
         counts_to = [len(send_lists.get(d, ())) for d in range(self.world_size)]
         counts_from = [len(recv_lists.get(s, ())) for s in range(self.world_size)]

@@ -23,7 +23,8 @@ import torch
 
 from ..planning import Placement
 from ..planning.fanout import RelayPlan, chunk_bounds
-from .buffers import CommCounters, GatheredExperts, PendingGather, _itemsize, _source_major, owned_experts_of
+from .buffers import (Accumulator, CommCounters, GatheredExperts, PendingGather, _itemsize, _source_major,
+                      owned_experts_of)
 from .device import to_device
 
 if TYPE_CHECKING:
@@ -32,19 +33,20 @@ if TYPE_CHECKING:
 
 def relayed_all_gather(comm: "Communicator", placement: Placement, owned: Dict[int, torch.Tensor], numel: int,
                         dtype: torch.dtype, counters: CommCounters, async_op: bool, include_owned: bool,
-                        spare_rows: int, into: Optional[GatheredExperts], relay: RelayPlan) -> PendingGather:
+                        spare_rows: int, into: Optional[GatheredExperts], relay: RelayPlan,
+                        resident: Optional[torch.Tensor] = None) -> PendingGather:
     """:meth:`Communicator.start_sparse_all_gather` through the relay trees, top-down: the first stage whole (the
     owners' sends, issued now), the deeper ones pipelined in row chunks (:meth:`RelayPlan.pipeline`); the replica
     rows in the relay plan's order (:meth:`RelayPlan.received_order`)."""
     own = owned_experts_of(placement, comm.rank) if include_owned else []
     received = relay.received_order(comm.rank)
+    owned_rows = comm.owned_rows(own, owned, numel, dtype, resident)
     buffer, block = comm.gather_block(own, received, numel, dtype, spare_rows, into)
-    comm.pack([owned[e] for e in own], numel, dtype, out=buffer[:len(own)])
-    gathered = GatheredExperts(tuple(own) + tuple(received), buffer, len(own), block)
-    row_of = {e: len(own) + i for i, e in enumerate(received)}
+    gathered = GatheredExperts(tuple(own) + tuple(received), owned_rows, buffer, block)
+    row_of = {e: i for i, e in enumerate(received)}
     counters.count("allgather")
     counters.count("relayed_allgather")
-    offsets = [len(own)]
+    offsets = [0]
     for s in range(len(relay.stages)):
         offsets.append(offsets[-1] + sum(len(v) for v in relay.recvs(comm.rank, s).values()))
 
@@ -89,19 +91,20 @@ def relayed_all_gather(comm: "Communicator", placement: Placement, owned: Dict[i
     return PendingGather(placement, lambda: (join(), gathered)[1])
 
 
-def relayed_reduce_scatter(comm: "Communicator", placement: Placement, experts: Sequence[int], grads: torch.Tensor,
-                            wire_dtype: torch.dtype, counters: CommCounters,
-                            add_own: Callable[[], torch.Tensor], owned: List[int], async_op: bool,
-                            relay: RelayPlan, accumulator: Callable[[], torch.Tensor]) -> Callable[[], None]:
+def relayed_reduce_scatter(comm: "Communicator", placement: Placement, experts: Sequence[int],
+                           grads: torch.Tensor, wire_dtype: torch.dtype, counters: CommCounters,
+                           add_own: Callable[[], torch.Tensor], owned: List[int], async_op: bool,
+                           relay: RelayPlan, accumulator: "Accumulator") -> Callable[[], None]:
     """:meth:`Communicator.start_sparse_reduce_scatter` up the relay trees, deepest stage first (whole, issued now),
     the shallower ones pipelined in row chunks as the gather's deeper ones: a relay's fp32 partial sum starts as
     its own copy's gradient and adds its children's sums (child rank ascending) before each chunk goes to its
     parent; the owner adds its own copy first, then its children's sums, into its accumulator. Chunks cut the
     rows into column slices, so every element is summed in the same order whatever ``relay_chunks`` is.
     ``accumulator``: the owner's rows ``add_own`` adds into; on a stream-ordered transport they are made on the
-    caller's stream before the chain is issued beside it (every add into them still runs in the chain, in order)."""
+    caller's stream before the chain is issued beside it (every add into them still runs in the chain, in order).
+    ``grads``: the gradients of the gathered replica rows (the owned experts' are in ``add_own``)."""
     numel = grads.shape[1]
-    rows = {e: i for i, e in enumerate(experts)}
+    rows = {e: i for i, e in enumerate(experts[len(owned):])}   # ``grads``: the replica rows
     relayed = sorted(e for e in relay.children(comm.rank) if placement.owners[e] != comm.rank)
     partial_row = {e: i for i, e in enumerate(relayed)}
     partial = torch.empty(len(relayed), numel, dtype=torch.float32, device=comm.device)
@@ -148,7 +151,8 @@ def relayed_reduce_scatter(comm: "Communicator", placement: Placement, experts: 
         if target[0] is None:
             add_own()
 
-    scope = _stream_scope(comm, async_op, lambda: [grads, partial, accumulator()] if owned else [grads, partial])
+    scope = _stream_scope(comm, async_op,
+                          lambda: [grads, partial, accumulator.rows()] if owned else [grads, partial])
     if scope is None:   # the shallower stages wait for the collective's wait
         first = issue_first(async_op)
         return lambda: rest(first())

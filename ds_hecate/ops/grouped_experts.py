@@ -125,22 +125,24 @@ class _RowBias(torch.autograd.Function):
         return grad, summed.to(ctx.bias_dtype), None, None
 
 
-def grouped_available(kernel: ExpertKernel, buffer: torch.Tensor) -> bool:
+def grouped_available(kernel: ExpertKernel, buffer: torch.Tensor, experts: Optional[int] = None) -> bool:
     """Whether :func:`expert_outputs` can run ``kernel``'s experts as grouped GEMMs on ``buffer``'s device and dtype
     (the operands' alignment is checked per call).
 
     Biased experts in fp16/bf16 take the loop: ``F.linear`` rounds ``x W^T + b`` once, a grouped GEMM followed by
     the bias add would round twice (about half an ulp on every element: the oracle tests see it). The FFN experts
     of the MoE models that matter on GPUs have no biases. On the CPU, unless ``DS_HECATE_GROUPED_MM`` says
-    otherwise, only calls with at least :data:`CPU_GROUPED_MIN_EXPERTS` experts take grouped GEMM."""
+    otherwise, only calls with at least :data:`CPU_GROUPED_MIN_EXPERTS` experts take grouped GEMM. ``experts``: the
+    call's experts (default: ``buffer``'s rows; a call whose experts are in two parts passes their sum)."""
     form = kernel.form
-    if form is None or buffer.shape[0] == 0:
+    experts = buffer.shape[0] if experts is None else experts
+    if form is None or experts == 0:
         return False
     biased = any(b is not None for b in (form.up_bias, form.gate_bias, form.down_bias))
     if biased and buffer.dtype != torch.float32:
         return False
     forced = os.environ.get(GROUPED_MM_ENV)   # read per call: the cached feature check below must not hold it
-    if forced == "0" or (forced is None and buffer.device.type == "cpu" and buffer.shape[0] < CPU_GROUPED_MIN_EXPERTS):
+    if forced == "0" or (forced is None and buffer.device.type == "cpu" and experts < CPU_GROUPED_MIN_EXPERTS):
         return False
     return grouped_mm_supported(buffer.device.type, buffer.device.index, buffer.dtype)
 

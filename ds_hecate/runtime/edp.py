@@ -109,12 +109,17 @@ def reduce_layer(rt: "HecateRuntime", shard: LayerShard) -> None:
 
 
 def refresh_weights(rt: "HecateRuntime", shards: Optional[List[LayerShard]] = None) -> None:
-    """Partitioned: all-gather every peer's (updated) master slices into the whole compute-dtype weights the layer
-    calls gather from. Collective over the EDP peers, one call per partitioned layer in layer order."""
+    """The resident compute-dtype weights the layer calls compute from, after the masters changed: partitioned,
+    every peer's (updated) master slices all-gathered into them (collective over the EDP peers, one call per
+    partitioned layer in layer order); otherwise cast from the whole masters (:meth:`LayerShard.refresh`, nothing
+    where the masters are the weights)."""
     layout = rt.layout
     for shard in shards if shards is not None else [b.shard for b in rt.bindings]:
         part = shard.partition
-        if part is None or not shard.owned:
+        if part is None:
+            shard.refresh(rt.comm.weights.device_ops.pack)
+            continue
+        if not shard.owned:
             continue
         local = torch.stack([shard.masters[e].detach() for e in shard.owned]).to(shard.weight_rows.dtype)
         gathered = torch.empty((part.peers,) + tuple(local.shape), dtype=local.dtype, device=local.device)

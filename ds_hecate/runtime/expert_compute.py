@@ -1,37 +1,62 @@
 """The expert compute of one layer call, and the per-token expansions of the plan's segment tables.
 
-Two autograd functions own the expert weights' path through autograd: :class:`Materialize` hands out the gathered
-experts (one ``[E, numel]`` buffer) and issues SparseReduceScatter in backward; :class:`RematerializedExperts`
-(Hecate-RM) keeps no weights between forward and backward and gathers them again. Between them the experts run
-grouped (:func:`ds_hecate.ops.grouped_experts.expert_outputs`). The segment expansions turn the planner's
-per-(source, expert) tables into per-row indices on the compute device, with pinned non-blocking copies of the
-small tables and the output sizes known on the host, so none of them reads the device back.
+A call's materialized experts come in two parts (:class:`~ds_hecate.comm.buffers.GatheredExperts`): the rank's own,
+computed from the shard's resident compute-dtype weights as they are, and the replicas SparseAllGather received.
+The received token rows are taken expert-major (own experts first), each part runs on its rows, and the outputs go
+back to the received order.
+
+- **FFN experts on grouped GEMM** (:func:`~ds_hecate.ops.grouped_experts.grouped_available`): each projection is a
+  :class:`~ds_hecate.ops.grouped_ffn.SinkProjection`, whose backward writes the owned experts' weight gradients
+  into the owner's fp32 accumulator and the replicas' into the rows SparseReduceScatter sends
+  (:class:`CallGrads`). :class:`Materialize` puts one node on every rank's backward path (a rank with no token, or
+  whose tokens need no gradient, included) that runs after both parts' backward and issues the SparseReduceScatter.
+- **The per-expert loop** (generic ``nn.Module`` experts, few experts on the CPU, biased experts in half
+  precision): autograd through the two parts' weights, whose gradients :class:`MaterializeWeights` hands to
+  SparseReduceScatter.
+- **Re-materialization** (:class:`RematerializedExperts`, Hecate-RM): no weights kept between forward and backward;
+  backward gathers the replicas again and recomputes.
+
+The segment expansions turn the planner's per-(source, expert) tables into per-row indices on the compute device,
+with pinned non-blocking copies of the small tables and the output sizes known on the host, so none of them reads
+the device back.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
-from ..comm.collectives import GatheredExperts
+from ..comm.buffers import GatheredExperts
 from ..comm.device import to_device
-from ..ops.grouped_experts import RowGroups, expert_outputs, recomputed_expert_grads
+from ..ops.grouped_experts import RowGroups, _aligned, grouped_available
+from ..ops.grouped_ffn import GradPart, SendRows, grouped_ffn
 from ..planning.dispatch_plan import RankDispatch
+from .shard_store import ShardAccumulator
 
 
 @dataclass(frozen=True)
 class ExpertRows:
-    """How the received token rows (source-major, then expert) meet a gathered buffer: ``order`` takes them
-    expert-major in the buffer's row order, ``groups`` cuts that into one group per buffer row (0 rows for a
-    buffer row whose expert this call routes nothing to)."""
+    """How the received token rows (source-major, then expert) meet a call's experts: ``order`` takes them
+    expert-major in the gathered experts' order (own experts first), ``own`` and ``replicas`` cut that into one
+    group per expert of each part (0 rows for an expert this call routes nothing to); the first ``own_rows`` rows
+    are the own experts'."""
 
     order: torch.Tensor
-    groups: RowGroups
+    own: RowGroups
+    replicas: RowGroups
+
+    @property
+    def own_rows(self) -> int:
+        return self.own.total
+
+    @property
+    def sizes(self) -> Tuple[int, ...]:
+        return self.own.sizes + self.replicas.sizes
 
     @staticmethod
-    def of(dispatch: RankDispatch, experts: Sequence[int], device: torch.device) -> "ExpertRows":
+    def of(dispatch: RankDispatch, experts: Sequence[int], owned: int, device: torch.device) -> "ExpertRows":
         mine = {e: i for i, e in enumerate(dispatch.mine)}
         missing = set(mine) - set(experts)
         if missing:
@@ -42,53 +67,128 @@ class ExpertRows:
         held = [mine[e] for e in experts if e in mine]
         sizes = [int(dispatch.sizes[mine[e]]) if e in mine else 0 for e in experts]
         return ExpertRows(segment_order(starts[held].reshape(-1), lengths[held].reshape(-1), device),
-                          RowGroups.build(sizes, device, to_device))
+                          RowGroups.build(sizes[:owned], device, to_device),
+                          RowGroups.build(sizes[owned:], device, to_device))
 
 
-def run_expert_rows(kernel, buffer: torch.Tensor, recv: torch.Tensor, rows: ExpertRows) -> torch.Tensor:
-    """The experts of ``buffer`` on the received rows, outputs in the received order (one gather, the grouped
-    compute, one scatter back: a fixed number of ops whatever the number of experts)."""
+def takes_grouped(kernel, gathered: GatheredExperts, recv: torch.Tensor) -> bool:
+    """Whether this call runs grouped GEMM (the device rule over all its experts; both parts' operands aligned)."""
+    weights = gathered.owned_rows if gathered.owned else gathered.buffer
+    if not grouped_available(kernel, weights, len(gathered.experts)):
+        return False
+    fuse = kernel.form.fusable(kernel.names)
+    views = [v for part in (gathered.owned_rows, gathered.buffer) if part.shape[0]
+             for v in kernel.grouped_views(part, fuse).values()]
+    return _aligned([recv, *views])
+
+
+class CallGrads:
+    """Where one call's expert weight gradients go (grouped path): the owned experts' into the owner's
+    accumulator, the replicas' into :class:`~ds_hecate.ops.grouped_ffn.SendRows` in the wire dtype."""
+
+    def __init__(self, binding, gathered: GatheredExperts) -> None:
+        rt = binding.runtime
+        kernel = binding.shard.kernel
+        self.own = GradPart(ShardAccumulator(binding.shard, rt.device), kernel)
+        self.sends = SendRows(gathered.buffer.shape[0], kernel, rt.reduce_dtype, rt.device)
+        self.replicas = GradPart(self.sends, kernel)
+        self.counts = (gathered.owned, gathered.buffer.shape[0])
+
+    def finish(self) -> torch.Tensor:
+        """After the call's backward: what no projection delivered is zero; the replica rows to send."""
+        self.own.finish(self.counts[0])
+        self.replicas.finish(self.counts[1])
+        return self.sends.rows()
+
+
+def run_parts(kernel, gathered: GatheredExperts, recv: torch.Tensor, rows: ExpertRows,
+              grads: CallGrads) -> torch.Tensor:
+    """Grouped path: both parts on their rows (one grouped GEMM per projection and part), outputs in the received
+    order (one gather, two scatters back: a fixed number of ops whatever the number of experts)."""
     grouped = recv.index_select(0, rows.order)
-    out = expert_outputs(kernel, buffer, grouped, rows.groups)
+    out = grouped.new_empty(grouped.shape[0], kernel_out_features(kernel, gathered))
+    split = rows.own_rows
+    if gathered.owned:
+        out.index_copy_(0, rows.order[:split], grouped_ffn(kernel, gathered.owned_rows, grouped[:split], rows.own,
+                                                           grads.own))
+    if gathered.buffer.shape[0]:
+        out.index_copy_(0, rows.order[split:], grouped_ffn(kernel, gathered.buffer, grouped[split:], rows.replicas,
+                                                           grads.replicas))
+    return out
+
+
+def kernel_out_features(kernel, gathered: GatheredExperts) -> int:
+    """The experts' output width: the down projection's rows."""
+    return int(kernel.shapes[kernel.names.index(kernel.form.down)][0])
+
+
+def run_loop(kernel, own_weights: torch.Tensor, replica_weights: torch.Tensor, recv: torch.Tensor,
+             rows: ExpertRows) -> torch.Tensor:
+    """The per-expert loop over both parts (autograd through the weights), outputs in the received order."""
+    grouped = recv.index_select(0, rows.order)
+    flats = list(own_weights.unbind(0)) + list(replica_weights.unbind(0))
+    outs = [kernel(flat, x) for flat, x in zip(flats, grouped.split(list(rows.sizes)))]
+    out = torch.cat(outs) if outs else grouped
     return out.new_empty(out.shape).index_copy(0, rows.order, out)
 
 
 class Materialize(torch.autograd.Function):
-    """Forward: hands out the gathered experts' buffer. Backward: SparseReduceScatter into the owners' accumulators.
+    """Grouped path. Forward: the received rows, unchanged. Backward (after both parts' projections delivered
+    their weight gradients): SparseReduceScatter of the replicas' gradients into the owners' accumulators.
 
-    The received token rows pass through unchanged, so this node sits on every rank's backward path (even a rank
-    that materializes nothing or receives no token), and its collective is issued on every rank. ``anchor`` always
-    requires grad, so the node is recorded even when the tokens do not (an empty micro-batch).
-    """
+    The rows pass through, so this node sits on every rank's backward path (even a rank that materializes nothing
+    or receives no token), and its collective is issued on every rank. ``anchor`` always requires grad, so the node
+    is recorded even when the tokens do not (an empty micro-batch)."""
+
+    @staticmethod
+    def forward(ctx, tokens, anchor, binding, plan, experts: Tuple[int, ...], grads: CallGrads):
+        ctx.binding, ctx.plan, ctx.experts, ctx.grads = binding, plan, experts, grads
+        return tokens.view_as(tokens)
+
+    @staticmethod
+    def backward(ctx, grad_tokens):
+        ctx.binding.reduce_scatter(ctx.plan, ctx.experts, None, ctx.grads.finish())
+        return grad_tokens, None, None, None, None, None
+
+
+class MaterializeWeights(torch.autograd.Function):
+    """Loop path. Forward: hands out the received rows and both parts' weights. Backward: SparseReduceScatter of
+    their gradients (zeros for a part no expert of which took part)."""
 
     @staticmethod
     def forward(ctx, tokens, anchor, binding, plan, gathered: GatheredExperts):
         ctx.binding, ctx.plan, ctx.experts = binding, plan, gathered.experts
-        ctx.buffer_shape, ctx.buffer_dtype = gathered.buffer.shape, gathered.buffer.dtype
-        return tokens.view_as(tokens), gathered.buffer.view_as(gathered.buffer)
+        ctx.shapes = (gathered.owned_rows.shape, gathered.buffer.shape, gathered.buffer.dtype)
+        return (tokens.view_as(tokens), gathered.owned_rows.view_as(gathered.owned_rows),
+                gathered.buffer.view_as(gathered.buffer))
 
     @staticmethod
-    def backward(ctx, grad_tokens, grad_buffer):
-        if grad_buffer is None:   # no expert row took part (nothing materialized)
-            grad_buffer = grad_tokens.new_zeros(ctx.buffer_shape, dtype=ctx.buffer_dtype)
-        ctx.binding.reduce_scatter(ctx.plan, ctx.experts, grad_buffer)
+    def backward(ctx, grad_tokens, grad_own, grad_replicas):
+        own_shape, replica_shape, dtype = ctx.shapes
+        if grad_own is None:
+            grad_own = grad_tokens.new_zeros(own_shape, dtype=dtype)
+        if grad_replicas is None:
+            grad_replicas = grad_tokens.new_zeros(replica_shape, dtype=dtype)
+        ctx.binding.reduce_scatter(ctx.plan, ctx.experts, grad_own, grad_replicas)
         return grad_tokens, None, None, None, None
 
 
 class RematerializedExperts(torch.autograd.Function):
-    """Re-materialization mode: expert compute that keeps no expert weights between forward and backward.
+    """Re-materialization mode: expert compute that keeps no replica between forward and backward.
 
-    Forward runs the experts without recording them and drops the gathered weights; backward gathers the same
+    Forward runs the experts without recording them and drops the gathered replicas; backward gathers the same
     placement again (second SparseAllGather), recomputes the experts with autograd, and reduce-scatters their
-    gradients. Only the received rows are saved.
-    """
+    gradients. Only the received rows are saved (the owned experts' weights are resident anyway)."""
 
     @staticmethod
     def forward(ctx, recv, anchor, binding, plan, gathered: GatheredExperts, rows: ExpertRows):
         ctx.binding, ctx.plan = binding, plan
         ctx.save_for_backward(recv)
+        kernel = binding.shard.kernel
         with torch.no_grad():
-            return run_expert_rows(binding.shard.kernel, gathered.buffer, recv, rows)
+            if takes_grouped(kernel, gathered, recv):
+                return run_parts(kernel, gathered, recv, rows, CallGrads(binding, gathered))
+            return run_loop(kernel, gathered.owned_rows, gathered.buffer, recv, rows)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -96,19 +196,29 @@ class RematerializedExperts(torch.autograd.Function):
         (recv,) = ctx.saved_tensors
         with binding.timed("regather"):
             gathered = binding.gather(plan.placement, async_op=False).wait()
-        rows = ExpertRows.of(plan.for_rank(binding.runtime.rank), gathered.experts, recv.device)
-        # run_expert_rows backwards: its index_copy's backward selects the output gradient in expert-major order,
-        # its index_select's backward adds the rows' gradients back into the received order (as autograd would)
-        experts = gathered.experts
-        grad_buffer, grad_grouped = recomputed_expert_grads(
-            binding.shard.kernel, gathered.buffer, recv.index_select(0, rows.order), rows.groups,
-            grad_out.index_select(0, rows.order), recv.requires_grad)
-        del gathered   # the re-gathered weights go before the reduce-scatter allocates its send copy
-        binding.reduce_scatter(plan, experts, grad_buffer)
-        grad_rows = None
-        if recv.requires_grad:
-            grad_rows = torch.zeros_like(recv).index_add_(0, rows.order, grad_grouped)
-        return grad_rows, None, None, None, None, None
+        rows = ExpertRows.of(plan.for_rank(binding.runtime.rank), gathered.experts, gathered.owned, recv.device)
+        kernel, experts = binding.shard.kernel, gathered.experts
+        x = recv.detach().requires_grad_(True)
+        with torch.enable_grad():
+            if takes_grouped(kernel, gathered, recv):
+                grads = CallGrads(binding, gathered)
+                y = run_parts(kernel, gathered, x, rows, grads)
+                (grad_rows,) = torch.autograd.grad(y, (x,), grad_out)
+                del gathered   # the re-gathered replicas go before the reduce-scatter sends
+                binding.reduce_scatter(plan, experts, None, grads.finish())
+            else:
+                own = gathered.owned_rows.detach().requires_grad_(True)
+                replicas = gathered.buffer.detach().requires_grad_(True)
+                y = run_loop(kernel, own, replicas, x, rows)
+                grad_rows, grad_own, grad_replicas = torch.autograd.grad(y, (x, own, replicas), grad_out,
+                                                                         allow_unused=True)
+                del gathered
+                binding.reduce_scatter(plan, experts, _or_zeros(grad_own, own), _or_zeros(grad_replicas, replicas))
+        return (grad_rows if recv.requires_grad else None), None, None, None, None, None
+
+
+def _or_zeros(grad: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    return grad if grad is not None else torch.zeros_like(like)
 
 
 def expand_segments(values: np.ndarray, lengths: np.ndarray, device: torch.device,
@@ -137,3 +247,8 @@ def expert_major_order(dispatch: RankDispatch, device: torch.device) -> torch.Te
     """Permutation from the received order (source-major, then expert) to expert-major order (in ``mine`` order),
     from the plan's segment table (one segment per source and expert held)."""
     return segment_order(dispatch.order_starts, dispatch.order_lengths, device)
+
+
+__all__: List[str] = ["ExpertRows", "CallGrads", "Materialize", "MaterializeWeights", "RematerializedExperts",
+                      "run_parts", "run_loop", "takes_grouped", "expand_segments", "segment_order",
+                      "expert_major_order"]

@@ -259,7 +259,7 @@ class HecateRuntime:
                     combined *= max(1.0, (total / loss_scale + 1e-6) / clip)
             if self.optimizer is not None:
                 self.optimizer.step(1.0 / (dp_world_size * combined), hyperparameters)
-            refresh_weights(self)   # partitioned: the updated slices, whole, before the next SparseAllGather
+            refresh_weights(self)   # the resident compute copies from the updated masters, before the next call
             self.steps_applied += 1
         finally:
             self.store.zero_grads()

@@ -29,8 +29,9 @@ from ..planning.fanout import RelayPlan
 from ..planning.layer_planner import LayerPlanner, PlanInputs, PlannerSettings
 from ..planning.schedule_reuse import ScheduleReuse
 from .phases import PHASES
-from .expert_compute import ExpertRows, Materialize, RematerializedExperts, expand_segments, run_expert_rows
-from .shard_store import LayerShard
+from .expert_compute import (CallGrads, ExpertRows, Materialize, MaterializeWeights, RematerializedExperts,
+                             expand_segments, run_loop, run_parts, takes_grouped)
+from .shard_store import LayerShard, ShardAccumulator
 from .timing import Intervals, PhaseTimer
 
 if TYPE_CHECKING:
@@ -135,9 +136,11 @@ class LayerBinding:
         """SparseAllGather of ``placement`` into a block with ``spare_rows`` reserved for calibration's extras
         (:meth:`gather_prefetched` sizes them)."""
         rt = self.runtime
+        # the owned experts are the shard's resident compute-dtype weights as they are: nothing packed per call
         pending = rt.comm.start_sparse_all_gather(placement, self.shard.weights, self.shard.kernel.numel,
                                                   rt.compute_dtype, self.counters, async_op=async_op,
-                                                  spare_rows=spare_rows, relay=self.relay(placement))
+                                                  spare_rows=spare_rows, relay=self.relay(placement),
+                                                  resident=self.shard.weight_rows)
         finish = pending.wait
 
         return PendingGather(placement, lambda: self._track(finish()))
@@ -167,20 +170,23 @@ class LayerBinding:
     def _track(self, gathered: GatheredExperts) -> GatheredExperts:
         """Remember a gathered block until it is freed (replica memory statistics and budget checks), its reserved
         rows counted: they are allocated."""
-        block = gathered.block if gathered.block is not None else gathered.buffer
+        block = gathered.block if gathered.block is not None else gathered.buffer   # the replicas' block
         self._live_buffers.append((weakref.ref(block), gathered.replica_bytes))
         self.peak_replica_bytes = max(self.peak_replica_bytes, self.replica_bytes_alive())
         self.runtime.note_replica_bytes()
         return gathered
 
-    def reduce_scatter(self, plan: DispatchPlan, experts, grads: torch.Tensor) -> None:
-        """Issue the layer's SparseReduceScatter asynchronously (``grads``: the gradient of the gathered buffer
-        whose rows hold ``experts``); the rest of backward runs while it is in flight, and
+    def reduce_scatter(self, plan: DispatchPlan, experts, own_grads: Optional[torch.Tensor],
+                       replica_grads: torch.Tensor) -> None:
+        """Issue the layer's SparseReduceScatter asynchronously (``experts``: the call's, own first; ``own_grads``:
+        their owned rows' gradients, None when the expert compute wrote them into the accumulator already;
+        ``replica_grads``: the replica rows'); the rest of backward runs while it is in flight, and
         :meth:`HecateRuntime.flush_reductions` completes it, adding into the owners' gradient rows in place."""
         rt = self.runtime
         with self.timed("reduce_scatter"):
-            finish = rt.comm.start_sparse_reduce_scatter(plan.placement, experts, grads, rt.reduce_dtype,
-                                                         self.counters, lambda: self.shard.grad_rows(rt.device),
+            finish = rt.comm.start_sparse_reduce_scatter(plan.placement, experts, own_grads, replica_grads,
+                                                         rt.reduce_dtype,
+                                                         self.counters, ShardAccumulator(self.shard, rt.device),
                                                          relay=self.relay(plan.placement))
         rt.pending_reductions.append((self, finish))
         rt.issued_reduction()
@@ -303,12 +309,16 @@ class LayerBinding:
                                         f"MoE layer '{self.shard.name}'")
 
         with self.timed("compute"):
-            rows = ExpertRows.of(mine_dispatch, gathered.experts, x.device)
+            rows = ExpertRows.of(mine_dispatch, gathered.experts, gathered.owned, x.device)
             if self.rematerializes:
                 y_recv = RematerializedExperts.apply(recv, rt.autograd_anchor, self, plan, gathered, rows)
+            elif takes_grouped(shard.kernel, gathered, recv):
+                grads = CallGrads(self, gathered)
+                recv = Materialize.apply(recv, rt.autograd_anchor, self, plan, gathered.experts, grads)
+                y_recv = run_parts(shard.kernel, gathered, recv, rows, grads)
             else:
-                recv, buffer = Materialize.apply(recv, rt.autograd_anchor, self, plan, gathered)
-                y_recv = run_expert_rows(shard.kernel, buffer, recv, rows)
+                recv, own, replicas = MaterializeWeights.apply(recv, rt.autograd_anchor, self, plan, gathered)
+                y_recv = run_loop(shard.kernel, own, replicas, recv, rows)
             # The gathers' last references in this call: with re-materialization the replicas are freed here,
             # before the next layer's prefetch allocates its own (only one layer's replicas are in the budget).
             del gathered, pending, extra

@@ -118,10 +118,13 @@ def reshard(rt) -> bool:
                 if rt.optimizer is not None:
                     rt.optimizer.add(rt.layer_group[shard.layer_id], param, state)
         shard.owners = new
-        shard.grads = None   # empty at a step boundary; the next accumulation lays out the new owned rows
-        if shard.partition is not None:   # the new owners' whole weights, gathered from the moved slices
-            shard.weight_rows = torch.empty(len(shard.owned), shard.kernel.numel, dtype=rt.compute_dtype,
-                                            device=rt.device)
+        # the resident weights and the accumulator laid out for the new owned experts (partitioned: their whole
+        # weights gathered from the moved slices below)
+        for old_param, new_param in shard.relayout(rt.device).items():   # shared masters: new views, same state
+            if rt.optimizer is not None:
+                state = rt.optimizer.state_of(old_param)
+                rt.optimizer.remove(old_param)
+                rt.optimizer.add(rt.layer_group[shard.layer_id], new_param, state)
         binding.pending = None
     refresh_weights(rt, [rt.bindings[i].shard for i in changed])
     return True

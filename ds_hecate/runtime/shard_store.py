@@ -11,15 +11,17 @@ slices, and the whole weights the layer calls materialize from are kept in :attr
 dtype), refreshed from the slices after every applied step. Unpartitioned, the masters are whole and the weights
 are the masters.
 
-The gradients of a layer's owned experts are the rows of one fp32 ``[owned, numel]`` tensor (:attr:`grads`):
-SparseReduceScatter adds into it in place, a whole layer per op. The rows the optimizer reads
-(:attr:`optimizer_grads`) are those, or, partitioned, the ``[owned, slice]`` reduce-scatter over the peers.
+The gradients of a layer's owned experts are the rows of one fp32 ``[owned, numel]`` tensor (:attr:`grads`), kept
+across steps: the window's first contribution is written into it, later ones added, a whole layer per op. The rows
+the optimizer reads (:attr:`optimizer_grads`) are those, or, partitioned, the ``[owned, slice]`` reduce-scatter over
+the peers. Every owned expert's weights are also kept in the compute dtype (:attr:`LayerShard.weight_rows`), the
+first rows of the block a layer call computes from.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -70,7 +72,20 @@ class Partition:
 
 @dataclass
 class LayerShard:
-    """One MoE layer's experts on this rank (``rank`` and ``owners`` are ranks of the rank's group)."""
+    """One MoE layer's experts on this rank (``rank`` and ``owners`` are ranks of the rank's group).
+
+    **Resident weights.** The owned experts' whole weights in the compute dtype are kept as :attr:`weight_rows`,
+    refreshed once per optimizer step (and after a checkpoint load, a re-shard or any other write to the masters:
+    :meth:`refresh`); a layer call computes the owned experts from these rows as they are (no cast, no pack per
+    call) and SparseAllGather sends replicas from them. With fp32 compute and whole masters the masters *are*
+    those rows (views), so nothing is refreshed and nothing is kept twice.
+
+    **Gradient accumulator.** :attr:`grads` (fp32 ``[owned, numel]``) is kept across steps (unpartitioned);
+    :attr:`fresh_params` names the parameters whose columns hold nothing of the current accumulation window, so the
+    first contribution to them is written, later ones added (the values of zeros-then-add, without the zero fill).
+    Readers go through :meth:`grad_rows`, which zero-fills what is fresh (a layer that ran no backward in the
+    window).
+    """
 
     layer_id: int
     name: str
@@ -81,12 +96,15 @@ class LayerShard:
     masters: Dict[int, nn.Parameter] = field(default_factory=dict)
     #: fp32 ``[owned, numel]`` gradient rows of the owned experts (summed over the group), or None
     grads: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
+    #: the parameters (kernel names) whose columns of :attr:`grads` hold nothing of this window yet
+    fresh_params: frozenset = field(default=frozenset(), repr=False, compare=False)
     #: how the masters are split over the expert-data-parallel peers; None: whole masters
     partition: Optional[Partition] = field(default=None, repr=False, compare=False)
-    #: partitioned: ``[owned, numel]`` whole weights in the compute dtype (the layer calls' source), else None
+    #: ``[owned, numel]`` whole weights in the compute dtype, resident (the masters themselves when they share)
     weight_rows: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
     #: partitioned: ``[owned, slice]`` reduced gradient slices (``masters[e].grad`` views a row), else None
     slice_grads: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
+    compute_dtype: torch.dtype = field(default=torch.float32, repr=False, compare=False)
 
     @property
     def owned(self) -> List[int]:
@@ -98,43 +116,113 @@ class LayerShard:
         return self.partition.size if self.partition is not None else self.kernel.numel
 
     @property
+    def shares_weights(self) -> bool:
+        """Whether the masters are the resident weight rows themselves (fp32 compute, whole masters)."""
+        return self.partition is None and self.compute_dtype == torch.float32
+
+    @property
     def weights(self) -> Dict[int, torch.Tensor]:
-        """expert -> its whole flat weights, what SparseAllGather packs from: the masters, or partitioned the rows
-        of :attr:`weight_rows`."""
-        if self.partition is None:
-            return self.masters
+        """expert -> its whole flat weights in the compute dtype (rows of :attr:`weight_rows`), what
+        SparseAllGather sends from."""
         return dict(zip(self.owned, self.weight_rows.unbind(0)))
 
     def set_masters(self, flats: Dict[int, torch.Tensor], partition: Optional[Partition] = None,
                     compute_dtype: torch.dtype = torch.float32) -> None:
-        """Own these whole fp32 experts; with ``partition`` keep this rank's slices as masters and the whole
-        weights in ``compute_dtype``."""
+        """Own these whole fp32 experts; with ``partition`` keep this rank's slices as masters. The resident
+        weights are laid out anew from them (shared: the masters are new Parameters viewing their rows)."""
         expected = [e for e, o in enumerate(self.owners) if o == self.rank]
         if sorted(flats) != expected:
             raise RuntimeError(f"layer {self.name}: rank {self.rank} should own experts {expected}, "
                                f"got {sorted(flats)}")
         self.partition = partition
+        self.compute_dtype = compute_dtype
         whole = {e: flats[e].to(torch.float32).contiguous() for e in expected}
-        if partition is None:
+        device = next(iter(whole.values())).device if whole else None
+        self.weight_rows = self._rows([whole[e] for e in expected], device)
+        if self.shares_weights:
+            self.masters = {e: nn.Parameter(row, requires_grad=False)
+                            for e, row in zip(expected, self.weight_rows.unbind(0))}
+        elif partition is None:
             self.masters = {e: nn.Parameter(whole[e], requires_grad=False) for e in expected}
-            self.weight_rows = None
         else:
             self.masters = {e: nn.Parameter(partition.slice_of(whole[e]), requires_grad=False) for e in expected}
-            device = next(iter(whole.values())).device if whole else None
-            self.weight_rows = (torch.stack([whole[e] for e in expected]).to(compute_dtype) if whole else
-                                torch.zeros(0, self.kernel.numel, dtype=compute_dtype, device=device))
         self.grads = self.slice_grads = None
+        self.fresh_params = frozenset(self.kernel.names)
+
+    def relayout(self, device: torch.device) -> Dict[nn.Parameter, nn.Parameter]:
+        """After the owned set changed (re-sharding): resident weights for the new owned experts, from the masters
+        (partitioned: left for :func:`~ds_hecate.runtime.edp.refresh_weights` to gather), and an empty accumulator.
+        Shared, every master becomes a new Parameter viewing its new row: returns old -> new, so the caller moves
+        their optimizer state."""
+        owned = self.owned
+        heads = [] if self.partition is not None else [self.masters[e].detach() for e in owned]
+        self.weight_rows = self._rows(heads, device, len(owned))
+        replaced: Dict[nn.Parameter, nn.Parameter] = {}
+        if self.shares_weights:
+            for e, row in zip(owned, self.weight_rows.unbind(0)):
+                new = nn.Parameter(row, requires_grad=False)
+                replaced[self.masters[e]] = new
+                self.masters[e] = new
+        self.grads = None
+        self.fresh_params = frozenset(self.kernel.names)
+        return replaced
+
+    def _rows(self, heads: List[torch.Tensor], device, count: Optional[int] = None) -> torch.Tensor:
+        """``[owned, numel]`` compute-dtype rows filled from ``heads`` (cast; none: left for a refresh)."""
+        rows = torch.empty(len(heads) if count is None else count, self.kernel.numel, dtype=self.compute_dtype,
+                           device=device)
+        if heads:
+            torch.stack([h.reshape(-1) for h in heads], out=rows)
+        return rows
+
+    def refresh(self, pack: Optional[Callable[[List[torch.Tensor], torch.Tensor], None]] = None) -> None:
+        """The resident weights from the (updated) whole masters: one cast pass (``pack(srcs, out)``: the
+        transport's device op, a CUDA kernel with the CuPy transport). Nothing to do when the masters are the
+        weights; partitioned layers are refreshed by :func:`~ds_hecate.runtime.edp.refresh_weights` (an all-gather
+        of the peers' slices)."""
+        if self.shares_weights or self.partition is not None or not self.masters:
+            return
+        masters = [self.masters[e].detach() for e in self.owned]
+        if pack is None:
+            torch.stack(masters, out=self.weight_rows)
+        else:
+            pack(masters, self.weight_rows)
+
+    # -- gradient accumulator ------------------------------------------------------------------------------------
+    def accumulator_rows(self, device: torch.device) -> torch.Tensor:
+        """The accumulator rows (allocated, not filled, when missing: their fresh columns hold nothing yet)."""
+        if self.grads is None:
+            self.grads = torch.empty(len(self.masters), self.kernel.numel, dtype=torch.float32, device=device)
+            self.fresh_params = frozenset(self.kernel.names)
+        return self.grads
+
+    def param_columns(self, name: str) -> Tuple[int, int]:
+        """The columns ``[lo, hi)`` of parameter ``name`` in an expert's flat vector."""
+        i = self.kernel.names.index(name)
+        lo = sum(self.kernel.numels[:i])
+        return lo, lo + self.kernel.numels[i]
+
+    def mark_written(self, names: Optional[Sequence[str]] = None) -> None:
+        """Contributions to ``names`` (None: every parameter) are in the accumulator: later ones add; the masters'
+        ``.grad`` view their rows."""
+        if not self.fresh_params:
+            return
+        first = self.fresh_params == frozenset(self.kernel.names)
+        self.fresh_params = frozenset() if names is None else self.fresh_params - set(names)
+        if first and self.partition is None:
+            for e, row in zip(self.owned, self.grads.unbind(0)):
+                self.masters[e].grad = row
 
     def grad_rows(self, device: torch.device) -> torch.Tensor:
-        """The owned experts' fp32 gradient rows (in :attr:`owned` order), zeros when a new accumulation starts;
-        SparseReduceScatter adds into them in place. Unpartitioned, each master's ``.grad`` views its row."""
-        if self.grads is None:
-            owned = self.owned
-            self.grads = torch.zeros(len(owned), self.kernel.numel, dtype=torch.float32, device=device)
-            if self.partition is None:
-                for e, row in zip(owned, self.grads.unbind(0)):
-                    self.masters[e].grad = row
-        return self.grads
+        """The owned experts' fp32 gradient rows (in :attr:`owned` order) to read or add into: the columns with no
+        contribution of this window are zero-filled first. Unpartitioned, each master's ``.grad`` views its row."""
+        rows = self.accumulator_rows(device)
+        for name in self.kernel.names:
+            if name in self.fresh_params:
+                lo, hi = self.param_columns(name)
+                rows[:, lo:hi].zero_()
+        self.mark_written()
+        return rows
 
     def set_slice_grads(self, slices: torch.Tensor) -> None:
         """Partitioned: the reduce-scattered ``[owned, slice]`` gradients become the masters' ``.grad``."""
@@ -145,12 +233,46 @@ class LayerShard:
     @property
     def optimizer_grads(self) -> Optional[torch.Tensor]:
         """The rows whose rows are the masters' ``.grad`` (the whole gradients, or partitioned their slices)."""
-        return self.grads if self.partition is None else self.slice_grads
+        if self.partition is None:
+            return None if self.fresh_params == frozenset(self.kernel.names) else self.grads
+        return self.slice_grads
 
     def zero_grads(self) -> None:
-        self.grads = self.slice_grads = None
+        """A new accumulation window: the accumulator is kept (unpartitioned; freed partitioned, whose whole rows
+        live only until the reduction over the peers) and written by the next contributions; the masters have no
+        gradient until then."""
+        self.fresh_params = frozenset(self.kernel.names)
+        self.slice_grads = None
+        if self.partition is not None:
+            self.grads = None
         for master in self.masters.values():
             master.grad = None
+
+
+@dataclass
+class ShardAccumulator:
+    """A shard's gradient accumulator as SparseReduceScatter and the expert compute add into it
+    (:class:`~ds_hecate.comm.buffers.Accumulator`)."""
+
+    shard: LayerShard
+    device: torch.device
+
+    def rows(self) -> torch.Tensor:
+        return self.shard.accumulator_rows(self.device)
+
+    def fresh_columns(self) -> List[Tuple[int, int]]:
+        self.rows()
+        return [self.shard.param_columns(n) for n in self.shard.kernel.names if n in self.shard.fresh_params]
+
+    def columns(self, name: str) -> Tuple[int, int]:
+        return self.shard.param_columns(name)
+
+    def is_fresh(self, name: str) -> bool:
+        self.rows()
+        return name in self.shard.fresh_params
+
+    def written(self, names: Optional[Sequence[str]] = None) -> None:
+        self.shard.mark_written(names)
 
 
 class ExpertShardStore:
@@ -191,9 +313,11 @@ class ExpertShardStore:
         return sum(p.numel() * p.element_size() for p in self.parameters())
 
     def weight_bytes(self) -> int:
-        """Partitioned layers' whole compute-dtype weights (unpartitioned ones are their masters)."""
+        """The resident compute-dtype weights kept besides the masters (none where the masters are the weights)."""
         return sum(s.weight_rows.numel() * s.weight_rows.element_size() for s in self.layers
-                   if s.weight_rows is not None)
+                   if s.weight_rows is not None and not s.shares_weights)
+
+
 
     def grad_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for s in self.layers for t in (s.grads, s.slice_grads)
