@@ -2,7 +2,7 @@
 
     python -m benchmarks.planner [--quick] [--json docs/planner_results.json] [--markdown docs/benchmarks.md]
 
-One process times the runtime's own calls (:func:`ds_hecate.planning.critical_path.plan_after_gate` and
+One process times the runtime's own calls (:func:`ds_hecate.planning.search.critical_path.plan_after_gate` and
 :meth:`ScheduleReuse.schedule`) for one rank of a simulated world: ranks in {8, 64, 256, 1024}, experts in
 {8, 64, 256}, top-k 2 and 8, balanced and skewed (Zipf 1.2) loads, 8,192 tokens per rank, 8 ranks per node.
 
@@ -39,16 +39,16 @@ import numpy as np
 import torch
 
 from ds_hecate.config import HecateConfig
-from ds_hecate.planning.call_work import WorkMeter
-from ds_hecate.planning.critical_path import (AUTO_BUDGET_CAP_US, AUTO_BUDGET_FLOOR_US, AUTO_BUDGET_SHARE,
+from ds_hecate.planning.search.call_work import WorkMeter
+from ds_hecate.planning.search.critical_path import (AUTO_BUDGET_CAP_US, AUTO_BUDGET_FLOOR_US, AUTO_BUDGET_SHARE,
                                               plan_after_gate)
 from ds_hecate.planning.dispatch import topology_aware_routes
 from ds_hecate.planning.dispatch_plan import rank_tables
 from ds_hecate.planning.plan import LayerPlan, Placement
 from ds_hecate.planning.predictor import LoadPredictor
-from ds_hecate.planning.schedule_reuse import ScheduleReuse
+from ds_hecate.planning.search.reuse import ScheduleReuse
 from ds_hecate.planning.cost_model import StepCostModel
-from ds_hecate.planning.scheduler import schedule_materialization
+from ds_hecate.planning.search.greedy import schedule_materialization
 from ds_hecate.planning.sharding import even_sharding
 from ds_hecate.runtime.layer import check_gate_health
 

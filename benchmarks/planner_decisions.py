@@ -20,7 +20,7 @@ import json
 from typing import Dict, List
 
 from ds_hecate.planning.cost_model import estimate_layer
-from ds_hecate.planning.critical_path import plan_after_gate
+from ds_hecate.planning.search.critical_path import plan_after_gate
 from ds_hecate.planning.plan import Placement, owned_experts
 
 from .planner import COSTS, REPLICAS_PER_RANK, CallSequence

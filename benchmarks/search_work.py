@@ -1,4 +1,4 @@
-"""How well :class:`~ds_hecate.planning.scheduler.SearchWork` predicts the search's host time on this machine.
+"""How well :class:`~ds_hecate.planning.search.greedy.SearchWork` predicts the search's host time on this machine.
 
     python -m benchmarks.search_work [--trials 4] [--fit]
 
@@ -25,7 +25,7 @@ import numpy as np
 
 from ds_hecate.config import HecateConfig
 from ds_hecate.planning.plan import Placement
-from ds_hecate.planning.scheduler import SEARCH_WORK, SearchWork, _greedy, schedule_materialization
+from ds_hecate.planning.search.greedy import SEARCH_WORK, SearchWork, _greedy, schedule_materialization
 from ds_hecate.planning.sharding import even_sharding
 
 from .planner import COSTS, REPLICAS_PER_RANK, RANKS_PER_NODE, draw_counts, zipf

@@ -7,13 +7,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ds_hecate.planning import critical_path
+from ds_hecate.planning.search import critical_path
 from ds_hecate.planning.cost_model import StepCostModel
-from ds_hecate.planning.critical_path import plan_after_gate
+from ds_hecate.planning.search.critical_path import plan_after_gate
 from ds_hecate.planning.layer_planner import LayerPlanner, PlanInputs, PlannerSettings
 from ds_hecate.planning.plan import Placement, owned_experts
-from ds_hecate.planning.schedule_reuse import ScheduleReuse
-from ds_hecate.planning.search_record import SearchRecord
+from ds_hecate.planning.search.reuse import ScheduleReuse
+from ds_hecate.planning.search.record import SearchRecord
 from ds_hecate.planning.sharding import even_sharding
 
 WORLD, EXPERTS, RPN = 8, 16, 4

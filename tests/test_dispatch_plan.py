@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from ds_hecate.config import HecateConfig
-from ds_hecate.planning.critical_path import AUTO_PLAN_BUDGET, calibration_extras, plan_after_gate
+from ds_hecate.planning.search.critical_path import AUTO_PLAN_BUDGET, calibration_extras, plan_after_gate
 from ds_hecate.planning.dispatch import topology_aware_routes
 from ds_hecate.planning.dispatch_plan import DispatchPlan
 from ds_hecate.planning.plan import LayerPlan, Placement
-from ds_hecate.planning.schedule_reuse import ScheduleReuse, load_shift
-from ds_hecate.planning.scheduler import SEARCH_WORK, schedule_materialization
+from ds_hecate.planning.search.reuse import ScheduleReuse, load_shift
+from ds_hecate.planning.search.greedy import SEARCH_WORK, schedule_materialization
 from ds_hecate.planning.cost_model import StepCostModel, estimate_layer
 from ds_hecate.planning.sharding import even_sharding
 from ds_hecate.runtime.expert_compute import expand_segments, expert_major_order

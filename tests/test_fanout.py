@@ -348,7 +348,7 @@ def test_fresh_search_passes_the_relay_barrier():
     from dataclasses import replace
 
     from benchmarks.planner import COSTS, REPLICAS_PER_RANK, CallSequence
-    from ds_hecate.planning.scheduler import _greedy, schedule_materialization
+    from ds_hecate.planning.search.greedy import _greedy, schedule_materialization
 
     seq = CallSequence(64, 8, 8, "skewed", 0)
     prediction, owners, rpn = seq.window.predict_array(), seq.owners, seq.rpn

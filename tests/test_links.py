@@ -14,7 +14,7 @@ from ds_hecate.config import HecateConfig
 from ds_hecate.planning.cost_model import StepCostModel, estimate_layer, scheduler_costs
 from ds_hecate.planning.placement import shadow_placement
 from ds_hecate.planning.plan import holders_matrix
-from ds_hecate.planning.scheduler import schedule_materialization
+from ds_hecate.planning.search.greedy import schedule_materialization
 
 
 def _costs(world, rpn, **cfg):

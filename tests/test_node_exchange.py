@@ -1,4 +1,4 @@
-"""The search's node exchange (ds_hecate.planning.search_moves._node_exchange_moves): on balanced routing over
+"""The search's node exchange (ds_hecate.planning.search.moves._node_exchange_moves): on balanced routing over
 several nodes every rank ties on its node's NICs, and only replicas that keep tokens on every node at once lower
 them; calibration's search (after the gate) never proposes it; calibration's shadow move is judged against the
 balance the schedule was planned at (ScheduleReuse.planned_imbalance)."""
@@ -7,12 +7,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ds_hecate.planning import scheduler
-from ds_hecate.planning.call_work import CALL_WORK, WorkMeter
+from ds_hecate.planning.search import greedy as scheduler
+from ds_hecate.planning.search.call_work import CALL_WORK, WorkMeter
 from ds_hecate.planning.cost_model import StepCostModel, estimate_layer
 from ds_hecate.planning.plan import holders_matrix, owned_experts
-from ds_hecate.planning.schedule_reuse import ScheduleReuse
-from ds_hecate.planning.scheduler import schedule_materialization
+from ds_hecate.planning.search.reuse import ScheduleReuse
+from ds_hecate.planning.search.greedy import schedule_materialization
 
 # the scheduler's cost model of simulated a100-4x8 gpt-moe-s (ds_hecate.sim: 4 nodes of 8 A100s, 64 experts of
 # 2.36 M parameters, hidden 768, bf16), as SimContext.step_costs builds it

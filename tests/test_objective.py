@@ -1,14 +1,14 @@
 """The scheduler's objective and its moves: what a rank waits for (exposed transfers are a barrier) and the
 moves that keep a sending rank's tokens home (ds_hecate.planning.cost_model.rank_seconds,
-ds_hecate.planning.scheduler._candidate_moves)."""
+ds_hecate.planning.search.greedy._candidate_moves)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from ds_hecate.planning import scheduler
+from ds_hecate.planning.search import greedy as scheduler
 from ds_hecate.planning.cost_model import StepCostModel, estimate_layer
-from ds_hecate.planning.scheduler import schedule_materialization
+from ds_hecate.planning.search.greedy import schedule_materialization
 
 
 def test_exposed_transfers_are_a_barrier_for_every_rank():

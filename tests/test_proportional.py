@@ -1,4 +1,4 @@
-"""The proportional start (ds_hecate.planning.proportional): replicas in proportion to load as one more placement a
+"""The proportional start (ds_hecate.planning.search.proportional): replicas in proportion to load as one more placement a
 fresh search judges by its estimate, kept only where it beats the greedy passes' result and the owners by
 ``min_gain``."""
 from __future__ import annotations
@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ds_hecate.planning import scheduler
+from ds_hecate.planning.search import greedy as scheduler
 from ds_hecate.planning.cost_model import StepCostModel, estimate_layer
 from ds_hecate.planning.plan import holders_matrix
-from ds_hecate.planning.proportional import fill_slots, proportional_fill
-from ds_hecate.planning.scheduler import SEARCH_WORK, schedule_materialization
+from ds_hecate.planning.search.proportional import fill_slots, proportional_fill
+from ds_hecate.planning.search.greedy import SEARCH_WORK, schedule_materialization
 from ds_hecate.planning.sharding import even_sharding
 from ds_hecate.sim.workloads import routing_counts
 
@@ -107,7 +107,7 @@ def test_a_sliced_search_prefetches_it_from_its_first_call(monkeypatch):
     """Judged first, the proportional start is the best so far from the search's first call on: sliced over calls,
     W4's calls prefetch it while the greedy passes go on (judged last, it came in when they ended)."""
     from ds_hecate.planning.plan import materialized_of
-    from ds_hecate.planning.schedule_reuse import ScheduleReuse
+    from ds_hecate.planning.search.reuse import ScheduleReuse
     monkeypatch.setattr(scheduler, "_node_exchange_moves", lambda *a, **k: [])
     counts = _counts("W4").astype(np.float64)
     owners = even_sharding(EXPERTS, WORLD)
@@ -120,7 +120,7 @@ def test_a_sliced_search_prefetches_it_from_its_first_call(monkeypatch):
 def test_its_work_is_counted_when_the_passes_take_no_step(monkeypatch):
     """The judgement's work is part of the search's: counted by a meter even where the greedy passes find no move at
     all (the simulator charges what the meter counts)."""
-    from ds_hecate.planning.call_work import WorkMeter
+    from ds_hecate.planning.search.call_work import WorkMeter
     for name in ("_candidate_moves", "_node_exchange_moves"):
         monkeypatch.setattr(scheduler, name, lambda *a, **k: [])
     monkeypatch.setattr(scheduler, "_quota_move", lambda *a, **k: None)

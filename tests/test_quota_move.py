@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ds_hecate.planning import scheduler
+from ds_hecate.planning.search import greedy as scheduler
 from ds_hecate.planning.cost_model import StepCostModel, estimate_layer
-from ds_hecate.planning.scheduler import SEARCH_WORK, schedule_materialization
+from ds_hecate.planning.search.greedy import SEARCH_WORK, schedule_materialization
 
 COSTS = StepCostModel(compute_s_per_pair=1e-6, token_transfer_s=1e-9, expert_transfer_s=1e-5, overlap_s=0.0)
 

@@ -15,7 +15,7 @@ import torch
 from ds_hecate.config import HecateConfig
 from ds_hecate.experts import ExpertKernel
 from ds_hecate.planning.cost_model import StepCostModel, estimate_layer, scheduler_costs
-from ds_hecate.planning.scheduler import _Search, schedule_materialization
+from ds_hecate.planning.search.greedy import _Search, schedule_materialization
 from ds_hecate.runtime.profiling import _probe_replica_overhead_s
 
 COUNTS = [[1, 2, 3], [4, 5, 6]]

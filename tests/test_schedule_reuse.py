@@ -1,4 +1,4 @@
-"""Reuse of the scheduler's last search (planning.schedule_reuse.ScheduleReuse, hecate.replan_tolerance).
+"""Reuse of the scheduler's last search (planning.search.reuse.ScheduleReuse, hecate.replan_tolerance).
 
 Pure planning code: no process group. The runtime wiring (reused schedules in real training, the schedule in
 checkpoints) is covered by tests/test_checkpoint.py's bitwise resume and by the stats check below.
@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from ds_hecate.planning.schedule_reuse import ScheduleReuse, load_shift
+from ds_hecate.planning.search.reuse import ScheduleReuse, load_shift
 from ds_hecate.planning.cost_model import StepCostModel
-from ds_hecate.planning.scheduler import schedule_materialization
+from ds_hecate.planning.search.greedy import schedule_materialization
 from ds_hecate.sim.workloads import routing_counts
 
 OWNERS = (0, 0, 0, 0, 1, 1, 1, 1)
@@ -162,7 +162,7 @@ def test_the_sampling_noise_is_computed_with_the_search_not_after_the_gate(monke
     """The noise of the planned loads is part of planning (off the critical path): computed lazily, on the first call
     that scored against a new schedule, it made that call's critical path twice the others' (benchmarks.planner's
     p99 at 3x its median at 256 x 256)."""
-    import ds_hecate.planning.schedule_reuse as schedule_reuse
+    import ds_hecate.planning.search.reuse as schedule_reuse
     calls = []
     real = schedule_reuse.sampling_noise
     monkeypatch.setattr(schedule_reuse, "sampling_noise", lambda loads: calls.append(1) or real(loads))

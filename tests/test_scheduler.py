@@ -1,6 +1,6 @@
 """Tests of the Hecate scheduler's pure planning modules (no torch.distributed).
 
-ds_hecate.planning.scheduler (StepCostModel, rank_loads,
+ds_hecate.planning.search.greedy (StepCostModel, rank_loads,
 estimate_layer, schedule_materialization) and ds_hecate.planning.heterogeneous (heterogeneous_sharding, the paper's
 Algorithm 2). The balance acceptance criterion checks the compute load per rank through the integer dispatch
 (topology_aware_routes + LayerPlan), i.e. exactly what the runtime executes.
@@ -27,7 +27,7 @@ from ds_hecate.planning.plan import check_routes_cover
 from ds_hecate.planning.predictor import LoadPredictor
 from ds_hecate.planning.cost_model import LayerEstimate, StepCostModel, estimate_layer
 from ds_hecate.planning.dispatch import rank_loads
-from ds_hecate.planning.scheduler import schedule_materialization
+from ds_hecate.planning.search.greedy import schedule_materialization
 
 REPO = Path(__file__).resolve().parents[1]
 PLANNING_DIR = REPO / "ds_hecate" / "planning"
@@ -512,7 +512,7 @@ _EXAMPLE = textwrap.dedent("""
 """)
 
 _STANDALONE = planning_prelude() + textwrap.dedent("""
-    scheduler = importlib.import_module("standalone_planning.scheduler")
+    scheduler = importlib.import_module("standalone_planning.search.greedy")
     predictor_mod = importlib.import_module("standalone_planning.predictor")
     heterogeneous = importlib.import_module("standalone_planning.heterogeneous")
     StepCostModel, schedule_materialization = scheduler.StepCostModel, scheduler.schedule_materialization

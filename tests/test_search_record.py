@@ -1,4 +1,4 @@
-"""Calibration's search runs where it has been paying (planning.search_record): FasterMoE's growth first
+"""Calibration's search runs where it has been paying (planning.search.record): FasterMoE's growth first
 (critical_path.growth_calibration), the search beside it while the layer's last searches saved more estimated layer
 time below the growth's placement than their own work, else after PROBE_INTERVAL calibrations without one."""
 from __future__ import annotations
@@ -6,12 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ds_hecate.planning import critical_path
+from ds_hecate.planning.search import critical_path
 from ds_hecate.planning.cost_model import StepCostModel, estimate_layer
-from ds_hecate.planning.critical_path import growth_calibration, plan_after_gate
+from ds_hecate.planning.search.critical_path import growth_calibration, plan_after_gate
 from ds_hecate.planning.plan import Placement, owned_experts
-from ds_hecate.planning.schedule_reuse import ScheduleReuse
-from ds_hecate.planning.search_record import NEGLIGIBLE_SHARE, PROBE_INTERVAL, RECORD_LENGTH, SearchRecord
+from ds_hecate.planning.search.reuse import ScheduleReuse
+from ds_hecate.planning.search.record import NEGLIGIBLE_SHARE, PROBE_INTERVAL, RECORD_LENGTH, SearchRecord
 from ds_hecate.planning.sharding import even_sharding
 
 WORLD, EXPERTS, RPN = 8, 16, 4
@@ -123,7 +123,7 @@ def test_growth_takes_the_hottest_experts_while_the_estimate_falls():
 
 def test_growth_stays_within_the_calibration_budget():
     counts = _moving_hot(0, True)
-    from ds_hecate.planning.call_work import CALL_WORK, WorkMeter
+    from ds_hecate.planning.search.call_work import CALL_WORK, WorkMeter
     one = CALL_WORK.estimate_cost_us(WORLD, EXPERTS)
     assert growth_calibration(counts, _owners_only(), CHEAP, 4, RPN, 1.5 * one) is None   # not even one try
     meter = WorkMeter()

@@ -6,12 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ds_hecate.planning import critical_path
+from ds_hecate.planning.search import critical_path
 from ds_hecate.planning.cost_model import StepCostModel, estimate_layer
-from ds_hecate.planning.critical_path import plan_after_gate, shadow_calibration
+from ds_hecate.planning.search.critical_path import plan_after_gate, shadow_calibration
 from ds_hecate.planning.plan import Placement, materialized_of, owned_experts
-from ds_hecate.planning.schedule_reuse import ScheduleReuse
-from ds_hecate.planning.scheduler import schedule_materialization
+from ds_hecate.planning.search.reuse import ScheduleReuse
+from ds_hecate.planning.search.greedy import schedule_materialization
 from ds_hecate.planning.sharding import even_sharding
 
 WORLD, EXPERTS, RPN = 8, 16, 4

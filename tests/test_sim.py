@@ -246,7 +246,7 @@ def test_work_clock_counts_what_the_planner_did():
     """The work clock charges the pieces the call ran: a call whose prediction held pays the per-call part alone;
     a burst the shadow move takes pays the per-call part, the imbalance estimate, the shadow move's two estimates
     and the new placement's dispatch tables."""
-    from ds_hecate.planning.call_work import CALL_WORK
+    from ds_hecate.planning.search.call_work import CALL_WORK
     from ds_hecate.sim import systems as sim_systems
 
     calls = []

@@ -1,4 +1,4 @@
-"""The search spread over layer calls (planning/sliced_search.py, ScheduleReuse.schedule's ``slice_us``): the same
+"""The search spread over layer calls (planning/search/sliced.py, ScheduleReuse.schedule's ``slice_us``): the same
 placement as the whole search in the end, interim placements within the budget meanwhile, the remembered
 calibration prefetched where it is estimated faster, dropped when the prediction moves, resumed exactly from a
 checkpoint; and ``hecate.search_slice_us`` resolved as documented."""
@@ -11,8 +11,8 @@ from ds_hecate.config import HecateConfig
 from ds_hecate.planning.cost_model import StepCostModel, estimate_layer
 from ds_hecate.planning.layer_planner import search_slice
 from ds_hecate.planning.plan import holders_matrix, owned_experts
-from ds_hecate.planning.schedule_reuse import ScheduleReuse
-from ds_hecate.planning.scheduler import SEARCH_WORK, schedule_materialization
+from ds_hecate.planning.search.reuse import ScheduleReuse
+from ds_hecate.planning.search.greedy import SEARCH_WORK, schedule_materialization
 from ds_hecate.planning.sharding import even_sharding
 
 WORLD, EXPERTS, RPN, BUDGET = 16, 32, 4, 3

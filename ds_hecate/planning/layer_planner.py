@@ -21,12 +21,12 @@ from typing import Any, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .cost_model import CommCostModel, StepCostModel
-from .critical_path import AfterGate, plan_after_gate
+from .search.critical_path import AfterGate, plan_after_gate
 from .dispatch_plan import DispatchPlan
 from .placement import POLICIES, STEP_COST_POLICIES
 from .plan import Materialized, Placement, holders_matrix, owned_experts
 from .predictor import LoadPredictor
-from .schedule_reuse import ScheduleReuse
+from .search.reuse import ScheduleReuse
 from .sharding import even_sharding
 
 #: every value of ``hecate.placement``

@@ -13,7 +13,7 @@ one and lives in :mod:`.layer_planner`, which runs these too):
 - ``all``: every rank materializes every expert (ZeRO-3 / FSDP style gather-all), a baseline: no token leaves its
   rank, every expert crosses the wire every iteration.
 
-``shadow`` needs the scheduler's :class:`~ds_hecate.planning.scheduler.StepCostModel` (compute speed as well as
+``shadow`` needs the scheduler's :class:`~ds_hecate.planning.search.greedy.StepCostModel` (compute speed as well as
 bandwidth) rather than the byte-only :class:`CommCostModel`; callers look this up in :data:`STEP_COST_POLICIES`.
 """
 from __future__ import annotations

@@ -201,11 +201,11 @@ def simulate(cluster: Union[str, Cluster], model: Union[str, ModelShape], worklo
     decisions needs those numbers even where the step time is modelled with other unit costs.
 
     ``charge_planning``: Hecate's host planning, as the runtime runs it
-    (:func:`~ds_hecate.planning.critical_path.plan_after_gate` for one rank, and the prediction-driven search), is
+    (:func:`~ds_hecate.planning.search.critical_path.plan_after_gate` for one rank, and the prediction-driven search), is
     added to its step: the critical path in full, the search where it outlasts the non-MoE compute that hides it
     (``host_planning`` in the breakdown). False: leave it out. ``planning_clock``: how it is counted, ``work`` (the
     default) from what the planner did, in its work models' estimated microseconds
-    (:mod:`~ds_hecate.planning.call_work`, :class:`~ds_hecate.planning.search_work.SearchWork`): the same figures on
+    (:mod:`~ds_hecate.planning.search.call_work`, :class:`~ds_hecate.planning.search.work.SearchWork`): the same figures on
     every machine and under any load; ``thread``: this thread's CPU time as it runs here (moves with the host and
     by up to a quarter between runs on an idle one).
 

@@ -12,7 +12,7 @@ from typing import Generator, Optional, Union
 import numpy as np
 
 from .call_work import CALL_WORK
-from .plan import Materialized
+from ..plan import Materialized
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,8 @@ from typing import Generator, Optional
 
 import numpy as np
 
-from .plan import Materialized, materialized_of
-from .scheduler import Progress
+from ..plan import Materialized, materialized_of
+from .greedy import Progress
 
 
 @dataclass

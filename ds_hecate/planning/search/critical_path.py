@@ -16,13 +16,13 @@ from typing import Callable, NamedTuple, Optional, Tuple, Union
 import numpy as np
 
 from .call_work import CALL_WORK, WorkMeter
-from .dispatch_plan import DispatchPlan, RankDispatch
-from .placement import grow_hottest
-from .plan import Materialized, Placement, holders_matrix, materialized_of
-from .schedule_reuse import ScheduleReuse
-from .scheduler import SEARCH_WORK, RelativeBudget, schedule_materialization
-from .search_work import budget_upper_us, budget_us_for
-from .cost_model import StepCostModel, estimate_layer
+from ..dispatch_plan import DispatchPlan, RankDispatch
+from ..placement import grow_hottest
+from ..plan import Materialized, Placement, holders_matrix, materialized_of
+from .reuse import ScheduleReuse
+from .greedy import SEARCH_WORK, RelativeBudget, schedule_materialization
+from .work import budget_upper_us, budget_us_for
+from ..cost_model import StepCostModel, estimate_layer
 
 #: ``plan_budget_us: null``: calibration may spend this share of the layer's estimated time (under the prefetched
 #: placement, as the search's setup estimates it), within floor and cap

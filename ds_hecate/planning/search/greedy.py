@@ -24,13 +24,13 @@ import numpy as np
 import numpy.ma  # noqa: F401  np.unique imports it on its first call (10 ms), which would land on a layer call
 
 from .call_work import WorkMeter
-from .cost_model import LayerEstimate, StepCostModel, estimate_layer, rank_seconds
-from .fanout import relay_transfers
-from .dispatch import dispatch_flows
-from .plan import Materialized, holders_matrix, materialized_of
+from ..cost_model import LayerEstimate, StepCostModel, estimate_layer, rank_seconds
+from ..fanout import relay_transfers
+from ..dispatch import dispatch_flows
+from ..plan import Materialized, holders_matrix, materialized_of
 from .proportional import fill_slots, proportional_fill
-from .search_moves import _candidate_moves, _node_exchange_moves, _quota_move, _round12  # noqa: F401
-from .search_work import (SEARCH_WORK, Progress, RelativeBudget, SearchWork,  # noqa: F401  (re-exported)
+from .moves import _candidate_moves, _node_exchange_moves, _quota_move, _round12  # noqa: F401
+from .work import (SEARCH_WORK, Progress, RelativeBudget, SearchWork,  # noqa: F401  (re-exported)
                           budget_upper_us, budget_us_for, run_metered, run_to_end)
 
 

@@ -10,13 +10,13 @@ from typing import Optional, Sequence, Tuple
 
 import numpy as np
 
-from .plan import Materialized, holders_matrix
+from ..plan import Materialized, holders_matrix
 from .call_work import CALL_WORK, WorkMeter
-from .cost_model import StepCostModel, imbalance
-from .dispatch import dispatch_flows
-from .scheduler import schedule_materialization, search_steps
-from .search_record import SearchRecord
-from .sliced_search import SlicedSearch
+from ..cost_model import StepCostModel, imbalance
+from ..dispatch import dispatch_flows
+from .greedy import schedule_materialization, search_steps
+from .record import SearchRecord
+from .sliced import SlicedSearch
 
 
 def load_shift(before: Sequence[Sequence[float]], after: Sequence[Sequence[float]],
