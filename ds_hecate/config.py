@@ -129,7 +129,7 @@ class HecateConfig(BaseModel):
         1, ge=1, le=1 << 30, description="Write the metrics every N optimizer steps, as per-step means over them.")
     trace_file: Optional[str] = Field(
         None, min_length=1, max_length=4096,
-        description="Rank 0 records every layer's gate counts and executed plan here (JSON Lines, ds_hecate.tools.trace); "
+        description="Rank 0 records every layer's gate counts and executed plan here (JSON Lines, ds_hecate.trace); "
                     "null: no trace.")
     comm_backend: Literal["auto", "torch", "cupy"] = Field(
         "auto", description="Transport of Hecate's collectives: 'cupy' (NCCL through CuPy on its own CUDA stream), "

@@ -188,4 +188,4 @@ def test_public_face():
     assert all(hasattr(ds_hecate, name) for name in ds_hecate.__all__)
     # the folders name the architecture; modules of the old flat layout are gone from the top level
     top = sorted(p.stem for p in (REPO / "ds_hecate").glob("*.py"))
-    assert top == ["__init__", "config", "errors", "experts", "logging_utils", "moe_layer"]
+    assert top == ["__init__", "config", "errors", "experts", "logging_utils", "moe_layer", "trace"]

@@ -12,7 +12,7 @@ import pytest
 from ds_hecate.errors import HecateError
 from ds_hecate.sim.presets import CLUSTERS, MODELS, Cluster, ModelShape
 from ds_hecate.sim import SYSTEMS, simulate
-from ds_hecate.tools.trace import TraceLayer, TraceWriter
+from ds_hecate.trace import TraceLayer, TraceWriter
 
 TINY = ModelShape(name="tiny", moe_layers=2, hidden_size=64, ffn_size=128, num_experts=4, top_k=2, vocab_size=0,
                   seq_len=256, expert_bias=True)

@@ -1,5 +1,5 @@
 """``ds-hecate simulate`` and ``ds-hecate plan``: argument parsing and printing (the work is in
-:mod:`ds_hecate.sim.core` and :mod:`ds_hecate.tools.memory_plan`; presets in :mod:`ds_hecate.sim.presets`)."""
+:mod:`ds_hecate.sim.core` and :mod:`ds_hecate.sim.memory_plan`; presets in :mod:`ds_hecate.sim.presets`)."""
 from __future__ import annotations
 
 import argparse
@@ -80,7 +80,7 @@ def run_simulate(args: argparse.Namespace) -> int:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from ..tools.memory_plan import format_plan, optimizer_layout_from_ds_config, plan_memory
+    from .memory_plan import format_plan, optimizer_layout_from_ds_config, plan_memory
     from .presets import resolve_cluster, resolve_model
 
     hecate, ds = _hecate_from_ds_config(args.config)

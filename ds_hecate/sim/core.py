@@ -34,7 +34,7 @@ from ..config import HecateConfig, wire_dtype
 from ..errors import HecateError
 from ..planning.balance import force_uniform_steps
 from ..planning.groups import resolve_ep_size
-from ..tools.trace import read_trace
+from ..trace import read_trace
 from .context import SimContext
 from .model_state import (ADAM, OptimizerStateLayout, dense_state_bytes, ep_expert_state_bytes, owned_expert_state,
                           transient_grad_bytes)
@@ -185,7 +185,7 @@ def simulate(cluster: Union[str, Cluster], model: Union[str, ModelShape], worklo
              planning_clock: str = "work", planner_token_price: float = 1.0) -> SimResult:
     """Simulate ``steps`` training steps of ``model`` on ``cluster`` under ``workload`` for each of ``systems``.
 
-    ``workload``: W0..W7 or a trace file (ds_hecate.tools.trace). ``hecate``: the ``hecate`` config the Hecate systems
+    ``workload``: W0..W7 or a trace file (ds_hecate.trace). ``hecate``: the ``hecate`` config the Hecate systems
     plan with (default: defaults, with ``materialize_budget_mb`` = 10% of device memory unless given).
     ``tokens_per_rank``: default ``seq_len * micro_batch`` of the model. ``spag``: ``p2p`` models Hecate's
     SparseAllGather/SparseReduceScatter as ds_hecate runs them (the owner sends each replica), ``ring`` is a

@@ -25,7 +25,7 @@ from ..planning.replica_pool import ReplicaPool
 from ..planning.groups import ExpertGroups, resolve_ep_size
 from ..planning.heterogeneous import slots_per_rank
 from ..planning.sharding import even_sharding
-from ..sim.model_state import (OptimizerStateLayout, compute_bytes, dense_state_bytes, owned_expert_state,
+from .model_state import (OptimizerStateLayout, compute_bytes, dense_state_bytes, owned_expert_state,
                                transient_grad_bytes)
 
 __all__ = ["MemoryPlan", "format_plan", "optimizer_layout_from_ds_config", "plan_memory", "probe_optimizer_state"]
