@@ -124,7 +124,7 @@ MUTATIONS: List[Mutation] = [
         "the search never tries a copy on the bottleneck of the experts it sends most rows to"),
     Mutation(
         "calibration-forgotten", "ds_hecate/planning/search/critical_path.py",
-        (("        known = schedule.calibrated_fit(counts, prefetched.owners, holders, replica_budget)\n",
+        (("        known = schedule.calibrated_fit(counts, prefetched.owners, holders, settings.replica_budget)\n",
           "        known = None  # MUTATION: the remembered calibration is never taken\n"),),
         "calibration searches again for routing it already placed for (a rotating hot spot pays a search per call)"),
     Mutation(
@@ -238,7 +238,7 @@ MUTATIONS: List[Mutation] = [
         "partitioned expert state: the expert-data-parallel reduction waits for the accumulation boundary, so every "
         "layer's whole fp32 gradient rows stay alive through the backward"),
     Mutation(
-        "objective-ignores-links", "ds_hecate/planning/search/greedy.py",
+        "objective-ignores-links", "ds_hecate/planning/search/state.py",
         (("        self.costs = costs\n", "        self.costs = costs.single_link()  # MUTATION: one link for all\n"),),
         "the search prices every token row and expert at the slowest link, as before issue 26: a copy that keeps "
         "tokens on their node is worth no more than one beside the owner"),
@@ -292,8 +292,8 @@ MUTATIONS: List[Mutation] = [
         "the fresh search stops at the relay barrier: the second pass (trees priced as one flow) is ignored"),
     Mutation(
         "critical-search-ignores-its-cost", "ds_hecate/planning/search/greedy.py",
-        (("                          budget_us=budget_us, pay_window=PAY_WINDOW if critical_path else 0, **search)\n",
-          "                          budget_us=budget_us, pay_window=0, **search)  # MUTATION: calibration searches on whatever its steps cost\n"),),
+        (("    pay_window = PAY_WINDOW if s.critical_path else 0\n",
+          "    pay_window = 0  # MUTATION: calibration searches on whatever its steps cost\n"),),
         "calibration after the gate keeps searching while its steps cost every rank more host time than they save"),
     Mutation(
         "quota-replicas-off-their-node", "ds_hecate/planning/search/moves.py",
@@ -329,8 +329,8 @@ MUTATIONS: List[Mutation] = [
         "then replicas by owner): replicas meet the wrong expert's weights"),
     Mutation(
         "search-ignores-the-remembered-calibration", "ds_hecate/planning/search/reuse.py",
-        (("                             start=start if begun_from is None else begun_from, budget_us=budget_us)\n",
-          "                             start=start, budget_us=budget_us)  # MUTATION: rebuilt from the start layout\n"),),
+        (("        steps = search_steps(loads, owners, settings, start=start if begun_from is None else begun_from)\n",
+          "        steps = search_steps(loads, owners, settings, start=start)  # MUTATION: rebuilt from the start layout\n"),),
         "a search for routing calibration just placed for starts over from the start layout instead of refining "
         "that placement (a fresh search's host time after every move of a hot spot)"),
     Mutation(
@@ -348,13 +348,13 @@ MUTATIONS: List[Mutation] = [
         "host planning is charged in the simulating thread's CPU time: the tables move with the machine's load"),
     Mutation(
         "proportional-start-without-the-bar", "ds_hecate/planning/search/greedy.py",
-        (("    bar = result_s * (1.0 - min_gain) if sharded else result_s   # a kept result beat the owners by min_gain\n",
+        (("    bar = result_s * (1.0 - s.min_gain) if sharded else result_s   # a kept result beat the owners by min_gain\n",
           "    bar = result_s  # MUTATION: any gain over the owners keeps the proportional start\n"),),
         "the proportional start is kept for any estimated gain over the owners, not the search's min_gain: replicas "
         "for a percent or two of noisy predicted gain"),
     Mutation(
         "proportional-start-never-judged", "ds_hecate/planning/search/greedy.py",
-        (("    judged = start is None and not critical_path and slots > 0 and (limit is None or fill_us <= limit)\n",
+        (("    judged = start is None and not s.critical_path and slots > 0 and (limit is None or fill_us <= limit)\n",
           "    judged = False  # MUTATION: the proportional start is never tried\n"),),
         "a fresh search returns the greedy passes' result alone: ragged sources keep the owners"),
     Mutation(
