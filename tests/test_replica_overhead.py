@@ -107,7 +107,7 @@ def test_training_measures_the_overhead_once_for_every_rank():
 def test_the_simulator_plans_with_a_measured_overhead_as_the_runtime_would():
     """``ds-hecate simulate --measured`` builds its cluster from a run's measured costs: the planner inside gets the
     run's replica overhead too (else it would place replicas the run's own planner refused)."""
-    from ds_hecate.sim import simulate
+    from ds_hecate.sim import SimSettings, simulate
     from ds_hecate.sim.presets import Cluster, ModelShape
 
     tiny = ModelShape(name="tiny", moe_layers=2, hidden_size=64, ffn_size=128, num_experts=4, top_k=2, vocab_size=0,
@@ -116,8 +116,9 @@ def test_the_simulator_plans_with_a_measured_overhead_as_the_runtime_would():
 
     def replicas(overhead: float) -> float:
         cluster = Cluster.from_measured({**measured, "replica_overhead_s": overhead}, world_size=2)
-        result = simulate(cluster, tiny, "W1", systems=["hecate"], steps=4, tokens_per_rank=512, precision="fp32",
-                          hecate=HecateConfig(enabled=True, calibration=False))
+        settings = SimSettings(steps=4, tokens_per_rank=512, precision="fp32",
+                               hecate=HecateConfig(enabled=True, calibration=False))
+        result = simulate(cluster, tiny, "W1", settings, systems=["hecate"])
         return result.systems["hecate"].replicas_per_layer
 
     assert replicas(0.0) > 0
