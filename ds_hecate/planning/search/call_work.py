@@ -9,8 +9,9 @@ the same command gives the same tables on every machine and under any load.
 
 The constants fit the medians of the runtime's own code timed on a 2-vCPU AMD EPYC host, caches swept between
 trials (``python -m benchmarks.call_work --fit`` re-measures them), rounded up: a per-call part and a part per
-(rank, expert) cell of the exchanged counts for each piece of work. The search's constants (:class:`~.work.SearchWork`) are the 90th
-percentiles of a 2-vCPU Intel Xeon host, so the search is charged on the safe side.
+(rank, expert) cell of the exchanged counts for each piece of work. The search's constants
+(:class:`~.work.SearchWork`) are the 90th percentiles of a 2-vCPU Intel Xeon host, so the search is charged on the
+safe side.
 """
 from __future__ import annotations
 

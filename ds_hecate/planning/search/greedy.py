@@ -13,7 +13,8 @@ replica must earn its cost. Compared with the paper this (1) never replicates an
 shorten the step (e.g. hot but sourced on its owner's rank under local-first dispatch), (2) trades replicas
 against the token traffic they save, and (3) respects a per-rank budget rather than one global slot count. Every
 input is identical on all ranks and ties break on (expert id, rank), so all ranks compute the same placement.
-The moves themselves, and why each exists, are in :mod:`.moves`, the search's state in :mod:`.state`, its settings in :mod:`.settings`.
+The moves themselves, and why each exists, are in :mod:`.moves`, the search's state in :mod:`.state`, its settings
+in :mod:`.settings`.
 """
 from __future__ import annotations
 
