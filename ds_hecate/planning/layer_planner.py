@@ -22,14 +22,11 @@ import numpy as np
 
 from .cost_model import CommCostModel, StepCostModel
 from .dispatch_plan import DispatchPlan
-from .placement import POLICIES, STEP_COST_POLICIES
+from .placement import PLACEMENT_POLICIES, POLICIES, STEP_COST_POLICIES
 from .plan import Materialized, Placement, holders_matrix, owned_experts
 from .predictor import LoadPredictor
 from .search import AfterGate, ScheduleReuse, SearchSettings, calibration_settings, plan_after_gate
 from .sharding import even_sharding
-
-#: every value of ``hecate.placement``
-PLACEMENT_POLICIES = ("hecate",) + tuple(POLICIES)
 
 
 @dataclass(frozen=True)

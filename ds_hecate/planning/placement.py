@@ -131,6 +131,10 @@ POLICIES: Dict[str, PlacementPolicy] = {
 #: Policies that take the scheduler's StepCostModel instead of the byte-only CommCostModel.
 STEP_COST_POLICIES = frozenset({"shadow"})
 
+#: every value of ``hecate.placement``, defined here once (the config's schema reads it): the stateful default
+#: ``hecate`` (predicts and prefetches, :mod:`.layer_planner`) and the stateless policies above
+PLACEMENT_POLICIES = ("hecate",) + tuple(POLICIES)
+
 
 def plan_layer(counts: Sequence[Sequence[int]], owners: Sequence[int], policy: str,
                cost: Optional[CommCostModel] = None, ranks_per_node: Optional[int] = None) -> LayerPlan:

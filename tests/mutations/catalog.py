@@ -310,7 +310,7 @@ MUTATIONS: List[Mutation] = [
         "a checkpoint (and consolidation) joins the expert-data-parallel peers' slices of master and optimizer "
         "state in the wrong order"),
     Mutation(
-        "weight-traffic-on-token-communicator", "ds_hecate/comm/gpu/backend.py",
+        "weight-traffic-on-token-communicator", "ds_hecate/comm/backend.py",
         (("    weights = (TorchTransport(weight_group, rank, world_size, device, device_ops=ops)\n"
            "               if weight_group is not None else None)\n",
           "    weights = None  # MUTATION: SparseAllGather/SparseReduceScatter share the token all-to-all's communicator\n"),),
