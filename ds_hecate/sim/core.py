@@ -208,8 +208,8 @@ def simulate(cluster: Union[str, Cluster], model: Union[str, ModelShape], worklo
     s = settings
     tokens = s.tokens_per_rank or mdl.tokens_per_rank
     hecate = _hecate_config(s, cl)
-    group = _group_size(cl, mdl, s.ep_size if s.ep_size is not None else hecate.ep_size)
-    ctx = _context(cl, mdl, tokens, hecate, s, group)
+    ep_size = _ep_size(cl, mdl, s.ep_size if s.ep_size is not None else hecate.ep_size)
+    ctx = _context(cl, mdl, tokens, hecate, s, ep_size)
     if counts is None:
         counts, notes = _workload_counts(workload, mdl, cl.world_size, s.steps, tokens, s.seed)
     else:
@@ -231,12 +231,12 @@ def simulate(cluster: Union[str, Cluster], model: Union[str, ModelShape], worklo
     if s.force_balanced:
         # the same setting, resolved, on the routing forced uniform
         resolved = replace(s, world_size=None, tokens_per_rank=tokens, hecate=hecate, materialize_budget_mb=None,
-                           force_balanced=False, ep_size=group)
+                           force_balanced=False, ep_size=ep_size)
         _add_force_balanced(results, counts, lambda forced: simulate(cl, mdl, workload, resolved, systems=systems,
                                                                      counts=forced))
     return SimResult(cluster=cl, model=mdl, workload=workload, world_size=cl.world_size, steps=s.steps,
                      warmup=s.warmup, systems=results, wall_s=time.perf_counter() - start_wall, notes=notes,
-                     ep_size=group, edp_size=ctx.edp_size)
+                     ep_size=ep_size, edp_size=ctx.edp_size)
 
 
 def _hecate_config(settings: SimSettings, cl: Cluster) -> HecateConfig:
@@ -265,13 +265,14 @@ def _add_force_balanced(results: Dict[str, SystemResult], counts, run: Callable[
         r.force_balanced_fraction = r.force_balanced_step_s / r.step_time_s
 
 
-def _group_size(cl: Cluster, mdl: ModelShape, explicit: Optional[int]) -> int:
-    """The runtime's rule for the group size; groups the time model cannot place on whole nodes are refused."""
+def _ep_size(cl: Cluster, mdl: ModelShape, explicit: Optional[int]) -> int:
+    """The runtime's rule for the group size ``ep_size``; groups the time model cannot place on whole nodes are
+    refused."""
     rpn = cl.devices_per_node
-    group, _ = resolve_ep_size(explicit, (), cl.world_size, mdl.num_experts, rpn)
-    if group % rpn and rpn % group:
-        raise HecateError(f"simulate: expert-parallel groups of {group} ranks do not align with nodes of {rpn}")
-    return group
+    ep_size, _ = resolve_ep_size(explicit, (), cl.world_size, mdl.num_experts, rpn)
+    if ep_size % rpn and rpn % ep_size:
+        raise HecateError(f"simulate: expert-parallel groups of {ep_size} ranks do not align with nodes of {rpn}")
+    return ep_size
 
 
 def _group_classes(counts, layer: int, ctx: SimContext) -> List[List[int]]:
@@ -385,10 +386,10 @@ def _simulate_system(system: str, ctx: SimContext, counts, classes: List[Tuple[L
 def format_table(result: SimResult) -> str:
     """The table ``ds-hecate simulate`` prints."""
     cl, mdl = result.cluster, result.model
-    group = result.ep_size or result.world_size
+    ep_size = result.ep_size or result.world_size
     head = (f"cluster {cl.name}: {result.world_size} devices ({cl.nodes} node(s) x {cl.devices_per_node}); model "
             f"{mdl.name}: {mdl.moe_layers} MoE layers x {mdl.num_experts} experts, top-{mdl.top_k}; workload "
-            f"{result.workload}; {result.steps} steps ({result.warmup} warm-up not averaged); ep_size {group} "
+            f"{result.workload}; {result.steps} steps ({result.warmup} warm-up not averaged); ep_size {ep_size} "
             + ("(one group)" if result.edp_size == 1 else
                f"({result.edp_size} groups, expert-data-parallel across them)"))
     cols = ("system", "step ms", "vs EP", "of ideal", "of force-balanced", "peak GiB/rank", "imbalance",
