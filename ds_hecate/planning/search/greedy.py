@@ -19,7 +19,7 @@ in :mod:`.settings`.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Generator, List, Optional, Sequence, Tuple
+from typing import Callable, Generator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import numpy.ma  # noqa: F401  np.unique imports it on its first call (10 ms), which would land on a layer call
@@ -178,41 +178,40 @@ def _passes(counts, owners, settings: SearchSettings, start,
     # the second pass answers the barrier of levels run at the wait: a stream-ordered runtime has none
     relays_possible = (costs.fanout > 0 and costs.relay_levels_exposed and not costs.relay_stream_ordered
                        and len(counts) - 1 > costs.fanout)
-    first = greedy_steps(counts, owners, settings, start, prefetched)
-    done_us = settings.work.setup_cost_us(len(counts), len(owners))   # a pass that yields no step still built its state
-    while True:
-        try:
-            progress = next(first)
-        except StopIteration as end:
-            priced = end.value
-            break
-        done_us = progress.spent_us + progress.step_us
-        yield progress
+    priced, done = yield from _relayed(greedy_steps(counts, owners, settings, start, prefetched), lambda p: p)
+    # a pass that yields no step still built its state
+    done_us = settings.work.setup_cost_us(len(counts), len(owners)) if done is None else done
     if start is not None or not relays_possible:
         return priced, done_us, None
     estimate = estimate_layer(counts, owners, priced, costs, rpn, prefetched=prefetched)
     if estimate.imbalance <= FLOW_PASS_IMBALANCE:
         return priced, done_us, estimate.time_s
     flow_settings = replace(settings, costs=replace(costs, relay_levels_exposed=False), critical_path=False)
-    second = greedy_steps(counts, owners, flow_settings, None, prefetched)
     priced_mat = holders_matrix(priced, len(counts), len(owners))
-    second_us = 0.0
-    while True:
-        try:
-            progress = next(second)
-        except StopIteration as end:
-            flow = end.value
-            break
-        second_us = progress.spent_us + progress.step_us
-        yield Progress(done_us + progress.spent_us, progress.step_us, estimate.time_s, priced_mat,
-                       progress.last_gain_us)
-    done_us += second_us
+    flow, second_us = yield from _relayed(
+        greedy_steps(counts, owners, flow_settings, None, prefetched),
+        lambda p: Progress(done_us + p.spent_us, p.step_us, estimate.time_s, priced_mat, p.last_gain_us))
+    done_us += 0.0 if second_us is None else second_us
     if flow == priced:
         return priced, done_us, estimate.time_s
     flow_s = estimate_layer(counts, owners, flow, costs, rpn, prefetched=prefetched).time_s
     if float(round12(flow_s)) < float(round12(estimate.time_s)):
         return flow, done_us, flow_s
     return priced, done_us, estimate.time_s
+
+
+def _relayed(steps: Generator[Progress, None, Materialized],
+             shown: Callable[[Progress], Progress]) -> Generator[Progress, None, Tuple[Materialized, Optional[float]]]:
+    """A pass of :func:`_passes`: yields ``shown(p)`` for each :class:`Progress` ``p`` of ``steps``; returns (its
+    placement, the work at the end of the last step it announced, None where it announced none)."""
+    done: Optional[float] = None
+    while True:
+        try:
+            progress = next(steps)
+        except StopIteration as end:
+            return end.value, done
+        done = progress.spent_us + progress.step_us
+        yield shown(progress)
 
 
 def _next_stage(stage: int, last_stage: int, moved_since_stage0: bool) -> Tuple[int, bool]:
