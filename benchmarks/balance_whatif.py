@@ -5,7 +5,7 @@
 On W4 (ragged sources: ranks hold 1.75x..0.25x of the mean tokens) the scheduler keeps the heavy ranks' tokens
 home on copies of the experts they send to, so those ranks compute more: post-plan expert-compute imbalance
 1.34-1.48 on the 32-GPU grid, where the other workloads reach 1.00-1.10. This re-runs those cells with Hecate's
-planners seeing token traffic at a fraction of its cost (``simulate(planner_token_price=...)``; the time model
+planners seeing token traffic at a fraction of its cost (``SimSettings(planner_token_price=...)``; the time model
 still charges every row whole), so the search trades token traffic for compute balance, and prints what that
 balance costs in step time. Every figure is a model output of ds_hecate's own planner in the simulator, host
 planning charged from its work models (the same table on any machine, loaded or idle).
@@ -23,11 +23,11 @@ PRICES = (1.0, 0.1, 0.01, 0.0)
 
 def run_cell(cluster: str, model: str, workload: str, price: float, defaults: Dict[str, Any]) -> Dict[str, Any]:
     """One grid cell with Hecate's planners pricing token traffic at ``price``; the figures the table prints."""
-    from ds_hecate.sim.core import simulate
+    from ds_hecate.sim import SimSettings, simulate
 
-    result = simulate(cluster, model, workload, systems=["ep", *BASELINES, "hecate"], steps=defaults["steps"],
-                      warmup=defaults["warmup"], seed=defaults["seed"], spag=defaults["spag"],
-                      planner_token_price=price)
+    settings = SimSettings(steps=defaults["steps"], warmup=defaults["warmup"], seed=defaults["seed"],
+                           spag=defaults["spag"], planner_token_price=price)
+    result = simulate(cluster, model, workload, settings, systems=["ep", *BASELINES, "hecate"])
     hecate = result.systems["hecate"]
     baseline, baseline_speedup = best_baseline(
         {"systems": {name: {"speedup_vs_ep": r.speedup_vs_ep} for name, r in result.systems.items()}})

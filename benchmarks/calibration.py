@@ -158,7 +158,7 @@ def calibrate(results: dict, tolerance: float = TOLERANCE, empty_steps: Optional
     ``measured-costs`` model."""
     from ds_hecate.config import HecateConfig
     from ds_hecate.sim.presets import Cluster
-    from ds_hecate.sim.core import simulate
+    from ds_hecate.sim import SimSettings, simulate
 
     model = benchmark_model(results)
     cfg = results["config"]
@@ -213,14 +213,16 @@ def calibrate(results: dict, tolerance: float = TOLERANCE, empty_steps: Optional
         cluster = Cluster.from_measured(costs, world_size=world, name="benchmark-run")
         sims = {}
         for padded in (False, True):
-            sims[padded] = simulate(cluster, model, wname, systems=["ep"] if padded else ["hecate", "ep", "ideal"],
-                                    steps=steps, warmup=warmup, seed=int(cfg["seed"]), hecate=hecate,
-                                    zero_stage=2, precision="fp32", counts=_padded(counts) if padded else counts,
-                                    planner_costs={k: float(measured[k]) for k in REQUIRED_COSTS + OPTIONAL_COSTS
-                                                   if k in measured},
-                                    force_balanced=not padded,   # padding a uniform routing is no counterpart
-                                    # the measured empty step already holds the runtime's host planning
-                                    charge_planning=False)
+            settings = SimSettings(steps=steps, warmup=warmup, seed=int(cfg["seed"]), hecate=hecate, zero_stage=2,
+                                   precision="fp32",
+                                   planner_costs={k: float(measured[k]) for k in REQUIRED_COSTS + OPTIONAL_COSTS
+                                                  if k in measured},
+                                   force_balanced=not padded,   # padding a uniform routing is no counterpart
+                                   # the measured empty step already holds the runtime's host planning
+                                   charge_planning=False)
+            sims[padded] = simulate(cluster, model, wname, settings,
+                                    systems=["ep"] if padded else ["hecate", "ep", "ideal"],
+                                    counts=_padded(counts) if padded else counts)
         rows: Dict[str, Any] = {}
         for row, sim_name, meas_name, padded, acceptance in ROWS:
             sim = sims[padded].systems[sim_name]

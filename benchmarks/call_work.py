@@ -1,11 +1,11 @@
-"""How well :class:`~ds_hecate.planning.call_work.CallWork` predicts a layer call's planning on this machine.
+"""How well :class:`~ds_hecate.planning.search.call_work.CallWork` predicts a layer call's planning on this machine.
 
     python -m benchmarks.call_work [--trials 15] [--fit]
 
 The simulator charges Hecate's host planning from what the planner did (``planning_clock: work``): per call, the
 prediction's score and the rank's dispatch; where the prediction missed, the imbalance estimate; the shadow move's
 estimates; a placement made after the gate, its dispatch tables; calibration's search in
-:class:`~ds_hecate.planning.search_work.SearchWork` units. This times each of those pieces as the runtime's code runs
+:class:`~ds_hecate.planning.search.work.SearchWork` units. This times each of those pieces as the runtime's code runs
 them (thread CPU time, a cache-sized buffer swept between trials, since a layer call finds its caches cold after the
 model's compute) for 8 to 1,024 ranks and 8 to 256 experts, and prints measured / estimated medians per setting.
 ``--fit`` prints the constants (per piece: a part per call and one per (rank, expert) cell) that fit the medians by
@@ -19,13 +19,13 @@ from typing import Callable, Dict, List, Tuple
 
 import numpy as np
 
-from ds_hecate.planning.call_work import CALL_WORK, CallWork
+from ds_hecate.planning.search.call_work import CALL_WORK, CallWork
 from ds_hecate.planning.cost_model import estimate_layer, imbalance
-from ds_hecate.planning.critical_path import _affordable, plan_after_gate
+from ds_hecate.planning.search import SearchSettings, calibration_affordable, calibration_settings, plan_after_gate
 from ds_hecate.planning.dispatch import dispatch_flows
 from ds_hecate.planning.dispatch_plan import DispatchPlan, rank_tables
 from ds_hecate.planning.plan import Placement, holders_matrix, materialized_of
-from ds_hecate.planning.schedule_reuse import ScheduleReuse
+from ds_hecate.planning.search.reuse import ScheduleReuse
 from ds_hecate.planning.sharding import even_sharding
 
 from .planner import COSTS, RANKS_PER_NODE, REPLICAS_PER_RANK, draw_counts, zipf
@@ -70,12 +70,12 @@ def measure(trials: int, seed: int = 1) -> Dict[Tuple[int, int], Dict[str, float
         rank_tables(placement, RANKS_PER_NODE, 0)        # built with the prefetch, off the critical path
         schedule = ScheduleReuse(0.05)
         prediction = counts.astype(np.float64)
-        schedule.schedule(prediction, owners, COSTS, REPLICAS_PER_RANK, RANKS_PER_NODE, budget_us=0.0)
+        settings = calibration_settings(COSTS, REPLICAS_PER_RANK, RANKS_PER_NODE, None)
+        schedule.schedule(prediction, owners, SearchSettings(COSTS, REPLICAS_PER_RANK, RANKS_PER_NODE, budget_us=0.0))
         shadow = _shadowed(counts, owners)
         pieces = {
             # the prediction held: its score and the rank's dispatch, nothing else
-            "call": lambda: plan_after_gate(counts, placement, schedule, COSTS, REPLICAS_PER_RANK,
-                                            RANKS_PER_NODE, 0, True, None),
+            "call": lambda: plan_after_gate(counts, placement, schedule, settings, 0, True),
             "score": lambda: imbalance(dispatch_flows(counts.astype(np.float64).T, placement.holders.T,
                                                       RANKS_PER_NODE).processed.sum(axis=0).tolist()),
             "estimate": lambda: estimate_layer(counts, owners, shadow, COSTS, RANKS_PER_NODE,
@@ -89,9 +89,10 @@ def measure(trials: int, seed: int = 1) -> Dict[Tuple[int, int], Dict[str, float
 
 def fit(measured: Dict[Tuple[int, int], Dict[str, float]]) -> Dict[str, Tuple[float, float]]:
     """Per piece (per-call us, us per cell): least squares of the relative error on the medians, both at least 0,
-    over the settings where calibration runs (:func:`~ds_hecate.planning.critical_path._affordable`): beyond them
-    a call neither scores nor calibrates, and its lighter path would bend the fit of the others."""
-    calibrating = {k: m for k, m in measured.items() if _affordable(k[0], k[1], None)}
+    over the settings where calibration runs (:func:`~ds_hecate.planning.search.calibration_affordable`): beyond
+    them a call neither scores nor calibrates, and its lighter path would bend the fit of the others."""
+    settings = calibration_settings(COSTS, REPLICAS_PER_RANK, RANKS_PER_NODE, None)
+    calibrating = {k: m for k, m in measured.items() if calibration_affordable(k[0], k[1], settings)}
     cells = np.array([r * e for r, e in calibrating], dtype=np.float64)
     design = np.stack([np.ones_like(cells), cells], axis=1)
     out = {}

@@ -85,7 +85,7 @@ def build(shape: LayerShape, device: str, dtype_name: str):
     import torch.distributed as dist
 
     import ds_hecate
-    from ds_hecate.comm.gpu import build_communicator
+    from ds_hecate.comm.backend import build_communicator
     from ds_hecate.config import parse_hecate_section
     from ds_hecate.deepspeed_glue.convert import convert_model
     from ds_hecate.runtime.hecate import HecateRuntime

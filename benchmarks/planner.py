@@ -2,7 +2,7 @@
 
     python -m benchmarks.planner [--quick] [--json docs/planner_results.json] [--markdown docs/benchmarks.md]
 
-One process times the runtime's own calls (:func:`ds_hecate.planning.critical_path.plan_after_gate` and
+One process times the runtime's own calls (:func:`ds_hecate.planning.search.critical_path.plan_after_gate` and
 :meth:`ScheduleReuse.schedule`) for one rank of a simulated world: ranks in {8, 64, 256, 1024}, experts in
 {8, 64, 256}, top-k 2 and 8, balanced and skewed (Zipf 1.2) loads, 8,192 tokens per rank, 8 ranks per node.
 
@@ -39,16 +39,14 @@ import numpy as np
 import torch
 
 from ds_hecate.config import HecateConfig
-from ds_hecate.planning.call_work import WorkMeter
-from ds_hecate.planning.critical_path import (AUTO_BUDGET_CAP_US, AUTO_BUDGET_FLOOR_US, AUTO_BUDGET_SHARE,
-                                              plan_after_gate)
+from ds_hecate.planning.search import (ScheduleReuse, SearchSettings, WorkMeter, calibration_settings, plan_after_gate,
+                                       schedule_materialization)
+from ds_hecate.planning.search.critical_path import AUTO_BUDGET_CAP_US, AUTO_BUDGET_FLOOR_US, AUTO_BUDGET_SHARE
 from ds_hecate.planning.dispatch import topology_aware_routes
 from ds_hecate.planning.dispatch_plan import rank_tables
 from ds_hecate.planning.plan import LayerPlan, Placement
 from ds_hecate.planning.predictor import LoadPredictor
-from ds_hecate.planning.schedule_reuse import ScheduleReuse
 from ds_hecate.planning.cost_model import StepCostModel
-from ds_hecate.planning.scheduler import schedule_materialization
 from ds_hecate.planning.sharding import even_sharding
 from ds_hecate.runtime.stops import gate_problem
 
@@ -120,11 +118,12 @@ def one_setting(ranks: int, experts: int, top_k: int, load: str, calls: int, see
     bookkeeping_s: List[float] = []
     reference_s: List[float] = []
     calibrated = searched = 0
+    search = SearchSettings(COSTS, REPLICAS_PER_RANK, rpn, budget_us=cfg.search_budget_us)
+    calibration = calibration_settings(COSTS, REPLICAS_PER_RANK, rpn, cfg.plan_budget_us)
     for call in range(calls):
         prediction = window.predict_array()
         t0 = time.thread_time()
-        materialized = schedule.schedule(prediction, owners, COSTS, REPLICAS_PER_RANK, rpn,
-                                         budget_us=cfg.search_budget_us)
+        materialized = schedule.schedule(prediction, owners, search)
         placement = Placement(owners, materialized)
         rank_tables(placement, rpn, rank)     # the runtime builds these with the prefetch, off the critical path
         search_s.append(time.thread_time() - t0)
@@ -135,8 +134,7 @@ def one_setting(ranks: int, experts: int, top_k: int, load: str, calls: int, see
         host = exchanged.cpu().numpy()                            # what Communicator.exchange_counts returns
         call_counts = host[:, :experts]
         gate_problem(host[:, experts:], "bench", experts, str)   # the runtime's health check
-        after = plan_after_gate(call_counts, placement, schedule, COSTS, REPLICAS_PER_RANK, rpn,
-                                rank, cfg.calibration, cfg.plan_budget_us)
+        after = plan_after_gate(call_counts, placement, schedule, calibration, rank, cfg.calibration)
         critical_s.append(time.thread_time() - t0)
         t0 = time.thread_time()
         _ = (after.mine.tokens_processed, after.plan.node_traffic(rpn))   # the runtime does it after the tokens moved
@@ -159,8 +157,7 @@ def one_setting(ranks: int, experts: int, top_k: int, load: str, calls: int, see
         prediction = window.predict_array()
         meter = WorkMeter()
         t0 = time.thread_time()
-        schedule_materialization(prediction, owners, COSTS, REPLICAS_PER_RANK, rpn, budget_us=cfg.search_budget_us,
-                                 meter=meter)
+        schedule_materialization(prediction, owners, search, meter=meter)
         fresh.append(time.thread_time() - t0)
         charged.append(meter.us * 1e-6)
         window.push(seq.draw())

@@ -20,7 +20,7 @@ import json
 from typing import Dict, List
 
 from ds_hecate.planning.cost_model import estimate_layer
-from ds_hecate.planning.critical_path import plan_after_gate
+from ds_hecate.planning.search import SearchSettings, calibration_settings, plan_after_gate
 from ds_hecate.planning.plan import Placement, owned_experts
 
 from .planner import COSTS, REPLICAS_PER_RANK, CallSequence
@@ -35,13 +35,13 @@ def decisions(ranks: int, experts: int, top_k: int, load: str, budgets: bool, se
     cfg, owners, rpn, rank, schedule = seq.cfg, seq.owners, seq.rpn, seq.rank, seq.schedule
     sharded = owned_experts(owners, ranks)
     out = []
+    search = SearchSettings(COSTS, REPLICAS_PER_RANK, rpn, budget_us=cfg.search_budget_us if budgets else None)
+    calibration = calibration_settings(COSTS, REPLICAS_PER_RANK, rpn, cfg.plan_budget_us if budgets else 1e12)
     for call in range(40 if ranks * experts >= 16384 else 60):
         prediction = seq.window.predict_array()
-        prefetched = schedule.schedule(prediction, owners, COSTS, REPLICAS_PER_RANK, rpn,
-                                       budget_us=cfg.search_budget_us if budgets else None)
+        prefetched = schedule.schedule(prediction, owners, search)
         counts = seq.draw(call)
-        after = plan_after_gate(counts, Placement(owners, prefetched), schedule, COSTS,
-                                REPLICAS_PER_RANK, rpn, rank, cfg.calibration, cfg.plan_budget_us if budgets else 1e12)
+        after = plan_after_gate(counts, Placement(owners, prefetched), schedule, calibration, rank, cfg.calibration)
         mine = after.mine
         seen = (prefetched, after.plan.materialized, mine.send_splits, mine.recv_splits, mine.send_rows.tolist(),
                 mine.order_starts.tolist(), mine.order_lengths.tolist(), mine.sizes, after.searched,

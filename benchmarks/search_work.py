@@ -1,4 +1,4 @@
-"""How well :class:`~ds_hecate.planning.scheduler.SearchWork` predicts the search's host time on this machine.
+"""How well :class:`~ds_hecate.planning.search.greedy.SearchWork` predicts the search's host time on this machine.
 
     python -m benchmarks.search_work [--trials 4] [--fit]
 
@@ -25,7 +25,7 @@ import numpy as np
 
 from ds_hecate.config import HecateConfig
 from ds_hecate.planning.plan import Placement
-from ds_hecate.planning.scheduler import SEARCH_WORK, SearchWork, _greedy, schedule_materialization
+from ds_hecate.planning.search import SEARCH_WORK, SearchSettings, SearchWork, greedy_pass, schedule_materialization
 from ds_hecate.planning.sharding import even_sharding
 
 from .planner import COSTS, REPLICAS_PER_RANK, RANKS_PER_NODE, draw_counts, zipf
@@ -61,15 +61,16 @@ def measure(trials: int, seed: int = 1) -> List[Tuple[str, int, int, int, float]
         for _ in range(trials):
             counts = draw_counts(rng, ranks, experts, 8, zipf(rng, experts)).astype(np.float64)
             other = draw_counts(rng, ranks, experts, 8, zipf(rng, experts)).astype(np.float64)
-            start = Placement(owners, schedule_materialization(other, owners, COSTS, REPLICAS_PER_RANK,
-                                                               RANKS_PER_NODE, budget_us=3000)).holders
+            start = Placement(owners, schedule_materialization(
+                other, owners, SearchSettings(COSTS, REPLICAS_PER_RANK, RANKS_PER_NODE, budget_us=3000))).holders
             for extra in ({}, {"start": start, "prefetched": start}):
                 work = _TimedWork()
                 budget_us = BUDGET_US if ranks < 1024 else HecateConfig().search_budget_us
                 t0 = time.perf_counter()
                 # one greedy pass, what SearchWork prices (a fresh schedule_materialization may run two)
-                _greedy(counts, owners, COSTS, REPLICAS_PER_RANK, RANKS_PER_NODE, budget_us=budget_us, work=work,
-                        **extra)
+                greedy_pass(counts, owners, SearchSettings(COSTS, REPLICAS_PER_RANK, RANKS_PER_NODE,
+                                                           budget_us=budget_us,
+                                                           work=work), **extra)
                 end = time.perf_counter()
                 if not work.charges:
                     continue

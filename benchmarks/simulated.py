@@ -136,13 +136,13 @@ def run_one(cluster: str, model: str, workload: str, *, steps: int, warmup: int,
             systems: Optional[Sequence[str]] = None, materialize_budget_mb: Optional[float] = None,
             spag: str = "p2p", charge_planning: bool = True, ep_size: Optional[int] = None) -> Dict[str, Any]:
     """``simulate()`` as ``ds-hecate simulate`` calls it without ``--config`` (hecate defaults, ZeRO-1, bf16)."""
-    from ds_hecate.sim.core import SYSTEMS, simulate
+    from ds_hecate.sim import SYSTEMS, SimSettings, simulate
 
     chosen = list(systems) if systems is not None else list(SYSTEMS)
     start = time.perf_counter()
-    result = simulate(cluster, model, workload, systems=chosen, steps=steps, warmup=warmup, seed=seed,
-                      materialize_budget_mb=materialize_budget_mb, spag=spag, charge_planning=charge_planning,
-                      ep_size=ep_size)
+    settings = SimSettings(steps=steps, warmup=warmup, seed=seed, materialize_budget_mb=materialize_budget_mb,
+                           spag=spag, charge_planning=charge_planning, ep_size=ep_size)
+    result = simulate(cluster, model, workload, settings, systems=chosen)
     wall = time.perf_counter() - start
     return _record(result, {"cluster": cluster, "model": model, "workload": workload,
                             "materialize_budget_mb": materialize_budget_mb, "spag": spag, "ep_size": ep_size}, wall)

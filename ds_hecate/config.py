@@ -12,10 +12,12 @@ from typing import Any, Literal, Mapping, Optional, Tuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from .comm.backend import COMM_BACKENDS, DEVICE_KERNELS
 from .errors import HecateConfigError
+from .planning.placement import PLACEMENT_POLICIES
 
-#: Placement policies the planner knows (see ``ds_hecate.planning``).
-PlacementName = Literal["hecate", "cost", "owner", "local", "shadow", "all"]
+#: Placement policies the planner knows, as it defines them (:data:`ds_hecate.planning.placement.PLACEMENT_POLICIES`).
+PlacementName = Literal[PLACEMENT_POLICIES]
 
 
 class HecateConfig(BaseModel):
@@ -129,13 +131,13 @@ class HecateConfig(BaseModel):
         1, ge=1, le=1 << 30, description="Write the metrics every N optimizer steps, as per-step means over them.")
     trace_file: Optional[str] = Field(
         None, min_length=1, max_length=4096,
-        description="Rank 0 records every layer's gate counts and executed plan here (JSON Lines, ds_hecate.tools.trace); "
+        description="Rank 0 records every layer's gate counts and executed plan here (JSON Lines, ds_hecate.trace); "
                     "null: no trace.")
-    comm_backend: Literal["auto", "torch", "cupy"] = Field(
+    comm_backend: Literal[COMM_BACKENDS] = Field(
         "auto", description="Transport of Hecate's collectives: 'cupy' (NCCL through CuPy on its own CUDA stream), "
                             "'torch' (torch.distributed), 'auto' (torch until the CuPy transport has passed the GPU "
                             "check on 2 or more GPUs, then cupy where every rank can use it; logs why not).")
-    device_kernels: Literal["auto", "torch", "cupy"] = Field(
+    device_kernels: Literal[DEVICE_KERNELS] = Field(
         "auto", description="Device work around the collectives and in the layer call (expert pack, the owners' "
                             "gradient sum, the weighted un-permute): 'cupy' (ds_hecate's CUDA kernels through CuPy; "
                             "every rank raises if one cannot run them), 'torch' (torch ops), 'auto' (the kernels "

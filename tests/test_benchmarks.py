@@ -15,7 +15,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from benchmarks import run as bench  # noqa: E402
-from ds_hecate.tools.trace import TraceLayer, TraceWriter  # noqa: E402
+from ds_hecate.trace import TraceLayer, TraceWriter  # noqa: E402
 from ds_hecate.testing.workloads import TraceRoutes, WorkloadRoutes, assign_routes  # noqa: E402
 
 

@@ -13,7 +13,7 @@ import pytest
 from benchmarks import calibration as cal
 from benchmarks.routes import route_sources
 from ds_hecate.sim.workloads import routing_counts
-from ds_hecate.tools.trace import TraceLayer, TraceWriter
+from ds_hecate.trace import TraceLayer, TraceWriter
 from ds_hecate.testing.workloads import TraceRoutes
 
 COSTS = {"compute_s_per_pair": 2e-5, "link_gbps": 0.6, "non_moe_time_s": 0.0005}

@@ -7,13 +7,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ds_hecate.planning import critical_path
+from ds_hecate.planning.search import critical_path
 from ds_hecate.planning.cost_model import StepCostModel
-from ds_hecate.planning.critical_path import plan_after_gate
+from ds_hecate.planning.search import SearchSettings, calibration_settings, plan_after_gate
 from ds_hecate.planning.layer_planner import LayerPlanner, PlanInputs, PlannerSettings
 from ds_hecate.planning.plan import Placement, owned_experts
-from ds_hecate.planning.schedule_reuse import ScheduleReuse
-from ds_hecate.planning.search_record import SearchRecord
+from ds_hecate.planning.search.reuse import ScheduleReuse
+from ds_hecate.planning.search.record import SearchRecord
 from ds_hecate.planning.sharding import even_sharding
 
 WORLD, EXPERTS, RPN = 8, 16, 4
@@ -49,11 +49,13 @@ def _no_search(*args, **kwargs):
 def test_calibration_from_the_owners_is_remembered_and_taken_again_without_a_search(monkeypatch):
     schedule = ScheduleReuse(0.05)
     hot = _hot_on(2)
-    first = plan_after_gate(hot, _owners_only(), schedule, COSTS, 4, RPN, 0, True, None, speculative=False)
+    first = plan_after_gate(hot, _owners_only(), schedule, calibration_settings(COSTS, 4, RPN, None), 0, True,
+                            speculative=False)
     assert first.searched and first.extras is not None
     assert schedule.calibrated is not None and schedule.calibrated[0] == first.plan.materialized
     monkeypatch.setattr(critical_path, "schedule_materialization", _no_search)
-    again = plan_after_gate(hot, _owners_only(), schedule, COSTS, 4, RPN, 0, True, None, speculative=False)
+    again = plan_after_gate(hot, _owners_only(), schedule, calibration_settings(COSTS, 4, RPN, None), 0, True,
+                            speculative=False)
     assert again.remembered and not again.searched and not first.remembered
     assert again.plan.materialized == first.plan.materialized
     assert again.extras.materialized == first.extras.materialized
@@ -61,10 +63,11 @@ def test_calibration_from_the_owners_is_remembered_and_taken_again_without_a_sea
 
 def test_other_counts_search_again(monkeypatch):
     schedule = ScheduleReuse(0.05)
-    plan_after_gate(_hot_on(2), _owners_only(), schedule, COSTS, 4, RPN, 0, True, None, speculative=False)
+    plan_after_gate(_hot_on(2), _owners_only(), schedule, calibration_settings(COSTS, 4, RPN, None), 0, True,
+                    speculative=False)
     monkeypatch.setattr(critical_path, "schedule_materialization", _no_search)
     with pytest.raises(AssertionError, match="searched although"):
-        plan_after_gate(_hot_on(5), _owners_only(), schedule, COSTS, 4, RPN, 0, True, None,
+        plan_after_gate(_hot_on(5), _owners_only(), schedule, calibration_settings(COSTS, 4, RPN, None), 0, True,
                         speculative=False)
 
 
@@ -79,7 +82,7 @@ def test_from_a_speculative_start_only_what_calibration_added_is_remembered(monk
     for r in (0, 1, 2, 3):
         speculative[r] = sorted(set(speculative[r]) | set(old_hot))
     prefetched = Placement(OWNERS, tuple(tuple(r) for r in speculative))
-    after = plan_after_gate(_hot_on(2), prefetched, schedule, COSTS, 4, RPN, 0, True, None)
+    after = plan_after_gate(_hot_on(2), prefetched, schedule, calibration_settings(COSTS, 4, RPN, None), 0, True)
     assert after.extras is not None
     assert all(set(old_hot) <= set(after.plan.placement.materialized[r]) for r in (0, 1, 2, 3))   # kept this call
     remembered = schedule.calibrated[0]
@@ -87,7 +90,7 @@ def test_from_a_speculative_start_only_what_calibration_added_is_remembered(monk
     assert not any(e in remembered[r] for r in (0, 1, 2, 3) for e in old_hot)   # not remembered
     assert all(set(np.flatnonzero(added[r])) == set(remembered[r]) for r in range(WORLD))
     monkeypatch.setattr(critical_path, "schedule_materialization", _no_search)
-    again = plan_after_gate(_hot_on(2), _owners_only(), schedule, COSTS, 4, RPN, 0, True, None,
+    again = plan_after_gate(_hot_on(2), _owners_only(), schedule, calibration_settings(COSTS, 4, RPN, None), 0, True,
                             speculative=False)
     assert again.remembered and again.extras is not None
 
@@ -95,7 +98,8 @@ def test_from_a_speculative_start_only_what_calibration_added_is_remembered(monk
 def test_the_join_with_the_prefetched_placement_respects_the_budget():
     schedule = ScheduleReuse(0.05)
     hot = _hot_on(2)
-    after = plan_after_gate(hot, _owners_only(), schedule, COSTS, 4, RPN, 0, True, None, speculative=False)
+    after = plan_after_gate(hot, _owners_only(), schedule, calibration_settings(COSTS, 4, RPN, None), 0, True,
+                            speculative=False)
     holders = after.plan.placement.holders
     budget = int((holders.sum(axis=1) - 2).max())     # two owned experts a rank
     assert schedule.calibrated_fit(hot, OWNERS, _owners_only().holders, budget) is not None
@@ -112,14 +116,15 @@ def test_the_join_with_the_prefetched_placement_respects_the_budget():
 
 def test_the_remembered_calibration_survives_a_checkpoint():
     schedule = ScheduleReuse(0.05)
-    plan_after_gate(_hot_on(2), _owners_only(), schedule, COSTS, 4, RPN, 0, True, None, speculative=False)
+    plan_after_gate(_hot_on(2), _owners_only(), schedule, calibration_settings(COSTS, 4, RPN, None), 0, True,
+                    speculative=False)
     state = schedule.state_dict()
     assert ScheduleReuse.state_fits(state, WORLD, EXPERTS)
     assert not ScheduleReuse.state_fits(state, WORLD, EXPERTS + 1)
     broken = dict(state, calibrated=dict(state["calibrated"], owners=[WORLD] * EXPERTS))
     assert not ScheduleReuse.state_fits(broken, WORLD, EXPERTS)
     restored = ScheduleReuse(0.05)
-    restored.load_state_dict(state, COSTS, 4, RPN)
+    restored.load_state_dict(state, SearchSettings(COSTS, 4, RPN))
     assert restored.calibrated[0] == schedule.calibrated[0] and restored.calibrated[2] == schedule.calibrated[2]
     assert np.array_equal(restored.calibrated[1], schedule.calibrated[1])
 

@@ -64,8 +64,13 @@ def test_every_placement_accepted(placement):
 
 
 def test_placement_names_match_planner_policies():
-    from ds_hecate.planning import POLICIES
-    for name in POLICIES:
+    """The config accepts exactly the planner's policies (one list, planning.placement.PLACEMENT_POLICIES)."""
+    from typing import get_args
+
+    from ds_hecate.planning.placement import PLACEMENT_POLICIES, POLICIES
+    assert get_args(HecateConfig.model_fields["placement"].annotation) == PLACEMENT_POLICIES
+    assert set(PLACEMENT_POLICIES) == {"hecate", *POLICIES}
+    for name in PLACEMENT_POLICIES:
         assert parse_hecate_section({"placement": name}).placement == name
 
 

@@ -60,7 +60,7 @@ def _train(rank: int, world: int, device: str, kind: str, dtype_name: str, resha
     from ds_hecate.config import parse_hecate_section
     from ds_hecate.deepspeed_glue.convert import convert_model
     from ds_hecate.deepspeed_glue.expert_optimizer import ExpertOptimizer, LrSource
-    from ds_hecate.comm.gpu import build_communicator
+    from ds_hecate.comm.backend import build_communicator
     from ds_hecate.runtime.hecate import HecateRuntime
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -167,7 +167,7 @@ def _one_expert_norm(rank, world):
     import torch.distributed as dist
 
     from device_shim import cuda_shim
-    from ds_hecate.comm.gpu import build_communicator
+    from ds_hecate.comm.backend import build_communicator
     from ds_hecate.runtime.shard_store import ExpertShardStore
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -189,7 +189,7 @@ def _measure(rank, world):
 
     from device_shim import cuda_shim
     from ds_hecate.config import parse_hecate_section
-    from ds_hecate.comm.gpu import build_communicator
+    from ds_hecate.comm.backend import build_communicator
     from ds_hecate.runtime.hecate import HecateRuntime
 
     dist.init_process_group("gloo", rank=rank, world_size=world)

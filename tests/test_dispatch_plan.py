@@ -6,12 +6,11 @@ import pytest
 import torch
 
 from ds_hecate.config import HecateConfig
-from ds_hecate.planning.critical_path import AUTO_PLAN_BUDGET, calibration_extras, plan_after_gate
+from ds_hecate.planning.search import (AUTO_PLAN_BUDGET, SEARCH_WORK, ScheduleReuse, SearchSettings, calibration_extras,
+                                       calibration_settings, load_shift, plan_after_gate, schedule_materialization)
 from ds_hecate.planning.dispatch import topology_aware_routes
 from ds_hecate.planning.dispatch_plan import DispatchPlan
 from ds_hecate.planning.plan import LayerPlan, Placement
-from ds_hecate.planning.schedule_reuse import ScheduleReuse, load_shift
-from ds_hecate.planning.scheduler import SEARCH_WORK, schedule_materialization
 from ds_hecate.planning.cost_model import StepCostModel, estimate_layer
 from ds_hecate.planning.sharding import even_sharding
 from ds_hecate.runtime.expert_compute import expand_segments, expert_major_order
@@ -103,16 +102,17 @@ def _search_case(world=8, experts=16, seed=0):
 
 def test_budget_cuts_the_search_but_never_returns_worse_than_start():
     counts, owners, costs = _search_case()
-    full = schedule_materialization(counts, owners, costs, 4, 4)
-    assert schedule_materialization(counts, owners, costs, 4, 4, budget_us=1e12) == full
-    start_time = estimate_layer(counts, owners, schedule_materialization(counts, owners, costs, 4, 4, budget_us=0),
+    full = schedule_materialization(counts, owners, SearchSettings(costs, 4, 4))
+    assert schedule_materialization(counts, owners, SearchSettings(costs, 4, 4, budget_us=1e12)) == full
+    unsearched = schedule_materialization(counts, owners, SearchSettings(costs, 4, 4, budget_us=0))
+    start_time = estimate_layer(counts, owners, unsearched,
                                 costs, 4).time_s
     full_time = estimate_layer(counts, owners, full, costs, 4).time_s
     assert full_time < start_time          # the case has something to gain
     setup = SEARCH_WORK.setup_cost_us(8, 16)
     seen = set()
     for budget in np.linspace(0, setup + 20 * SEARCH_WORK.step_cost_us(100, 8, 16), 25):
-        cut = schedule_materialization(counts, owners, costs, 4, 4, budget_us=float(budget))
+        cut = schedule_materialization(counts, owners, SearchSettings(costs, 4, 4, budget_us=float(budget)))
         assert estimate_layer(counts, owners, cut, costs, 4).time_s <= start_time * (1 + 1e-12)
         seen.add(cut)
     assert len(seen) > 2                    # the budget really decides how far the search gets
@@ -121,7 +121,7 @@ def test_budget_cuts_the_search_but_never_returns_worse_than_start():
 def test_budget_below_setup_returns_start():
     counts, owners, costs = _search_case()
     start = tuple(tuple(sorted({e for e, o in enumerate(owners) if o == r} | {r})) for r in range(8))
-    assert schedule_materialization(counts, owners, costs, 4, 4, start=start, budget_us=0.0) == start
+    assert schedule_materialization(counts, owners, SearchSettings(costs, 4, 4, budget_us=0.0), start=start) == start
 
 
 def test_plan_after_gate_is_deterministic_and_calibrates_within_budget():
@@ -132,10 +132,10 @@ def test_plan_after_gate_is_deterministic_and_calibrates_within_budget():
     outs = []
     for _ in range(2):
         schedule = ScheduleReuse(0.05)
-        after = plan_after_gate(skewed, placement, schedule, costs, 4, 4, 3, True, 1e9)
+        after = plan_after_gate(skewed, placement, schedule, calibration_settings(costs, 4, 4, 1e9), 3, True)
         outs.append((after.plan.materialized, after.extras.materialized, after.mine.send_splits))
     assert outs[0] == outs[1] and outs[0][0] != placement.materialized
-    none = plan_after_gate(skewed, placement, ScheduleReuse(0.05), costs, 4, 4, 3, True, 0.0)
+    none = plan_after_gate(skewed, placement, ScheduleReuse(0.05), calibration_settings(costs, 4, 4, 0.0), 3, True)
     assert none.extras is None and none.plan.materialized == placement.materialized
 
 
@@ -167,13 +167,14 @@ def test_automatic_calibration_budget_is_a_share_of_the_prefetched_estimate():
                              prefetched=placement.materialized).time_s
     budget = AUTO_PLAN_BUDGET.resolve(layer_s)
     assert AUTO_PLAN_BUDGET.floor_us < budget < AUTO_PLAN_BUDGET.cap_us     # the share itself decides here
-    after = plan_after_gate(burst, placement, ScheduleReuse(0.05), costs, 4, 4, 3, True, None)
+    after = plan_after_gate(burst, placement, ScheduleReuse(0.05), calibration_settings(costs, 4, 4, None), 3, True)
     holders = placement.holders
-    want = schedule_materialization(burst, owners, costs, 4, 4, start=holders, prefetched=holders, budget_us=budget)
+    want = schedule_materialization(burst, owners, SearchSettings(costs, 4, 4, budget_us=budget), start=holders,
+                                    prefetched=holders)
     assert after.searched and after.plan.materialized == want
     # the budget is binding: the cap, or a search to the end, would place differently
-    assert want != schedule_materialization(burst, owners, costs, 4, 4, start=holders, prefetched=holders,
-                                            budget_us=AUTO_PLAN_BUDGET.cap_us)
+    capped = SearchSettings(costs, 4, 4, budget_us=AUTO_PLAN_BUDGET.cap_us)
+    assert want != schedule_materialization(burst, owners, capped, start=holders, prefetched=holders)
     assert AUTO_PLAN_BUDGET.resolve(1e3) == AUTO_PLAN_BUDGET.cap_us and AUTO_PLAN_BUDGET.resolve(0.0) == 1000.0
 
 

@@ -350,18 +350,19 @@ def test_fresh_search_passes_the_relay_barrier():
     from dataclasses import replace
 
     from benchmarks.planner import COSTS, REPLICAS_PER_RANK, CallSequence
-    from ds_hecate.planning.scheduler import _greedy, schedule_materialization
+    from ds_hecate.planning.search import SearchSettings, greedy_pass, schedule_materialization
 
     seq = CallSequence(64, 8, 8, "skewed", 0)
     prediction, owners, rpn = seq.window.predict_array(), seq.owners, seq.rpn
 
     def layer_s(materialized):
         return estimate_layer(prediction, owners, materialized, COSTS, rpn).time_s
-    priced = _greedy(prediction, owners, COSTS, REPLICAS_PER_RANK, rpn)
-    flow = _greedy(prediction, owners, replace(COSTS, relay_levels_exposed=False), REPLICAS_PER_RANK, rpn)
-    chosen = schedule_materialization(prediction, owners, COSTS, REPLICAS_PER_RANK, rpn)
+    priced = greedy_pass(prediction, owners, SearchSettings(COSTS, REPLICAS_PER_RANK, rpn))
+    flow = greedy_pass(prediction, owners, SearchSettings(replace(COSTS, relay_levels_exposed=False),
+                                                          REPLICAS_PER_RANK, rpn))
+    chosen = schedule_materialization(prediction, owners, SearchSettings(COSTS, REPLICAS_PER_RANK, rpn))
     assert layer_s(chosen) == min(layer_s(priced), layer_s(flow))
     assert layer_s(chosen) < 0.95 * layer_s(priced), (layer_s(chosen), layer_s(priced))
     sharded = [[e for e, o in enumerate(owners) if o == r] for r in range(64)]
-    assert (schedule_materialization(prediction, owners, COSTS, REPLICAS_PER_RANK, rpn, start=sharded)
-            == _greedy(prediction, owners, COSTS, REPLICAS_PER_RANK, rpn, start=sharded))
+    assert (schedule_materialization(prediction, owners, SearchSettings(COSTS, REPLICAS_PER_RANK, rpn), start=sharded)
+            == greedy_pass(prediction, owners, SearchSettings(COSTS, REPLICAS_PER_RANK, rpn), start=sharded))

@@ -23,7 +23,7 @@ from benchmarks.force_balanced import force_balanced  # noqa: E402
 from benchmarks.uniform_routes import SUFFIX, uniform_counterparts  # noqa: E402
 from ds_hecate.planning.balance import force_uniform, is_uniform  # noqa: E402
 from ds_hecate.sim.workloads import routing_counts  # noqa: E402
-from ds_hecate.sim.core import SYSTEMS, format_table, simulate  # noqa: E402
+from ds_hecate.sim import SYSTEMS, SimSettings, format_table, simulate  # noqa: E402
 
 
 # -- the forcing function -------------------------------------------------------------------------------------------
@@ -54,11 +54,11 @@ def test_force_uniform_of_equal_tokens_is_w0_and_rejects_fractions():
 
 # -- simulator ------------------------------------------------------------------------------------------------------
 def test_simulator_fraction_is_one_on_w0_and_low_for_skewed_ep():
-    w0 = simulate("v100-4x8", "gpt-moe-s", "W0", steps=4, charge_planning=False)
+    w0 = simulate("v100-4x8", "gpt-moe-s", "W0", SimSettings(steps=4, charge_planning=False))
     for name, r in w0.systems.items():
         assert r.force_balanced_fraction == pytest.approx(1.0, abs=1e-12), name
         assert r.force_balanced_step_s == pytest.approx(r.step_time_s, rel=1e-12)
-    w2 = simulate("v100-4x8", "gpt-moe-s", "W2", steps=4, charge_planning=False)
+    w2 = simulate("v100-4x8", "gpt-moe-s", "W2", SimSettings(steps=4, charge_planning=False))
     ep = w2.systems["ep"]
     assert ep.force_balanced_fraction < 0.5                             # the hot rank's compute and receive side
     # forced uniform of W2 with equal tokens per rank is W0's routing: the same system's W0 step
@@ -66,7 +66,7 @@ def test_simulator_fraction_is_one_on_w0_and_low_for_skewed_ep():
     assert ep.force_balanced_fraction == pytest.approx(w0.systems["ep"].step_time_s / ep.step_time_s, rel=1e-12)
     assert w2.systems["ideal"].force_balanced_fraction == pytest.approx(1.0)
     assert "of force-balanced" in format_table(w2)
-    off = simulate("v100-4x8", "gpt-moe-s", "W2", steps=4, systems=["ep"], force_balanced=False)
+    off = simulate("v100-4x8", "gpt-moe-s", "W2", SimSettings(steps=4, force_balanced=False), systems=["ep"])
     assert np.isnan(off.systems["ep"].force_balanced_fraction)
     assert off.systems["ep"].step_time_s == pytest.approx(ep.step_time_s, rel=1e-12)
 

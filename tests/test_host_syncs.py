@@ -66,7 +66,7 @@ def _count_reads(rank: int, world: int, rematerialize: bool, checkpointed: bool)
     import torch.distributed as dist
 
     from device_shim import cuda_shim
-    from ds_hecate.comm.gpu import build_communicator
+    from ds_hecate.comm.backend import build_communicator
     from ds_hecate.config import parse_hecate_section
     from ds_hecate.deepspeed_glue.convert import convert_model
     from ds_hecate.runtime.hecate import HecateRuntime

@@ -21,7 +21,7 @@ from ds_hecate.comm.collectives import CommCounters, Communicator
 from ds_hecate.config import parse_hecate_section
 from ds_hecate.errors import HecateConfigError, HecateError
 from ds_hecate.comm.gpu import reference as ref
-from ds_hecate.comm.gpu.backend import agree_backend
+from ds_hecate.comm.backend import agree_backend
 from ds_hecate.comm.gpu.kernels import KERNEL_NAMES, SOURCES, kernel_dir
 from ds_hecate.comm.gpu.layout import gather_layout, owned_materialized, reduce_chunk_lists, reduce_layout
 from ds_hecate.moe_layer import combine_routes
@@ -363,6 +363,13 @@ def test_training_through_the_cupy_transport_runs_its_kernels_and_matches_torch(
 # -- backend selection ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("key,unknown", [("comm_backend", "nccl"), ("device_kernels", "triton")])
 def test_backend_config_keys(key, unknown):
+    """The config takes the names the registry defines (ds_hecate.comm.backend), and those are these three."""
+    from typing import get_args
+
+    from ds_hecate.comm import backend
+    from ds_hecate.config import HecateConfig
+    registry = {"comm_backend": backend.COMM_BACKENDS, "device_kernels": backend.DEVICE_KERNELS}[key]
+    assert get_args(HecateConfig.model_fields[key].annotation) == registry == ("auto", "torch", "cupy")
     assert getattr(parse_hecate_section({}), key) == "auto"
     for value in ("auto", "torch", "cupy"):
         assert getattr(parse_hecate_section({key: value}), key) == value
@@ -374,18 +381,19 @@ def test_device_work_follows_device_kernels(monkeypatch):
     """``hecate.device_kernels``: on CUDA where the kernels compile, ``auto`` gives the token and the weight transport
     the kernels as their device work (over torch.distributed too: the kernels need no NCCL); ``torch`` keeps torch
     ops; ``cupy`` refuses, naming the key and the reason, where they cannot run; on the CPU, torch ops."""
+    from ds_hecate.comm import backend as choice
     from ds_hecate.comm.gpu import backend
     from ds_hecate.comm.gpu.device_ops import KernelDeviceOps
     from ds_hecate.comm.transport import TORCH_DEVICE_OPS
     cuda, weights = torch.device("cuda", 0), object()
 
     def ops(kernels, device=cuda):
-        comm = backend.build_communicator("torch", None, 0, 1, device, weight_group=weights, device_kernels=kernels)
+        comm = choice.build_communicator("torch", None, 0, 1, device, weight_group=weights, device_kernels=kernels)
         assert comm.separate_weight_traffic and comm.weights.device_ops is comm.transport.device_ops
         return comm.transport.device_ops
 
     assert ops("auto", torch.device("cpu")) is TORCH_DEVICE_OPS
-    assert backend.agree_device_ops("auto", torch.device("cpu"), None, 1)[1].endswith("not CUDA")
+    assert choice.agree_device_ops("auto", torch.device("cpu"), None, 1)[1].endswith("not CUDA")
     monkeypatch.setattr(backend, "kernels_status", lambda index: (True, "cupy (stand-in), kernels compiled"))
     assert type(ops("auto")) is KernelDeviceOps and type(ops("cupy")) is KernelDeviceOps
     assert ops("torch") is TORCH_DEVICE_OPS
@@ -395,7 +403,7 @@ def test_device_work_follows_device_kernels(monkeypatch):
                                                 r"the CUDA kernels did not compile"):
         ops("cupy")
     with pytest.raises(HecateConfigError, match="device_kernels='triton'"):
-        backend.agree_device_ops("triton", cuda, None, 1)
+        choice.agree_device_ops("triton", cuda, None, 1)
 
 
 def test_training_over_torch_distributed_runs_the_kernels_where_chosen(monkeypatch):
@@ -406,7 +414,8 @@ def test_training_over_torch_distributed_runs_the_kernels_where_chosen(monkeypat
     from benchmarks.gpu.fakes import reference_launchers
     from benchmarks.gpu.training import demo_losses
     from device_shim import cuda_shim
-    from ds_hecate.comm.gpu import backend, device_ops
+    from ds_hecate.comm import backend
+    from ds_hecate.comm.gpu import device_ops
     # the kernels chosen as on a GPU (the stand-in's own probe says they cannot take its tensors), run as their
     # contracts
     choose = backend.agree_device_ops

@@ -5,9 +5,8 @@ import numpy as np
 import pytest
 
 from ds_hecate.planning.cost_model import StepCostModel
-from ds_hecate.planning.layer_planner import (PLACEMENT_POLICIES, LayerPlanner, PlanInputs, PlannerSettings,
-                                              expert_data_parallel_start)
-from ds_hecate.planning.placement import plan_layer
+from ds_hecate.planning.layer_planner import LayerPlanner, PlanInputs, PlannerSettings, expert_data_parallel_start
+from ds_hecate.planning.placement import PLACEMENT_POLICIES, plan_layer
 from ds_hecate.planning.sharding import even_sharding
 
 COSTS = StepCostModel(compute_s_per_pair=1e-3, token_transfer_s=1e-6, expert_transfer_s=1e-4)

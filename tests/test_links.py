@@ -14,7 +14,7 @@ from ds_hecate.config import HecateConfig
 from ds_hecate.planning.cost_model import StepCostModel, estimate_layer, scheduler_costs
 from ds_hecate.planning.placement import shadow_placement
 from ds_hecate.planning.plan import holders_matrix
-from ds_hecate.planning.scheduler import schedule_materialization
+from ds_hecate.planning.search import SearchSettings, schedule_materialization
 
 
 def _costs(world, rpn, **cfg):
@@ -71,10 +71,11 @@ def test_search_keeps_a_hot_experts_tokens_on_their_node():
     counts[:, 0] += 400.0
     two = StepCostModel(compute_s_per_pair=1e-6, token_transfer_s=2e-8, expert_transfer_s=1e-5,
                         token_transfer_inter_s=1e-6, expert_transfer_inter_s=5e-4)
-    mat = holders_matrix(schedule_materialization(counts, owners, two, 4, rpn), world, experts)
+    mat = holders_matrix(schedule_materialization(counts, owners, SearchSettings(two, 4, rpn)), world, experts)
     per_node = np.add.reduceat(mat[:, 0].astype(int), np.arange(0, world, rpn))
     assert (per_node[1:] >= 2).all(), per_node
-    single = holders_matrix(schedule_materialization(counts, owners, two.single_link(), 4, rpn), world, experts)
+    single = holders_matrix(schedule_materialization(counts, owners, SearchSettings(two.single_link(), 4, rpn)), world,
+                            experts)
     assert (np.add.reduceat(single[:, 0].astype(int), np.arange(0, world, rpn))[1:] <= 1).all()
     est = estimate_layer(counts, owners, mat, two, rpn).time_s
     assert est < 0.75 * estimate_layer(counts, owners, single, two, rpn).time_s

@@ -22,7 +22,7 @@ from ds_hecate.deepspeed_glue.monitor import LOAD_METRICS, TRAFFIC_METRICS
 from ds_hecate.planning.cost_model import owner_loads
 from ds_hecate.planning import LayerPlan, topology_aware_routes
 from ds_hecate.runtime.layer import PHASES
-from ds_hecate.tools.trace import read_trace
+from ds_hecate.trace import read_trace
 
 STEPS = 8
 LAYERS = 2

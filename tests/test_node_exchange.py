@@ -1,4 +1,4 @@
-"""The search's node exchange (ds_hecate.planning.search_moves._node_exchange_moves): on balanced routing over
+"""The search's node exchange (ds_hecate.planning.search.moves.node_exchange_moves): on balanced routing over
 several nodes every rank ties on its node's NICs, and only replicas that keep tokens on every node at once lower
 them; calibration's search (after the gate) never proposes it; calibration's shadow move is judged against the
 balance the schedule was planned at (ScheduleReuse.planned_imbalance)."""
@@ -7,12 +7,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ds_hecate.planning import scheduler
-from ds_hecate.planning.call_work import CALL_WORK, WorkMeter
+import ds_hecate.planning.search.greedy as greedy_search
+from ds_hecate.planning.search import CALL_WORK, ScheduleReuse, SearchSettings, WorkMeter, schedule_materialization
 from ds_hecate.planning.cost_model import StepCostModel, estimate_layer
 from ds_hecate.planning.plan import holders_matrix, owned_experts
-from ds_hecate.planning.schedule_reuse import ScheduleReuse
-from ds_hecate.planning.scheduler import schedule_materialization
+from ds_hecate.planning.search.moves import node_exchange_moves
+from ds_hecate.planning.search.state import SearchState
 
 # the scheduler's cost model of simulated a100-4x8 gpt-moe-s (ds_hecate.sim: 4 nodes of 8 A100s, 64 experts of
 # 2.36 M parameters, hidden 768, bf16), as SimContext.step_costs builds it
@@ -38,12 +38,12 @@ def test_balanced_routing_over_nodes_gets_replicas_that_keep_tokens_home(monkeyp
     shares); with it the layer's estimate drops by at least 8% (12.4 ms against 13.9 when written)."""
     counts = _balanced()
     owners_s = _estimate(counts, owned_experts(OWNERS, WORLD))
-    found = schedule_materialization(counts, OWNERS, A100_GPT, 75, RPN)
+    found = schedule_materialization(counts, OWNERS, SearchSettings(A100_GPT, 75, RPN))
     replicas = holders_matrix(found, WORLD, EXPERTS).sum() - EXPERTS
     assert replicas > 0
     assert _estimate(counts, found) < 0.92 * owners_s
-    monkeypatch.setattr(scheduler, "_node_exchange_moves", lambda *a, **k: [])
-    without = schedule_materialization(counts, OWNERS, A100_GPT, 75, RPN)
+    monkeypatch.setattr(greedy_search, "node_exchange_moves", lambda *a, **k: [])
+    without = schedule_materialization(counts, OWNERS, SearchSettings(A100_GPT, 75, RPN))
     assert holders_matrix(without, WORLD, EXPERTS).sum() == EXPERTS
 
 
@@ -51,9 +51,9 @@ def test_balanced_routing_over_nodes_gets_replicas_that_keep_tokens_home(monkeyp
 def test_each_shift_is_a_permutation_of_the_nodes(copies):
     """For every shift each node takes ``copies`` replicas of one expert of the node ``shift`` further on, on
     distinct ranks of its own node: every node sends and receives one expert's rows fewer."""
-    search = scheduler._Search(_balanced(), OWNERS, A100_GPT, RPN, None, None)
+    search = SearchState(_balanced(), OWNERS, A100_GPT, RPN, None, None)
     extra = np.zeros(WORLD, dtype=np.int64)
-    moves = scheduler._node_exchange_moves(search, search.times, extra, 75, copies=copies)
+    moves = node_exchange_moves(search, search.times, extra, 75, copies=copies)
     assert len(moves) == 3   # shifts 1, 2, 3 of 4 nodes
     for shift, pairs in enumerate(moves, start=1):
         assert len(pairs) == 4 * copies
@@ -69,18 +69,18 @@ def test_each_shift_is_a_permutation_of_the_nodes(copies):
 def test_no_exchange_on_one_node_or_without_room():
     counts = np.full((8, 16), 10.0)
     owners = tuple(e // 2 for e in range(16))
-    one_node = scheduler._Search(counts, owners, A100_GPT, 8, None, None)
-    assert scheduler._node_exchange_moves(one_node, one_node.times, np.zeros(8, dtype=np.int64), 4) == []
-    search = scheduler._Search(_balanced(), OWNERS, A100_GPT, RPN, None, None)
+    one_node = SearchState(counts, owners, A100_GPT, 8, None, None)
+    assert node_exchange_moves(one_node, one_node.times, np.zeros(8, dtype=np.int64), 4) == []
+    search = SearchState(_balanced(), OWNERS, A100_GPT, RPN, None, None)
     full = np.full(WORLD, 2, dtype=np.int64)
-    assert scheduler._node_exchange_moves(search, search.times, full, 2) == []
+    assert node_exchange_moves(search, search.times, full, 2) == []
 
 
 def test_calibrations_search_never_proposes_the_exchange(monkeypatch):
     """After the gate a copy is gathered exposed; the exchange pays only behind the non-MoE compute. The same
     counts searched before the gate do reach the exchange's stage (so the test is not vacuous)."""
     proposed = []
-    real = scheduler._node_exchange_moves
+    real = greedy_search.node_exchange_moves
 
     def spy(*args, **kwargs):
         proposed.append(kwargs.get("copies", 1))
@@ -88,11 +88,12 @@ def test_calibrations_search_never_proposes_the_exchange(monkeypatch):
 
     counts = _balanced()
     counts[:, 5] *= 6   # a burst on expert 5: calibration's search has work to do
-    monkeypatch.setattr(scheduler, "_node_exchange_moves", spy)
+    monkeypatch.setattr(greedy_search, "node_exchange_moves", spy)
     start = holders_matrix(owned_experts(OWNERS, WORLD), WORLD, EXPERTS)
-    schedule_materialization(counts, OWNERS, A100_GPT, 75, RPN, start=start, prefetched=start, critical_path=True)
+    schedule_materialization(counts, OWNERS, SearchSettings(A100_GPT, 75, RPN, critical_path=True), start=start,
+                             prefetched=start)
     assert proposed == []
-    schedule_materialization(counts, OWNERS, A100_GPT, 75, RPN)
+    schedule_materialization(counts, OWNERS, SearchSettings(A100_GPT, 75, RPN))
     assert proposed
 
 
@@ -103,7 +104,7 @@ def test_planned_imbalance_is_computed_once_per_schedule_and_charged():
     assert reuse.planned_imbalance(RPN) == 1.0
     counts = np.full((4, 4), 10.0)
     counts[:, 0] = 40.0   # expert 0 hot, no replica (budget 0): rank 0 computes 160 of 280 pairs, 16/7 of the mean
-    reuse.schedule(counts, (0, 1, 2, 3), A100_GPT, 0, 4)
+    reuse.schedule(counts, (0, 1, 2, 3), SearchSettings(A100_GPT, 0, 4))
     meter = WorkMeter()
     assert reuse.planned_imbalance(4, meter) == pytest.approx(16 / 7)
     assert meter.us == pytest.approx(CALL_WORK.score_cost_us(4, 4))
@@ -125,10 +126,10 @@ def test_two_copies_a_node_where_one_cannot_pay(monkeypatch):
     tried when nothing else helps, two copies a node split them and go on (18.1 ms against 19.4 when written)."""
     counts = np.zeros((WORLD, EXPERTS))
     counts[:, [e for e in range(EXPERTS) if e % 4 < 2]] = 512.0
-    found = schedule_materialization(counts, OWNERS, A100_BERT, 42, RPN)
-    exchange = scheduler._node_exchange_moves
-    monkeypatch.setattr(scheduler, "_node_exchange_moves",
+    found = schedule_materialization(counts, OWNERS, SearchSettings(A100_BERT, 42, RPN))
+    exchange = greedy_search.node_exchange_moves
+    monkeypatch.setattr(greedy_search, "node_exchange_moves",
                         lambda *a, copies=1, **k: exchange(*a, **k) if copies == 1 else [])
-    one_copy = schedule_materialization(counts, OWNERS, A100_BERT, 42, RPN)
+    one_copy = schedule_materialization(counts, OWNERS, SearchSettings(A100_BERT, 42, RPN))
     found_s, one_copy_s = (estimate_layer(counts, OWNERS, m, A100_BERT, RPN).time_s for m in (found, one_copy))
     assert found_s < 0.96 * one_copy_s

@@ -1,14 +1,14 @@
 """The scheduler's objective and its moves: what a rank waits for (exposed transfers are a barrier) and the
 moves that keep a sending rank's tokens home (ds_hecate.planning.cost_model.rank_seconds,
-ds_hecate.planning.scheduler._candidate_moves)."""
+ds_hecate.planning.search.moves.candidate_moves)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from ds_hecate.planning import scheduler
+import ds_hecate.planning.search.greedy as greedy_search
 from ds_hecate.planning.cost_model import StepCostModel, estimate_layer
-from ds_hecate.planning.scheduler import schedule_materialization
+from ds_hecate.planning.search import SearchSettings, schedule_materialization
 
 
 def test_exposed_transfers_are_a_barrier_for_every_rank():
@@ -31,12 +31,12 @@ def test_search_keeps_a_senders_tokens_home(monkeypatch):
     moves that help put copies of those experts on rank 0 itself, which the moves built from the bottleneck's own
     experts never try. The search takes them: the largest sender-side expert first. (The proportional start, which
     a fresh search also judges, is switched off: it would place a copy there too, and hide the move's absence.)"""
-    monkeypatch.setattr(scheduler, "fill_slots", lambda *a, **k: 0)
+    monkeypatch.setattr(greedy_search, "fill_slots", lambda *a, **k: 0)
     owners = (0, 1, 2, 3)
     counts = np.ones((4, 4))
     counts[0] = (1.0, 300.0, 200.0, 100.0)
     costs = StepCostModel(compute_s_per_pair=1e-9, token_transfer_s=1e-5, expert_transfer_s=1e-7)
-    found = schedule_materialization(counts, owners, costs, 3, 4)
+    found = schedule_materialization(counts, owners, SearchSettings(costs, 3, 4))
     assert 1 in found[0], found
     before = estimate_layer(counts, owners, [[0], [1], [2], [3]], costs, 4).time_s
     assert estimate_layer(counts, owners, found, costs, 4).time_s < 0.6 * before

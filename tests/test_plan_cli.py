@@ -39,7 +39,7 @@ def test_plan_matches_shard_store_to_the_byte():
     import torch
 
     from ds_hecate.config import HecateConfig
-    from ds_hecate.tools.memory_plan import optimizer_layout_from_ds_config, plan_memory, probe_optimizer_state
+    from ds_hecate.sim.memory_plan import optimizer_layout_from_ds_config, plan_memory, probe_optimizer_state
     from ds_hecate.sim.presets import ModelShape
 
     results = run_ranks(2, _memory_worker, SPEC)
@@ -106,7 +106,7 @@ def test_plan_partitions_expert_state_over_expert_data_parallel_peers(tmp_path):
     from ds_hecate.config import HecateConfig
     from ds_hecate.sim.model_state import ADAM
     from ds_hecate.sim.presets import MODELS
-    from ds_hecate.tools.memory_plan import plan_memory
+    from ds_hecate.sim.memory_plan import plan_memory
 
     model = MODELS["mixtral-8x7b"]
     numel, part, layers = model.expert_params, -(-model.expert_params // 128), model.moe_layers

@@ -40,7 +40,7 @@ def _runtime_plans(rank: int, world: int, experts: int, sequence: list):
     import torch.distributed as dist
 
     import ds_hecate
-    from ds_hecate.comm.gpu import build_communicator
+    from ds_hecate.comm.backend import build_communicator
     from ds_hecate.config import parse_hecate_section
     from ds_hecate.deepspeed_glue.convert import convert_model
     from ds_hecate.runtime.hecate import HecateRuntime

@@ -1,4 +1,4 @@
-"""The proportional start (ds_hecate.planning.proportional): replicas in proportion to load as one more placement a
+"""The proportional start (ds_hecate.planning.search.proportional): replicas in proportion to load as one more placement a
 fresh search judges by its estimate, kept only where it beats the greedy passes' result and the owners by
 ``min_gain``."""
 from __future__ import annotations
@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ds_hecate.planning import scheduler
+import ds_hecate.planning.search.greedy as greedy_search
 from ds_hecate.planning.cost_model import StepCostModel, estimate_layer
 from ds_hecate.planning.plan import holders_matrix
-from ds_hecate.planning.proportional import fill_slots, proportional_fill
-from ds_hecate.planning.scheduler import SEARCH_WORK, schedule_materialization
+from ds_hecate.planning.search.proportional import fill_slots, proportional_fill
+from ds_hecate.planning.search import SEARCH_WORK, SearchSettings, schedule_materialization
 from ds_hecate.planning.sharding import even_sharding
 from ds_hecate.sim.workloads import routing_counts
 
@@ -45,15 +45,15 @@ def test_ragged_sources_take_the_proportional_start_the_greedy_misses(monkeypatc
     """Simulated W4 (ragged sources) on 32 ranks: a node of ranks waits on its NICs, no single replica shows, and
     the greedy passes keep the owners; the proportional start takes more than 5% off the estimate and is kept. (The
     node exchange, which relieves every node's NICs at once, is switched off: it finds a placement too.)"""
-    monkeypatch.setattr(scheduler, "_node_exchange_moves", lambda *a, **k: [])
+    monkeypatch.setattr(greedy_search, "node_exchange_moves", lambda *a, **k: [])
     counts = _counts("W4")
     owners = even_sharding(EXPERTS, WORLD)
     sharded = _time(counts, owners, [[2 * r, 2 * r + 1] for r in range(WORLD)])
-    placed = schedule_materialization(counts, owners, A100_GPT, BUDGET, RPN)
+    placed = schedule_materialization(counts, owners, SearchSettings(A100_GPT, BUDGET, RPN))
     assert _time(counts, owners, placed) < 0.95 * sharded
     assert holders_matrix(placed, WORLD, EXPERTS).sum() > EXPERTS
-    monkeypatch.setattr(scheduler, "fill_slots", lambda *a, **k: 0)
-    greedy = schedule_materialization(counts, owners, A100_GPT, BUDGET, RPN)
+    monkeypatch.setattr(greedy_search, "fill_slots", lambda *a, **k: 0)
+    greedy = schedule_materialization(counts, owners, SearchSettings(A100_GPT, BUDGET, RPN))
     assert _time(counts, owners, greedy) > 0.95 * sharded
 
 
@@ -62,10 +62,11 @@ def test_uniform_routing_does_not_take_it(monkeypatch):
     are (search_moves), and without them the owners stay."""
     counts = _counts("W0")
     owners = even_sharding(EXPERTS, WORLD)
-    placed = holders_matrix(schedule_materialization(counts, owners, A100_GPT, BUDGET, RPN), WORLD, EXPERTS)
+    placed = holders_matrix(schedule_materialization(counts, owners, SearchSettings(A100_GPT, BUDGET, RPN)), WORLD,
+                            EXPERTS)
     assert (placed != proportional_fill(counts, owners, fill_slots(EXPERTS, WORLD, BUDGET))).any()
-    monkeypatch.setattr(scheduler, "_node_exchange_moves", lambda *a, **k: [])
-    placed = schedule_materialization(counts, owners, A100_GPT, BUDGET, RPN)
+    monkeypatch.setattr(greedy_search, "node_exchange_moves", lambda *a, **k: [])
+    placed = schedule_materialization(counts, owners, SearchSettings(A100_GPT, BUDGET, RPN))
     assert holders_matrix(placed, WORLD, EXPERTS).sum() == EXPERTS
 
 
@@ -76,15 +77,15 @@ def test_only_a_fresh_search_within_its_budget_tries_it(monkeypatch, calibrating
     counts = _counts("W4")
     owners = even_sharding(EXPERTS, WORLD)
     tried = []
-    real = scheduler.proportional_fill
-    monkeypatch.setattr(scheduler, "proportional_fill", lambda *a: tried.append(1) or real(*a))
+    real = greedy_search.proportional_fill
+    monkeypatch.setattr(greedy_search, "proportional_fill", lambda *a: tried.append(1) or real(*a))
     if calibrating:
         start = [[2 * r, 2 * r + 1] for r in range(WORLD)]
-        schedule_materialization(counts, owners, A100_GPT, BUDGET, RPN, start=start, prefetched=start,
-                                 critical_path=True)
+        schedule_materialization(counts, owners, SearchSettings(A100_GPT, BUDGET, RPN, critical_path=True),
+                                 start=start, prefetched=start)
     else:
         budget = SEARCH_WORK.first_step_us(WORLD, EXPERTS) + 1.0
-        schedule_materialization(counts, owners, A100_GPT, BUDGET, RPN, budget_us=budget)
+        schedule_materialization(counts, owners, SearchSettings(A100_GPT, BUDGET, RPN, budget_us=budget))
     assert not tried
 
 
@@ -92,13 +93,13 @@ def test_only_a_fresh_search_within_its_budget_tries_it(monkeypatch, calibrating
 def test_the_start_must_beat_the_owners_by_min_gain(monkeypatch, budget, kept):
     """Simulated W5 (zero-load ranks), the greedy moves switched off so that the passes keep the owners: one slot a
     rank takes 1.9% off the estimate, under the 5% bar, and the owners stay; two slots take 5.3% and are kept."""
-    monkeypatch.setattr(scheduler, "_candidate_moves", lambda *a, **k: [])
-    monkeypatch.setattr(scheduler, "_quota_move", lambda *a, **k: None)
-    monkeypatch.setattr(scheduler, "_node_exchange_moves", lambda *a, **k: [])
+    monkeypatch.setattr(greedy_search, "candidate_moves", lambda *a, **k: [])
+    monkeypatch.setattr(greedy_search, "quota_move", lambda *a, **k: None)
+    monkeypatch.setattr(greedy_search, "node_exchange_moves", lambda *a, **k: [])
     counts = _counts("W5")
     owners = even_sharding(EXPERTS, WORLD)
     sharded = _time(counts, owners, [[2 * r, 2 * r + 1] for r in range(WORLD)])
-    placed = schedule_materialization(counts, owners, A100_GPT, budget, RPN)
+    placed = schedule_materialization(counts, owners, SearchSettings(A100_GPT, budget, RPN))
     assert (holders_matrix(placed, WORLD, EXPERTS).sum() > EXPERTS) == kept
     assert (_time(counts, owners, placed) <= 0.95 * sharded) == kept
 
@@ -107,12 +108,12 @@ def test_a_sliced_search_prefetches_it_from_its_first_call(monkeypatch):
     """Judged first, the proportional start is the best so far from the search's first call on: sliced over calls,
     W4's calls prefetch it while the greedy passes go on (judged last, it came in when they ended)."""
     from ds_hecate.planning.plan import materialized_of
-    from ds_hecate.planning.schedule_reuse import ScheduleReuse
-    monkeypatch.setattr(scheduler, "_node_exchange_moves", lambda *a, **k: [])
+    from ds_hecate.planning.search.reuse import ScheduleReuse
+    monkeypatch.setattr(greedy_search, "node_exchange_moves", lambda *a, **k: [])
     counts = _counts("W4").astype(np.float64)
     owners = even_sharding(EXPERTS, WORLD)
     schedule = ScheduleReuse(0.05)
-    first = schedule.schedule(counts, owners, A100_GPT, BUDGET, RPN, slice_us=1.0)
+    first = schedule.schedule(counts, owners, SearchSettings(A100_GPT, BUDGET, RPN), slice_us=1.0)
     assert schedule.pending is not None                      # the search goes on at the next calls
     assert first == materialized_of(proportional_fill(counts, owners, fill_slots(EXPERTS, WORLD, BUDGET)))
 
@@ -120,13 +121,13 @@ def test_a_sliced_search_prefetches_it_from_its_first_call(monkeypatch):
 def test_its_work_is_counted_when_the_passes_take_no_step(monkeypatch):
     """The judgement's work is part of the search's: counted by a meter even where the greedy passes find no move at
     all (the simulator charges what the meter counts)."""
-    from ds_hecate.planning.call_work import WorkMeter
-    for name in ("_candidate_moves", "_node_exchange_moves"):
-        monkeypatch.setattr(scheduler, name, lambda *a, **k: [])
-    monkeypatch.setattr(scheduler, "_quota_move", lambda *a, **k: None)
+    from ds_hecate.planning.search.call_work import WorkMeter
+    for name in ("candidate_moves", "node_exchange_moves"):
+        monkeypatch.setattr(greedy_search, name, lambda *a, **k: [])
+    monkeypatch.setattr(greedy_search, "quota_move", lambda *a, **k: None)
     counts = _counts("W4")
     owners = even_sharding(EXPERTS, WORLD)
     meter = WorkMeter()
-    schedule_materialization(counts, owners, A100_GPT, BUDGET, RPN, meter=meter)
+    schedule_materialization(counts, owners, SearchSettings(A100_GPT, BUDGET, RPN), meter=meter)
     fill_us = SEARCH_WORK.fill_cost_us(fill_slots(EXPERTS, WORLD, BUDGET) * WORLD, WORLD, EXPERTS)
     assert meter.us == pytest.approx(SEARCH_WORK.setup_cost_us(WORLD, EXPERTS) + fill_us)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from ds_hecate.planning import scheduler
+import ds_hecate.planning.search.greedy as greedy_search
+from ds_hecate.planning.search import SEARCH_WORK, SearchSettings, schedule_materialization
 from ds_hecate.planning.cost_model import StepCostModel, estimate_layer
-from ds_hecate.planning.scheduler import SEARCH_WORK, schedule_materialization
+from ds_hecate.planning.search.moves import quota_move
+from ds_hecate.planning.search.state import SearchState
 
 COSTS = StepCostModel(compute_s_per_pair=1e-6, token_transfer_s=1e-9, expert_transfer_s=1e-5, overlap_s=0.0)
 
@@ -33,13 +35,13 @@ def test_quota_relieves_every_tied_bottleneck_within_a_few_steps(monkeypatch):
     moves = 4 * (min(world - 1, 64) + 2)
     budget = SEARCH_WORK.setup_cost_us(world, world) + 2.5 * SEARCH_WORK.step_cost_us(moves + 16, world, world)
     start = _peak(counts, owners, [[r] for r in range(world)])
-    mat = schedule_materialization(counts.tolist(), owners, COSTS, 1, 8, budget_us=budget)
+    mat = schedule_materialization(counts.tolist(), owners, SearchSettings(COSTS, 1, 8, budget_us=budget))
     assert _peak(counts, owners, mat) < 0.65 * start
     relieved = [e for e in range(16) if sum(e in held for held in mat) >= 2]   # mat: experts per rank
     assert relieved == list(range(16))
-    monkeypatch.setattr(scheduler, "_quota_move", lambda *a, **k: None)
-    monkeypatch.setattr(scheduler, "fill_slots", lambda *a, **k: 0)
-    without = schedule_materialization(counts.tolist(), owners, COSTS, 1, 8, budget_us=budget)
+    monkeypatch.setattr(greedy_search, "quota_move", lambda *a, **k: None)
+    monkeypatch.setattr(greedy_search, "fill_slots", lambda *a, **k: 0)
+    without = schedule_materialization(counts.tolist(), owners, SearchSettings(COSTS, 1, 8, budget_us=budget))
     assert _peak(counts, owners, without) == start
 
 
@@ -49,9 +51,9 @@ def test_quota_places_on_the_bottleneck_node_first():
     world, rpn = 16, 8
     owners = list(range(world))
     counts = _tied_counts(world, (0, 1, 8, 9))
-    search = scheduler._Search(counts.tolist(), owners, COSTS, rpn, None, None)
+    search = SearchState(counts.tolist(), owners, COSTS, rpn, None, None)
     extra = np.zeros(world, dtype=np.int64)
-    pairs = scheduler._quota_move(search, search.times, extra, 1)
+    pairs = quota_move(search, search.times, extra, 1)
     assert pairs is not None and len(pairs) == 4
     for expert, rank in pairs:
         assert rank // rpn == expert // rpn and rank not in (0, 1, 8, 9)
@@ -61,5 +63,5 @@ def test_quota_places_on_the_bottleneck_node_first():
 def test_no_quota_without_a_tie():
     world = 8
     counts = _tied_counts(world, (3,))
-    search = scheduler._Search(counts.tolist(), list(range(world)), COSTS, world, None, None)
-    assert scheduler._quota_move(search, search.times, np.zeros(world, dtype=np.int64), 1) is None
+    search = SearchState(counts.tolist(), list(range(world)), COSTS, world, None, None)
+    assert quota_move(search, search.times, np.zeros(world, dtype=np.int64), 1) is None

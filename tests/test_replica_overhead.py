@@ -15,7 +15,8 @@ import torch
 from ds_hecate.config import HecateConfig
 from ds_hecate.experts import ExpertKernel
 from ds_hecate.planning.cost_model import StepCostModel, estimate_layer, scheduler_costs
-from ds_hecate.planning.scheduler import _Search, schedule_materialization
+from ds_hecate.planning.search import SearchSettings, schedule_materialization
+from ds_hecate.planning.search.state import SearchState
 from ds_hecate.runtime.profiling import _probe_replica_overhead_s
 
 COUNTS = [[1, 2, 3], [4, 5, 6]]
@@ -41,7 +42,7 @@ def test_each_replica_costs_its_holder_and_no_one_else():
 @pytest.mark.parametrize("prefetched", [None, ((0, 1), (0, 2))])   # prefetched, and one copy gathered after the gate
 def test_the_search_prices_replicas_as_the_estimate_does(prefetched):
     costs = _costs(0.25)
-    search = _Search(COUNTS, OWNERS, costs, 1, MAT, prefetched)
+    search = SearchState(COUNTS, OWNERS, costs, 1, MAT, prefetched)
     assert search.times.tolist() == pytest.approx(
         list(estimate_layer(COUNTS, OWNERS, MAT, costs, 1, prefetched=prefetched).rank_time_s))
 
@@ -50,10 +51,10 @@ def test_a_replica_that_saves_less_than_its_overhead_is_not_placed():
     # one hot expert on rank 0: a replica on rank 1 takes half of its pairs
     counts = [[40, 2], [40, 2]]
     cheap = StepCostModel(compute_s_per_pair=1e-3, token_transfer_s=1e-5, expert_transfer_s=1e-4)
-    assert len(schedule_materialization(counts, (0, 1), cheap, 1, 2)[1]) == 2          # rank 1 takes a copy
+    assert len(schedule_materialization(counts, (0, 1), SearchSettings(cheap, 1, 2))[1]) == 2   # rank 1 takes a copy
     dear = StepCostModel(compute_s_per_pair=1e-3, token_transfer_s=1e-5, expert_transfer_s=1e-4,
                          replica_overhead_s=0.05)                                        # more than the 40 ms saved
-    assert schedule_materialization(counts, (0, 1), dear, 1, 2) == ((0,), (1,))
+    assert schedule_materialization(counts, (0, 1), SearchSettings(dear, 1, 2)) == ((0,), (1,))
 
 
 def test_configured_wins_over_measured_and_absent_is_not_priced():
@@ -106,7 +107,7 @@ def test_training_measures_the_overhead_once_for_every_rank():
 def test_the_simulator_plans_with_a_measured_overhead_as_the_runtime_would():
     """``ds-hecate simulate --measured`` builds its cluster from a run's measured costs: the planner inside gets the
     run's replica overhead too (else it would place replicas the run's own planner refused)."""
-    from ds_hecate.sim import simulate
+    from ds_hecate.sim import SimSettings, simulate
     from ds_hecate.sim.presets import Cluster, ModelShape
 
     tiny = ModelShape(name="tiny", moe_layers=2, hidden_size=64, ffn_size=128, num_experts=4, top_k=2, vocab_size=0,
@@ -115,8 +116,9 @@ def test_the_simulator_plans_with_a_measured_overhead_as_the_runtime_would():
 
     def replicas(overhead: float) -> float:
         cluster = Cluster.from_measured({**measured, "replica_overhead_s": overhead}, world_size=2)
-        result = simulate(cluster, tiny, "W1", systems=["hecate"], steps=4, tokens_per_rank=512, precision="fp32",
-                          hecate=HecateConfig(enabled=True, calibration=False))
+        settings = SimSettings(steps=4, tokens_per_rank=512, precision="fp32",
+                               hecate=HecateConfig(enabled=True, calibration=False))
+        result = simulate(cluster, tiny, "W1", settings, systems=["hecate"])
         return result.systems["hecate"].replicas_per_layer
 
     assert replicas(0.0) > 0

@@ -16,7 +16,7 @@ from dist_utils import free_port
 from ds_hecate.tools.cli import main as cli_main
 from ds_hecate.deepspeed_glue.monitor import LOAD_METRICS, TRAFFIC_METRICS
 from ds_hecate.tools.report import MAX_LAYERS_SHOWN, ReportError, report
-from ds_hecate.tools.trace import TraceLayer, TraceWriter, read_trace
+from ds_hecate.trace import TraceLayer, TraceWriter, read_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 5

@@ -1,6 +1,6 @@
 """Tests of the Hecate scheduler's pure planning modules (no torch.distributed).
 
-ds_hecate.planning.scheduler (StepCostModel, rank_loads,
+ds_hecate.planning.search.greedy (StepCostModel, rank_loads,
 estimate_layer, schedule_materialization) and ds_hecate.planning.heterogeneous (heterogeneous_sharding, the paper's
 Algorithm 2). The balance acceptance criterion checks the compute load per rank through the integer dispatch
 (topology_aware_routes + LayerPlan), i.e. exactly what the runtime executes.
@@ -27,7 +27,7 @@ from ds_hecate.planning.plan import check_routes_cover
 from ds_hecate.planning.predictor import LoadPredictor
 from ds_hecate.planning.cost_model import LayerEstimate, StepCostModel, estimate_layer
 from ds_hecate.planning.dispatch import rank_loads
-from ds_hecate.planning.scheduler import schedule_materialization
+from ds_hecate.planning.search import SearchSettings, schedule_materialization
 
 REPO = Path(__file__).resolve().parents[1]
 PLANNING_DIR = REPO / "ds_hecate" / "planning"
@@ -104,7 +104,7 @@ def schedule_inputs(draw):
 def test_schedule_invariants(inputs):
     counts, owners, costs, budget, rpn = inputs
     world = len(counts)
-    result = schedule_materialization(counts, owners, costs, budget, rpn)
+    result = schedule_materialization(counts, owners, SearchSettings(costs, budget, rpn))
     assert_valid_placement(result, owners, world)
     assert all(n <= budget for n in replicas_per_rank(result, owners))
     base = owner_placement(owners, world)
@@ -114,10 +114,11 @@ def test_schedule_invariants(inputs):
     if result != base:                            # a replica is only added when it strictly helps
         assert est.time_s < est_base.time_s
     # deterministic: identical inputs (also as fresh copies / tuples) give the identical placement
-    assert schedule_materialization([list(r) for r in counts], tuple(owners), costs, budget, rpn) == result
-    assert schedule_materialization(tuple(map(tuple, counts)), list(owners), costs, budget, rpn) == result
+    settings = SearchSettings(costs, budget, rpn)
+    assert schedule_materialization([list(r) for r in counts], tuple(owners), settings) == result
+    assert schedule_materialization(tuple(map(tuple, counts)), list(owners), settings) == result
     # budget 0: exactly the owner placement
-    assert schedule_materialization(counts, owners, costs, 0, rpn) == base
+    assert schedule_materialization(counts, owners, SearchSettings(costs, 0, rpn)) == base
     # the integer dispatch accepts the placement
     int_counts = [[int(round(c)) for c in row] for row in counts]
     integer_plan(int_counts, owners, result, rpn)
@@ -131,7 +132,8 @@ def test_schedule_with_start_extends_start(inputs, data):
     start = tuple(tuple(sorted(set(data.draw(st.lists(st.integers(0, num_e - 1), max_size=3)))
                                | {e for e, o in enumerate(owners) if o == r})) for r in range(world))
     prefetched = start if data.draw(st.booleans()) else None
-    result = schedule_materialization(counts, owners, costs, budget, rpn, start=start, prefetched=prefetched)
+    result = schedule_materialization(counts, owners, SearchSettings(costs, budget, rpn), start=start,
+                                      prefetched=prefetched)
     assert_valid_placement(result, owners, world)
     for r in range(world):
         assert set(start[r]) <= set(result[r])
@@ -141,7 +143,8 @@ def test_schedule_with_start_extends_start(inputs, data):
             assert extra[r] <= budget
     est = estimate_layer(counts, owners, result, costs, rpn, prefetched)
     assert est.time_s <= estimate_layer(counts, owners, start, costs, rpn, prefetched).time_s
-    assert schedule_materialization(counts, owners, costs, budget, rpn, start=start, prefetched=prefetched) == result
+    assert schedule_materialization(counts, owners, SearchSettings(costs, budget, rpn), start=start,
+                                    prefetched=prefetched) == result
     if budget == 0 and all(n == 0 for n in start_extra):
         assert result == owner_placement(owners, world)
 
@@ -150,14 +153,14 @@ def test_schedule_budget_zero_on_hot_workload_is_owner_placement():
     counts = hot_workload(4, 8, (0.5, 0.3))
     owners = even_sharding(8, 4)
     costs = StepCostModel(1e-4, 1e-7, 1e-4, 1e-3)
-    assert schedule_materialization(counts, owners, costs, 0, 1) == owner_placement(owners, 4)
+    assert schedule_materialization(counts, owners, SearchSettings(costs, 0, 1)) == owner_placement(owners, 4)
 
 
 def test_schedule_does_not_replicate_expert_only_its_owner_uses():
     # expert 0 is hot but only rank 0 (its owner) sends to it: under local-first dispatch a replica cannot help.
     counts = [[1000.0, 0.0], [0.0, 10.0]]
     costs = StepCostModel(compute_s_per_pair=1e-4, token_transfer_s=1e-7, expert_transfer_s=1e-6, overlap_s=1.0)
-    assert schedule_materialization(counts, (0, 1), costs, 4, 1) == ((0,), (1,))
+    assert schedule_materialization(counts, (0, 1), SearchSettings(costs, 4, 1)) == ((0,), (1,))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -214,7 +217,7 @@ def _check_hot_workload(world, num_e, hot, rpn):
 def test_balance_acceptance(workload):
     world, num_e, hot, rpn = workload
     counts, owners, ep = _check_hot_workload(world, num_e, hot, rpn)
-    mat = schedule_materialization(counts, owners, COMPUTE_DOMINATED, BUDGET, rpn)
+    mat = schedule_materialization(counts, owners, SearchSettings(COMPUTE_DOMINATED, BUDGET, rpn))
     assert_valid_placement(mat, owners, world)
     assert max(replicas_per_rank(mat, owners)) <= BUDGET
     assert set(mat[0]) >= {0, 1}
@@ -234,7 +237,7 @@ def test_balance_acceptance_where_single_replicas_stall(workload, budget):
     group moves (a replica on every rank of a node / of the job) must still reach the target."""
     world, num_e, hot, rpn = workload
     counts, owners, ep = _check_hot_workload(world, num_e, hot, rpn)
-    mat = schedule_materialization(counts, owners, COMPUTE_DOMINATED, budget, rpn)
+    mat = schedule_materialization(counts, owners, SearchSettings(COMPUTE_DOMINATED, budget, rpn))
     assert max(replicas_per_rank(mat, owners)) <= budget
     scheduled = compute_imbalance(counts, owners, mat, rpn)
     assert scheduled <= BALANCED_MAX, f"EP {ep:.3f} -> scheduled {scheduled:.3f}: {mat}"
@@ -262,7 +265,7 @@ def test_schedule_not_worse_than_hot_replication(workload):
     1.050, estimate 0.1050 s vs 0.1084 s.)"""
     world, num_e, hot, rpn = workload
     counts, owners, _ = _check_hot_workload(world, num_e, hot, rpn)
-    mat = schedule_materialization(counts, owners, COMPUTE_DOMINATED, BUDGET, rpn)
+    mat = schedule_materialization(counts, owners, SearchSettings(COMPUTE_DOMINATED, BUDGET, rpn))
     alt = _hot_replicated(owners, world)
     assert (estimate_layer(counts, owners, mat, COMPUTE_DOMINATED, rpn).time_s
             <= estimate_layer(counts, owners, alt, COMPUTE_DOMINATED, rpn).time_s)
@@ -272,8 +275,9 @@ def test_schedule_not_worse_than_hot_replication(workload):
 def test_comm_dominated_adds_no_replica(workload):
     world, num_e, hot, rpn = workload
     counts, owners, _ = _check_hot_workload(world, num_e, hot, rpn)
-    assert schedule_materialization(counts, owners, COMM_DOMINATED, BUDGET, rpn) == owner_placement(owners, world)
-    assert schedule_materialization(counts, owners, COMM_DOMINATED, 100, rpn) == owner_placement(owners, world)
+    for budget in (BUDGET, 100):
+        assert (schedule_materialization(counts, owners, SearchSettings(COMM_DOMINATED, budget, rpn))
+                == owner_placement(owners, world))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -506,16 +510,18 @@ _EXAMPLE = textwrap.dedent("""
     predictor = LoadPredictor(2)
     predictor.push(counts)
     predictor.push([[0] * 8 for _ in range(4)])
-    placement = schedule_materialization(predictor.predict(), owners, costs, 4, 2)
+    placement = schedule_materialization(predictor.predict(), owners, SearchSettings(costs, 4, 2))
     sharding = heterogeneous_sharding([predictor.expert_loads(), [1.0, 2.0, 3.0]], 4, 2, [1, 0])
     result = repr((placement, predictor.expert_loads(), sharding))
 """)
 
 _STANDALONE = planning_prelude() + textwrap.dedent("""
-    scheduler = importlib.import_module("standalone_planning.scheduler")
+    search = importlib.import_module("standalone_planning.search")
+    cost_model = importlib.import_module("standalone_planning.cost_model")
     predictor_mod = importlib.import_module("standalone_planning.predictor")
     heterogeneous = importlib.import_module("standalone_planning.heterogeneous")
-    StepCostModel, schedule_materialization = scheduler.StepCostModel, scheduler.schedule_materialization
+    StepCostModel, SearchSettings = cost_model.StepCostModel, search.SearchSettings
+    schedule_materialization = search.schedule_materialization
     LoadPredictor, heterogeneous_sharding = predictor_mod.LoadPredictor, heterogeneous.heterogeneous_sharding
 """)
 
@@ -524,7 +530,8 @@ def test_scheduler_modules_need_no_torch():
     proc = subprocess.run([sys.executable, "-c", _STANDALONE + _EXAMPLE + "print(result)"], capture_output=True,
                           text=True, timeout=60, cwd="/")
     assert proc.returncode == 0, proc.stderr
-    ns = dict(StepCostModel=StepCostModel, schedule_materialization=schedule_materialization,
+    ns = dict(StepCostModel=StepCostModel, SearchSettings=SearchSettings,
+              schedule_materialization=schedule_materialization,
               LoadPredictor=LoadPredictor, heterogeneous_sharding=heterogeneous_sharding)
     exec(_EXAMPLE, ns)
     assert proc.stdout.strip() == ns["result"]
@@ -550,8 +557,8 @@ def test_critical_path_search_stops_when_its_steps_cost_more_than_they_save():
 
     def added(compute_s_per_pair: float, critical: bool) -> int:
         costs = StepCostModel(compute_s_per_pair=compute_s_per_pair, token_transfer_s=1e-9, expert_transfer_s=1e-6)
-        found = schedule_materialization(counts, owners, costs, 8, 8, start=start, prefetched=start,
-                                         critical_path=critical)
+        found = schedule_materialization(counts, owners, SearchSettings(costs, 8, 8, critical_path=critical),
+                                         start=start, prefetched=start)
         return sum(len(r) for r in found) - experts
     assert added(2e-7, True) < added(2e-7, False), (added(2e-7, True), added(2e-7, False))
     # a layer of seconds: the stopped search ends on a plateau of steps that take nanoseconds off (spreading cold
@@ -559,7 +566,8 @@ def test_critical_path_search_stops_when_its_steps_cost_more_than_they_save():
     assert added(2e-3, True) > 0
     costs = StepCostModel(compute_s_per_pair=2e-3, token_transfer_s=1e-9, expert_transfer_s=1e-6)
     stopped, full = (estimate_layer(counts, owners, schedule_materialization(
-        counts, owners, costs, 8, 8, start=start, prefetched=start, critical_path=c), costs, 8, prefetched=start).time_s
+        counts, owners, SearchSettings(costs, 8, 8, critical_path=c), start=start, prefetched=start), costs, 8,
+        prefetched=start).time_s
         for c in (True, False))
     assert stopped <= 1.01 * full, (stopped, full)
 

@@ -1,4 +1,4 @@
-"""Calibration's search runs where it has been paying (planning.search_record): FasterMoE's growth first
+"""Calibration's search runs where it has been paying (planning.search.record): FasterMoE's growth first
 (critical_path.growth_calibration), the search beside it while the layer's last searches saved more estimated layer
 time below the growth's placement than their own work, else after PROBE_INTERVAL calibrations without one."""
 from __future__ import annotations
@@ -6,12 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ds_hecate.planning import critical_path
+from ds_hecate.planning.search import critical_path
 from ds_hecate.planning.cost_model import StepCostModel, estimate_layer
-from ds_hecate.planning.critical_path import growth_calibration, plan_after_gate
+from ds_hecate.planning.search import SearchSettings, calibration_settings, growth_calibration, plan_after_gate
 from ds_hecate.planning.plan import Placement, owned_experts
-from ds_hecate.planning.schedule_reuse import ScheduleReuse
-from ds_hecate.planning.search_record import NEGLIGIBLE_SHARE, PROBE_INTERVAL, RECORD_LENGTH, SearchRecord
+from ds_hecate.planning.search.reuse import ScheduleReuse
+from ds_hecate.planning.search.record import NEGLIGIBLE_SHARE, PROBE_INTERVAL, RECORD_LENGTH, SearchRecord
 from ds_hecate.planning.sharding import even_sharding
 
 WORLD, EXPERTS, RPN = 8, 16, 4
@@ -44,8 +44,9 @@ def _no_shadow_move(monkeypatch):
 
 
 def _calls(costs: StepCostModel, second: bool, n: int, schedule: ScheduleReuse):
-    return [plan_after_gate(_moving_hot(call, second), _owners_only(), schedule, costs, 4, RPN, 0, True, None,
-                            speculative=False) for call in range(n)]
+    settings = calibration_settings(costs, 4, RPN, None)
+    return [plan_after_gate(_moving_hot(call, second), _owners_only(), schedule, settings, 0, True, speculative=False)
+            for call in range(n)]
 
 
 def test_searches_that_do_not_pay_are_skipped_then_probed():
@@ -82,7 +83,8 @@ def test_searches_that_pay_keep_running_and_beat_the_growth():
     assert sum(schedule.search_record.nets_us) > 0
     for call, after in enumerate(calls):   # each took the search's placement, faster than the growth's
         counts = _moving_hot(call, True)
-        grown = growth_calibration(counts, _owners_only(), DEAR, 4, RPN, critical_path.AUTO_PLAN_BUDGET)
+        grown = growth_calibration(counts, _owners_only(),
+                                   SearchSettings(DEAR, 4, RPN, budget_us=critical_path.AUTO_PLAN_BUDGET))
         taken = estimate_layer(counts, OWNERS, after.plan.materialized, DEAR, RPN,
                                prefetched=_owners_only().materialized).time_s
         assert taken < grown.time_s, call
@@ -97,7 +99,7 @@ def test_growth_takes_the_hottest_experts_while_the_estimate_falls():
         counts[:, rng.choice(EXPERTS, 3, replace=False)] += rng.integers(100, 400, (WORLD, 3))
         budget = 1 + trial % 3
         placement = _owners_only()
-        grown = growth_calibration(counts, placement, CHEAP, budget, RPN, 1e9)
+        grown = growth_calibration(counts, placement, SearchSettings(CHEAP, budget, RPN, budget_us=1e9))
         holders = placement.holders
 
         def estimate(h):
@@ -123,11 +125,12 @@ def test_growth_takes_the_hottest_experts_while_the_estimate_falls():
 
 def test_growth_stays_within_the_calibration_budget():
     counts = _moving_hot(0, True)
-    from ds_hecate.planning.call_work import CALL_WORK, WorkMeter
+    from ds_hecate.planning.search.call_work import CALL_WORK, WorkMeter
     one = CALL_WORK.estimate_cost_us(WORLD, EXPERTS)
-    assert growth_calibration(counts, _owners_only(), CHEAP, 4, RPN, 1.5 * one) is None   # not even one try
+    one_try = SearchSettings(CHEAP, 4, RPN, budget_us=1.5 * one)
+    assert growth_calibration(counts, _owners_only(), one_try) is None   # not even one try
     meter = WorkMeter()
-    growth_calibration(counts, _owners_only(), CHEAP, 4, RPN, 2.5 * one, meter=meter)
+    growth_calibration(counts, _owners_only(), SearchSettings(CHEAP, 4, RPN, budget_us=2.5 * one), meter=meter)
     assert meter.us == pytest.approx(2 * one)
 
 
@@ -138,7 +141,7 @@ def test_the_record_travels_with_the_schedule():
     state = schedule.state_dict()
     assert ScheduleReuse.state_fits(state, WORLD, EXPERTS)
     restored = ScheduleReuse(0.05)
-    restored.load_state_dict(state, CHEAP, 4, RPN)
+    restored.load_state_dict(state, SearchSettings(CHEAP, 4, RPN))
     assert list(restored.search_record.nets_us) == list(schedule.search_record.nets_us)
     assert restored.search_record.unsearched == schedule.search_record.unsearched == 2
     more = [c.searched for c in _calls(CHEAP, False, PROBE_INTERVAL, restored)]

@@ -6,12 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ds_hecate.planning import critical_path
+from ds_hecate.planning.search import critical_path
 from ds_hecate.planning.cost_model import StepCostModel, estimate_layer
-from ds_hecate.planning.critical_path import plan_after_gate, shadow_calibration
+from ds_hecate.planning.search import (SearchSettings, calibration_settings, plan_after_gate, schedule_materialization,
+                                       shadow_calibration)
 from ds_hecate.planning.plan import Placement, materialized_of, owned_experts
-from ds_hecate.planning.schedule_reuse import ScheduleReuse
-from ds_hecate.planning.scheduler import schedule_materialization
+from ds_hecate.planning.search.reuse import ScheduleReuse
 from ds_hecate.planning.sharding import even_sharding
 
 WORLD, EXPERTS, RPN = 8, 16, 4
@@ -37,8 +37,8 @@ def _no_search(*args, **kwargs):
 def test_a_burst_is_calibrated_by_its_expert_everywhere_without_a_search(monkeypatch):
     counts = _burst()
     monkeypatch.setattr(critical_path, "schedule_materialization", _no_search)
-    after = plan_after_gate(counts, _owners_only(), ScheduleReuse(0.05), COSTS, 4, RPN, 0, True, None,
-                            speculative=False)
+    after = plan_after_gate(counts, _owners_only(), ScheduleReuse(0.05), calibration_settings(COSTS, 4, RPN, None), 0,
+                            True, speculative=False)
     holders = after.plan.placement.holders
     assert holders[:, 5].all() and after.extras is not None and not after.searched
     assert holders.sum() == EXPERTS + WORLD - 1                      # nothing else added
@@ -51,9 +51,9 @@ def test_the_shadow_move_is_as_good_as_the_search_on_a_burst():
     """What the search would calibrate (its estimate) is not better than the shadow move by more than rounding."""
     counts = _burst()
     start = _owners_only()
-    shadows = shadow_calibration(counts, start, COSTS, 4, RPN, 0.05)
-    searched = schedule_materialization(counts, OWNERS, COSTS, 4, RPN, start=start.holders,
-                                        prefetched=start.holders, critical_path=True)
+    shadows = shadow_calibration(counts, start, SearchSettings(COSTS, 4, RPN), 0.05)
+    searched = schedule_materialization(counts, OWNERS, SearchSettings(COSTS, 4, RPN, critical_path=True),
+                                        start=start.holders, prefetched=start.holders)
     late = dict(prefetched=start.materialized)
     assert shadows is not None
     shadow_s = estimate_layer(counts, OWNERS, shadows, COSTS, RPN, **late).time_s
@@ -70,7 +70,7 @@ def test_the_search_runs_where_the_shadow_move_does_not_pay(case):
         budget = 0
     else:   # expert copies so slow that moving them costs more than the imbalance
         costs = StepCostModel(compute_s_per_pair=1e-9, token_transfer_s=1e-9, expert_transfer_s=10.0)
-    assert shadow_calibration(counts, _owners_only(), costs, budget, RPN, 0.05) is None
+    assert shadow_calibration(counts, _owners_only(), SearchSettings(costs, budget, RPN), 0.05) is None
 
 
 def test_shadows_respect_the_budget_hottest_first():
@@ -83,7 +83,7 @@ def test_shadows_respect_the_budget_hottest_first():
     for r in range(4):
         holders[r].add(14)
     prefetched = Placement(OWNERS, tuple(tuple(sorted(h)) for h in holders))
-    shadows = shadow_calibration(counts, prefetched, COSTS, 2, RPN, 1.0)
+    shadows = shadow_calibration(counts, prefetched, SearchSettings(COSTS, 2, RPN), 1.0)
     assert shadows is not None
     owned = np.bincount(np.asarray(OWNERS), minlength=WORLD)
     assert ((shadows.sum(axis=1) - owned) <= 2).all()
@@ -99,8 +99,8 @@ def test_the_shadow_move_is_judged_against_the_balance_the_schedule_was_planned_
     holders = _owners_only().holders.copy()
     holders[7, 0] = True
     prefetched = Placement(OWNERS, materialized_of(holders))
-    assert shadow_calibration(counts, prefetched, COSTS, 1, RPN, 0.05) is None
-    shadows = shadow_calibration(counts, prefetched, COSTS, 1, RPN, 0.05, planned_imbalance=lambda: 1.2)
+    assert shadow_calibration(counts, prefetched, SearchSettings(COSTS, 1, RPN), 0.05) is None
+    shadows = shadow_calibration(counts, prefetched, SearchSettings(COSTS, 1, RPN), 0.05, planned_imbalance=lambda: 1.2)
     assert shadows is not None and shadows[:, 5].sum() == WORLD - 1
 
 
@@ -113,10 +113,11 @@ def test_the_planned_balance_is_asked_only_where_the_shadows_leave_the_compute_i
         asked.append(1)
         return 1.2
 
-    assert shadow_calibration(_burst(), _owners_only(), COSTS, 4, RPN, 0.05, planned_imbalance=planned) is not None
+    assert shadow_calibration(_burst(), _owners_only(), SearchSettings(COSTS, 4, RPN), 0.05,
+                              planned_imbalance=planned) is not None
     assert not asked
     holders = _owners_only().holders.copy()
     holders[7, 0] = True
-    shadow_calibration(_burst(), Placement(OWNERS, materialized_of(holders)), COSTS, 1, RPN, 0.05,
+    shadow_calibration(_burst(), Placement(OWNERS, materialized_of(holders)), SearchSettings(COSTS, 1, RPN), 0.05,
                        planned_imbalance=planned)
     assert asked == [1]

@@ -5,14 +5,15 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from ds_hecate.errors import HecateError
 from ds_hecate.sim.presets import CLUSTERS, MODELS, Cluster, ModelShape
-from ds_hecate.sim import SYSTEMS, simulate
-from ds_hecate.tools.trace import TraceLayer, TraceWriter
+from ds_hecate.sim import SYSTEMS, SimSettings, simulate
+from ds_hecate.trace import TraceLayer, TraceWriter
 
 TINY = ModelShape(name="tiny", moe_layers=2, hidden_size=64, ffn_size=128, num_experts=4, top_k=2, vocab_size=0,
                   seq_len=256, expert_bias=True)
@@ -29,7 +30,7 @@ def test_presets_match_published_sizes():
 
 
 def test_32_gpu_skewed_run_reports_speedup_and_fraction_of_ideal():
-    result = simulate("v100-4x8", "gpt-moe-s", "W1", steps=4)
+    result = simulate("v100-4x8", "gpt-moe-s", "W1", SimSettings(steps=4))
     r = result.systems
     assert set(r) == set(SYSTEMS)
     assert r["ep"].speedup_vs_ep == 1.0
@@ -45,11 +46,11 @@ def test_32_gpu_skewed_run_reports_speedup_and_fraction_of_ideal():
 
 def test_hecate_without_budget_is_expert_parallelism():
     """Budget 0: the scheduler returns the sharded placement, so Hecate and EP simulate identically."""
-    result = simulate("a100-4x8", "bert-moe", "W2", systems=["ep", "hecate"], steps=3, materialize_budget_mb=0.0,
-                      charge_planning=False)
+    result = simulate("a100-4x8", "bert-moe", "W2", SimSettings(steps=3, materialize_budget_mb=0.0,
+                                                                charge_planning=False), systems=["ep", "hecate"])
     assert result.systems["hecate"].replicas_per_layer == 0
     assert result.systems["hecate"].step_times_s == result.systems["ep"].step_times_s
-    balanced = simulate("a100-4x8", "bert-moe", "W0", systems=["ep", "hecate"], steps=3)
+    balanced = simulate("a100-4x8", "bert-moe", "W0", SimSettings(steps=3), systems=["ep", "hecate"])
     assert balanced.systems["hecate"].replicas_per_layer == 0      # balanced routing: nothing worth replicating
 
 
@@ -58,10 +59,8 @@ def test_calibration_reacts_to_bursts():
     so does the simulator (the extra gather on the critical path)."""
     from ds_hecate.config import HecateConfig
 
-    plain = simulate("v100-4x8", "gpt-moe-s", "W7", systems=["ep", "hecate"], steps=12,
-                     hecate=HecateConfig(enabled=True, calibration=False, materialize_budget_mb=3276.8))
-    calibrated = simulate("v100-4x8", "gpt-moe-s", "W7", systems=["ep", "hecate"], steps=12,
-                          hecate=HecateConfig(enabled=True, calibration=True, materialize_budget_mb=3276.8))
+    plain, calibrated = (simulate("v100-4x8", "gpt-moe-s", "W7", SimSettings(steps=12, hecate=HecateConfig(
+        enabled=True, calibration=on, materialize_budget_mb=3276.8)), systems=["ep", "hecate"]) for on in (False, True))
     assert calibrated.systems["hecate"].step_time_s < plain.systems["hecate"].step_time_s
     assert calibrated.systems["hecate"].imbalance < plain.systems["hecate"].imbalance
 
@@ -71,8 +70,8 @@ def test_calibrated_two_rank_prediction_by_hand():
     measured = {"compute_s_per_pair": 2e-5, "link_gbps": 1.0, "non_moe_time_s": 3e-3}
     cluster = Cluster.from_measured(measured, world_size=2)
     tokens = 512
-    result = simulate(cluster, TINY, "W0", systems=["ep", "ideal"], steps=2, tokens_per_rank=tokens,
-                      precision="fp32")
+    result = simulate(cluster, TINY, "W0", SimSettings(steps=2, tokens_per_rank=tokens, precision="fp32"),
+                      systems=["ep", "ideal"])
     pairs = tokens * TINY.top_k                         # per rank: W0 spreads them over 4 experts, 2 per owner
     compute = pairs * 2e-5                              # each owner processes half of both ranks' pairs
     rows_out = pairs / 2                                # half of a rank's pairs go to the other rank
@@ -108,9 +107,9 @@ def test_trace_replay_and_cli(tmp_path):
     data = json.loads(out.read_text())
     assert data["world_size"] == 2 and set(data["systems"]) == set(SYSTEMS)
     with pytest.raises(HecateError, match="recorded on 2 ranks"):
-        simulate("cpu-2", TINY, str(trace), world_size=1, steps=2)
+        simulate("cpu-2", TINY, str(trace), SimSettings(world_size=1, steps=2))
     with pytest.raises(HecateError, match="unknown system"):
-        simulate("cpu-2", TINY, "W0", systems=["zero3"], steps=2)
+        simulate("cpu-2", TINY, "W0", SimSettings(steps=2), systems=["zero3"])
 
 
 def test_dispatch_flows_follow_the_dispatch_rule():
@@ -161,13 +160,14 @@ def test_a_domain_larger_than_the_experts_and_ring_what_if():
     """64 ranks, 8 experts, one Hecate domain of all 64 ranks (``ep_size=64``, the layout before groups): Hecate
     starts from the expert-data-parallel layout when its budget allows (else says so), and its owner-sends
     SparseAllGather costs more exposed time than the ring-broadcast what-if."""
-    kw = dict(systems=["hecate"], steps=3, world_size=64, ep_size=64)
-    p2p = simulate("h100-128x8", "mixtral-8x7b", "W0", materialize_budget_mb=16384.0, **kw)
-    ring = simulate("h100-128x8", "mixtral-8x7b", "W0", materialize_budget_mb=16384.0, spag="ring", **kw)
+    base = SimSettings(steps=3, world_size=64, ep_size=64, materialize_budget_mb=16384.0)
+    p2p = simulate("h100-128x8", "mixtral-8x7b", "W0", base, systems=["hecate"])
+    ring = simulate("h100-128x8", "mixtral-8x7b", "W0", replace(base, spag="ring"), systems=["hecate"])
     assert p2p.systems["hecate"].replicas_per_layer == 64 - 8            # one expert per non-owner rank
     assert ring.systems["hecate"].breakdown_s["exposed_comm"] < p2p.systems["hecate"].breakdown_s["exposed_comm"]
     assert not p2p.notes
-    starved = simulate("h100-128x8", "mixtral-8x7b", "W0", materialize_budget_mb=100.0, **kw)
+    starved = simulate("h100-128x8", "mixtral-8x7b", "W0", replace(base, materialize_budget_mb=100.0),
+                       systems=["hecate"])
     assert any("replica budget (0 per layer per rank)" in n for n in starved.notes)
     assert starved.systems["hecate"].imbalance == pytest.approx(8.0)    # only the 8 owners compute
 
@@ -178,11 +178,11 @@ def test_a_calibrated_step_does_not_leak_its_exposed_gather_into_later_steps():
     sliced search prefetches the calibrated placement meanwhile, by design, test_sliced_search)."""
     from ds_hecate.config import HecateConfig
 
-    runs = {on: simulate("v100-4x8", "gpt-moe-s", "W1", systems=["hecate"], steps=5,
-                         hecate=HecateConfig(enabled=True, calibration=on, materialize_budget_mb=3276.8,
-                                             search_slice_us=0,
-                                             plan_budget_us=1e9),   # not cut short by the default budget
-                         charge_planning=False)
+    runs = {on: simulate("v100-4x8", "gpt-moe-s", "W1",
+                         SimSettings(steps=5, charge_planning=False, hecate=HecateConfig(
+                             enabled=True, calibration=on, materialize_budget_mb=3276.8, search_slice_us=0,
+                             plan_budget_us=1e9)),   # not cut short by the default budget
+                         systems=["hecate"])
             for on in (True, False)}
     with_cal, without = runs[True].systems["hecate"].step_times_s, runs[False].systems["hecate"].step_times_s
     assert with_cal[1:] == without[1:]
@@ -192,9 +192,9 @@ def test_a_calibrated_step_does_not_leak_its_exposed_gather_into_later_steps():
 def test_host_planning_is_charged_to_hecate_only():
     """The simulator times the runtime's own planning (critical path and exposed search) and adds it to Hecate's
     step; without the charge the figures are what they were, and the difference is the reported host time."""
-    kw = dict(systems=["ep", "hecate"], steps=4, materialize_budget_mb=0.0)
-    off = simulate("a100-4x8", "bert-moe", "W2", charge_planning=False, **kw)
-    on = simulate("a100-4x8", "bert-moe", "W2", **kw)
+    base = SimSettings(steps=4, materialize_budget_mb=0.0)
+    off = simulate("a100-4x8", "bert-moe", "W2", replace(base, charge_planning=False), systems=["ep", "hecate"])
+    on = simulate("a100-4x8", "bert-moe", "W2", base, systems=["ep", "hecate"])
     planning = on.systems["hecate"].breakdown_s["host_planning"]
     assert planning > 0 and off.systems["hecate"].breakdown_s["host_planning"] == 0
     assert on.systems["ep"].step_times_s == off.systems["ep"].step_times_s
@@ -212,16 +212,17 @@ def test_planning_charge_does_not_move_with_the_machines_load():
     import os
     import time
 
-    kw = dict(systems=["hecate"], steps=12, force_balanced=False)
-    idle = simulate("a100-4x8", "gpt-moe-s", "W6", **kw)
-    idle_thread = simulate("a100-4x8", "gpt-moe-s", "W6", planning_clock="thread", **kw)
+    work, thread = SimSettings(steps=12, force_balanced=False), SimSettings(steps=12, force_balanced=False,
+                                                                          planning_clock="thread")
+    idle = simulate("a100-4x8", "gpt-moe-s", "W6", work, systems=["hecate"])
+    idle_thread = simulate("a100-4x8", "gpt-moe-s", "W6", thread, systems=["hecate"])
     burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(max(2, os.cpu_count() or 2))]
     try:
         time.sleep(0.3)   # the burners are running
         started = time.perf_counter(), time.process_time()
-        busy = simulate("a100-4x8", "gpt-moe-s", "W6", **kw)
+        busy = simulate("a100-4x8", "gpt-moe-s", "W6", work, systems=["hecate"])
         wall, cpu = time.perf_counter() - started[0], time.process_time() - started[1]
-        busy_thread = simulate("a100-4x8", "gpt-moe-s", "W6", planning_clock="thread", **kw)
+        busy_thread = simulate("a100-4x8", "gpt-moe-s", "W6", thread, systems=["hecate"])
     finally:
         for b in burners:
             b.kill()
@@ -246,7 +247,7 @@ def test_work_clock_counts_what_the_planner_did():
     """The work clock charges the pieces the call ran: a call whose prediction held pays the per-call part alone;
     a burst the shadow move takes pays the per-call part, the imbalance estimate, the shadow move's two estimates
     and the new placement's dispatch tables."""
-    from ds_hecate.planning.call_work import CALL_WORK
+    from ds_hecate.planning.search.call_work import CALL_WORK
     from ds_hecate.sim import systems as sim_systems
 
     calls = []
@@ -259,7 +260,7 @@ def test_work_clock_counts_what_the_planner_did():
 
     import unittest.mock as mock
     with mock.patch.object(sim_systems.LayerPlanner, "plan_call", spy):
-        simulate("a100-4x8", "gpt-moe-s", "W7", systems=["hecate"], steps=12, force_balanced=False)
+        simulate("a100-4x8", "gpt-moe-s", "W7", SimSettings(steps=12, force_balanced=False), systems=["hecate"])
     world, experts = 32, 64
     base = CALL_WORK.call_cost_us(world, experts)
     burst = (base + CALL_WORK.score_cost_us(world, experts) + 2 * CALL_WORK.estimate_cost_us(world, experts)
@@ -287,12 +288,12 @@ def _hot_group(world: int, steps: int, hot: bool) -> list:
 
 
 def test_default_group_size_is_the_runtime_rule():
-    result = simulate("h100-128x8", EIGHT, "W0", systems=["ep", "hecate"], steps=2, world_size=32)
+    result = simulate("h100-128x8", EIGHT, "W0", SimSettings(steps=2, world_size=32), systems=["ep", "hecate"])
     assert (result.ep_size, result.edp_size) == (8, 4)        # 32 ranks > 8 experts: one node per group
-    assert simulate("v100-4x8", "gpt-moe-s", "W0", systems=["ep"], steps=2).ep_size == 32   # 32 <= 64: the world
+    assert simulate("v100-4x8", "gpt-moe-s", "W0", SimSettings(steps=2), systems=["ep"]).ep_size == 32   # the world
     twelve = ModelShape(**{**vars(EIGHT), "num_experts": 12})
     with pytest.raises(HecateError, match="groups of 12 ranks do not align with nodes of 8"):
-        simulate("h100-128x8", twelve, "W0", systems=["ep"], steps=2, world_size=24, ep_size=12)
+        simulate("h100-128x8", twelve, "W0", SimSettings(steps=2, world_size=24, ep_size=12), systems=["ep"])
 
 
 @pytest.mark.parametrize("system", ["ep", "hecate"])
@@ -305,9 +306,11 @@ def test_groups_run_like_one_group_plus_the_edp_reduction(system):
     steps = 4
     one = _hot_group(8, steps, hot=True)
     two = [[np.concatenate([c, c]) for c in layers] for layers in one]
-    kw = dict(systems=[system], steps=steps, charge_planning=False, force_balanced=False)
-    alone = simulate("h100-128x8", EIGHT, "W1", world_size=8, counts=one, **kw).systems[system]
-    paired = simulate("h100-128x8", EIGHT, "W1", world_size=16, ep_size=8, counts=two, **kw).systems[system]
+    base = SimSettings(steps=steps, charge_planning=False, force_balanced=False)
+    alone = simulate("h100-128x8", EIGHT, "W1", replace(base, world_size=8), systems=[system],
+                     counts=one).systems[system]
+    paired = simulate("h100-128x8", EIGHT, "W1", replace(base, world_size=16, ep_size=8), systems=[system],
+                      counts=two).systems[system]
     cluster = CLUSTERS["h100-128x8"]
     grad_b = 2   # DeepSpeed's bf16 gradients; Hecate's fp32 accumulators, sent in bf16 (reduce_dtype auto)
     moved = 0.5 * EIGHT.expert_params * (grad_b + 2)
@@ -324,9 +327,11 @@ def test_each_group_is_planned_on_its_own_counts():
     steps = 4
     hot, cold = _hot_group(8, steps, hot=True), _hot_group(8, steps, hot=False)
     mixed = [[np.concatenate([c, h]) for c, h in zip(cl, hl)] for cl, hl in zip(cold, hot)]
-    kw = dict(systems=["hecate"], steps=steps, charge_planning=False, force_balanced=False)
-    both = simulate("h100-128x8", EIGHT, "W1", world_size=16, ep_size=8, counts=mixed, **kw).systems["hecate"]
-    alone = simulate("h100-128x8", EIGHT, "W1", world_size=8, counts=hot, **kw).systems["hecate"]
+    base = SimSettings(steps=steps, charge_planning=False, force_balanced=False)
+    both = simulate("h100-128x8", EIGHT, "W1", replace(base, world_size=16, ep_size=8), systems=["hecate"],
+                    counts=mixed).systems["hecate"]
+    alone = simulate("h100-128x8", EIGHT, "W1", replace(base, world_size=8), systems=["hecate"],
+                     counts=hot).systems["hecate"]
     assert alone.replicas_per_layer > 0
     assert both.replicas_per_layer == pytest.approx(alone.replicas_per_layer)   # none in the balanced group
     edp = both.breakdown_s["edp_reduce"]
@@ -340,11 +345,11 @@ def test_edp_partitioned_memory():
     ZeRO-0: every peer holds the whole expert state."""
     from ds_hecate.sim.model_state import dense_state_bytes
 
-    kw = dict(systems=["ep", "hecate"], steps=2, world_size=32, materialize_budget_mb=0.0, force_balanced=False)
+    kw = dict(steps=2, world_size=32, materialize_budget_mb=0.0, force_balanced=False)
     numel, layers = EIGHT.expert_params, EIGHT.moe_layers     # one expert per rank and layer
     for stage, ep_per_param, hc_per_param, transient in ((1, 2 + 2 + 12 / 4, 2 + 4 / 4 + 12 / 4, 2 * numel * 4),
                                                          (0, 16, 16, 0)):
-        r = simulate("h100-128x8", EIGHT, "W0", zero_stage=stage, **kw).systems
+        r = simulate("h100-128x8", EIGHT, "W0", SimSettings(zero_stage=stage, **kw), systems=["ep", "hecate"]).systems
         dense = sum(dense_state_bytes(EIGHT.dense_params, 32, stage, "bf16", 8))
         assert r["ep"].peak_memory_bytes == pytest.approx(dense + layers * numel * ep_per_param, abs=64)
         assert r["hecate"].peak_memory_bytes == pytest.approx(dense + layers * numel * hc_per_param + transient,

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from benchmarks import simulated as gen
-from ds_hecate.sim.core import simulate
+from ds_hecate.sim import SimSettings, simulate
 
 TINY = ["--clusters", "v100-4x8", "--models", "gpt-moe-s", "--workloads", "W1", "W3", "--steps", "4", "--no-large",
         "--no-planning-charge"]   # measured host planning time differs run to run; exact comparisons leave it out
@@ -34,7 +34,7 @@ def test_replaces_only_the_block_and_matches_simulate(tmp_path):
     data = json.loads(out_json.read_text())
     assert data["steps"] == 4 and not data["large"]
     for row, rec in zip(rows, data["grid"]):
-        ref = simulate("v100-4x8", "gpt-moe-s", row[2], steps=4, charge_planning=False)   # the CLI's call
+        ref = simulate("v100-4x8", "gpt-moe-s", row[2], SimSettings(steps=4, charge_planning=False))   # the CLI's call
         ep, hc, rm = ref.systems["ep"], ref.systems["hecate"], ref.systems["hecate-rm"]
         assert row[3] == f"{ep.step_time_s * 1e3:.0f}" and row[4] == f"{hc.step_time_s * 1e3:.0f}"
         assert row[5] == f"{hc.speedup_vs_ep:.2f}x" and row[6] == f"{rm.speedup_vs_ep:.2f}x"
@@ -44,7 +44,8 @@ def test_replaces_only_the_block_and_matches_simulate(tmp_path):
         assert row[7] == f"{best} {ref.systems[best].speedup_vs_ep:.2f}x"
         assert rec["systems"]["hecate"]["step_time_s"] == pytest.approx(hc.step_time_s, rel=1e-12)
     # computed reading lines, from the same numbers
-    w1 = simulate("v100-4x8", "gpt-moe-s", "W1", steps=4, charge_planning=False).systems["hecate"].speedup_vs_ep
+    w1 = simulate("v100-4x8", "gpt-moe-s", "W1", SimSettings(steps=4, charge_planning=False))
+    w1 = w1.systems["hecate"].speedup_vs_ep
     assert f"Hecate is {w1:.2f}x faster than EP overall" in text
 
 
@@ -54,8 +55,8 @@ def test_large_cases_table_and_wall_time(tmp_path):
     text = gen.markdown_section(results)
     assert "ds-hecate simulate --cluster v100-4x8 --model gpt-moe-s --workload W1 --systems ep hecate ideal " \
            "--materialize-budget-mb 2048 --steps 4" in text
-    ref = simulate("v100-4x8", "gpt-moe-s", "W1", systems=["ep", "hecate", "ideal"], steps=4,
-                   materialize_budget_mb=2048, charge_planning=False)
+    ref = simulate("v100-4x8", "gpt-moe-s", "W1", SimSettings(steps=4, materialize_budget_mb=2048,
+                                                              charge_planning=False), systems=["ep", "hecate", "ideal"])
     rows = {r[1]: r for r in _rows(text, "W1, 2 GiB budget")}
     assert set(rows) == {"ep", "hecate", "ideal"}
     for name, row in rows.items():
@@ -74,8 +75,8 @@ def test_large_case_with_a_group_size(tmp_path):
     text = gen.markdown_section(results)
     assert "ds-hecate simulate --cluster h100-128x8 --model mixtral-8x7b --workload W2 --systems ep hecate ideal " \
            "--ep-size 8 --steps 3" in text
-    ref = simulate("h100-128x8", "mixtral-8x7b", "W2", systems=["ep", "hecate", "ideal"], steps=3, ep_size=8,
-                   charge_planning=False)
+    ref = simulate("h100-128x8", "mixtral-8x7b", "W2", SimSettings(steps=3, ep_size=8, charge_planning=False),
+                   systems=["ep", "hecate", "ideal"])
     rows = {r[1]: r for r in _rows(text, "W2, ep_size 8")}
     for name in ("ep", "hecate"):
         assert rows[name][2] == f"{ref.systems[name].step_time_s * 1e3:.0f}"
@@ -124,26 +125,25 @@ def test_token_price_reaches_hecates_planner_only():
     baselines' planners and the time model do not; a price outside [0, 1] is refused by name."""
     from ds_hecate.sim.core import _context
     from ds_hecate.config import HecateConfig
-    from ds_hecate.sim.model_state import ADAM
     from ds_hecate.sim.presets import resolve_cluster, resolve_model
 
     cl, mdl = resolve_cluster("a100-4x8"), resolve_model("bert-moe")
-    ctx = _context(cl, mdl, mdl.tokens_per_rank, HecateConfig(enabled=True), 1, "bf16", ADAM, "p2p", None, True,
-                   cl.world_size, "work", 0.25)
+    ctx = _context(cl, mdl, mdl.tokens_per_rank, HecateConfig(enabled=True), SimSettings(planner_token_price=0.25),
+                   cl.world_size)
     whole, seen = ctx.step_costs(cl.world_size), ctx.hecate_step_costs(cl.world_size)
     assert seen.token_transfer_s == pytest.approx(0.25 * whole.token_transfer_s) and whole.token_transfer_s > 0
     assert seen.token_transfer_inter_s == pytest.approx(0.25 * whole.token_transfer_inter_s)
     assert seen.expert_transfer_s == whole.expert_transfer_s and seen.compute_s_per_pair == whole.compute_s_per_pair
     with pytest.raises(Exception, match="planner_token_price"):
-        simulate("a100-4x8", "bert-moe", "W4", systems=["ep"], steps=2, planner_token_price=1.5)
+        simulate("a100-4x8", "bert-moe", "W4", SimSettings(steps=2, planner_token_price=1.5), systems=["ep"])
 
 
 def test_balancing_w4_compute_costs_step_time():
     """docs/simulator.md's W4 claim: the scheduler leaves W4's expert compute unbalanced because balancing it is
     slower. With token traffic unpriced the planner balances it (imbalance at most 1.15) and the step is slower than
     with the runtime's model; the baselines do not move."""
-    cells = {p: simulate("a100-4x8", "bert-moe", "W4", systems=["ep", "fastermoe", "hecate"], steps=30,
-                         planner_token_price=p, force_balanced=False) for p in (1.0, 0.0)}
+    cells = {p: simulate("a100-4x8", "bert-moe", "W4", SimSettings(steps=30, planner_token_price=p, force_balanced=False),
+                         systems=["ep", "fastermoe", "hecate"]) for p in (1.0, 0.0)}
     own, balanced = cells[1.0].systems, cells[0.0].systems
     assert own["hecate"].imbalance > 1.15 >= balanced["hecate"].imbalance
     assert balanced["hecate"].step_time_s > own["hecate"].step_time_s

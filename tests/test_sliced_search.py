@@ -1,4 +1,4 @@
-"""The search spread over layer calls (planning/sliced_search.py, ScheduleReuse.schedule's ``slice_us``): the same
+"""The search spread over layer calls (planning/search/sliced.py, ScheduleReuse.schedule's ``slice_us``): the same
 placement as the whole search in the end, interim placements within the budget meanwhile, the remembered
 calibration prefetched where it is estimated faster, dropped when the prediction moves, resumed exactly from a
 checkpoint; and ``hecate.search_slice_us`` resolved as documented."""
@@ -11,8 +11,8 @@ from ds_hecate.config import HecateConfig
 from ds_hecate.planning.cost_model import StepCostModel, estimate_layer
 from ds_hecate.planning.layer_planner import search_slice
 from ds_hecate.planning.plan import holders_matrix, owned_experts
-from ds_hecate.planning.schedule_reuse import ScheduleReuse
-from ds_hecate.planning.scheduler import SEARCH_WORK, schedule_materialization
+from ds_hecate.planning.search.reuse import ScheduleReuse
+from ds_hecate.planning.search import SEARCH_WORK, SearchSettings, schedule_materialization
 from ds_hecate.planning.sharding import even_sharding
 
 WORLD, EXPERTS, RPN, BUDGET = 16, 32, 4, 3
@@ -37,13 +37,14 @@ def _replicas(placement) -> np.ndarray:
 
 
 def _calls(schedule: ScheduleReuse, loads: np.ndarray, calls: int, slice_us=ONE_STEP):
-    return [schedule.schedule(loads, OWNERS, COSTS, BUDGET, RPN, budget_us=SEARCH_BUDGET, slice_us=slice_us)
+    return [schedule.schedule(loads, OWNERS, SearchSettings(COSTS, BUDGET, RPN, budget_us=SEARCH_BUDGET),
+                              slice_us=slice_us)
             for _ in range(calls)]
 
 
 def test_a_sliced_search_ends_where_the_whole_search_does():
     loads = _skewed()
-    whole = schedule_materialization(loads, OWNERS, COSTS, BUDGET, RPN, budget_us=SEARCH_BUDGET)
+    whole = schedule_materialization(loads, OWNERS, SearchSettings(COSTS, BUDGET, RPN, budget_us=SEARCH_BUDGET))
     schedule = ScheduleReuse(0.05)
     placed, in_progress = [], []
     for _ in range(40):
@@ -64,7 +65,7 @@ def test_a_sliced_search_ends_where_the_whole_search_does():
 
 def test_without_a_slice_the_search_ends_in_one_call():
     loads = _skewed()
-    whole = schedule_materialization(loads, OWNERS, COSTS, BUDGET, RPN, budget_us=SEARCH_BUDGET)
+    whole = schedule_materialization(loads, OWNERS, SearchSettings(COSTS, BUDGET, RPN, budget_us=SEARCH_BUDGET))
     schedule = ScheduleReuse(0.05)
     assert _calls(schedule, loads, 1, slice_us=None) == [whole] and schedule.pending is None
 
@@ -75,7 +76,7 @@ def test_a_moved_prediction_drops_the_search_in_progress():
     assert schedule.pending is not None
     moved = np.roll(_skewed(), 7, axis=1)
     placed = _calls(schedule, moved, 60)
-    whole = schedule_materialization(moved, OWNERS, COSTS, BUDGET, RPN, budget_us=SEARCH_BUDGET)
+    whole = schedule_materialization(moved, OWNERS, SearchSettings(COSTS, BUDGET, RPN, budget_us=SEARCH_BUDGET))
     assert placed[-1] == whole and schedule.searches == 2
 
 
@@ -83,7 +84,7 @@ def test_the_search_starts_from_the_remembered_calibration():
     """A search for routing calibration placed for starts from that placement: it is what every call prefetches
     (the search finds nothing better here), and the search ends calls sooner than one from the start layout."""
     loads = _skewed()
-    whole = schedule_materialization(loads, OWNERS, COSTS, BUDGET, RPN, budget_us=SEARCH_BUDGET)
+    whole = schedule_materialization(loads, OWNERS, SearchSettings(COSTS, BUDGET, RPN, budget_us=SEARCH_BUDGET))
     schedule = ScheduleReuse(0.05)
     schedule.remember_calibration(whole, loads, OWNERS)     # as if calibration had placed this for the routing
     placed, calls = [], 0
@@ -106,7 +107,7 @@ def test_the_search_starts_from_the_remembered_calibration():
     assert other.pending.begun_from is None
     tight = ScheduleReuse(0.05)
     tight.remember_calibration(whole, loads, OWNERS)
-    tight.schedule(loads, OWNERS, COSTS, int(_replicas(whole).max()) - 1, RPN, budget_us=SEARCH_BUDGET,
+    tight.schedule(loads, OWNERS, SearchSettings(COSTS, int(_replicas(whole).max()) - 1, RPN, budget_us=SEARCH_BUDGET),
                    slice_us=ONE_STEP)
     assert tight.pending.begun_from is None
 
@@ -123,7 +124,7 @@ def test_a_checkpoint_resumes_the_search_in_progress_exactly(first_calls):
     assert ScheduleReuse.state_fits(state, WORLD, EXPERTS)
     assert not ScheduleReuse.state_fits(dict(state, pending=dict(state["pending"], taken=-1)), WORLD, EXPERTS)
     resumed = ScheduleReuse(0.05)
-    resumed.load_state_dict(state, COSTS, BUDGET, RPN, budget_us=SEARCH_BUDGET)
+    resumed.load_state_dict(state, SearchSettings(COSTS, BUDGET, RPN, budget_us=SEARCH_BUDGET))
     assert resumed.pending.taken == original.pending.taken
     assert _calls(resumed, loads, 30) == _calls(original, loads, 30)
 
@@ -148,7 +149,7 @@ def test_beyond_its_slice_a_search_goes_on_while_a_step_pays_on_this_call():
     taken = {}
     for name, costs in (("fast", fast), ("slow", COSTS)):
         schedule = ScheduleReuse(0.05)
-        schedule.schedule(loads, OWNERS, costs, BUDGET, RPN, budget_us=SEARCH_BUDGET, slice_us=ONE_STEP)
+        schedule.schedule(loads, OWNERS, SearchSettings(costs, BUDGET, RPN, budget_us=SEARCH_BUDGET), slice_us=ONE_STEP)
         taken[name] = schedule.pending.taken if schedule.pending is not None else None
     assert taken["fast"] == 1, taken
     assert taken["slow"] is None or taken["slow"] > 1, taken

@@ -20,7 +20,7 @@ def test_build_runtime_takes_the_device_of_the_local_rank(monkeypatch):
     import deepspeed.accelerator
     import torch.distributed as dist
 
-    import ds_hecate.comm.gpu
+    import ds_hecate.comm.backend
     from ds_hecate.config import parse_hecate_section
     from ds_hecate.deepspeed_glue.initialize import build_runtime
 
@@ -47,7 +47,7 @@ def test_build_runtime_takes_the_device_of_the_local_rank(monkeypatch):
     monkeypatch.setattr(dist, "get_rank", lambda *a: 1)
     monkeypatch.setattr(dist, "get_world_size", lambda *a: 2)
     monkeypatch.setattr(dist, "new_group", lambda *a, **k: None)
-    monkeypatch.setattr(ds_hecate.comm.gpu, "build_communicator", capture)
+    monkeypatch.setattr(ds_hecate.comm.backend, "build_communicator", capture)
     with pytest.raises(KeyboardInterrupt):
         build_runtime(parse_hecate_section({"enabled": True}), {})
     assert seen["device"] == torch.device("cuda", 1)
@@ -269,6 +269,7 @@ def test_cupy_build_communicator_gives_weights_their_own_nccl_communicator_and_s
     import sys
     import types
 
+    import ds_hecate.comm.backend as choice
     import ds_hecate.comm.gpu.backend as backend
     import ds_hecate.comm.gpu.nccl_comm as nccl_comm
     fakes = _fakes()
@@ -281,14 +282,14 @@ def test_cupy_build_communicator_gives_weights_their_own_nccl_communicator_and_s
     def communicator(self):
         groups.append(self.group)
         return fakes.LoopbackComm()
-    monkeypatch.setattr(backend, "agree_backend", lambda *a: ("cupy", None))
+    monkeypatch.setattr(choice, "agree_backend", lambda *a: ("cupy", None))
     monkeypatch.setattr(backend, "cupy_status", lambda: (True, "cupy (stand-in)"))
     monkeypatch.setattr(backend, "kernels_status", lambda index: (True, "cupy (stand-in)"))   # never cached
     monkeypatch.setattr(nccl_comm, "CudaStreams", lambda device: fakes.ImmediateStreams())
     monkeypatch.setattr(nccl_comm.CupyTransport, "_nccl_communicator", communicator)
     tokens_group, weights_group = object(), object()
-    comm = backend.build_communicator("cupy", tokens_group, 0, 1, torch.device("cuda", 0), timeout_s=9,
-                                      weight_group=weights_group)
+    comm = choice.build_communicator("cupy", tokens_group, 0, 1, torch.device("cuda", 0), timeout_s=9,
+                                     weight_group=weights_group)
     assert comm.separate_weight_traffic and groups == [tokens_group, weights_group]
     assert comm.transport.comm is not comm.weights.comm and comm.transport.streams is not comm.weights.streams
     assert comm.transport.watchdog is not comm.weights.watchdog and comm.weights.timeout_s == 9
@@ -298,14 +299,15 @@ def test_cupy_build_communicator_gives_weights_their_own_nccl_communicator_and_s
 def _agree(rank, world, requested):
     import torch.distributed as dist
 
+    import ds_hecate.comm.backend as choice
     import ds_hecate.comm.gpu.backend as backend
     from ds_hecate.errors import HecateConfigError
     dist.init_process_group("gloo", rank=rank, world_size=world)
     # rank 0 could use CuPy, rank 1 cannot (e.g. libnccl missing on that node)
     backend.cupy_status = lambda: (True, "ok") if rank == 0 else (False, "cupy cannot load NCCL on this node")
-    backend.CUPY_VERIFIED = True   # as after a green GPU check: 'auto' would consider CuPy
+    choice.CUPY_VERIFIED = True   # as after a green GPU check: 'auto' would consider CuPy
     try:
-        comm = backend.build_communicator(requested, dist.group.WORLD, rank, world, torch.device("cuda", rank))
+        comm = choice.build_communicator(requested, dist.group.WORLD, rank, world, torch.device("cuda", rank))
         return ("ok", type(comm.transport).__name__ if hasattr(comm, "transport") else type(comm).__name__)
     except HecateConfigError as exc:
         return ("refused", str(exc))
@@ -327,14 +329,15 @@ def test_auto_falls_back_on_every_rank_when_one_rank_cannot_use_cupy():
 def _agree_kernels(rank, world, requested):
     import torch.distributed as dist
 
+    import ds_hecate.comm.backend as choice
     import ds_hecate.comm.gpu.backend as backend
     from ds_hecate.errors import HecateConfigError
     dist.init_process_group("gloo", rank=rank, world_size=world)
     # rank 0 compiles the kernels, rank 1 cannot (e.g. no NVRTC on that node)
     backend.kernels_status = lambda index: (True, "ok") if rank == 0 else (False, "the CUDA kernels did not compile")
     try:
-        comm = backend.build_communicator("torch", dist.group.WORLD, rank, world, torch.device("cuda", rank),
-                                          device_kernels=requested)
+        comm = choice.build_communicator("torch", dist.group.WORLD, rank, world, torch.device("cuda", rank),
+                                         device_kernels=requested)
         return ("ok", type(comm.transport.device_ops).__name__)
     except HecateConfigError as exc:
         return ("refused", str(exc))
@@ -355,7 +358,7 @@ def test_cuda_kernels_refused_on_every_rank_when_one_rank_cannot_run_them():
 def test_auto_uses_torch_distributed_on_cuda_until_a_gpu_check_passed(monkeypatch):
     import ds_hecate.comm.gpu.backend as backend
     monkeypatch.setattr(backend, "cupy_status", lambda: (True, "cupy 13, 1 GPU(s), NCCL available"))
-    from ds_hecate.comm.gpu import build_communicator
+    from ds_hecate.comm.backend import build_communicator
     comm = build_communicator("auto", None, 0, 1, torch.device("cuda", 0))
     assert type(getattr(comm, "transport", comm)).__name__ == "TorchTransport"
 

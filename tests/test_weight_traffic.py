@@ -97,7 +97,7 @@ def _completion_times(rank: int, world: int, separate: bool) -> dict:
 
     import ds_hecate
     from ds_hecate.comm.collectives import Communicator
-    from ds_hecate.comm.gpu import build_communicator
+    from ds_hecate.comm.backend import build_communicator
     from ds_hecate.config import parse_hecate_section
     from ds_hecate.deepspeed_glue.convert import convert_model
     from ds_hecate.runtime.hecate import HecateRuntime

@@ -25,7 +25,7 @@ def _communicator(transport: str, device, kernels: str = "auto"):
     """A 1-rank Communicator over ``transport`` ("torch", "cupy", or "cupy-fake": the CuPy transport over fakes),
     its device work on ``kernels`` (``hecate.device_kernels``)."""
     from ds_hecate.comm.collectives import Communicator
-    from ds_hecate.comm.gpu import build_communicator
+    from ds_hecate.comm.backend import build_communicator
     if transport == "cupy-fake":
         from .fakes import loopback_transport
         return Communicator(None, 0, 1, transport=loopback_transport(device, timeout_s=60))

@@ -17,7 +17,7 @@ the same :class:`~ds_hecate.planning.fanout.RelayPlan`, so every rank issues the
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
@@ -26,9 +26,28 @@ from ..planning.fanout import RelayPlan, chunk_bounds
 from .buffers import (Accumulator, CommCounters, GatheredExperts, PendingGather, _itemsize, _source_major,
                       owned_experts_of)
 from .device import to_device
+from .transport import Transport
 
-if TYPE_CHECKING:
-    from .collectives import Communicator
+
+class Communicator(Protocol):
+    """What the relayed collectives use of the :class:`~ds_hecate.comm.collectives.Communicator` that calls them:
+    its rank and device, its weight transport, and three of its primitives. Declared here, not imported, so that
+    the names go one way (collectives.py imports this module, never the reverse)."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    weights: Transport
+
+    def exchange_rows(self, send: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int], numel: int,
+                      async_op: bool, collective: str,
+                      out: Optional[torch.Tensor] = None) -> Callable[[], torch.Tensor]: ...
+
+    def pack(self, srcs: Sequence[torch.Tensor], numel: int, dtype: torch.dtype,
+             out: Optional[torch.Tensor] = None) -> torch.Tensor: ...
+
+    def gather_block(self, own: List[int], received: List[int], numel: int, dtype: torch.dtype, spare_rows: int,
+                     into: Optional[GatheredExperts]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]: ...
 
 
 def relayed_all_gather(comm: "Communicator", placement: Placement, owned: Dict[int, torch.Tensor], numel: int,

@@ -170,7 +170,7 @@ def build_runtime(hcfg: HecateConfig, ds_config: Dict[str, Any], model: Optional
     from deepspeed.accelerator import get_accelerator
 
     from ..comm.collectives import Communicator
-    from ..comm.gpu import build_communicator
+    from ..comm.backend import build_communicator
     from ..planning.groups import ExpertGroups, resolve_ep_size
     from ..runtime.edp import GroupLayout
     from ..runtime.hecate import HecateRuntime

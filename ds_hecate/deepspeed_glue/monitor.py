@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 from ..errors import HecateConfigError
 from ..planning.cost_model import owner_loads
-from ..tools.trace import TraceLayer, TraceWriter
+from ..trace import TraceLayer, TraceWriter
 
 from ..runtime.phases import PHASES
 

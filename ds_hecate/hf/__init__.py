@@ -3,8 +3,9 @@
 Nothing to call: with ``import ds_hecate`` in the training script and a DeepSpeed config holding an enabled
 ``hecate`` section, ``deepspeed.initialize`` (reached by the Trainer through accelerate) converts the model's
 routed experts (see :mod:`ds_hecate.hf.takeover`). This package registers the ``"hecate"`` experts
-implementation in transformers, the supported architectures (:mod:`ds_hecate.hf.registry`) and the export of a
-Hecate checkpoint to an HF checkpoint directory (:mod:`ds_hecate.hf.export`). Tested with transformers 5.10.x.
+implementation in transformers and the supported architectures (:mod:`ds_hecate.hf.registry`); the export of a
+Hecate checkpoint to an HF checkpoint directory reads the DeepSpeed glue's checkpoints, so it lives above both
+(:mod:`ds_hecate.tools.export_hf`, ``ds-hecate export-hf``). Tested with transformers 5.10.x.
 """
 from .experts import IMPLEMENTATION, hecate_experts_forward, register_experts_implementation
 from .registry import ARCHITECTURES, MoEArchitecture, architecture_of, register_architecture

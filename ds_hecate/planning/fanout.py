@@ -230,7 +230,7 @@ def relay_transfers(holders: np.ndarray, owners: np.ndarray, ranks_per_node: int
     ``1 + (D - 2) / chunks`` times (the pipeline's fill). What the scheduler and the simulator charge a
     placement's SparseAllGather (and, reversed, its SparseReduceScatter). ``exposed_levels`` False: every level
     in ``first``, as one pipelined flow issued with the collective (the optimistic pricing the scheduler's second
-    search uses, :func:`~.scheduler.schedule_materialization`). ``stream_ordered``: the runtime issues every
+    search uses, :func:`~.search.greedy.schedule_materialization`). ``stream_ordered``: the runtime issues every
     level with the collective (a CUDA transport, :meth:`~ds_hecate.comm.transport.Transport.relay_scope`), so the
     deeper levels, fill included, join the first and nothing is left for the wait."""
     total, first, depth = _trees(holders, owners, ranks_per_node, fanout, chunks, stream_ordered)

@@ -22,9 +22,9 @@ from ..errors import HecateConfigError
 EP_SIZE_KEY = "hecate.ep_size"
 
 
-def _splits_nodes(group_size: int, ranks_per_node: int) -> bool:
+def _splits_nodes(ep_size: int, ranks_per_node: int) -> bool:
     """A group splits a node unless it is a whole number of nodes or a whole fraction of one."""
-    return group_size % ranks_per_node != 0 and ranks_per_node % group_size != 0
+    return ep_size % ranks_per_node != 0 and ranks_per_node % ep_size != 0
 
 
 def _check_divides(value: int, source: str, world_size: int, num_experts: Optional[int]) -> None:

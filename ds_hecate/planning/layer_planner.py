@@ -21,16 +21,12 @@ from typing import Any, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .cost_model import CommCostModel, StepCostModel
-from .critical_path import AfterGate, plan_after_gate
 from .dispatch_plan import DispatchPlan
-from .placement import POLICIES, STEP_COST_POLICIES
+from .placement import PLACEMENT_POLICIES, POLICIES, STEP_COST_POLICIES
 from .plan import Materialized, Placement, holders_matrix, owned_experts
 from .predictor import LoadPredictor
-from .schedule_reuse import ScheduleReuse
+from .search import AfterGate, ScheduleReuse, SearchSettings, calibration_settings, plan_after_gate
 from .sharding import even_sharding
-
-#: every value of ``hecate.placement``
-PLACEMENT_POLICIES = ("hecate",) + tuple(POLICIES)
 
 
 @dataclass(frozen=True)
@@ -64,6 +60,15 @@ class PlanInputs:
     costs: StepCostModel
     replica_budget: int
     comm_cost: Optional[CommCostModel] = None
+
+    def search_settings(self, settings: "PlannerSettings") -> SearchSettings:
+        """The prediction-driven search's settings (``hecate.search_budget_us``)."""
+        return SearchSettings(self.costs, self.replica_budget, settings.ranks_per_node,
+                              budget_us=settings.search_budget_us)
+
+    def calibration_settings(self, settings: "PlannerSettings") -> SearchSettings:
+        """Calibration's settings (``hecate.plan_budget_us``, on the critical path)."""
+        return calibration_settings(self.costs, self.replica_budget, settings.ranks_per_node, settings.plan_budget_us)
 
 
 def expert_data_parallel_start(num_experts: int, world: int, replica_budget: int,
@@ -113,7 +118,7 @@ class LayerPlanner:
         self._scheduled: Optional[Placement] = None
         #: the last unscheduled prefetch (owners and start layout) with its inputs, kept for the same reason
         self._unscheduled: Optional[Tuple[Any, Placement]] = None
-        #: the last prefetch's search work (:class:`~.search_work.SearchWork` microseconds; 0 when the schedule held)
+        #: the last prefetch's search work (:class:`~.search.work.SearchWork` microseconds; 0 when the schedule held)
         self.last_search_us = 0.0
 
     @property
@@ -148,8 +153,7 @@ class LayerPlanner:
             # what is prefetched now is no schedule (calibration is told so: ``speculative`` False); the schedule
             # itself stays, so that routing back where it was after a burst reuses it without a search
             return self._unscheduled_placement(tuple(inputs.owners), start)
-        materialized = self.schedule.schedule(predicted, inputs.owners, inputs.costs, inputs.replica_budget,
-                                              s.ranks_per_node, start=start, budget_us=s.search_budget_us,
+        materialized = self.schedule.schedule(predicted, inputs.owners, inputs.search_settings(s), start=start,
                                               slice_us=search_slice(s.search_slice_us, inputs.costs))
         self.speculative = True
         self.last_search_us = self.schedule.last_work_us
@@ -186,8 +190,7 @@ class LayerPlanner:
             return AfterGate(plan, plan.for_rank(rank), None, False)
         if prefetched is None:
             raise ValueError("plan_call: the 'hecate' policy plans over the prefetched placement; pass it")
-        return plan_after_gate(counts, prefetched, self.schedule, inputs.costs,
-                               inputs.replica_budget, s.ranks_per_node, rank, s.calibration, s.plan_budget_us,
+        return plan_after_gate(counts, prefetched, self.schedule, inputs.calibration_settings(s), rank, s.calibration,
                                self.speculative, self._start_holders(inputs))
 
     def _start_holders(self, inputs: PlanInputs) -> Optional[np.ndarray]:
@@ -205,8 +208,7 @@ class LayerPlanner:
         owners the schedule was made for."""
         owners = state.get("owners", inputs.owners)
         start = expert_data_parallel_start(self.num_experts, self.world, inputs.replica_budget, owners)
-        self.schedule.load_state_dict(state, inputs.costs, inputs.replica_budget, self.settings.ranks_per_node,
-                                      budget_us=self.settings.search_budget_us, start=start)
+        self.schedule.load_state_dict(state, inputs.search_settings(self.settings), start=start)
 
     def observe(self, counts: np.ndarray) -> None:
         """Feed a forward call's counts to the load window (not recomputes: they repeat a call)."""

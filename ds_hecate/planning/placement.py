@@ -13,7 +13,7 @@ one and lives in :mod:`.layer_planner`, which runs these too):
 - ``all``: every rank materializes every expert (ZeRO-3 / FSDP style gather-all), a baseline: no token leaves its
   rank, every expert crosses the wire every iteration.
 
-``shadow`` needs the scheduler's :class:`~ds_hecate.planning.scheduler.StepCostModel` (compute speed as well as
+``shadow`` needs the scheduler's :class:`~ds_hecate.planning.search.greedy.StepCostModel` (compute speed as well as
 bandwidth) rather than the byte-only :class:`CommCostModel`; callers look this up in :data:`STEP_COST_POLICIES`.
 """
 from __future__ import annotations
@@ -130,6 +130,10 @@ POLICIES: Dict[str, PlacementPolicy] = {
 
 #: Policies that take the scheduler's StepCostModel instead of the byte-only CommCostModel.
 STEP_COST_POLICIES = frozenset({"shadow"})
+
+#: every value of ``hecate.placement``, defined here once (the config's schema reads it): the stateful default
+#: ``hecate`` (predicts and prefetches, :mod:`.layer_planner`) and the stateless policies above
+PLACEMENT_POLICIES = ("hecate",) + tuple(POLICIES)
 
 
 def plan_layer(counts: Sequence[Sequence[int]], owners: Sequence[int], policy: str,

@@ -27,7 +27,7 @@ from ..planning.cost_model import imbalance, owner_loads
 from ..planning.dispatch_plan import DispatchPlan, rank_tables
 from ..planning.fanout import RelayPlan
 from ..planning.layer_planner import LayerPlanner, PlanInputs, PlannerSettings
-from ..planning.schedule_reuse import ScheduleReuse
+from ..planning.search.reuse import ScheduleReuse
 from .phases import PHASES
 from .expert_compute import (CallGrads, ExpertRows, Materialize, MaterializeWeights, RematerializedExperts,
                              expand_segments, run_loop, run_parts, takes_grouped)

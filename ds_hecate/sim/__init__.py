@@ -10,5 +10,6 @@ the model-state accounting (``model_state``). Its model and cluster presets are 
 docs/simulator.md.
 """
 from .core import SYSTEMS, SimResult, SystemResult, format_table, simulate
+from .settings import SimSettings
 
-__all__ = ["SYSTEMS", "SimResult", "SystemResult", "format_table", "simulate"]
+__all__ = ["SYSTEMS", "SimResult", "SimSettings", "SystemResult", "format_table", "simulate"]

@@ -1,5 +1,5 @@
 """``ds-hecate simulate`` and ``ds-hecate plan``: argument parsing and printing (the work is in
-:mod:`ds_hecate.sim.core` and :mod:`ds_hecate.tools.memory_plan`; presets in :mod:`ds_hecate.sim.presets`)."""
+:mod:`ds_hecate.sim.core` and :mod:`ds_hecate.sim.memory_plan`; presets in :mod:`ds_hecate.sim.presets`)."""
 from __future__ import annotations
 
 import argparse
@@ -52,6 +52,7 @@ def _zero_and_precision(ds: Dict[str, Any]) -> Tuple[int, str]:
 def run_simulate(args: argparse.Namespace) -> int:
     from .presets import Cluster, resolve_cluster
     from .core import SYSTEMS, format_table, simulate
+    from .settings import SimSettings
 
     systems = [s for part in args.systems for s in part.split(",") if s] if args.systems else list(SYSTEMS)
     hecate, ds = _hecate_from_ds_config(args.config)
@@ -61,14 +62,14 @@ def run_simulate(args: argparse.Namespace) -> int:
         base = resolve_cluster(args.cluster)
         cluster = Cluster.from_measured(_measured(args.measured), world_size=args.world_size or base.world_size,
                                         name=f"{base.name}+measured", device_memory_gb=base.device_memory_gb)
-    result = simulate(cluster, args.model, args.workload, systems=systems, steps=args.steps,
-                      world_size=args.world_size, tokens_per_rank=args.tokens_per_rank, warmup=args.warmup,
-                      seed=args.seed, hecate=hecate if args.config else None,
-                      materialize_budget_mb=args.materialize_budget_mb,
-                      zero_stage=args.zero_stage if args.zero_stage is not None else stage,
-                      precision=args.precision or precision, spag=args.spag,
-                      charge_planning=not args.no_planning_charge, ep_size=args.ep_size,
-                      planning_clock=args.planning_clock)
+    settings = SimSettings(steps=args.steps, warmup=args.warmup, seed=args.seed, world_size=args.world_size,
+                           tokens_per_rank=args.tokens_per_rank, hecate=hecate if args.config else None,
+                           materialize_budget_mb=args.materialize_budget_mb,
+                           zero_stage=args.zero_stage if args.zero_stage is not None else stage,
+                           precision=args.precision or precision, spag=args.spag,
+                           charge_planning=not args.no_planning_charge, ep_size=args.ep_size,
+                           planning_clock=args.planning_clock)
+    result = simulate(cluster, args.model, args.workload, settings, systems=systems)
     print(format_table(result))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:
@@ -80,7 +81,7 @@ def run_simulate(args: argparse.Namespace) -> int:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from ..tools.memory_plan import format_plan, optimizer_layout_from_ds_config, plan_memory
+    from .memory_plan import format_plan, optimizer_layout_from_ds_config, plan_memory
     from .presets import resolve_cluster, resolve_model
 
     hecate, ds = _hecate_from_ds_config(args.config)

@@ -25,8 +25,8 @@ experts. Activations and dense-gradient all-reduce are left out (identical for e
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -34,15 +34,19 @@ from ..config import HecateConfig, wire_dtype
 from ..errors import HecateError
 from ..planning.balance import force_uniform_steps
 from ..planning.groups import resolve_ep_size
-from ..tools.trace import read_trace
+from ..trace import read_trace
 from .context import SimContext
-from .model_state import (ADAM, OptimizerStateLayout, dense_state_bytes, ep_expert_state_bytes, owned_expert_state,
+from .model_state import (ADAM, dense_state_bytes, ep_expert_state_bytes, owned_expert_state,
                           transient_grad_bytes)
 from .presets import Cluster, ModelShape, resolve_cluster, resolve_model
+from .settings import SimSettings
 from .systems import SYSTEMS, make_system, replica_pool
 from .workloads import WORKLOADS, routing_counts
 
-__all__ = ["ADAM", "SYSTEMS", "SimResult", "SystemResult", "format_table", "simulate"]
+__all__ = ["ADAM", "SYSTEMS", "SimResult", "SimSettings", "SystemResult", "format_table", "simulate"]
+
+#: ``simulate``'s settings when none are given: 30 steps, hecate defaults, ZeRO-1, bf16
+DEFAULT_SETTINGS = SimSettings()
 
 
 @dataclass
@@ -175,127 +179,100 @@ def _memory(system: str, ctx: SimContext, replicas_per_layer: List[Tuple[bool, n
 # entry point
 # ---------------------------------------------------------------------------------------------------------------
 def simulate(cluster: Union[str, Cluster], model: Union[str, ModelShape], workload: str,
-             systems: Sequence[str] = SYSTEMS, steps: int = 30, world_size: Optional[int] = None,
-             tokens_per_rank: Optional[int] = None, warmup: int = 1, seed: int = 0,
-             hecate: Optional[HecateConfig] = None, materialize_budget_mb: Optional[float] = None,
-             zero_stage: int = 1, precision: str = "bf16", optimizer: OptimizerStateLayout = ADAM,
-             spag: str = "p2p", counts: Optional[Sequence[Sequence[Any]]] = None,
-             planner_costs: Optional[Dict[str, float]] = None, force_balanced: bool = True,
-             charge_planning: bool = True, ep_size: Optional[int] = None,
-             planning_clock: str = "work", planner_token_price: float = 1.0) -> SimResult:
-    """Simulate ``steps`` training steps of ``model`` on ``cluster`` under ``workload`` for each of ``systems``.
+             settings: SimSettings = DEFAULT_SETTINGS, *, systems: Sequence[str] = SYSTEMS,
+             counts: Optional[Sequence[Sequence[Any]]] = None) -> SimResult:
+    """Simulate ``settings.steps`` training steps of ``model`` on ``cluster`` under ``workload`` for each of
+    ``systems`` (the rest of the setting: :class:`~ds_hecate.sim.settings.SimSettings`).
 
-    ``workload``: W0..W7 or a trace file (ds_hecate.tools.trace). ``hecate``: the ``hecate`` config the Hecate systems
-    plan with (default: defaults, with ``materialize_budget_mb`` = 10% of device memory unless given).
-    ``tokens_per_rank``: default ``seq_len * micro_batch`` of the model. ``spag``: ``p2p`` models Hecate's
-    SparseAllGather/SparseReduceScatter as ds_hecate runs them (the owner sends each replica), ``ring`` is a
-    what-if with pipelined ring broadcasts/reductions per expert (the paper's NCCL Broadcast/Reduce). Returns per-system results; speedups are
-    against ``ep`` and fractions against ``ideal`` when those are among ``systems``.
+    ``workload``: W0..W7 or a trace file (ds_hecate.trace). Returns per-system results; speedups are against ``ep``
+    and fractions against ``ideal`` when those are among ``systems``.
 
     ``counts``: explicit routing to replay instead of generating it from ``workload`` (then only a label):
     ``counts[step][layer]`` is a ``[world, experts]`` matrix of token-expert pairs, for every one of ``steps`` steps
     and ``model.moe_layers`` layers. What the benchmark calibration passes (benchmarks/calibration.py), so the
-    simulator replays exactly the counts a measured run forced, trace rescaling included. ``planner_costs``: the
-    measured costs (``compute_s_per_pair``, ``link_gbps``, ``non_moe_time_s``) the planners decide with, when they
-    differ from the cluster's time model: a run's runtime planned with its own measurement, and replaying its
-    decisions needs those numbers even where the step time is modelled with other unit costs.
+    simulator replays exactly the counts a measured run forced, trace rescaling included.
 
-    ``charge_planning``: Hecate's host planning, as the runtime runs it
-    (:func:`~ds_hecate.planning.critical_path.plan_after_gate` for one rank, and the prediction-driven search), is
-    added to its step: the critical path in full, the search where it outlasts the non-MoE compute that hides it
-    (``host_planning`` in the breakdown). False: leave it out. ``planning_clock``: how it is counted, ``work`` (the
-    default) from what the planner did, in its work models' estimated microseconds
-    (:mod:`~ds_hecate.planning.call_work`, :class:`~ds_hecate.planning.search_work.SearchWork`): the same figures on
-    every machine and under any load; ``thread``: this thread's CPU time as it runs here (moves with the host and
-    by up to a quarter between runs on an idle one).
-
-    ``ep_size``: the group size G every system but the ideal runs in (Hecate's domain, the EP baselines'
-    expert-parallel size); default the ``hecate`` config's ``ep_size``, else the runtime's rule
-    (:func:`~ds_hecate.planning.groups.resolve_ep_size` with the model's experts and the cluster's node size: the
-    world when it is at most the number of experts). Groups that split a node are not modelled (an error).
-
-    ``planner_token_price``: a what-if, Hecate's planners see token traffic at this fraction of its cost (the time
-    model charges it whole): below 1 they trade token traffic for compute balance (benchmarks/balance_whatif.py).
-
-    ``force_balanced``: also simulate every system on the same routing forced uniform
-    (:func:`ds_hecate.planning.balance.force_uniform`: same pairs per rank, spread evenly over the experts) and
-    set ``force_balanced_step_s`` and ``force_balanced_fraction`` (that step time / the system's own).
+    Groups that split a node are not modelled (an error). Host planning is charged as the runtime runs it:
+    :func:`~ds_hecate.planning.search.critical_path.plan_after_gate` for one rank, and the prediction-driven search,
+    counted by its work models (:mod:`~ds_hecate.planning.search.call_work`,
+    :class:`~ds_hecate.planning.search.work.SearchWork`) unless ``settings.planning_clock`` is ``thread``.
     """
     start_wall = time.perf_counter()
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown:
+        raise HecateError(f"unknown system(s) {unknown}; choose from {', '.join(SYSTEMS)}")
     cl = resolve_cluster(cluster)
     mdl = resolve_model(model)
-    if world_size is not None:
-        cl = cl.with_world_size(world_size)
-    _check_arguments(systems, steps, warmup, spag, precision, planning_clock)
-    if not 0.0 <= planner_token_price <= 1.0:
-        raise HecateError(f"simulate: planner_token_price must be in [0, 1], got {planner_token_price!r}")
-    tokens = tokens_per_rank or mdl.tokens_per_rank
-    budget = (materialize_budget_mb if materialize_budget_mb is not None
-              else 0.1 * cl.device_memory_gb * 1024.0)
-    if hecate is None:
-        hecate = HecateConfig(enabled=True, materialize_budget_mb=float(budget))
-    elif materialize_budget_mb is not None:
-        hecate = hecate.model_copy(update={"materialize_budget_mb": float(materialize_budget_mb)})
-    group = _group_size(cl, mdl, ep_size if ep_size is not None else hecate.ep_size)
-    ctx = _context(cl, mdl, tokens, hecate, zero_stage, precision, optimizer, spag, planner_costs, charge_planning,
-                   group, planning_clock, float(planner_token_price))
+    if settings.world_size is not None:
+        cl = cl.with_world_size(settings.world_size)
+    s = settings
+    tokens = s.tokens_per_rank or mdl.tokens_per_rank
+    hecate = _hecate_config(s, cl)
+    ep_size = _ep_size(cl, mdl, s.ep_size if s.ep_size is not None else hecate.ep_size)
+    ctx = _context(cl, mdl, tokens, hecate, s, ep_size)
     if counts is None:
-        counts, notes = _workload_counts(workload, mdl, cl.world_size, steps, tokens, seed)
+        counts, notes = _workload_counts(workload, mdl, cl.world_size, s.steps, tokens, s.seed)
     else:
-        counts, notes = _explicit_counts(counts, mdl, cl.world_size, steps), []
+        counts, notes = _explicit_counts(counts, mdl, cl.world_size, s.steps), []
     # Layers whose routing is identical at every step behave identically (the planner is deterministic):
     # simulate one of each class and weight it by the class size.
     classes: Dict[Tuple[int, ...], List[int]] = {}
     for layer in range(mdl.moe_layers):   # layers sharing the same count arrays at every step
-        classes.setdefault(tuple(id(counts[s][layer]) for s in range(steps)), []).append(layer)
+        classes.setdefault(tuple(id(counts[step][layer]) for step in range(s.steps)), []).append(layer)
     fixed = _fixed_step_s(ctx)
     layer_classes = [(layers, _group_classes(counts, layers[0], ctx)) for layers in classes.values()]
-    results = {system: _simulate_system(system, ctx, counts, layer_classes, steps, warmup, fixed, notes)
+    results = {system: _simulate_system(system, ctx, counts, layer_classes, s.steps, s.warmup, fixed, notes)
                for system in systems}
     for r in results.values():
         if "ep" in results:
             r.speedup_vs_ep = results["ep"].step_time_s / r.step_time_s
         if "ideal" in results:
             r.fraction_of_ideal = results["ideal"].step_time_s / r.step_time_s
-    if force_balanced:
-        forced = force_uniform_steps(counts)
-        # routing that is already uniform is its own force-balanced run (re-simulating it would only add noise)
-        same = all(np.array_equal(f, c) for fs, cs in zip(forced, counts) for f, c in zip(fs, cs))
-        uniform = None if same else simulate(
-            cl, mdl, workload, systems=systems, steps=steps, tokens_per_rank=tokens, warmup=warmup, seed=seed,
-            hecate=hecate, zero_stage=zero_stage, precision=precision, optimizer=optimizer, spag=spag,
-            counts=forced, planner_costs=planner_costs, force_balanced=False, charge_planning=charge_planning,
-            ep_size=group, planning_clock=planning_clock, planner_token_price=planner_token_price)
-        for name, r in results.items():
-            r.force_balanced_step_s = r.step_time_s if uniform is None else uniform.systems[name].step_time_s
-            r.force_balanced_fraction = r.force_balanced_step_s / r.step_time_s
-    return SimResult(cluster=cl, model=mdl, workload=workload, world_size=cl.world_size, steps=steps, warmup=warmup,
-                     systems=results, wall_s=time.perf_counter() - start_wall, notes=notes, ep_size=group,
-                     edp_size=ctx.edp_size)
+    if s.force_balanced:
+        # the same setting, resolved, on the routing forced uniform
+        resolved = replace(s, world_size=None, tokens_per_rank=tokens, hecate=hecate, materialize_budget_mb=None,
+                           force_balanced=False, ep_size=ep_size)
+        _add_force_balanced(results, counts, lambda forced: simulate(cl, mdl, workload, resolved, systems=systems,
+                                                                     counts=forced))
+    return SimResult(cluster=cl, model=mdl, workload=workload, world_size=cl.world_size, steps=s.steps,
+                     warmup=s.warmup, systems=results, wall_s=time.perf_counter() - start_wall, notes=notes,
+                     ep_size=ep_size, edp_size=ctx.edp_size)
 
 
-def _check_arguments(systems: Sequence[str], steps: int, warmup: int, spag: str, precision: str,
-                     planning_clock: str) -> None:
-    unknown = [s for s in systems if s not in SYSTEMS]
-    if unknown:
-        raise HecateError(f"unknown system(s) {unknown}; choose from {', '.join(SYSTEMS)}")
-    if steps <= warmup:
-        raise HecateError(f"simulate: steps ({steps}) must exceed warm-up steps ({warmup})")
-    if spag not in ("p2p", "ring"):
-        raise HecateError(f"simulate: spag must be 'p2p' or 'ring', got {spag!r}")
-    if precision not in ("bf16", "fp16", "fp32"):
-        raise HecateError(f"simulate: precision must be bf16, fp16 or fp32, got {precision!r}")
-    if planning_clock not in ("work", "thread"):
-        raise HecateError(f"simulate: planning_clock must be 'work' or 'thread', got {planning_clock!r}")
+def _hecate_config(settings: SimSettings, cl: Cluster) -> HecateConfig:
+    """The ``hecate`` config the Hecate systems plan with: the given one (its replica memory replaced by
+    ``materialize_budget_mb`` if that is given), else defaults with ``materialize_budget_mb`` or 10% of device
+    memory."""
+    budget = settings.materialize_budget_mb
+    if settings.hecate is None:
+        return HecateConfig(enabled=True, materialize_budget_mb=float(
+            budget if budget is not None else 0.1 * cl.device_memory_gb * 1024.0))
+    if budget is not None:
+        return settings.hecate.model_copy(update={"materialize_budget_mb": float(budget)})
+    return settings.hecate
 
 
-def _group_size(cl: Cluster, mdl: ModelShape, explicit: Optional[int]) -> int:
-    """The runtime's rule for the group size; groups the time model cannot place on whole nodes are refused."""
+def _add_force_balanced(results: Dict[str, SystemResult], counts, run: Callable[[Any], SimResult]) -> None:
+    """Every system's step on the same routing forced uniform (:func:`~ds_hecate.planning.balance.force_uniform`:
+    same pairs per rank, spread evenly over the experts, simulated by ``run``) and that step's fraction of its
+    own."""
+    forced = force_uniform_steps(counts)
+    # routing that is already uniform is its own force-balanced run (re-simulating it would only add noise)
+    same = all(np.array_equal(f, c) for fs, cs in zip(forced, counts) for f, c in zip(fs, cs))
+    uniform = None if same else run(forced)
+    for name, r in results.items():
+        r.force_balanced_step_s = r.step_time_s if uniform is None else uniform.systems[name].step_time_s
+        r.force_balanced_fraction = r.force_balanced_step_s / r.step_time_s
+
+
+def _ep_size(cl: Cluster, mdl: ModelShape, explicit: Optional[int]) -> int:
+    """The runtime's rule for the group size ``ep_size``; groups the time model cannot place on whole nodes are
+    refused."""
     rpn = cl.devices_per_node
-    group, _ = resolve_ep_size(explicit, (), cl.world_size, mdl.num_experts, rpn)
-    if group % rpn and rpn % group:
-        raise HecateError(f"simulate: expert-parallel groups of {group} ranks do not align with nodes of {rpn}")
-    return group
+    ep_size, _ = resolve_ep_size(explicit, (), cl.world_size, mdl.num_experts, rpn)
+    if ep_size % rpn and rpn % ep_size:
+        raise HecateError(f"simulate: expert-parallel groups of {ep_size} ranks do not align with nodes of {rpn}")
+    return ep_size
 
 
 def _group_classes(counts, layer: int, ctx: SimContext) -> List[List[int]]:
@@ -312,24 +289,24 @@ def _wire_bytes(hecate: HecateConfig, precision: str, stage: str) -> int:
     return 4 if wire_dtype(hecate.reduce_dtype, precision, stage) == "fp32" else 2
 
 
-def _context(cl: Cluster, mdl: ModelShape, tokens: int, hecate: HecateConfig, zero_stage: int, precision: str,
-             optimizer: OptimizerStateLayout, spag: str, planner_costs: Optional[Dict[str, float]],
-             charge_planning: bool, ep_size: int, planning_clock: str = "work",
-             planner_token_price: float = 1.0) -> SimContext:
+def _context(cl: Cluster, mdl: ModelShape, tokens: int, hecate: HecateConfig, settings: SimSettings,
+             ep_size: int) -> SimContext:
     """The simulated setting: unit costs from the cluster's FLOP rate unless it carries measured ones."""
     flops = cl.device_tflops * 1e12
+    s = settings
     return SimContext(cluster=cl, model=mdl, world=cl.world_size, rpn=cl.devices_per_node, tokens=tokens,
-                      compute_b=4 if precision == "fp32" else 2,
-                      grad_b=_wire_bytes(hecate, precision, "sparse_reduce_scatter"),
-                      edp_grad_b=_wire_bytes(hecate, precision, "expert_data_parallel"),
+                      compute_b=4 if s.precision == "fp32" else 2,
+                      grad_b=_wire_bytes(hecate, s.precision, "sparse_reduce_scatter"),
+                      edp_grad_b=_wire_bytes(hecate, s.precision, "expert_data_parallel"),
                       s_per_pair=cl.compute_s_per_pair or 6.0 * mdl.expert_params / flops,
                       t_fwd=(cl.non_moe_time_s if cl.non_moe_time_s is not None
                              else mdl.non_moe_flops_per_layer(tokens) / 3.0 / flops),
-                      hecate=hecate, optimizer=optimizer, zero_stage=zero_stage, precision=precision, ep_size=ep_size,
-                      spag=spag,
-                      planner_costs=None if planner_costs is None else {k: float(v) for k, v in planner_costs.items()},
-                      charge_planning=charge_planning, planning_clock=planning_clock,
-                      planner_token_price=planner_token_price)
+                      hecate=hecate, optimizer=s.optimizer, zero_stage=s.zero_stage, precision=s.precision,
+                      ep_size=ep_size, spag=s.spag,
+                      planner_costs=(None if s.planner_costs is None
+                                     else {k: float(v) for k, v in s.planner_costs.items()}),
+                      charge_planning=s.charge_planning, planning_clock=s.planning_clock,
+                      planner_token_price=float(s.planner_token_price))
 
 
 def _fixed_step_s(ctx: SimContext) -> float:
@@ -409,10 +386,10 @@ def _simulate_system(system: str, ctx: SimContext, counts, classes: List[Tuple[L
 def format_table(result: SimResult) -> str:
     """The table ``ds-hecate simulate`` prints."""
     cl, mdl = result.cluster, result.model
-    group = result.ep_size or result.world_size
+    ep_size = result.ep_size or result.world_size
     head = (f"cluster {cl.name}: {result.world_size} devices ({cl.nodes} node(s) x {cl.devices_per_node}); model "
             f"{mdl.name}: {mdl.moe_layers} MoE layers x {mdl.num_experts} experts, top-{mdl.top_k}; workload "
-            f"{result.workload}; {result.steps} steps ({result.warmup} warm-up not averaged); ep_size {group} "
+            f"{result.workload}; {result.steps} steps ({result.warmup} warm-up not averaged); ep_size {ep_size} "
             + ("(one group)" if result.edp_size == 1 else
                f"({result.edp_size} groups, expert-data-parallel across them)"))
     cols = ("system", "step ms", "vs EP", "of ideal", "of force-balanced", "peak GiB/rank", "imbalance",

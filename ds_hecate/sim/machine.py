@@ -73,48 +73,14 @@ def layer_time(ctx: SimContext, counts: np.ndarray, mat: np.ndarray, owners: np.
     fanout = ctx.hecate.fanout if mode in ("prefetch", "rm") else 0
 
     def phase(rep: np.ndarray, nbytes: int) -> Tuple[np.ndarray, np.ndarray]:
-        """(the collective's first exchange, issued with it; the rest, run when it is waited for) per rank."""
-        if ctx.spag == "ring":
-            # what-if: each replicated expert travels as a pipelined ring broadcast (reduce) over its holders:
-            # every holder receives and forwards it once; the ring enters and leaves each node holding it once
-            moved = rep.any(axis=0)
-            hold = mat[:, moved]
-            on_node = np.add.reduceat(hold.astype(float), np.arange(0, world, rpn), axis=0) > 0
-            crossing = (on_node & (on_node.sum(axis=0) > 1)).sum(axis=1).astype(float)
-            return link_time(ctx, world, rep.sum(axis=1).astype(float), hold.sum(axis=1).astype(float), crossing,
-                             crossing, nbytes), np.zeros(world)
-        # Hecate's sparse collectives relay through holders beyond hecate.fanout copies (planning.fanout),
-        # pipelined in relay_chunks pieces past the first level (one latency per exchange). On a GPU cluster the
-        # runtime issues every level with the collective (stream-ordered, comm/relay.py): all of it may hide
-        # behind compute; elsewhere (gloo) the levels below the first run at its wait. The baselines' owners send
-        # every copy
-        chunks = len(chunk_bounds(ctx.numel, ctx.hecate.relay_chunks))   # as comm/relay.py cuts the rows
-        stream_ordered = ctx.cluster.overlaps_compute
-        first, later, depth = replica_transfers(rep, owners, rpn, fanout, chunks, True, stream_ordered)
-        start = link_time(ctx, world, first[0], first[1], node_sum(first[2], world, rpn),
-                          node_sum(first[3], world, rpn), nbytes)
-        latency = ctx.cluster.inter_latency_s if world > rpn else ctx.cluster.intra_latency_s
-        fill_latency = (depth - 2 + chunks - 1) * latency if depth >= 2 else 0.0
-        if stream_ordered:
-            return start + fill_latency, np.zeros(world)
-        if not any(part.any() for part in later):
-            return start, np.zeros(world)
-        rest = link_time(ctx, world, later[0], later[1], node_sum(later[2], world, rpn),
-                         node_sum(later[3], world, rpn), nbytes)
-        return start, rest + fill_latency
+        return _replica_phase(ctx, rep, mat, owners, rpn, fanout, nbytes)
 
     early = replicas if late is None else replicas & ~late
     gather, gather_rest = phase(early, ctx.numel * ctx.compute_b)
     reduce, reduce_rest = phase(replicas, ctx.numel * ctx.grad_b)
     late_gather = sum(phase(late & replicas, ctx.numel * ctx.compute_b)) if late is not None else np.zeros(world)
     if mode == "broadcast":
-        # NCCL ring broadcast / reduce of each shadowed expert: every rank receives and forwards it once, and
-        # the ring crosses each node boundary once.
-        shadowed = float((replicas.sum(axis=0) > 0).sum())
-        ones = np.full(world, shadowed)
-        per_node = np.full(-(-world // rpn), shadowed if world > rpn else 0.0)
-        gather = link_time(ctx, world, ones, ones, per_node, per_node, ctx.numel * ctx.compute_b)
-        reduce = link_time(ctx, world, ones, ones, per_node, per_node, ctx.numel * ctx.grad_b)
+        gather, reduce = _broadcast_times(ctx, replicas, rpn)
     hide = ctx.cluster.overlaps_compute
     t_f, t_b = (ctx.t_fwd, BACKWARD_FACTOR * ctx.t_fwd) if hide else (0.0, 0.0)
     if mode in ("critical", "broadcast"):
@@ -136,6 +102,52 @@ def layer_time(ctx: SimContext, counts: np.ndarray, mat: np.ndarray, owners: np.
     exposed = float(exp_f.max()) + float(exp_b.max())
     return LayerTime(c_max + a_max + exposed, c_max, a_max, exposed,
                       float(imbalance(processed)), replicas.sum(axis=1))
+
+
+def _replica_phase(ctx: SimContext, rep: np.ndarray, mat: np.ndarray, owners: np.ndarray, rpn: int, fanout: int,
+                   nbytes: int) -> Tuple[np.ndarray, np.ndarray]:
+    """One expert collective of :func:`layer_time` moving the replicas ``rep`` ([world, experts] bool) of ``nbytes``
+    each: (its first exchange, issued with it; the rest, run when it is waited for) per rank."""
+    world = rep.shape[0]
+    if ctx.spag == "ring":
+        # what-if: each replicated expert travels as a pipelined ring broadcast (reduce) over its holders:
+        # every holder receives and forwards it once; the ring enters and leaves each node holding it once
+        moved = rep.any(axis=0)
+        hold = mat[:, moved]
+        on_node = np.add.reduceat(hold.astype(float), np.arange(0, world, rpn), axis=0) > 0
+        crossing = (on_node & (on_node.sum(axis=0) > 1)).sum(axis=1).astype(float)
+        return link_time(ctx, world, rep.sum(axis=1).astype(float), hold.sum(axis=1).astype(float), crossing,
+                         crossing, nbytes), np.zeros(world)
+    # Hecate's sparse collectives relay through holders beyond hecate.fanout copies (planning.fanout),
+    # pipelined in relay_chunks pieces past the first level (one latency per exchange). On a GPU cluster the
+    # runtime issues every level with the collective (stream-ordered, comm/relay.py): all of it may hide
+    # behind compute; elsewhere (gloo) the levels below the first run at its wait. The baselines' owners send
+    # every copy
+    chunks = len(chunk_bounds(ctx.numel, ctx.hecate.relay_chunks))   # as comm/relay.py cuts the rows
+    stream_ordered = ctx.cluster.overlaps_compute
+    first, later, depth = replica_transfers(rep, owners, rpn, fanout, chunks, True, stream_ordered)
+    start = link_time(ctx, world, first[0], first[1], node_sum(first[2], world, rpn),
+                      node_sum(first[3], world, rpn), nbytes)
+    latency = ctx.cluster.inter_latency_s if world > rpn else ctx.cluster.intra_latency_s
+    fill_latency = (depth - 2 + chunks - 1) * latency if depth >= 2 else 0.0
+    if stream_ordered:
+        return start + fill_latency, np.zeros(world)
+    if not any(part.any() for part in later):
+        return start, np.zeros(world)
+    rest = link_time(ctx, world, later[0], later[1], node_sum(later[2], world, rpn),
+                     node_sum(later[3], world, rpn), nbytes)
+    return start, rest + fill_latency
+
+
+def _broadcast_times(ctx: SimContext, replicas: np.ndarray, rpn: int) -> Tuple[np.ndarray, np.ndarray]:
+    """(gather, reduce) per rank of NCCL ring broadcasts / reductions of each shadowed expert: every rank receives
+    and forwards it once, and the ring crosses each node boundary once."""
+    world = replicas.shape[0]
+    shadowed = float((replicas.sum(axis=0) > 0).sum())
+    ones = np.full(world, shadowed)
+    per_node = np.full(-(-world // rpn), shadowed if world > rpn else 0.0)
+    return (link_time(ctx, world, ones, ones, per_node, per_node, ctx.numel * ctx.compute_b),
+            link_time(ctx, world, ones, ones, per_node, per_node, ctx.numel * ctx.grad_b))
 
 
 def edp_reduction_time(ctx: SimContext, grad_bytes: float, weight_bytes: float) -> float:

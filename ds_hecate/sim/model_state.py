@@ -1,6 +1,6 @@
 """Model-state bytes per rank: DeepSpeed's ZeRO accounting and Hecate's expert shards, with expert data parallelism.
 
-One accounting for the simulator's memory column and ``ds-hecate plan`` (``tools/memory_plan.py``), so the two cannot
+One accounting for the simulator's memory column and ``ds-hecate plan`` (``sim/memory_plan.py``), so the two cannot
 disagree. Pure Python.
 
 - DeepSpeed (dense parameters, and the experts of expert parallelism over their expert-data-parallel group): with

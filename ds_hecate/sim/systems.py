@@ -242,19 +242,19 @@ class _GroupPlanner:
     :class:`LayerPlanner` on a world of the group's ``G`` ranks, with the runtime's budget and cost formulas."""
 
     def __init__(self, ctx: SimContext, grant: LayerGrant) -> None:
-        group, h = ctx.ep_size, ctx.hecate
+        ep_size, h = ctx.ep_size, ctx.hecate
         self.ctx = ctx
         self.mode = "rm" if grant.rematerialize else "prefetch"
-        self.owners = np.asarray(even_sharding(ctx.model.num_experts, group))
-        self.rpn = min(ctx.rpn, group)
+        self.owners = np.asarray(even_sharding(ctx.model.num_experts, ep_size))
+        self.rpn = min(ctx.rpn, ep_size)
         settings = PlannerSettings(policy="hecate", calibration=h.calibration, replan_tolerance=h.replan_tolerance,
                                    load_window=h.load_window, load_predictor=h.load_predictor,
                                    search_budget_us=h.search_budget_us,
                                    plan_budget_us=h.plan_budget_us, ranks_per_node=self.rpn,
                                    search_slice_us=h.search_slice_us)
-        self.planner = LayerPlanner(settings, group, ctx.model.num_experts)
+        self.planner = LayerPlanner(settings, ep_size, ctx.model.num_experts)
         self.budget = grant.replicas
-        self.inputs = PlanInputs(tuple(int(o) for o in self.owners), ctx.hecate_step_costs(group, grant.rematerialize),
+        self.inputs = PlanInputs(tuple(int(o) for o in self.owners), ctx.hecate_step_costs(ep_size, grant.rematerialize),
                                  self.budget)
         self.timings: Dict[Any, LayerTime] = {}
         self.placements: Dict[Any, Placement] = {}

@@ -126,7 +126,7 @@ class WorkloadRoutes(RouteSource):
 
 
 class TraceRoutes(RouteSource):
-    """Replay of a routing trace (:mod:`ds_hecate.tools.trace`) at the benchmark's scale.
+    """Replay of a routing trace (:mod:`ds_hecate.trace`) at the benchmark's scale.
 
     Each recorded call's per-rank expert distribution is kept and rescaled to ``tokens_per_rank`` tokens on
     average; ranks keep their recorded relative token counts (ragged sources stay ragged). Steps cycle through the
@@ -135,7 +135,7 @@ class TraceRoutes(RouteSource):
     """
 
     def __init__(self, path: str, world_size: int, num_experts: int, top_k: int, tokens_per_rank: int) -> None:
-        from ..tools.trace import read_trace
+        from ..trace import read_trace
         trace = read_trace(path)
         if trace.world_size != world_size:
             raise ValueError(f"trace {path}: recorded on {trace.world_size} ranks, the benchmark runs {world_size}")

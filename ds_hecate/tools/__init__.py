@@ -1,1 +1,2 @@
-"""User tools: the ds-hecate CLI, reports, the memory plan, routing traces (presets: ds_hecate.sim.presets)."""
+"""User tools above the library: the ds-hecate CLI, the PNG report, the export of an HF checkpoint (presets and the
+memory plan: ds_hecate.sim; the routing-trace format: ds_hecate.trace)."""

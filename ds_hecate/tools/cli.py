@@ -30,7 +30,7 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _export_hf(args: argparse.Namespace) -> int:
-    from ..hf.export import export_hf
+    from .export_hf import export_hf
 
     counts = export_hf(args.checkpoint_dir, args.output, args.model_config, args.tag, args.dtype)
     print(f"wrote an HF checkpoint ({counts['tensors']} tensors, {counts['parameters']:,} parameters of which "

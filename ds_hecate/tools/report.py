@@ -23,7 +23,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from ..errors import HecateError
 from ..planning.cost_model import owner_loads
 from ..runtime.phases import PHASE_LABELS
-from .trace import TRACE_FORMAT, Trace, read_trace
+from ..trace import TRACE_FORMAT, Trace, read_trace
 
 MAX_LAYERS_SHOWN = 8
 _CSV_NAME = re.compile(r"^Hecate_layer(\d+)_(.+)\.csv$")

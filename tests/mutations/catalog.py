@@ -118,17 +118,17 @@ MUTATIONS: List[Mutation] = [
           "    pass  # MUTATION: each rank waits only for its own exposed transfers\n"),),
         "the cost model charges a rank's exposed expert transfers to that rank alone, not as the barrier they are"),
     Mutation(
-        "search-never-keeps-tokens-home", "ds_hecate/planning/search_moves.py",
+        "search-never-keeps-tokens-home", "ds_hecate/planning/search/moves.py",
         (("    if extra[bottleneck] < budget_per_rank:\n",
           "    if False:  # MUTATION: no copy on a sending bottleneck\n"),),
         "the search never tries a copy on the bottleneck of the experts it sends most rows to"),
     Mutation(
-        "calibration-forgotten", "ds_hecate/planning/critical_path.py",
-        (("        known = schedule.calibrated_fit(counts, prefetched.owners, holders, replica_budget)\n",
+        "calibration-forgotten", "ds_hecate/planning/search/critical_path.py",
+        (("        known = schedule.calibrated_fit(counts, prefetched.owners, holders, settings.replica_budget)\n",
           "        known = None  # MUTATION: the remembered calibration is never taken\n"),),
         "calibration searches again for routing it already placed for (a rotating hot spot pays a search per call)"),
     Mutation(
-        "calibration-remembered-from-a-prediction", "ds_hecate/planning/critical_path.py",
+        "calibration-remembered-from-a-prediction", "ds_hecate/planning/search/critical_path.py",
         (("                if speculative:   # what calibration added, not the prediction's leftovers\n",
           "                if False:  # MUTATION: a prediction's leftover replicas are remembered too\n"),),
         "calibration that extended a prediction's replicas is remembered with them, so they are prefetched again"),
@@ -139,23 +139,23 @@ MUTATIONS: List[Mutation] = [
           "            # what is prefetched now is no schedule (calibration is told so: ``speculative`` False); the schedule\n"),),
         "a one-call burst drops the schedule, so routing back where it was searches again"),
     Mutation(
-        "kept-schedule-taken-for-the-prefetch", "ds_hecate/planning/schedule_reuse.py",
+        "kept-schedule-taken-for-the-prefetch", "ds_hecate/planning/search/reuse.py",
         (("        off_plan = not scheduled or not self.still_fits(actual)\n",
           "        off_plan = not self.still_fits(actual)  # MUTATION: scheduled ignored\n"),),
         "after an outlier only the owners are prefetched, but calibration judges the counts against the kept "
         "schedule and skips (the call runs unbalanced)"),
     Mutation(
-        "slice-ignored", "ds_hecate/planning/sliced_search.py",
+        "slice-ignored", "ds_hecate/planning/search/sliced.py",
         (("            if (stepped and used + self.progress.step_us > slice_us\n",
           "            if (False  # MUTATION: the whole search in one call whatever the slice\n"),),
         "a sliced search runs to its end in the first call (the whole search charged to one step)"),
     Mutation(
-        "slice-never-extended-for-gains", "ds_hecate/planning/sliced_search.py",
+        "slice-never-extended-for-gains", "ds_hecate/planning/search/sliced.py",
         (("                    and self.progress.last_gain_us <= self.progress.step_us):\n",
           "                    and True):  # MUTATION: a step that pays on this call still waits for the next\n"),),
         "beyond its slice a search stops even where each step takes milliseconds off this very call"),
     Mutation(
-        "search-in-progress-not-checkpointed", "ds_hecate/planning/schedule_reuse.py",
+        "search-in-progress-not-checkpointed", "ds_hecate/planning/search/reuse.py",
         (("        if self.pending is not None:   # replayed on load: the same steps, so the same interim placements after\n",
           "        if False:  # MUTATION: a search in progress is not saved\n"),),
         "a checkpoint taken while a sliced search is in progress resumes without it (other placements after)"),
@@ -238,7 +238,7 @@ MUTATIONS: List[Mutation] = [
         "partitioned expert state: the expert-data-parallel reduction waits for the accumulation boundary, so every "
         "layer's whole fp32 gradient rows stay alive through the backward"),
     Mutation(
-        "objective-ignores-links", "ds_hecate/planning/scheduler.py",
+        "objective-ignores-links", "ds_hecate/planning/search/state.py",
         (("        self.costs = costs\n", "        self.costs = costs.single_link()  # MUTATION: one link for all\n"),),
         "the search prices every token row and expert at the slowest link, as before issue 26: a copy that keeps "
         "tokens on their node is worth no more than one beside the owner"),
@@ -286,17 +286,17 @@ MUTATIONS: List[Mutation] = [
         "the scheduler's estimate hides a relayed collective's deeper levels behind compute, although the runtime "
         "runs them when the collective is waited for"),
     Mutation(
-        "search-keeps-the-priced-pass", "ds_hecate/planning/scheduler.py",
+        "search-keeps-the-priced-pass", "ds_hecate/planning/search/greedy.py",
         (("    if flow == priced:\n        return priced, done_us, estimate.time_s\n",
           "    if True:  # MUTATION: the flow-priced pass is never taken\n        return priced, done_us, estimate.time_s\n"),),
         "the fresh search stops at the relay barrier: the second pass (trees priced as one flow) is ignored"),
     Mutation(
-        "critical-search-ignores-its-cost", "ds_hecate/planning/scheduler.py",
-        (("                          budget_us=budget_us, pay_window=PAY_WINDOW if critical_path else 0, **search)\n",
-          "                          budget_us=budget_us, pay_window=0, **search)  # MUTATION: calibration searches on whatever its steps cost\n"),),
+        "critical-search-ignores-its-cost", "ds_hecate/planning/search/greedy.py",
+        (("    pay_window = PAY_WINDOW if s.critical_path else 0\n",
+          "    pay_window = 0  # MUTATION: calibration searches on whatever its steps cost\n"),),
         "calibration after the gate keeps searching while its steps cost every rank more host time than they save"),
     Mutation(
-        "quota-replicas-off-their-node", "ds_hecate/planning/search_moves.py",
+        "quota-replicas-off-their-node", "ds_hecate/planning/search/moves.py",
         (("        order = np.lexsort((np.arange(search.world), rounded, node != node[r]))",
           "        order = np.lexsort((np.arange(search.world), rounded))  # MUTATION: least loaded anywhere\n"
           "        order = order"),),
@@ -310,7 +310,7 @@ MUTATIONS: List[Mutation] = [
         "a checkpoint (and consolidation) joins the expert-data-parallel peers' slices of master and optimizer "
         "state in the wrong order"),
     Mutation(
-        "weight-traffic-on-token-communicator", "ds_hecate/comm/gpu/backend.py",
+        "weight-traffic-on-token-communicator", "ds_hecate/comm/backend.py",
         (("    weights = (TorchTransport(weight_group, rank, world_size, device, device_ops=ops)\n"
            "               if weight_group is not None else None)\n",
           "    weights = None  # MUTATION: SparseAllGather/SparseReduceScatter share the token all-to-all's communicator\n"),),
@@ -328,13 +328,13 @@ MUTATIONS: List[Mutation] = [
         "the token rows are grouped in the plan's expert order, not the gathered buffer's row order (owned first, "
         "then replicas by owner): replicas meet the wrong expert's weights"),
     Mutation(
-        "search-ignores-the-remembered-calibration", "ds_hecate/planning/schedule_reuse.py",
-        (("                             start=start if begun_from is None else begun_from, budget_us=budget_us)\n",
-          "                             start=start, budget_us=budget_us)  # MUTATION: rebuilt from the start layout\n"),),
+        "search-ignores-the-remembered-calibration", "ds_hecate/planning/search/reuse.py",
+        (("        steps = search_steps(loads, owners, settings, start=start if begun_from is None else begun_from)\n",
+          "        steps = search_steps(loads, owners, settings, start=start)  # MUTATION: rebuilt from the start layout\n"),),
         "a search for routing calibration just placed for starts over from the start layout instead of refining "
         "that placement (a fresh search's host time after every move of a hot spot)"),
     Mutation(
-        "work-clock-misses-the-shadow-estimates", "ds_hecate/planning/critical_path.py",
+        "work-clock-misses-the-shadow-estimates", "ds_hecate/planning/search/critical_path.py",
         (("""    before = estimate_layer(counts, prefetched.owners, holders, costs, ranks_per_node, prefetched=holders)
     if meter is not None:
         meter.add(estimate_us)""",
@@ -347,23 +347,23 @@ MUTATIONS: List[Mutation] = [
           "        if False:  # MUTATION: the charge is this thread's CPU time whatever the clock\n"),),
         "host planning is charged in the simulating thread's CPU time: the tables move with the machine's load"),
     Mutation(
-        "proportional-start-without-the-bar", "ds_hecate/planning/scheduler.py",
-        (("    bar = result_s * (1.0 - min_gain) if sharded else result_s   # a kept result beat the owners by min_gain\n",
+        "proportional-start-without-the-bar", "ds_hecate/planning/search/greedy.py",
+        (("    bar = result_s * (1.0 - s.min_gain) if sharded else result_s   # a kept result beat the owners by min_gain\n",
           "    bar = result_s  # MUTATION: any gain over the owners keeps the proportional start\n"),),
         "the proportional start is kept for any estimated gain over the owners, not the search's min_gain: replicas "
         "for a percent or two of noisy predicted gain"),
     Mutation(
-        "proportional-start-never-judged", "ds_hecate/planning/scheduler.py",
-        (("    judged = start is None and not critical_path and slots > 0 and (limit is None or fill_us <= limit)\n",
+        "proportional-start-never-judged", "ds_hecate/planning/search/greedy.py",
+        (("    judged = start is None and not s.critical_path and slots > 0 and (limit is None or fill_us <= limit)\n",
           "    judged = False  # MUTATION: the proportional start is never tried\n"),),
         "a fresh search returns the greedy passes' result alone: ragged sources keep the owners"),
     Mutation(
-        "node-exchange-never-proposed", "ds_hecate/planning/search_moves.py",
+        "node-exchange-never-proposed", "ds_hecate/planning/search/moves.py",
         (("    if nodes < 2 or costs.token_transfer_inter_s is None:\n",
           "    if True:  # MUTATION: no node exchange\n"),),
         "the search never relieves every node's NICs at once: balanced routing over nodes keeps the owners"),
     Mutation(
-        "node-exchange-in-calibration", "ds_hecate/planning/scheduler.py",
+        "node-exchange-in-calibration", "ds_hecate/planning/search/greedy.py",
         (("    last_stage = 0 if pay_window else 2\n",
           "    last_stage = 2  # MUTATION: calibration's search tries the node exchange too\n"),),
         "calibration's search after the gate proposes node exchanges, whose copies it would gather exposed"),
@@ -385,23 +385,23 @@ MUTATIONS: List[Mutation] = [
           "    if False:  # MUTATION: stream-ordered relays priced as gloo's\n        return first + later, nothing_later, depth\n"),),
         "the scheduler charges a stream-ordered transport's deeper relay levels exposed, as if run at the wait"),
     Mutation(
-        "shadow-calibration-ignores-the-budget", "ds_hecate/planning/critical_path.py",
+        "shadow-calibration-ignores-the-budget", "ds_hecate/planning/search/critical_path.py",
         (("        open_ranks = ~shadows[:, e] & (room > 0)\n",
           "        open_ranks = ~shadows[:, e]  # MUTATION: a shadow on every rank, full or not\n"),),
         "calibration's shadow move places a burst's expert on ranks whose replica slots are full (beyond "
         "materialize_budget_mb)"),
     Mutation(
-        "calibration-search-never-probed", "ds_hecate/planning/search_record.py",
+        "calibration-search-never-probed", "ds_hecate/planning/search/record.py",
         (("                or self.unsearched >= PROBE_INTERVAL)\n",
           "                )  # MUTATION: no probe\n"),),
         "a layer whose calibration searches stopped paying never searches again, whatever its routing becomes"),
     Mutation(
-        "growth-taken-over-a-better-search", "ds_hecate/planning/critical_path.py",
+        "growth-taken-over-a-better-search", "ds_hecate/planning/search/critical_path.py",
         (("    return (found if found_s < growth.time_s else materialized_of(growth.holders)), True\n",
           "    return materialized_of(growth.holders), True  # MUTATION: the search's placement dropped\n"),),
         "calibration searches but keeps the growth's placement where the search found a faster one"),
     Mutation(
-        "record-consulted-for-a-negligible-search", "ds_hecate/planning/critical_path.py",
+        "record-consulted-for-a-negligible-search", "ds_hecate/planning/search/critical_path.py",
         (("    if not record.pays(budget_s / growth.prefetched_s if growth.prefetched_s > 0 else float(\"inf\")):\n",
           "    if not record.pays():  # MUTATION: the search's share of the layer ignored\n"),),
         "a layer whose search costs a negligible share of it skips searches after one lost to the growth"),

@@ -32,7 +32,7 @@ def _model_class(config):
 
 def hf_state_dict(checkpoint_dir: str, model, tag: Optional[str] = None) -> Dict[str, torch.Tensor]:
     """The full fp32 state dict of ``model``'s architecture from a Hecate checkpoint, HF parameter names."""
-    from .takeover import find_experts_modules
+    from ..hf.takeover import find_experts_modules
 
     tag = resolve_tag(checkpoint_dir, tag)
     flat = consolidated_state_dict(checkpoint_dir, tag, layout="hecate")
@@ -61,7 +61,7 @@ def export_hf(checkpoint_dir: str, output_dir: str, model_config: Optional[str] 
     """
     import transformers
 
-    from .takeover import find_experts_modules
+    from ..hf.takeover import find_experts_modules
 
     if dtype not in DTYPES:
         raise HecateError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")

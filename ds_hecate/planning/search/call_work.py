@@ -4,13 +4,14 @@ Why: the simulator charges Hecate's host planning to its step. Timed on the mach
 CPU time), the same command moved a cell's charge by a quarter between runs on an idle 2-vCPU host (a100-4x8
 gpt-moe-s W6: 6.2 to 9.5 ms per step) and more beside other jobs, enough to flip cells within 0.5% of a baseline.
 Counted here instead, from what the call did (the prediction scored, the imbalance estimated, the shadow move's
-estimates, calibration's search in :class:`~.search_work.SearchWork` units, the new placement's dispatch tables),
+estimates, calibration's search in :class:`~.work.SearchWork` units, the new placement's dispatch tables),
 the same command gives the same tables on every machine and under any load.
 
 The constants fit the medians of the runtime's own code timed on a 2-vCPU AMD EPYC host, caches swept between
 trials (``python -m benchmarks.call_work --fit`` re-measures them), rounded up: a per-call part and a part per
-(rank, expert) cell of the exchanged counts for each piece of work. The search's constants (:class:`~.search_work.SearchWork`) are the 90th
-percentiles of a 2-vCPU Intel Xeon host, so the search is charged on the safe side.
+(rank, expert) cell of the exchanged counts for each piece of work. The search's constants
+(:class:`~.work.SearchWork`) are the 90th percentiles of a 2-vCPU Intel Xeon host, so the search is charged on the
+safe side.
 """
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ CALL_WORK = CallWork()
 
 class WorkMeter:
     """What one call's planning did, summed in estimated microseconds (:class:`CallWork`, and the search's
-    :class:`~.search_work.SearchWork` for calibration)."""
+    :class:`~.work.SearchWork` for calibration)."""
 
     def __init__(self) -> None:
         self.us = 0.0

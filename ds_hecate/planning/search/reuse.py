@@ -1,6 +1,6 @@
 """Reuse of the last schedule, and the score of the load prediction after each gate.
 
-Why a module of its own: the search (:mod:`.scheduler`) is what runs; this decides *whether* it runs: before the
+Why a module of its own: the search (:mod:`.greedy`) is what runs; this decides *whether* it runs: before the
 gate (is the last placement still good for the predicted loads?) and after it (did the prediction hold; can
 calibration pay?). Everything here is a deterministic function of loads every rank holds alike.
 """
@@ -10,13 +10,14 @@ from typing import Optional, Sequence, Tuple
 
 import numpy as np
 
-from .plan import Materialized, holders_matrix
+from ..plan import Materialized, holders_matrix
 from .call_work import CALL_WORK, WorkMeter
-from .cost_model import StepCostModel, imbalance
-from .dispatch import dispatch_flows
-from .scheduler import schedule_materialization, search_steps
-from .search_record import SearchRecord
-from .sliced_search import SlicedSearch
+from ..cost_model import imbalance
+from ..dispatch import dispatch_flows
+from .greedy import schedule_materialization, search_steps
+from .record import SearchRecord
+from .settings import SearchSettings
+from .sliced import SlicedSearch
 
 
 def load_shift(before: Sequence[Sequence[float]], after: Sequence[Sequence[float]],
@@ -66,7 +67,8 @@ class ScheduleReuse:
     Why: the greedy search costs milliseconds per layer and call, while the predicted loads (a window average) move
     by about a percent a step once routing settles; re-planning then returns the same placement, or one whose
     estimate differs by noise. A schedule is reused while the owners, the cost model and the replica budget are
-    unchanged and the loads moved by at most ``tolerance`` (:func:`load_shift`) from the loads it was computed for;
+    unchanged (its :class:`~.settings.SearchSettings` and start) and the loads moved by at most ``tolerance``
+    (:func:`load_shift`) from the loads it was computed for;
     ``tolerance`` 0 re-plans on every change. All inputs are identical on every rank, so every rank makes the same
     choice. ``planned_for`` tells calibration which loads the prefetched placement assumed.
 
@@ -96,30 +98,28 @@ class ScheduleReuse:
         self.reuses = 0
         self._noise: Optional[float] = None   # sampling_noise(planned_for), computed with the search
         self._planned_total: Optional[float] = None   # planned_for's sum, scored against on every call
-        #: a search spread over calls, in progress (:mod:`.sliced_search`)
+        #: a search spread over calls, in progress (:mod:`.sliced`)
         self.pending: Optional[SlicedSearch] = None
         #: (placement, counts it was made for, owners) of the last calibration that changed the prefetched placement
         self.calibrated: Optional[Tuple[Materialized, np.ndarray, Tuple[int, ...]]] = None
         #: whether the last :meth:`after_gate` estimated the dispatch's imbalance; the work of the last
-        #: :meth:`schedule` call's search (:class:`~.search_work.SearchWork` microseconds, 0 when reused)
+        #: :meth:`schedule` call's search (:class:`~.work.SearchWork` microseconds, 0 when reused)
         self.scored = False
         self.last_work_us = 0.0
-        #: whether calibration's search pays on this layer (:mod:`.search_record`)
+        #: whether calibration's search pays on this layer (:mod:`.record`)
         self.search_record = SearchRecord()
         #: (placement, the loads it was planned for, its compute imbalance): :meth:`planned_imbalance`'s answer
         self._imbalance: Tuple[Optional[Materialized], Optional[np.ndarray], float] = (None, None, 1.0)
 
-    def schedule(self, counts: Sequence[Sequence[float]], owners: Sequence[int], costs: StepCostModel,
-                 budget_per_rank: int, ranks_per_node: int,
-                 start: Optional[Sequence[Sequence[int]]] = None, budget_us: Optional[float] = None,
-                 slice_us: Optional[float] = None) -> Materialized:
+    def schedule(self, counts: Sequence[Sequence[float]], owners: Sequence[int], settings: SearchSettings,
+                 start: Optional[Sequence[Sequence[int]]] = None, slice_us: Optional[float] = None) -> Materialized:
         """:func:`schedule_materialization` of ``counts``, or the previous result when it still applies.
 
         ``slice_us``: spread a search over calls, at most this much of its work per call (at least one step,
-        :mod:`.sliced_search`); until it ends each call gets its interim placement, planned for the loads the
+        :mod:`.sliced`); until it ends each call gets its interim placement, planned for the loads the
         search started on. A search in progress goes on while the situation holds and the loads stay within
         ``tolerance`` of those; else it is dropped. None: the whole search in this call."""
-        key = self._situation(owners, costs, budget_per_rank, ranks_per_node, start, budget_us)
+        key = self._situation(owners, settings, start)
         self.last_work_us = 0.0
         pending = self.pending
         if pending is not None and (pending.key != key
@@ -134,15 +134,13 @@ class ScheduleReuse:
             loads = counts if isinstance(counts, np.ndarray) else np.array(counts, dtype=np.float64)
             if slice_us is None:
                 meter = WorkMeter()
-                self.placement = schedule_materialization(counts, owners, costs, budget_per_rank, ranks_per_node,
-                                                          start=start, budget_us=budget_us, meter=meter)
+                self.placement = schedule_materialization(counts, owners, settings, start=start, meter=meter)
                 self.last_work_us = meter.us
                 self._plan_for(loads)
                 self._key = key
                 return self.placement
-            pending = self.pending = self._start_search(loads, owners, costs, budget_per_rank, ranks_per_node,
-                                                        start, budget_us, key,
-                                                        self._search_start(loads, owners, budget_per_rank, start))
+            pending = self.pending = self._start_search(
+                loads, owners, settings, start, key, self._search_start(loads, owners, settings.replica_budget, start))
         ended = pending.advance(slice_us)
         self.last_work_us = pending.last_slice_us
         if ended:
@@ -173,8 +171,7 @@ class ScheduleReuse:
                 meter.add(CALL_WORK.score_cost_us(*loads.shape))
         return self._imbalance[2]
 
-    def _start_search(self, loads: np.ndarray, owners, costs: StepCostModel, budget_per_rank: int,
-                      ranks_per_node: int, start, budget_us, key: tuple,
+    def _start_search(self, loads: np.ndarray, owners, settings: SearchSettings, start, key: tuple,
                       begun_from: Optional[Materialized]) -> SlicedSearch:
         """A sliced search for ``loads`` from ``begun_from`` (the remembered calibration, where it fits them:
         :meth:`_search_start`; a checkpointed search's own), else from ``start``.
@@ -183,8 +180,7 @@ class ScheduleReuse:
         instead of rebuilding it replica by replica (simulated a100-4x8 bert-moe W6: a fresh search after each move
         of the hot spot took 9 ms of host time on this repository's 2-vCPU host beyond what the non-MoE compute
         hides; from the remembered placement a step or two), and its best is never worse than that placement."""
-        steps = search_steps(loads, owners, costs, budget_per_rank, ranks_per_node,
-                             start=start if begun_from is None else begun_from, budget_us=budget_us)
+        steps = search_steps(loads, owners, settings, start=start if begun_from is None else begun_from)
         return SlicedSearch(steps, loads, float(loads.sum()), key, begun_from)
 
     def _search_start(self, loads: np.ndarray, owners, budget_per_rank: int, start) -> Optional[Materialized]:
@@ -241,13 +237,13 @@ class ScheduleReuse:
         self._planned_total = None if loads is None else float(loads.sum())
 
     @staticmethod
-    def _situation(owners, costs, budget_per_rank, ranks_per_node, start=None, budget_us=None) -> tuple:
+    def _situation(owners, settings: SearchSettings, start=None) -> tuple:
         """What a schedule was computed for besides the loads: reused only while all of it is unchanged."""
         if start is None or isinstance(start, tuple):   # the planner's start layout: a tuple, reused as is
             start_key = start
         else:
             start_key = tuple(tuple(int(e) for e in r) for r in start)
-        return (tuple(int(o) for o in owners), costs, budget_per_rank, ranks_per_node, start_key, budget_us)
+        return (tuple(int(o) for o in owners), settings, start_key)
 
     def miss_threshold(self) -> float:
         """How far actual counts may move from the loads a placement was planned for and still count as predicted:
@@ -350,8 +346,7 @@ class ScheduleReuse:
         return (len(placement) == world_size and all(0 <= e < num_experts for r in placement for e in r)
                 and all(e in placement[o] for e, o in enumerate(owners)))
 
-    def load_state_dict(self, state: dict, costs: StepCostModel, budget_per_rank: int, ranks_per_node: int,
-                        budget_us: Optional[float] = None,
+    def load_state_dict(self, state: dict, settings: SearchSettings,
                         start: Optional[Sequence[Sequence[int]]] = None) -> None:
         """Restore :meth:`state_dict`; the owners come from the state (the schedule may predate a re-sharding, which
         the next call then notices), the rest of the situation (``start`` included) from the caller."""
@@ -359,7 +354,7 @@ class ScheduleReuse:
         if "placement" in state:
             self._plan_for(np.array(state["planned_for"], dtype=np.float64))
             self.placement = tuple(tuple(int(e) for e in r) for r in state["placement"])
-            self._key = self._situation(state["owners"], costs, budget_per_rank, ranks_per_node, start, budget_us)
+            self._key = self._situation(state["owners"], settings, start)
         self.search_record.load_state_dict(state.get("search_record"))
         self.calibrated = None
         if "calibrated" in state:
@@ -370,12 +365,11 @@ class ScheduleReuse:
             saved = state["pending"]
             loads = np.array(saved["loads"], dtype=np.float64)
             owners = tuple(int(o) for o in saved["owners"])
-            key = self._situation(owners, costs, budget_per_rank, ranks_per_node, start, budget_us)
+            key = self._situation(owners, settings, start)
             # a search checkpointed before searches began from the remembered calibration (its "fallback", only
             # prefetched while estimated faster) began from the start: replayed so, the same steps
             begun = saved.get("begun_from")
             begun_from = None if begun is None else tuple(tuple(int(e) for e in r) for r in begun)
-            self.pending = self._start_search(loads, owners, costs, budget_per_rank, ranks_per_node, start,
-                                              budget_us, key, begun_from)
+            self.pending = self._start_search(loads, owners, settings, start, key, begun_from)
             self.pending.replay(int(saved["taken"]))
             self._plan_for(self.pending.loads)

@@ -25,7 +25,7 @@ import os
 from dataclasses import dataclass, field
 from typing import IO, Any, Dict, Iterator, List, Optional, Sequence
 
-from ..errors import HecateError
+from .errors import HecateError
 
 TRACE_FORMAT = "ds_hecate-trace"
 TRACE_VERSION = 1

@@ -1,4 +1,4 @@
-"""The moves the scheduler's greedy search weighs at each step (:func:`~.scheduler.schedule_materialization`).
+"""The moves the scheduler's greedy search weighs at each step (:func:`~.greedy.schedule_materialization`).
 
 Each function proposes replicas from the search's state (its holders ``mat``, per-expert dispatch columns ``cols``
 and ``proc``, ``owners``, ``costs``, ``world``, ``rpn``) and the current rank times; the search evaluates every proposal in
@@ -7,15 +7,14 @@ stands beside its code. Every input is identical on all ranks and ties break on 
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import numpy as np
 
-#: the search's state as the moves read it (:class:`~.scheduler._Search`)
-SearchState = Any
+from .state import SearchState
 
 
-def _round12(values):
+def round12(values):
     """Round to 12 significant digits (as ``float(f"{t:.12g}")``), elementwise on a numpy array."""
     values = np.asarray(values, dtype=np.float64)
     magnitude = np.abs(values)
@@ -36,7 +35,7 @@ def _round12(values):
     return out
 
 
-def _candidate_moves(search: "SearchState", best_times, extra, budget_per_rank: int, ranks_per_node: int,
+def candidate_moves(search: SearchState, best_times, extra, budget_per_rank: int, ranks_per_node: int,
                      candidate_experts: int, candidate_ranks: int):
     """Moves for the experts that load the bottleneck rank most: one replica on one open rank, one on every open
     rank of a node, one on every open rank, and (on more than one node) one on the least-loaded open rank of every
@@ -59,7 +58,7 @@ def _candidate_moves(search: "SearchState", best_times, extra, budget_per_rank: 
     moves = set()
     several_nodes = search.world > ranks_per_node
     # every rank by (rounded time, rank id), once: an expert's open ranks in that order are a filter of it
-    by_time_all = np.lexsort((np.arange(search.world), _round12(best_times)))
+    by_time_all = np.lexsort((np.arange(search.world), round12(best_times)))
     has_room = extra < budget_per_rank
     for e in hot:
         is_open = ~search.mat[:, e] & has_room
@@ -99,7 +98,7 @@ def _candidate_moves(search: "SearchState", best_times, extra, budget_per_rank: 
     return sorted(moves)
 
 
-def _quota_move(search: "SearchState", best_times, extra, budget_per_rank: int) -> Optional[List[Tuple[int, int]]]:
+def quota_move(search: SearchState, best_times, extra, budget_per_rank: int) -> Optional[List[Tuple[int, int]]]:
     """One move that relieves every bottleneck at once: when several ranks tie at the slowest time, each gets one
     replica of the expert that loads it most, on the least-loaded open rank of its own node, else of the others
     (distinct ranks; ties on rank id).
@@ -112,7 +111,7 @@ def _quota_move(search: "SearchState", best_times, extra, budget_per_rank: int) 
     profile. Own node first: a replica on the bottleneck's node takes its tokens over NVLink, one elsewhere over
     the NICs (before the objective priced the links apart, least-loaded anywhere measured 3.08x of EP against 3.90x
     node-first on simulated a100-4x8 gpt-moe-s W1). None when the slowest time is not shared or no rank is open."""
-    rounded = _round12(best_times)
+    rounded = round12(best_times)
     tied = np.flatnonzero(rounded == rounded.max())
     if tied.size < 2:
         return None
@@ -141,7 +140,7 @@ def _quota_move(search: "SearchState", best_times, extra, budget_per_rank: int) 
 NODE_EXCHANGE_SHIFTS = 3
 
 
-def _node_exchange_moves(search: "SearchState", best_times, extra, budget_per_rank: int, copies: int = 1,
+def node_exchange_moves(search: SearchState, best_times, extra, budget_per_rank: int, copies: int = 1,
                          shifts: int = NODE_EXCHANGE_SHIFTS) -> List[List[Tuple[int, int]]]:
     """Moves that keep tokens on every node at once: for each cyclic shift ``s``, every node ``n`` takes ``copies``
     replicas of the expert owned on node ``(n + s) mod N`` that it sends the most rows across nodes to (lowest id on
@@ -166,7 +165,7 @@ def _node_exchange_moves(search: "SearchState", best_times, extra, budget_per_ra
     node_rows = np.add.reduceat(search.cols[3], starts, axis=1)                      # [experts, nodes] sent across
     held = np.add.reduceat(search.mat.T.astype(np.int64), starts, axis=1) > 0        # [experts, nodes]
     owner_node = np.asarray(search.owners) // rpn
-    by_time = np.lexsort((np.arange(world), _round12(best_times)))                  # least loaded first
+    by_time = np.lexsort((np.arange(world), round12(best_times)))                  # least loaded first
     room = extra < budget_per_rank
     moves: List[List[Tuple[int, int]]] = []
     for shift in range(1, min(nodes - 1, shifts) + 1):

@@ -25,7 +25,7 @@ from ..planning.replica_pool import ReplicaPool
 from ..planning.groups import ExpertGroups, resolve_ep_size
 from ..planning.heterogeneous import slots_per_rank
 from ..planning.sharding import even_sharding
-from ..sim.model_state import (OptimizerStateLayout, compute_bytes, dense_state_bytes, owned_expert_state,
+from .model_state import (OptimizerStateLayout, compute_bytes, dense_state_bytes, owned_expert_state,
                                transient_grad_bytes)
 
 __all__ = ["MemoryPlan", "format_plan", "optimizer_layout_from_ds_config", "plan_memory", "probe_optimizer_state"]
@@ -144,14 +144,13 @@ def plan_memory(model: Any, hecate: Any, world_size: int, ranks_per_node: int, z
     """
     compute_b = compute_bytes(precision)
     numel = model.expert_params
-    explicit = ep_size if ep_size is not None else hecate.ep_size
-    group_size, warning = resolve_ep_size(explicit, (), world_size, model.num_experts, ranks_per_node)
-    groups = ExpertGroups(world_size, group_size, ranks_per_node)
-    owners = ([even_sharding(model.num_experts, group_size) for _ in range(model.moe_layers)]
+    ep_size, warning = resolve_ep_size(ep_size if ep_size is not None else hecate.ep_size, (), world_size, model.num_experts, ranks_per_node)
+    groups = ExpertGroups(world_size, ep_size, ranks_per_node)
+    owners = ([even_sharding(model.num_experts, ep_size) for _ in range(model.moe_layers)]
               if owners_per_layer is None else [tuple(o) for o in owners_per_layer])
-    owned_local = [sum(list(o).count(r) for o in owners) for r in range(group_size)]
+    owned_local = [sum(list(o).count(r) for o in owners) for r in range(ep_size)]
     owned = [owned_local[groups.local_rank(r)] for r in range(world_size)]
-    most_per_layer = max(list(o).count(r) for o in owners for r in range(group_size))   # one layer, fullest rank
+    most_per_layer = max(list(o).count(r) for o in owners for r in range(ep_size))   # one layer, fullest rank
     transient = transient_grad_bytes(numel, most_per_layer, groups.edp_size, zero_stage)
     state = owned_expert_state(numel, groups.edp_size, zero_stage, precision, optimizer)
     reduce_b = 4 if wire_dtype(hecate.reduce_dtype, precision, "sparse_reduce_scatter") == "fp32" else 2
@@ -163,7 +162,7 @@ def plan_memory(model: Any, hecate: Any, world_size: int, ranks_per_node: int, z
     overlap_source = "config"
     if cluster is not None:   # the planner of a group sees a world of its G ranks
         measured["link_gbps"] = cluster.intra_node_gbps
-        if group_size > ranks_per_node:
+        if ep_size > ranks_per_node:
             measured["inter_node_gbps"] = cluster.inter_node_gbps_per_device
         tokens = model.tokens_per_rank
         measured["compute_s_per_pair"] = (cluster.compute_s_per_pair or
@@ -174,7 +173,7 @@ def plan_memory(model: Any, hecate: Any, world_size: int, ranks_per_node: int, z
     if hecate.non_moe_time_s is None and hecate.overlap_degree is None and cluster is None:
         notes.append("no non_moe_time_s/overlap_degree in the config and no cluster: t = 0 until the runtime "
                      "measures T_nonMoE at the first step")
-    costs = scheduler_costs(hecate, measured, group_size, ranks_per_node,
+    costs = scheduler_costs(hecate, measured, ep_size, ranks_per_node,
                             expert_bytes=numel * (compute_b + reduce_b), token_bytes=4 * model.hidden_size * compute_b,
                             overlaps_compute=cluster.overlaps_compute if cluster is not None else True,
                             reduce_bytes=numel * reduce_b)
@@ -191,7 +190,7 @@ def plan_memory(model: Any, hecate: Any, world_size: int, ranks_per_node: int, z
                                       [most_per_layer] * model.moe_layers, hecate.rematerialize),
         replica_bytes_per_expert=expert_bytes_compute,
         overlap_degree=min(costs.overlap_degree, model.num_experts), overlap_source=overlap_source, costs=costs,
-        ep_size=group_size, edp_size=groups.edp_size, notes=notes)
+        ep_size=ep_size, edp_size=groups.edp_size, notes=notes)
 
 
 def _gib(n: float) -> str:
@@ -199,12 +198,12 @@ def _gib(n: float) -> str:
 
 
 def _domain_line(plan: MemoryPlan) -> str:
-    group = plan.ep_size or plan.world_size
+    ep_size = plan.ep_size or plan.world_size
     if plan.edp_size == 1:
-        return f"Hecate domain: ep_size {group} (one group: every expert has one copy in the job)"
+        return f"Hecate domain: ep_size {ep_size} (one group: every expert has one copy in the job)"
     how = ("master weights and optimizer state partitioned over them (ZeRO stage >= 1), weights all-gathered"
            if plan.zero_stage >= 1 else "each holding the full expert state (ZeRO stage 0: all-reduce)")
-    return (f"Hecate domain: ep_size {group} ({plan.edp_size} groups of {group} consecutive ranks; each expert has "
+    return (f"Hecate domain: ep_size {ep_size} ({plan.edp_size} groups of {ep_size} consecutive ranks; each expert has "
             f"{plan.edp_size} expert-data-parallel copies, {how})")
 
 

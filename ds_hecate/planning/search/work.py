@@ -1,6 +1,6 @@
 """The search's budget in work every rank counts alike, and what a search yields between its steps.
 
-Why a module of its own: the greedy search (:mod:`.scheduler`), the sliced prefetch search (:mod:`.sliced_search`),
+Why a module of its own: the greedy search (:mod:`.greedy`), the sliced prefetch search (:mod:`.sliced`),
 calibration (:mod:`.critical_path`) and the proportional start (:mod:`.proportional`) all count their work in the
 same estimated microseconds, so that every rank stops at the same step whatever its clock says.
 """
@@ -12,7 +12,7 @@ from typing import Generator, Optional, Union
 import numpy as np
 
 from .call_work import CALL_WORK
-from .plan import Materialized
+from ..plan import Materialized
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 Why: calibration (:mod:`.critical_path`) runs on the critical path, so its host time adds to the layer call on every
 rank. Its cheap move, FasterMoE's growth (:func:`~.critical_path.growth_calibration`: the hottest experts in turn on
 every rank with room, while the estimate falls, a few estimates), takes most of what a burst offers; the greedy
-search (:func:`~.scheduler.schedule_materialization`, from the prefetched placement) finds what it missed, at the
+search (:func:`~.greedy.schedule_materialization`, from the prefetched placement) finds what it missed, at the
 price of its setup and at least two steps, and the faster of the two is taken. On some layers that pays on every
 call (a hot set the growth cannot spread without flooding the links: simulated W4); on others it almost never does.
 The demo trace of the real 2-rank benchmark, replayed through the planner with the benchmark's measured costs: over
@@ -18,7 +18,7 @@ beat the growth repays many that lose (``python -m benchmarks.planner_decisions`
 about 0.9 s and a 20 ms search: after call 9's search lost to the growth the record skipped call 19's, which would
 have taken 0.825 s against the growth's 0.935 s). Deterministic: every input is identical on every rank (the counts,
 the cost model, the search's work model), so every rank takes the same decision; the record travels with the
-schedule in checkpoints (:meth:`~.schedule_reuse.ScheduleReuse.state_dict`) so a resumed run decides the same.
+schedule in checkpoints (:meth:`~.reuse.ScheduleReuse.state_dict`) so a resumed run decides the same.
 """
 from __future__ import annotations
 

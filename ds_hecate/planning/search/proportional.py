@@ -1,7 +1,7 @@
 """The proportional start: the paper's Algorithm 1 where memory does not hold every hot expert everywhere, replicas
 in proportion to load, as one more placement the search judges by its estimate.
 
-Why: the greedy search (:mod:`.scheduler`) adds one move at a time and stops when no single move lowers the sorted
+Why: the greedy search (:mod:`.greedy`) adds one move at a time and stops when no single move lowers the sorted
 profile of rank times. With ragged sources (simulated workload W4: ranks hold 1.75x..0.25x tokens and prefer
 different experts) the slowest ranks are a whole node waiting on its NICs, and no single replica relieves a node's
 NICs enough to show; the search stopped at 16 replicas and 2% off the layer's estimate (a100-4x8 gpt-moe-s), under

@@ -9,7 +9,7 @@ prediction of a run) charged the difference to one step. Sliced, a search takes 
 the call prefetches its best placement so far (the search is anytime). Where calibration last placed for the same
 routing (:attr:`ScheduleReuse.calibrated`), the search starts from that placement, so its best is never worse.
 
-Every rank slices at the same steps (the work is the search's work model, :class:`~.scheduler.SearchWork`, not a
+Every rank slices at the same steps (the work is the search's work model, :class:`~.greedy.SearchWork`, not a
 clock), so every rank prefetches the same placement at every call. A checkpoint records how many steps a search in
 progress has taken; a resumed run replays them (:meth:`SlicedSearch.replay`) and goes on as the original.
 """
@@ -20,13 +20,13 @@ from typing import Generator, Optional
 
 import numpy as np
 
-from .plan import Materialized, materialized_of
-from .scheduler import Progress
+from ..plan import Materialized, materialized_of
+from .work import Progress
 
 
 @dataclass
 class SlicedSearch:
-    """One search in progress: its generator (:func:`~.scheduler.search_steps`), the loads it plans for, the
+    """One search in progress: its generator (:func:`~.greedy.search_steps`), the loads it plans for, the
     placement it began from where that is the remembered calibration, how many steps it has taken, where it
     stands."""
 
