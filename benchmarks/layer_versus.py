@@ -89,17 +89,26 @@ def _init_one_rank(device) -> None:
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
 
 
-def one_call(layer, x0, grad, device):
-    """(seconds, output, input gradient) of one forward + backward of ``layer``, gradients cleared before."""
-    layer.reset()
-    x = x0.detach().requires_grad_(True)
-    _sync(device)
-    start = time.perf_counter()
+def layer_call(layer, x, grad):
+    """The measured call: forward, backward with ``grad``, what the backward leaves (ds_hecate's flush)."""
     out = layer.forward(x)
     out.backward(grad)
     layer.after_backward()
+    return out.detach()
+
+
+def one_call(layer, x0, grad, device, profile=None):
+    """(seconds, output, input gradient) of one :func:`layer_call`, gradients cleared before (untimed); with
+    ``profile`` (:func:`benchmarks.call_profile.profile_call`) its profile instead of the seconds."""
+    layer.reset()
+    x = x0.detach().requires_grad_(True)
     _sync(device)
-    return time.perf_counter() - start, out.detach(), x.grad
+    if profile is not None:
+        return profile(lambda: (layer_call(layer, x, grad), _sync(device))), None, x.grad
+    start = time.perf_counter()
+    out = layer_call(layer, x, grad)
+    _sync(device)
+    return time.perf_counter() - start, out, x.grad
 
 
 def _agreement(out, x_grad, ref_out, ref_grad) -> Dict[str, float]:
@@ -166,7 +175,7 @@ def measure_cell(shape_name: str, dtype_name: str, device_name: str, reps: int, 
         gc.enable()
     out = {}
     for s, layer in built.items():
-        prof = profile_call(lambda: one_call(layer, xs[s], grads[s], device))
+        prof = one_call(layer, xs[s], grads[s], device, profile_call)[0]
         m, lo, hi = paired_ratio(times[s], times["plain"])
         rec = {"status": "ok", "description": DESCRIPTIONS[s], "times_s": times[s],
                "median_s": statistics.median(times[s]), "ratio_vs_plain": [m, lo, hi],
