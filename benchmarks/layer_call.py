@@ -7,8 +7,8 @@ gradient reductions, as ``engine.backward`` ends. Measured, per mode (``grouped`
 ``loop``: ``DS_HECATE_GROUPED_MM=0``, one expert at a time):
 
 - ``fwd_bwd_s``: median wall time of a forward + backward (CUDA: synchronised before and after);
-- ``ops``: aten ops the torch profiler records in one forward + backward: ``top`` (dispatched by the code, about one
-  GPU kernel each) and ``nested`` (all);
+- ``ops``: dispatcher ops the torch profiler records in one forward + backward: ``top`` (dispatched by the code,
+  about one GPU kernel each) and ``nested`` (all), as :mod:`benchmarks.call_profile` defines them;
 - ``expert_compute_s`` / ``expert_tflops``: the expert compute alone (forward + backward of the grouped rows
   through :func:`ds_hecate.ops.grouped_experts.expert_outputs`), and ``6 * rows * expert_params`` over it;
 - ``phases``: the layer call's phase times (``stats()["layers"][0]["time_s"]``: device time) per call.
@@ -155,15 +155,12 @@ def _reset_grads(runtime) -> None:
 
 
 def count_ops(runtime, binding, inputs) -> Dict[str, int]:
-    """aten ops of one forward + backward: ``top`` those the code dispatches (no aten op above them; what a GPU
-    launches, roughly one kernel each), ``nested`` all of them (on the CPU grouped GEMM itself loops over groups)."""
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        fwd_bwd(runtime, binding, *inputs)
+    """Dispatcher ops of one forward + backward: ``top`` those the code dispatches (what a GPU launches, roughly one
+    kernel each), ``nested`` all of them; defined in :mod:`benchmarks.call_profile`."""
+    from benchmarks.call_profile import profile_call
+    prof = profile_call(lambda: fwd_bwd(runtime, binding, *inputs))
     _reset_grads(runtime)
-    aten = [e for e in prof.events() if e.name.startswith("aten::")]
-    top = [e for e in aten if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")]
-    return {"top": len(top), "nested": len(aten)}
+    return {"top": prof["top"], "nested": prof["nested"]}
 
 
 def expert_compute_seconds(binding, shape: LayerShape, device: str, dtype_name: str, repeat: int) -> Optional[float]:

@@ -174,15 +174,21 @@ def _build_deepspeed_ep(system: "System", args, world: int, rank: int) -> None:
                                              config=ds_config(args))
 
 
+def autoep_section(world: int, top_k: int, use_grouped_mm: bool) -> dict:
+    """The ``expert_parallel`` config that makes AutoEP convert :func:`build_model`'s ``autoep`` layers (a router
+    linear and SwiGLU experts; softmax top-k, renormalized: the gate arithmetic of the other systems)."""
+    return {"enabled": True, "autoep_size": world, "preset_model": "mixtral",
+            "moe_layer_pattern": r"blocks\.\d+\.moe", "router_pattern": "router", "expert_pattern": "experts",
+            "expert_w1": "w1", "expert_w2": "w2", "expert_w3": "w3", "top_k": top_k,
+            "score_func": "softmax", "route_norm": True, "use_grouped_mm": use_grouped_mm}
+
+
 def _build_autoep(system: "System", args, world: int, rank: int) -> None:
     import deepspeed
     from ds_hecate.testing.workloads import LinearRouteForcer
     import transformers  # noqa: F401  (AutoEP's presets need it; a missing one is a skip reason)
     model = build_model(args, "autoep", world, rank)
-    ep = {"enabled": True, "autoep_size": world, "preset_model": "mixtral",
-          "moe_layer_pattern": r"blocks\.\d+\.moe", "router_pattern": "router", "expert_pattern": "experts",
-          "expert_w1": "w1", "expert_w2": "w2", "expert_w3": "w3", "top_k": args.top_k,
-          "score_func": "softmax", "route_norm": True, "use_grouped_mm": False}
+    ep = autoep_section(world, args.top_k, use_grouped_mm=False)
     system.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                              config=ds_config(args, {"expert_parallel": ep}))
     for block in system.engine.module.blocks:

@@ -134,3 +134,48 @@ def test_shadow_and_all_placements():
     assert all_placement(hot, owners) == (tuple(range(8)),) * 2
     plan = plan_layer(hot, owners, "all")
     assert plan.num_moved == 8 and all(plan.tokens_processed(r) == sum(hot[r]) for r in range(2))  # no token moves
+
+
+def test_layer_versus_quick_runs_and_its_table_is_well_formed(tmp_path):
+    """``python -m benchmarks.layer_versus --quick``: every system runs (or says why not), computes the plain layer's
+    function, has its figures, and the generated block of the Markdown file is a well-formed table."""
+    from benchmarks import layer_versus as lv
+    out, doc = tmp_path / "versus.json", tmp_path / "bench.md"
+    doc.write_text(f"# keep\n{lv.MARK_BEGIN}\nold\n{lv.MARK_END}\n## after\nkeep too\n")
+    assert lv.main(["--quick", "--json", str(out), "--markdown", str(doc)]) == 0
+    results = json.loads(out.read_text())
+    assert results["schema"] == lv.SCHEMA and [c["shape"] for c in results["cells"]] == ["quick"]
+    systems = results["cells"][0]["systems"]
+    assert list(systems) == list(lv.SYSTEMS)
+    assert systems["ds_hecate-rank-of-8"]["status"] == "not run"
+    for name in ("plain", "ds_hecate", "ds_hecate-no-shortcuts"):
+        assert systems[name]["status"] == "ok", (name, systems[name].get("reason"))
+    for name, r in systems.items():
+        if r["status"] != "ok":
+            assert r["reason"], name
+            continue
+        m, lo, hi = r["ratio_vs_plain"]
+        assert len(r["times_s"]) == 3 and 0 < lo <= m <= hi, name
+        assert 0 < r["ops"]["top"] <= r["ops"]["nested"] and r["allocations"] > 0 and r["allocated_bytes"] > 0
+        # the same function of the same input: a benchmark of different layers would compare nothing
+        assert max(r["agreement"].values()) <= lv.AGREEMENT_TOL["fp32"], (name, r["agreement"])
+    assert systems["plain"]["ratio_vs_plain"] == [1.0, 1.0, 1.0]
+    assert set(systems["ds_hecate"]["phases_s"]) >= {"counts", "dispatch", "compute", "combine"}
+    text = doc.read_text()
+    assert text.startswith("# keep\n") and text.endswith("## after\nkeep too\n") and "\nold\n" not in text
+    block = text[text.index(lv.MARK_BEGIN):text.index(lv.MARK_END)]
+    table = [line for line in block.splitlines() if line.startswith("| quick |") or line.startswith("| shape |")]
+    header, rows = table[0], [line for line in table[1:] if line.count("|") == len(lv.TABLE_HEADER) + 1]
+    assert header == "| " + " | ".join(lv.TABLE_HEADER) + " |"
+    assert [row.split(" | ")[2] for row in rows] == list(lv.SYSTEMS)   # one row per system, every cell present
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        if cells[3] == "not run":
+            continue
+        float(cells[3]), int(cells[5]), int(cells[6]), float(cells[7])
+        assert cells[4].count("[") == 1 and "MISMATCH" not in cells[8]
+    # before/after: an earlier run's ratios in a last column, from the JSON alone (no run)
+    lv.main(["--report-only", str(out), "--before", str(out), "--markdown", str(doc)])
+    lines = [line for line in doc.read_text().splitlines() if line.startswith("| quick |")][:len(lv.SYSTEMS)]
+    assert all(line.count("|") == len(lv.TABLE_HEADER) + 2 for line in lines)
+    assert lines[1].split(" | ")[4] == lines[1].split(" | ")[-1].rstrip(" |")   # ds_hecate: its own ratio, twice

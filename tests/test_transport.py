@@ -38,7 +38,8 @@ def test_build_runtime_takes_the_device_of_the_local_rank(monkeypatch):
 
     seen = {}
 
-    def capture(requested, group, rank, world, device, timeout_s=None, weight_group=None, device_kernels="auto"):
+    def capture(requested, group, rank, world, device, timeout_s=None, weight_group=None, device_kernels="auto",
+                one_rank_shortcuts=True):
         seen["device"], seen["device_kernels"] = device, device_kernels
         raise KeyboardInterrupt  # stop before building the runtime
 
@@ -395,3 +396,46 @@ def test_torch_transport_is_stream_ordered_only_with_nccl_on_cuda():
     from ds_hecate.comm.transport import TorchTransport
     transport = TorchTransport(None, 0, 1, torch.device("cpu"))
     assert not transport.stream_ordered and transport.relay_scope([]) is None
+
+
+# -- one-rank shortcuts: off, a 1-rank group issues its collectives like N ranks (benchmarks/layer_versus.py) -----
+def _one_rank_collectives(rank, world):
+    import torch.distributed as dist
+
+    from ds_hecate.comm.collectives import Communicator
+    from ds_hecate.comm.transport import TorchTransport
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+    class Recording(TorchTransport):
+        def __init__(self):
+            super().__init__(dist.group.WORLD, 0, 1, torch.device("cpu"))
+            self.calls = []
+
+        def __getattribute__(self, name):
+            if name in ("all_to_all", "all_gather", "all_reduce", "reduce_scatter", "broadcast",
+                        "all_gather_object"):
+                object.__getattribute__(self, "calls").append(name)
+            return object.__getattribute__(self, name)
+
+    out = {}
+    for shortcuts in (True, False):
+        transport = Recording()
+        comm = Communicator(dist.group.WORLD, 0, 1, transport=transport, one_rank_shortcuts=shortcuts)
+        rows = torch.arange(12.0).reshape(6, 2)
+        got = [comm.all_to_all(rows, [6], [6]).tolist(), comm.exchange_counts(torch.tensor([3, 0, 5])).tolist(),
+               comm.all_reduce(torch.tensor([2.0])).tolist(),
+               comm.reduce_scatter(torch.empty(3), torch.tensor([1.0, 2.0, 3.0])).tolist(),
+               comm.all_gather_into(torch.empty(2), torch.tensor([4.0, 5.0])).tolist(),
+               comm.broadcast(torch.tensor([7.0])).tolist(), comm.all_gather_object({"a": 1})]
+        out[shortcuts] = (got, transport.calls)
+    return out
+
+
+def test_one_rank_shortcuts_off_issues_every_collective_through_the_transport():
+    out = run_ranks(1, _one_rank_collectives)[0]
+    (with_shortcuts, calls_on), (without, calls_off) = out[True], out[False]
+    assert calls_on == []   # default: a 1-rank group never reaches its transport
+    assert calls_off == ["all_to_all", "all_gather", "all_reduce", "reduce_scatter", "all_gather", "broadcast",
+                         "all_gather_object"]
+    assert without == with_shortcuts   # the same results either way

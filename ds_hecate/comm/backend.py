@@ -108,12 +108,14 @@ def agree_backend(requested: str, device: torch.device, group, world_size: int) 
 
 
 def build_communicator(requested: str, group, rank: int, world_size: int, device: torch.device,
-                       timeout_s: Optional[float] = None, weight_group=None, device_kernels: str = "auto"):
+                       timeout_s: Optional[float] = None, weight_group=None, device_kernels: str = "auto",
+                       one_rank_shortcuts: bool = True):
     """The Communicator over the transport all ranks agreed on (see :func:`agree_backend`), its device work on the
     ops :func:`agree_device_ops` chose (``hecate.device_kernels``); logs both once.
 
     ``weight_group`` (a second process group over the same ranks) gives the weight traffic a transport of its own:
-    a second NCCL communicator, so a second stream; None shares the token transport."""
+    a second NCCL communicator, so a second stream; None shares the token transport. ``one_rank_shortcuts``: see
+    :class:`~ds_hecate.comm.collectives.Communicator`."""
     from .collectives import Communicator
     from .transport import TORCH_DEVICE_OPS, TorchTransport
 
@@ -134,11 +136,11 @@ def build_communicator(requested: str, group, rank: int, world_size: int, device
                    if weight_group is not None else None)
         log_rank0(f"communication backend: CuPy+NCCL on {device} ({_gpu().cupy_status()[1]})")
         return Communicator(group, rank, world_size, timeout_s=timeout_s, transport=transport,
-                            weight_transport=weights)
+                            weight_transport=weights, one_rank_shortcuts=one_rank_shortcuts)
     if why is not None:
         log_rank0(f"communication backend: torch.distributed; CuPy+NCCL not used: {why}")
     transport = TorchTransport(group, rank, world_size, device, device_ops=ops)
     weights = (TorchTransport(weight_group, rank, world_size, device, device_ops=ops)
                if weight_group is not None else None)
     return Communicator(group, rank, world_size, timeout_s=timeout_s, transport=transport,
-                        weight_transport=weights)
+                        weight_transport=weights, one_rank_shortcuts=one_rank_shortcuts)

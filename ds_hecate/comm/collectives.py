@@ -39,14 +39,22 @@ class Communicator:
     ``transport`` carries the token traffic, ``weight_transport`` (default: the same) the weight traffic. Every
     tensor it creates or hands to a transport is on ``self.device`` (the rank's working device), whatever the rank
     has to send, so every rank takes the same path and issues the same primitives.
+
+    ``one_rank_shortcuts``: on a 1-rank group every primitive is a local copy (or nothing), so by default the
+    Communicator does it itself and never calls the transport. ``False`` issues them through the transport as on
+    N ranks (on a 1-rank gloo or NCCL group they still complete): the per-rank path of an N-rank run, measurable on
+    one rank (``python -m benchmarks.layer_versus``, system ``ds_hecate-no-shortcuts``).
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup], rank: int, world_size: int,
                  timeout_s: Optional[float] = None, device: Optional[torch.device] = None,
-                 transport: Optional[Transport] = None, weight_transport: Optional[Transport] = None) -> None:
+                 transport: Optional[Transport] = None, weight_transport: Optional[Transport] = None,
+                 one_rank_shortcuts: bool = True) -> None:
         self.group = group
         self.rank = rank
         self.world_size = world_size
+        #: whether a primitive skips the transport (a 1-rank group with its shortcuts on)
+        self.alone = world_size == 1 and one_rank_shortcuts
         self.timeout_s = timeout_s
         self.transport: Transport = (transport if transport is not None else
                                      TorchTransport(group, rank, world_size, device or torch.device("cpu")))
@@ -98,7 +106,7 @@ class Communicator:
                    transport: Optional[Transport] = None):
         """Ragged all-to-all along dim 0 (into ``out`` when given, ``sum(recv_splits)`` rows). Returns the receive
         tensor (and the Work handle when ``async_op``)."""
-        if self.world_size == 1:
+        if self.alone:
             if out is not None:
                 out.copy_(send)
                 send = out
@@ -120,7 +128,7 @@ class Communicator:
         input; one device-to-host copy, the layer call's only host read, no Python lists: at 1,024 ranks x 256
         experts those alone cost ms)."""
         local = local_counts.to(device=self.device, dtype=torch.int64).reshape(-1).contiguous()
-        if self.world_size == 1:
+        if self.alone:
             return local.cpu().numpy().reshape(1, -1)
         out = torch.empty(self.world_size * local.numel(), dtype=torch.int64, device=self.device)
         with self._guard("token-count exchange"):
@@ -129,14 +137,14 @@ class Communicator:
 
     def all_reduce(self, value: torch.Tensor, op=dist.ReduceOp.SUM, collective: str = "all-reduce") -> torch.Tensor:
         """In-place all-reduce of a tensor on ``self.device``."""
-        if self.world_size > 1:
+        if not self.alone:
             with self._guard(collective):
                 self.transport.all_reduce(value, op)
         return value
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, collective: str = "reduce-scatter") -> torch.Tensor:
         """``out`` = this rank's chunk of the sum over ranks of ``inp`` (``world_size`` chunks of ``out``'s size)."""
-        if self.world_size == 1:
+        if self.alone:
             out.copy_(inp.view_as(out))
             return out
         with self._guard(collective):
@@ -145,7 +153,7 @@ class Communicator:
 
     def all_gather_into(self, out: torch.Tensor, local: torch.Tensor, collective: str = "all-gather") -> torch.Tensor:
         """``out`` = every rank's ``local``, rank after rank."""
-        if self.world_size == 1:
+        if self.alone:
             out.copy_(local.view_as(out))
             return out
         with self._guard(collective):
@@ -154,7 +162,7 @@ class Communicator:
 
     def broadcast(self, value: torch.Tensor, src: int = 0, collective: str = "broadcast") -> torch.Tensor:
         """In-place broadcast from group rank ``src`` of a tensor on ``self.device``."""
-        if self.world_size > 1:
+        if not self.alone:
             with self._guard(collective):
                 self.transport.broadcast(value, src)
         return value
@@ -163,7 +171,7 @@ class Communicator:
         self.all_reduce(torch.zeros(1, dtype=torch.float32, device=self.device), collective=collective)
 
     def all_gather_object(self, obj, collective: str = "all-gather of Python objects") -> list:
-        if self.world_size == 1:
+        if self.alone:
             return [obj]
         with self._guard(collective):
             return self.transport.all_gather_object(obj)

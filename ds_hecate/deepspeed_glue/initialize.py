@@ -157,7 +157,8 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
     return engine, engine_optimizer, dataloader, scheduler
 
 
-def build_runtime(hcfg: HecateConfig, ds_config: Dict[str, Any], model: Optional[torch.nn.Module] = None):
+def build_runtime(hcfg: HecateConfig, ds_config: Dict[str, Any], model: Optional[torch.nn.Module] = None,
+                  one_rank_shortcuts: bool = True):
     """Hecate's process groups (its own communicators, with their own timeout) and an empty runtime with its
     observers (step metrics, routing trace) installed.
 
@@ -166,7 +167,9 @@ def build_runtime(hcfg: HecateConfig, ds_config: Dict[str, Any], model: Optional
     traffic, and weight traffic on its own (its own NCCL communicator and stream, so token traffic never queues
     behind it: ds_hecate.comm.collectives); with more than one group also the world's and, per local rank, its
     expert-data-parallel peers' (``ds_hecate.runtime.edp``). ``new_group`` is collective over the whole world, so
-    every rank creates every group, in the same order."""
+    every rank creates every group, in the same order. ``one_rank_shortcuts=False`` makes a 1-rank group's
+    communicator issue its collectives through the transport like N ranks (benchmarks only: see
+    :class:`~ds_hecate.comm.collectives.Communicator`)."""
     from deepspeed.accelerator import get_accelerator
 
     from ..comm.collectives import Communicator
@@ -192,7 +195,7 @@ def build_runtime(hcfg: HecateConfig, ds_config: Dict[str, Any], model: Optional
         weight_group = dist.new_group(ranks=list(range(world)), timeout=timeout)
         comm = build_communicator(hcfg.comm_backend, group, rank, world, device,
                                   timeout_s=hcfg.collective_timeout_s, weight_group=weight_group,
-                                  device_kernels=hcfg.device_kernels)
+                                  device_kernels=hcfg.device_kernels, one_rank_shortcuts=one_rank_shortcuts)
         comm.name_ranks(groups.describe)
         layout = GroupLayout.single(comm, rpn)
         release_gloo_works_at_exit([group, weight_group])

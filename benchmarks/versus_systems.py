@@ -1,0 +1,252 @@
+"""The MoE layers ``benchmarks/layer_versus.py`` puts side by side, built from one set of weights and fed one routing.
+
+Every system computes the same function of the same input: a router (a bias-free linear ``H -> E`` whose logits are
+taken in fp32, softmax, top-k, the k gates renormalized to sum to 1), SwiGLU experts ``w2(silu(w1 x) * w3 x)`` and
+the gate-weighted sum of each token's k expert outputs. The weights are :func:`benchmarks.systems.canonical_weights`
+(seed 1234), the router's are :func:`routed_inputs`' (see there why the routing is the same in every system and
+dtype). What each system's layer call is (timed from the forward's start to the end of what its backward leaves to
+do), per :data:`DESCRIPTIONS`:
+
+- ``plain``: :class:`PlainGroupedMoE`, written here from torch ops: the floor a user gets without a framework;
+- ``ds_hecate``: a ``ds_hecate.MoE`` layer taken over by a 1-rank Hecate runtime built as ``deepspeed.initialize``
+  builds it (:func:`ds_hecate.deepspeed_glue.initialize.build_runtime` from the user's config, ``convert_model``,
+  the engine's forward pre-hook ``runtime.on_model_forward``), every expert owned; forward, backward and
+  ``runtime.flush_reductions()``, which ``engine.backward`` runs after autograd's backward. DeepSpeed's engine
+  itself is left out, as for every system: its ZeRO-2 gradient buckets and optimizer are the step's, not the
+  layer's (and its hooks refuse a second backward without the step in between). No optimizer step is taken (what
+  one does is a step cost for every system: DeepSpeed's bf16 optimizer also rewrites its bf16 weights from the
+  fp32 masters); the call runs in the state a run without a monitor reaches after its first step;
+- ``ds_hecate-no-shortcuts``: the same with the communicator's one-rank shortcuts off (``one_rank_shortcuts=False``):
+  count exchange and token all-to-all go through the 1-rank gloo (or NCCL) group as on N ranks;
+- ``ds_hecate-rank-of-8``: not run, see :data:`NOT_RUN`;
+- ``autoep``: DeepSpeed's AutoEP layer (``expert_parallel`` on :func:`benchmarks.systems.build_model`'s AutoEP
+  source, ``autoep_size`` 1, AutoEP's default grouped GEMM), converted by ``deepspeed.initialize`` with no
+  optimizer (so no ZeRO hooks), called as a module;
+- ``deepspeed-moe``: DeepSpeed's legacy ``deepspeed.moe.layer.MoE`` (``ep_size`` 1, ``drop_tokens=False``), through
+  ``deepspeed.initialize`` with no optimizer, called as a module.
+
+A system whose build fails here (AutoEP without its requirements, say) is reported as not run, with the error.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+DESCRIPTIONS = {
+    "plain": "plain grouped-GEMM MoE layer from torch ops (router, sort-permute, F.grouped_mm, weighted "
+             "un-permute): the floor",
+    "ds_hecate": "ds_hecate.MoE on a 1-rank Hecate runtime built as deepspeed.initialize builds it, every expert "
+                 "owned",
+    "ds_hecate-no-shortcuts": "the same, the communicator's one-rank shortcuts off (collectives through the 1-rank "
+                              "process group, the per-rank path of N ranks)",
+    "ds_hecate-rank-of-8": "a rank's share of an 8-rank run (E/8 experts owned, the rest as replicas)",
+    "autoep": "DeepSpeed AutoEP layer (autoep_size 1, grouped GEMM)",
+    "deepspeed-moe": "DeepSpeed legacy deepspeed.moe.layer.MoE (ep_size 1, drop_tokens=False)",
+}
+SYSTEMS = tuple(DESCRIPTIONS)
+
+#: systems the benchmark cannot run in one process on one device, and why (reported with the results)
+NOT_RUN = {
+    "ds_hecate-rank-of-8": (
+        "a Hecate group owns every expert of its layers, so in a 1-rank group every expert is owned; E/8 owned "
+        "experts with the rest arriving as replicas needs 7 other ranks that own and send them. One process with "
+        "one rank can only get there through a transport that fabricates the other ranks' bytes and tokens, which "
+        "would time a call no real rank makes; ds_hecate-no-shortcuts is the measurable part of the per-rank path "
+        "(its collectives through a real process group)"),
+}
+
+
+@dataclass(frozen=True)
+class RoutedInputs:
+    """One routing for every system: the input ``x`` ``[S, H]``, the router weight ``[E, H]``, the output gradient
+    ``[S, H]`` (all in the compute dtype, on the device) and the expert each route picks, ``[S, k]`` (reference)."""
+
+    x: torch.Tensor
+    router: torch.Tensor
+    grad: torch.Tensor
+    choices: torch.Tensor
+
+
+def routed_inputs(hidden: int, experts: int, top_k: int, tokens: int, dtype: torch.dtype, device: torch.device,
+                  seed: int = 1) -> RoutedInputs:
+    """Inputs whose routing is the same in every system, fp32 or bf16, whatever precision its router computes in.
+
+    Why: AutoEP's router takes its logits in the parameters' dtype, DeepSpeed's gate in fp32; random weights would
+    route some tokens differently in bf16, and the systems would not do the same work. Here each expert's router row
+    has one non-zero, +-1, on one of the first ``m = ceil(E/2)`` input features (expert ``e < m`` reads feature ``e``
+    with +1, expert ``m + j`` feature ``j`` with -1), and those features of every token are a permutation of
+    ``1..m`` scaled by a power of two, with random signs: every logit is exact in bf16 and fp32, and a token's logits
+    are distinct (``+-v``, the ``v`` distinct), so every top-k agrees. Each token picks the features of its k largest
+    ``v`` and, by their signs, one of the two experts on each: uniform random routing. The other features and the
+    output gradient are standard normal (rounded to ``dtype``)."""
+    m = math.ceil(experts / 2)
+    if hidden < m or top_k > m:
+        raise ValueError(f"routed_inputs needs hidden >= ceil(experts / 2) >= top_k (hidden {hidden}, experts "
+                         f"{experts}, top-k {top_k})")
+    gen = torch.Generator().manual_seed(seed)
+    scale = 2.0 ** math.floor(math.log2(4.0 / m))   # the largest logit about 4
+    v = torch.argsort(torch.rand(tokens, m, generator=gen), dim=1).float() + 1.0
+    signs = torch.where(torch.rand(tokens, m, generator=gen) < 0.5, -1.0, 1.0)
+    x = torch.randn(tokens, hidden, generator=gen)
+    x[:, :m] = v * signs * scale
+    router = torch.zeros(experts, hidden)
+    for e in range(experts):
+        router[e, e % m] = 1.0 if e < m else -1.0
+    grad = torch.randn(tokens, hidden, generator=gen)
+    logits = x @ router.t()
+    choices = logits.topk(top_k, dim=1).indices
+    return RoutedInputs(x.to(device, dtype), router.to(device, dtype), grad.to(device, dtype), choices)
+
+
+class PlainGroupedMoE(nn.Module):
+    """The floor: a SwiGLU MoE layer from torch ops, as a user would write it around ``F.grouped_mm``.
+
+    Router (fp32 logits, softmax, top-k, renormalized gates); sort the routes by expert (one stable argsort) and
+    gather their token rows; ``[w1; w3]`` as one grouped GEMM, SiLU-gate, ``w2`` as a second; put the rows back in
+    route order (``index_copy``) and sum each token's k rows weighted by its gates in fp32 (DeepSpeed's combine
+    arithmetic). Autograd does the backward: grouped GEMM's own, deterministic on the CPU."""
+
+    def __init__(self, router: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
+                 top_k: int) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.router = nn.Parameter(router.clone())
+        self.gate_up = nn.Parameter(torch.cat([w1, w3], dim=1).contiguous())   # [E, 2F, H]
+        self.down = nn.Parameter(w2.clone().contiguous())                    # [E, H, F]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        num_tokens, k, num_experts = x.shape[0], self.top_k, self.router.shape[0]
+        probs = F.linear(x.float(), self.router.float()).softmax(dim=-1)
+        top, expert = probs.topk(k, dim=-1)                                   # [S, k]
+        gates = top / top.sum(dim=-1, keepdim=True)
+        flat = expert.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.zeros(num_experts, dtype=torch.int64, device=x.device).scatter_add_(
+            0, flat, torch.ones_like(flat))
+        offs = counts.cumsum(0).to(torch.int32)
+        rows = x.index_select(0, order // k)
+        gate_up = F.grouped_mm(rows, self.gate_up.transpose(1, 2), offs=offs)
+        g, u = gate_up.chunk(2, dim=-1)
+        y = F.grouped_mm(F.silu(g) * u, self.down.transpose(1, 2), offs=offs)
+        y_routes = torch.index_copy(torch.empty_like(y), 0, order, y)
+        return (y_routes.view(num_tokens, k, -1) * gates.unsqueeze(-1)).sum(dim=1).to(x.dtype)
+
+
+@dataclass
+class VersusLayer:
+    """One system's layer, ready to call: ``forward(x)`` gives the output (``x`` shaped ``input_shape``),
+    ``after_backward()`` finishes what its backward leaves (ds_hecate: the flush of the gradient reductions),
+    ``reset()`` clears gradients as an optimizer step would (outside the timed call), ``phases()`` the runtime's
+    per-phase seconds so far (ds_hecate only)."""
+
+    forward: Callable[[torch.Tensor], torch.Tensor]
+    input_shape: Tuple[int, ...]
+    reset: Callable[[], None]
+    after_backward: Callable[[], None] = lambda: None
+    phases: Optional[Callable[[], Dict[str, float]]] = None
+    keep: List[Any] = field(default_factory=list)   # what must stay alive (engines, runtimes)
+
+
+def _clear_grads(params) -> Callable[[], None]:
+    params = list(params)
+
+    def reset() -> None:
+        for p in params:
+            p.grad = None
+    return reset
+
+
+def _model_args(shape) -> argparse.Namespace:
+    return argparse.Namespace(hidden=shape.hidden, ffn=shape.ffn, experts=shape.experts, top_k=shape.top_k,
+                              layers=1, tokens=shape.tokens)
+
+
+def build_plain(shape, inputs: RoutedInputs, dtype: torch.dtype, device: torch.device) -> VersusLayer:
+    from benchmarks.systems import canonical_weights
+    w = canonical_weights(_model_args(shape))[0]
+    layer = PlainGroupedMoE(inputs.router.float().cpu(), w["w1"], w["w3"], w["w2"], shape.top_k).to(device, dtype)
+    return VersusLayer(layer, (shape.tokens, shape.hidden), _clear_grads(layer.parameters()), keep=[layer])
+
+
+def build_hecate(shape, inputs: RoutedInputs, dtype: torch.dtype, device: torch.device,
+                 one_rank_shortcuts: bool = True) -> VersusLayer:
+    """ds_hecate as a user gets it: the config a user writes (ZeRO-2, ``hecate.enabled``, bf16 when asked), every
+    other key at its default."""
+    from benchmarks.systems import build_model
+    from ds_hecate.config import split_hecate_section
+    from ds_hecate.deepspeed_glue.convert import convert_model
+    from ds_hecate.deepspeed_glue.initialize import build_runtime
+    model = build_model(_model_args(shape), "hecate", 1, 0)
+    moe = model.blocks[0].moe
+    moe.gate.wg.weight.data.copy_(inputs.router.float().cpu())
+    config = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": dtype == torch.bfloat16},
+              "zero_optimization": {"stage": 2, "hecate": {"enabled": True, "log_conversion": False}}}
+    hcfg, stripped = split_hecate_section(config)
+    runtime = build_runtime(hcfg, stripped, model, one_rank_shortcuts=one_rank_shortcuts)
+    convert_model(model, runtime)
+    model.to(device, dtype)   # what the engine does with the module: the gate (the experts are Hecate's now)
+    binding = moe.binding
+    # A run without a monitor: the step-metrics observer unhooks itself at the first optimizer step
+    # (StepMetrics.end_step, from HecateEngine.step); no step is taken here, so end that one as the engine would.
+    runtime.metrics.end_step(SimpleNamespace(monitor=None, global_rank=0))
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        runtime.on_model_forward()   # the engine's forward pre-hook (attach_engine)
+        return moe(x)[0]
+
+    def reset() -> None:
+        runtime.store.zero_grads()   # what the expert optimizer's step leaves
+        moe.gate.wg.weight.grad = None
+    return VersusLayer(forward, (shape.tokens, shape.hidden), reset, runtime.flush_reductions,
+                       lambda: dict(binding.phase_seconds()), keep=[model, runtime])
+
+
+def _engine_layer(shape, inputs: RoutedInputs, dtype: torch.dtype, device: torch.device, kind: str,
+                  extra: dict) -> Tuple[nn.Module, Any]:
+    """A DeepSpeed baseline's layer, converted by ``deepspeed.initialize`` without an optimizer (no ZeRO hooks), in
+    fp32 and then cast to ``dtype``: what DeepSpeed's bf16 engine does with the module (with ``bf16`` in the config
+    and no optimizer DeepSpeed still builds its BF16_Optimizer, which refuses MoE layers outside an MoE param
+    group)."""
+    import deepspeed
+    from benchmarks.systems import build_model
+    model = build_model(_model_args(shape), kind, 1, 0)
+    moe = model.blocks[0].moe
+    router = moe.router if kind == "autoep" else moe.deepspeed_moe.gate.wg
+    router.weight.data.copy_(inputs.router.float().cpu())
+    engine, *_ = deepspeed.initialize(model=model, config={"train_micro_batch_size_per_gpu": 1, **extra})
+    layer = engine.module.blocks[0].moe
+    layer.to(device, dtype)
+    return layer, engine
+
+
+def build_autoep(shape, inputs: RoutedInputs, dtype: torch.dtype, device: torch.device) -> VersusLayer:
+    from benchmarks.systems import autoep_section
+    import transformers  # noqa: F401  (AutoEP's presets need it; a missing one is the reason it did not run)
+    layer, engine = _engine_layer(shape, inputs, dtype, device, "autoep",
+                                  {"expert_parallel": autoep_section(1, shape.top_k, use_grouped_mm=True)})
+    if type(layer).__name__ != "AutoEPMoELayer":
+        raise RuntimeError(f"AutoEP left {type(layer).__name__} unconverted")
+    return VersusLayer(layer, (1, shape.tokens, shape.hidden), _clear_grads(layer.parameters()),
+                       keep=[layer, engine])
+
+
+def build_deepspeed_moe(shape, inputs: RoutedInputs, dtype: torch.dtype, device: torch.device) -> VersusLayer:
+    layer, engine = _engine_layer(shape, inputs, dtype, device, "legacy", {})
+    return VersusLayer(lambda x: layer(x)[0], (shape.tokens, shape.hidden), _clear_grads(layer.parameters()),
+                       keep=[layer, engine])
+
+
+BUILDERS: Dict[str, Callable[..., VersusLayer]] = {
+    "plain": build_plain,
+    "ds_hecate": build_hecate,
+    "ds_hecate-no-shortcuts": lambda *a: build_hecate(*a, one_rank_shortcuts=False),
+    "autoep": build_autoep,
+    "deepspeed-moe": build_deepspeed_moe,
+}
