@@ -1,7 +1,8 @@
 """What one call dispatches and allocates, from the torch profiler: the op count and allocation figures the layer
 benchmarks report (``benchmarks/layer_call.py``, ``benchmarks/layer_versus.py``), defined once here.
 
-- **Top-level ops** (``top``): dispatcher ops (``aten::`` and ``c10d::``) with no dispatcher op above them in the
+- **Top-level ops** (``top``): dispatcher ops (``aten::``, ``c10d::`` and ds_hecate's registered ``ds_hecate::``
+  ops) with no dispatcher op above them in the
   profiler's event tree: what the code itself dispatches, forward and backward (autograd's engine runs each
   backward node's ops under an ``autograd::`` event, so they count as top-level). On a GPU about one kernel launch
   each; views (``t``, ``view``, ``expand``) count too, they cost host time without a kernel. ``nested`` counts every
@@ -18,7 +19,10 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List
 
-DISPATCHER_PREFIXES = ("aten::", "c10d::")
+#: the dispatcher's op namespaces: torch's, its collectives', and ds_hecate's own registered ops
+#: (``torch.library.custom_op``: ``ds_hecate::expert_weight_grads`` is one op at the dispatcher as a grouped GEMM
+#: is, whatever it runs inside)
+DISPATCHER_PREFIXES = ("aten::", "c10d::", "ds_hecate::")
 
 
 def _dispatched(name: str) -> bool:

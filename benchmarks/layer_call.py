@@ -65,6 +65,11 @@ SHAPES: Dict[str, LayerShape] = {
     "swiglu-32": LayerShape(hidden=128, ffn=256, experts=32, top_k=2, tokens=2048),
     # the real 2-rank benchmark's layer (benchmarks/run.py: hidden 128, SwiGLU 512, 8 experts), all on one rank
     "bench-8": LayerShape(hidden=128, ffn=512, experts=8, top_k=2, tokens=2048),
+    # issue 41's CPU shapes (benchmarks/layer_versus.py): fine-grained experts with few tokens each, many small
+    # launches, and few large experts
+    "weight-bound": LayerShape(hidden=256, ffn=256, experts=128, top_k=2, tokens=512),
+    "launch-bound": LayerShape(hidden=64, ffn=64, experts=128, top_k=8, tokens=4096),
+    "compute-bound": LayerShape(hidden=256, ffn=512, experts=16, top_k=2, tokens=2048),
     # Qwen3-30B-A3B: hidden 2048, moe_intermediate_size 768, 128 experts, top-8 (one rank holds them all)
     "qwen3-30b-a3b": LayerShape(hidden=2048, ffn=768, experts=128, top_k=8, tokens=4096),
     # DeepSeek-V3: hidden 7168, moe_intermediate_size 2048, top-8 of 256 experts; one of 8 EP ranks holds 32
@@ -85,7 +90,10 @@ def build(shape: LayerShape, device: str, dtype_name: str):
     import torch.distributed as dist
 
     import ds_hecate
-    from ds_hecate.comm.backend import build_communicator
+    try:
+        from ds_hecate.comm.backend import build_communicator
+    except ImportError:   # a checkout before issue 42 moved it
+        from ds_hecate.comm.gpu.backend import build_communicator
     from ds_hecate.config import parse_hecate_section
     from ds_hecate.deepspeed_glue.convert import convert_model
     from ds_hecate.runtime.hecate import HecateRuntime
@@ -182,6 +190,9 @@ def expert_compute_seconds(binding, shape: LayerShape, device: str, dtype_name: 
                                                rt.compute_dtype, CommCounters(), async_op=False).wait()
     if not hasattr(gathered, "buffer"):   # a checkout before issue 24: experts are not one buffer there
         return None
+    # since issue 41 the own experts are apart from the replicas (``owned_rows``): the layer's experts as one block
+    weights = (torch.cat([gathered.owned_rows, gathered.buffer]) if hasattr(gathered, "owned_rows")
+               else gathered.buffer)
     sizes = [shape.rows // shape.experts + (e < shape.rows % shape.experts) for e in range(shape.experts)]
     groups = RowGroups.build(sizes, torch.device(device), to_device)
     gen = torch.Generator().manual_seed(2)
@@ -189,7 +200,7 @@ def expert_compute_seconds(binding, shape: LayerShape, device: str, dtype_name: 
     grad = torch.randn(shape.rows, shape.hidden, generator=gen).to(device, _dtype(dtype_name))
     times = []
     for i in range(repeat + 1):
-        buffer = gathered.buffer.detach().requires_grad_(True)
+        buffer = weights.detach().requires_grad_(True)
         leaf = rows.detach().requires_grad_(True)
         _sync(device)
         start = time.perf_counter()

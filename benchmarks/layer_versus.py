@@ -51,11 +51,8 @@ from benchmarks.versus_systems import DESCRIPTIONS, NOT_RUN, SYSTEMS  # noqa: E4
 
 SCHEMA = "ds_hecate-layer-versus/1"
 SHAPES: Dict[str, LayerShape] = {
-    "weight-bound": LayerShape(hidden=256, ffn=256, experts=128, top_k=2, tokens=512),
-    "launch-bound": LayerShape(hidden=64, ffn=64, experts=128, top_k=8, tokens=4096),
-    "compute-bound": LayerShape(hidden=256, ffn=512, experts=16, top_k=2, tokens=2048),
-    "qwen3-30b-a3b": CALL_SHAPES["qwen3-30b-a3b"],
-    "deepseek-v3": CALL_SHAPES["deepseek-v3"],
+    **{name: CALL_SHAPES[name] for name in ("weight-bound", "launch-bound", "compute-bound", "qwen3-30b-a3b",
+                                            "deepseek-v3")},
     "quick": LayerShape(hidden=32, ffn=32, experts=16, top_k=2, tokens=128),
 }
 DEFAULT_SHAPES = {"cpu": ("weight-bound", "launch-bound", "compute-bound"), "cuda": ("qwen3-30b-a3b", "deepseek-v3")}

@@ -18,6 +18,12 @@ do), per :data:`DESCRIPTIONS`:
   fp32 masters); the call runs in the state a run without a monitor reaches after its first step;
 - ``ds_hecate-no-shortcuts``: the same with the communicator's one-rank shortcuts off (``one_rank_shortcuts=False``):
   count exchange and token all-to-all go through the 1-rank gloo (or NCCL) group as on N ranks;
+- ``ds_hecate-call`` (and ``-no-shortcuts``): the same runtime's layer call, ``LayerBinding.run``, behind the plain
+  layer's router (fp32 logits, softmax, top-k, renormalized gates) instead of DeepSpeed's ``TopKGate``: what a
+  Hugging Face MoE model runs (its router, then the experts module Hecate took over), and the layer call alone
+  against the floor. ``ds_hecate.MoE`` keeps DeepSpeed's gate (bit-for-bit DeepSpeed's routing), which on the CPU
+  costs a few ms and several dozen ops more than the plain router (top-2: a one-hot with a host read, an einsum);
+  the legacy ``deepspeed-moe`` layer pays the same gate;
 - ``ds_hecate-rank-of-8``: not run, see :data:`NOT_RUN`;
 - ``autoep``: DeepSpeed's AutoEP layer (``expert_parallel`` on :func:`benchmarks.systems.build_model`'s AutoEP
   source, ``autoep_size`` 1, AutoEP's default grouped GEMM), converted by ``deepspeed.initialize`` with no
@@ -46,6 +52,9 @@ DESCRIPTIONS = {
                  "owned",
     "ds_hecate-no-shortcuts": "the same, the communicator's one-rank shortcuts off (collectives through the 1-rank "
                               "process group, the per-rank path of N ranks)",
+    "ds_hecate-call": "ds_hecate's layer call (LayerBinding.run, the path Hugging Face models take) behind the plain "
+                      "layer's router, on the same 1-rank runtime",
+    "ds_hecate-call-no-shortcuts": "the same, the communicator's one-rank shortcuts off",
     "ds_hecate-rank-of-8": "a rank's share of an 8-rank run (E/8 experts owned, the rest as replicas)",
     "autoep": "DeepSpeed AutoEP layer (autoep_size 1, grouped GEMM)",
     "deepspeed-moe": "DeepSpeed legacy deepspeed.moe.layer.MoE (ep_size 1, drop_tokens=False)",
@@ -208,6 +217,28 @@ def build_hecate(shape, inputs: RoutedInputs, dtype: torch.dtype, device: torch.
                        lambda: dict(binding.phase_seconds()), keep=[model, runtime])
 
 
+def build_hecate_call(shape, inputs: RoutedInputs, dtype: torch.dtype, device: torch.device,
+                      one_rank_shortcuts: bool = True) -> VersusLayer:
+    """``ds_hecate-call``: :func:`build_hecate`'s runtime, its layer call behind the plain layer's router."""
+    hecate = build_hecate(shape, inputs, dtype, device, one_rank_shortcuts)
+    model, runtime = hecate.keep
+    moe = model.blocks[0].moe
+    router = nn.Parameter(inputs.router.float().clone().to(device, dtype))
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        runtime.on_model_forward()
+        probs = F.linear(x.float(), router.float()).softmax(dim=-1)
+        top, expert = probs.topk(shape.top_k, dim=-1)
+        gates = top / top.sum(dim=-1, keepdim=True)
+        return moe.binding.run(x, expert.t(), gates.t(), "deepspeed")
+
+    def reset() -> None:
+        runtime.store.zero_grads()
+        router.grad = None
+    return VersusLayer(forward, hecate.input_shape, reset, hecate.after_backward, hecate.phases,
+                       keep=[model, runtime, router])
+
+
 def _engine_layer(shape, inputs: RoutedInputs, dtype: torch.dtype, device: torch.device, kind: str,
                   extra: dict) -> Tuple[nn.Module, Any]:
     """A DeepSpeed baseline's layer, converted by ``deepspeed.initialize`` without an optimizer (no ZeRO hooks), in
@@ -247,6 +278,8 @@ BUILDERS: Dict[str, Callable[..., VersusLayer]] = {
     "plain": build_plain,
     "ds_hecate": build_hecate,
     "ds_hecate-no-shortcuts": lambda *a: build_hecate(*a, one_rank_shortcuts=False),
+    "ds_hecate-call": build_hecate_call,
+    "ds_hecate-call-no-shortcuts": lambda *a: build_hecate_call(*a, one_rank_shortcuts=False),
     "autoep": build_autoep,
     "deepspeed-moe": build_deepspeed_moe,
 }

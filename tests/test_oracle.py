@@ -67,11 +67,12 @@ def poison_replica_grad(rank: int, step: int, engine, at_step: int, rank_with_re
         if step == at_step:
             original = binding.reduce_scatter  # the class method, bound
 
-            def poisoned(plan, experts, grads):   # grads: the gathered buffer's gradient, one row per expert
+            def poisoned(plan, experts, own_grads, replica_grads):   # the replica rows' gradients, experts' order
                 if expert in experts and plan.placement.owners[expert] != rank:
-                    grads = grads.clone()
-                    grads[list(experts).index(expert)] = float("inf")
-                return original(plan, experts, grads)
+                    owned = len(experts) - replica_grads.shape[0]
+                    replica_grads = replica_grads.clone()
+                    replica_grads[list(experts).index(expert) - owned] = float("inf")
+                return original(plan, experts, own_grads, replica_grads)
             binding.reduce_scatter = poisoned
         elif step == at_step + 1:
             del binding.reduce_scatter  # back to the class method

@@ -364,7 +364,9 @@ class AllToAllTokens(torch.autograd.Function):
     """Differentiable ragged all-to-all of token rows; backward is the same exchange with the splits swapped.
 
     ``pad_rows`` zero rows follow the received rows (the combine points dropped slots at them instead of masking);
-    their gradient is dropped in backward.
+    ``x`` carries them too, after its sent rows (the expert compute writes its outputs into a block with that zero
+    row): a rank alone returns ``x`` as it is, others receive into a block with the same zero rows. Their gradient
+    is dropped in backward.
     """
 
     @staticmethod
@@ -372,28 +374,31 @@ class AllToAllTokens(torch.autograd.Function):
                 counters: CommCounters, where: str = "an MoE layer", pad_rows: int = 0) -> torch.Tensor:
         ctx.comm, ctx.send_splits, ctx.recv_splits, ctx.counters, ctx.where = (comm, send_splits, recv_splits,
                                                                               counters, where)
-        ctx.rows = sum(recv_splits)
-        out = None
-        if pad_rows:
-            out = x.new_empty((ctx.rows + pad_rows,) + tuple(x.shape[1:]))
-            out[ctx.rows:].zero_()
-        return _token_exchange(comm, x, send_splits, recv_splits, counters, out)
+        ctx.rows, ctx.pad_rows = sum(recv_splits), pad_rows
+        return _token_exchange(comm, x, send_splits, recv_splits, counters, pad_rows)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         with ctx.comm.during(f"backward of {ctx.where}"):
-            grad_in = _token_exchange(ctx.comm, grad[:ctx.rows], ctx.recv_splits, ctx.send_splits, ctx.counters)
+            grad_in = _token_exchange(ctx.comm, grad, ctx.recv_splits, ctx.send_splits, ctx.counters, ctx.pad_rows)
         return grad_in, None, None, None, None, None, None
 
 
 def _token_exchange(comm: Communicator, x: torch.Tensor, send_splits: List[int], recv_splits: List[int],
-                    counters: CommCounters, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    counters: CommCounters, pad_rows: int = 0) -> torch.Tensor:
+    """``x``'s rows (``pad_rows`` zero rows after them, not sent) to their ranks; the received rows, followed by
+    ``pad_rows`` zero rows."""
     row_bytes = math.prod(x.shape[1:]) * x.element_size()
     counters.dispatch_bytes += row_bytes * sum(s for d, s in enumerate(send_splits) if d != comm.rank)
     counters.count("alltoall")
-    if out is None:
+    if not pad_rows:
         return comm.all_to_all(x, send_splits, recv_splits)
-    comm.all_to_all(x, send_splits, recv_splits, out=out[:sum(recv_splits)])
+    if comm.alone:   # its rows come back as they went, zero rows included
+        return x
+    rows = sum(recv_splits)
+    out = x.new_empty((rows + pad_rows,) + tuple(x.shape[1:]))
+    out[rows:].zero_()
+    comm.all_to_all(x[:x.shape[0] - pad_rows], send_splits, recv_splits, out=out[:rows])
     return out
 
 

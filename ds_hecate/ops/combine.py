@@ -2,8 +2,8 @@
 
 ``y`` holds the expert outputs returned to this rank (one row per routed slot that was not dropped, in send order)
 followed by one zero row; ``pos[j, t]`` is the row of slot ``(j, t)`` (route ``j`` of token ``t``), the zero row for
-a dropped slot. One op replaces the slot-order buffer (``[kS, H]`` zeros and an ``index_copy``) and the ``[k, S,
-H]`` weighted product of the former combine; it loops over the ``k`` routes, never over experts.
+a dropped slot. One op replaces the slot-order buffer (``[kS, H]`` zeros and an ``index_copy``) and the per-route
+products of the former combine; a fixed handful of ops whatever ``k`` and the number of experts.
 
 Two arithmetics, the ones the callers' own code uses, so training is the same function:
 
@@ -24,7 +24,12 @@ ARITHMETIC = ("deepspeed", "hf")
 
 
 class WeightedUnpermute(torch.autograd.Function):
-    """See the module docstring; ``pos`` is ``[k, S]`` int64 on ``y``'s device."""
+    """See the module docstring; ``pos`` is ``[k, S]`` int64 on ``y``'s device.
+
+    No loop over ops per route: one gather of every slot's row (``[k, S, H]``), one product with the weights, and
+    the sum over ``j`` as ``k - 1`` in-place adds in ``j`` order (the order the CUDA kernel and the reference add in:
+    a ``sum`` over the route dimension may pair them otherwise). Backward: one product and one scatter for the
+    rows' gradient, one product and one reduction over ``H`` for the weights'."""
 
     @staticmethod
     def forward(ctx, y: torch.Tensor, weights: torch.Tensor, pos: torch.Tensor, arithmetic: str,
@@ -32,38 +37,38 @@ class WeightedUnpermute(torch.autograd.Function):
         if arithmetic not in ARITHMETIC:
             raise ValueError(f"combine arithmetic must be one of {ARITHMETIC}, got {arithmetic!r}")
         ctx.arithmetic = arithmetic
-        ctx.save_for_backward(y, weights, pos)
-        k = pos.shape[0]
+        k, num_tokens = pos.shape
+        weights = weights.contiguous()   # [k, S] from a [S, k] router output: a strided product is slow
+        ctx.y_shape = y.shape
         if kernel is not None and arithmetic == "deepspeed":
+            ctx.save_for_backward(y.index_select(0, pos.reshape(-1)).view(k, num_tokens, y.shape[1]), weights, pos)
             dump = y.shape[0] - 1
             return kernel(y, torch.where(pos == dump, -1, pos).reshape(-1), weights.float())
-        out = None
-        for j in range(k):
-            rows = y.index_select(0, pos[j])
-            if arithmetic == "deepspeed":
-                w = weights[j].float().unsqueeze(-1)
-                term = rows.float() * w   # rounded product, then the sum: DeepSpeed's (no fused multiply-add)
-                out = term if out is None else out.add_(term)
-            else:
-                term = rows * weights[j].to(y.dtype).unsqueeze(-1)
-                out = term.float() if out is None else out.add_(term)
-        if out is None:   # k = 0
-            return y.new_zeros(pos.shape[1], y.shape[1])
-        return out.to(y.dtype)
+        if k == 0:
+            ctx.save_for_backward(y.new_empty(0, num_tokens, y.shape[1]), weights, pos)
+            return y.new_zeros(num_tokens, y.shape[1])
+        rows = y.index_select(0, pos.reshape(-1)).view(k, num_tokens, y.shape[1])
+        ctx.save_for_backward(rows, weights, pos)   # the gathered rows, for the weights' gradient
+        if arithmetic == "deepspeed":   # rounded fp32 products, then the sum (no fused multiply-add): DeepSpeed's
+            terms = rows.float() * weights.float().unsqueeze(-1)
+        else:
+            terms = (rows * weights.to(y.dtype).unsqueeze(-1)).float()
+        first, *rest = terms.unbind(0)
+        for term in rest:
+            first.add_(term)
+        return first.to(y.dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        y, weights, pos = ctx.saved_tensors
-        grad_y = y.new_empty(y.shape)   # every row is one slot's, but the zero row, which dropped slots all hit
-        grad_w = torch.empty_like(weights)
+        rows, weights, pos = ctx.saved_tensors
+        k, num_tokens = pos.shape
         hf = ctx.arithmetic == "hf"
-        g = grad if hf else grad.float()
-        for j in range(pos.shape[0]):
-            w = weights[j].to(y.dtype if hf else torch.float32).unsqueeze(-1)
-            grad_y.index_copy_(0, pos[j], (g * w).to(y.dtype))
-            rows = y.index_select(0, pos[j])
-            grad_w[j] = (g * rows).sum(-1).to(weights.dtype) if hf else (g * rows.float()).sum(-1)
+        g = (grad if hf else grad.float()).unsqueeze(0)
+        w = weights.to(rows.dtype if hf else torch.float32).unsqueeze(-1)
+        grad_y = rows.new_empty(ctx.y_shape)   # every row is one slot's, but the zero row, which dropped slots hit
+        grad_y.index_copy_(0, pos.reshape(-1), (g * w).to(rows.dtype).reshape(k * num_tokens, -1))
         grad_y[-1].zero_()   # the zero row carries no gradient (the token exchange drops it anyway)
+        grad_w = ((g * rows) if hf else (g * rows.float())).sum(-1).to(weights.dtype)
         return grad_y, grad_w, None, None, None
 
 

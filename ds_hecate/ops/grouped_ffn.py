@@ -21,7 +21,7 @@ into the destination rows (``out=``), so the weight gradient is written once, as
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Protocol, Sequence, Tuple
+from typing import Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -40,8 +40,36 @@ CPU_DIRECT_MIN_BYTES = 64 * 1024
 def per_expert_products(device: torch.device, out_features: int, in_features: int, dtype: torch.dtype) -> bool:
     """Whether a projection's weight gradients are computed one ``mm`` per expert into their destination (see the
     module docstring): on the CPU, for experts of at least :data:`CPU_DIRECT_MIN_BYTES`."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return device.type == "cpu" and out_features * in_features * itemsize >= CPU_DIRECT_MIN_BYTES
+    return device.type == "cpu" and out_features * in_features * dtype.itemsize >= CPU_DIRECT_MIN_BYTES
+
+
+@torch.library.custom_op("ds_hecate::expert_weight_grads", mutates_args=("dest",))
+def expert_weight_grads(grad: torch.Tensor, rows: torch.Tensor, offs: torch.Tensor, sizes: List[int],
+                        dest: torch.Tensor, accumulate: bool) -> None:
+    """``dest[e] (+)= grad_e^T @ rows_e`` for every expert ``e`` (``sizes``: its rows, on the host; ``offs``: their
+    ends on the device; ``dest``: ``[experts, out, in]``, any dtype, rows may be strided): each product rounded in
+    ``grad``'s dtype, then written (``accumulate`` False) or added. One op at the dispatcher, as a grouped GEMM is:
+    on the CPU with large experts (:func:`per_expert_products`) one ``mm`` per expert straight into ``dest`` (a
+    loop of BLAS calls, as the CPU's grouped GEMM is inside); otherwise one grouped GEMM and one strided copy or
+    add."""
+    shape = tuple(dest.shape[1:])
+    if per_expert_products(grad.device, shape[0], shape[1], grad.dtype):
+        start = 0
+        for i, size in enumerate(sizes):
+            g, h = grad[start:start + size], rows[start:start + size]
+            start += size
+            if not accumulate and dest.dtype == grad.dtype:
+                torch.mm(g.t(), h, out=dest[i])
+            elif not accumulate:
+                dest[i].copy_(torch.mm(g.t(), h))
+            else:
+                dest[i].add_(torch.mm(g.t(), h))
+        return
+    products = F.grouped_mm(grad.t(), rows, offs=offs)   # [experts, out, in]
+    if accumulate:
+        dest.add_(products)
+    else:
+        dest.copy_(products)
 
 
 class GradTarget(Protocol):
@@ -107,27 +135,8 @@ class GradPart:
         if experts == 0:
             return
         lo, hi = self.columns(name)
-        target = self.target.rows()[:, lo:hi]
-        write = self._write(name)
-        if per_expert_products(rows.device, shape[0], shape[1], grad.dtype):
-            start = 0
-            for i, size in enumerate(groups.sizes):
-                dest = target[i].view(shape)
-                g, h = grad[start:start + size], rows[start:start + size]
-                start += size
-                if write and dest.dtype == grad.dtype:
-                    torch.mm(g.t(), h, out=dest)
-                elif write:
-                    dest.copy_(torch.mm(g.t(), h))
-                else:
-                    dest.add_(torch.mm(g.t(), h))
-        else:
-            products = F.grouped_mm(grad.t(), rows, offs=groups.offs)   # [experts, out, in]
-            dest = target.view(experts, *shape)
-            if write:
-                dest.copy_(products)
-            else:
-                dest.add_(products)
+        dest = self.target.rows()[:, lo:hi].view(experts, *shape)
+        expert_weight_grads(grad, rows, groups.offs, list(groups.sizes), dest, not self._write(name))
         self._done(name)
 
     def bias_grad(self, name: str, grad: torch.Tensor, groups: RowGroups, dtype: torch.dtype) -> None:

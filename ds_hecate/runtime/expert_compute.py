@@ -101,12 +101,21 @@ class CallGrads:
         return self.sends.rows()
 
 
+def padded_outputs(like: torch.Tensor, rows: int, width: int) -> torch.Tensor:
+    """The block a call's expert outputs go into: ``rows`` rows, then one zero row (every dropped slot of the
+    combine points at it; the token exchange sends the rows before it)."""
+    out = like.new_empty(rows + 1, width)
+    out[rows:].zero_()
+    return out
+
+
 def run_parts(kernel, gathered: GatheredExperts, recv: torch.Tensor, rows: ExpertRows,
               grads: CallGrads) -> torch.Tensor:
     """Grouped path: both parts on their rows (one grouped GEMM per projection and part), outputs in the received
-    order (one gather, two scatters back: a fixed number of ops whatever the number of experts)."""
+    order followed by a zero row (one gather, two scatters back: a fixed number of ops whatever the number of
+    experts)."""
     grouped = recv.index_select(0, rows.order)
-    out = grouped.new_empty(grouped.shape[0], kernel_out_features(kernel, gathered))
+    out = padded_outputs(grouped, grouped.shape[0], kernel_out_features(kernel, gathered))
     split = rows.own_rows
     if gathered.owned:
         out.index_copy_(0, rows.order[:split], grouped_ffn(kernel, gathered.owned_rows, grouped[:split], rows.own,
@@ -124,12 +133,13 @@ def kernel_out_features(kernel, gathered: GatheredExperts) -> int:
 
 def run_loop(kernel, own_weights: torch.Tensor, replica_weights: torch.Tensor, recv: torch.Tensor,
              rows: ExpertRows) -> torch.Tensor:
-    """The per-expert loop over both parts (autograd through the weights), outputs in the received order."""
+    """The per-expert loop over both parts (autograd through the weights), outputs in the received order followed by
+    a zero row."""
     grouped = recv.index_select(0, rows.order)
     flats = list(own_weights.unbind(0)) + list(replica_weights.unbind(0))
     outs = [kernel(flat, x) for flat, x in zip(flats, grouped.split(list(rows.sizes)))]
     out = torch.cat(outs) if outs else grouped
-    return out.new_empty(out.shape).index_copy(0, rows.order, out)
+    return padded_outputs(out, out.shape[0], out.shape[1]).index_copy(0, rows.order, out)
 
 
 class Materialize(torch.autograd.Function):

@@ -323,7 +323,8 @@ class LayerBinding:
             # before the next layer's prefetch allocates its own (only one layer's replicas are in the budget).
             del gathered, pending, extra
         with self.timed("combine"):
-            # one zero row after the returned rows: every dropped slot points at it
+            # the expert outputs carry one zero row after them, and so do the returned rows: every dropped slot
+            # points at it
             y_back = AllToAllTokens.apply(y_recv, rt.comm, recv_splits, send_splits, self.counters,
                                           f"MoE layer '{self.shard.name}'", 1)
             pos = torch.full((flat.numel(),), routed, dtype=torch.int64, device=x.device).scatter_(
