@@ -11,7 +11,8 @@ gradient reductions, as ``engine.backward`` ends. Measured, per mode (``grouped`
   about one GPU kernel each) and ``nested`` (all), as :mod:`benchmarks.call_profile` defines them;
 - ``expert_compute_s`` / ``expert_tflops``: the expert compute alone (forward + backward of the grouped rows
   through :func:`ds_hecate.ops.grouped_experts.expert_outputs`), and ``6 * rows * expert_params`` over it;
-- ``phases``: the layer call's phase times (``stats()["layers"][0]["time_s"]``: device time) per call.
+- ``phases``: the layer call's phase times (``stats()["layers"][0]["time_s"]``: device time) per call, forward and
+  backward; ``phase_sum_s`` against ``call_mean_s`` (the mean forward + backward): what no phase accounts for.
 
 ``--save FILE`` writes the outputs and gradients of one call (a fixed seed) and ``--compare A B`` reports their
 largest relative difference: run the same shape on two checkouts to check a change is exact. The layer call's
@@ -232,10 +233,13 @@ def measure(shape_name: str, device: str, dtype_name: str, repeat: int, mode: st
     after = _phase_totals(binding)
     expert_s = expert_compute_seconds(binding, shape, device, dtype_name, max(3, repeat // 2))
     flops = 6.0 * shape.rows * shape.expert_params
+    phases = {p: (after[p] - before[p]) / repeat for p in after}
     return {"shape": shape_name, **asdict(shape), "device": device, "dtype": dtype_name, "mode": mode,
             "fwd_bwd_s": statistics.median(times), "fwd_bwd_all_s": times, "ops": ops,
+            # every part of the call is in a phase: their sum against the mean call (the phases are means)
+            "phase_sum_s": sum(phases.values()), "call_mean_s": statistics.fmean(times),
             "expert_compute_s": expert_s, "expert_tflops": flops / expert_s / 1e12 if expert_s else None,
-            "phases": {p: (after[p] - before[p]) / repeat for p in after}}
+            "phases": phases}
 
 
 def _phase_totals(binding) -> Dict[str, float]:
@@ -298,7 +302,9 @@ def main(argv: Optional[List[str]] = None) -> None:
             print(f"{name:14s} {mode:8s} fwd+bwd {row['fwd_bwd_s'] * 1e3:9.2f} ms  ops {row['ops']['top']:5d} "
                   f"({row['ops']['nested']:5d} nested)  "
                   f"expert compute {row['expert_compute_s'] * 1e3 if row['expert_compute_s'] else float('nan'):8.2f}"
-                  f" ms  {row['expert_tflops'] or float('nan'):7.3f} TFLOP/s", flush=True)
+                  f" ms  {row['expert_tflops'] or float('nan'):7.3f} TFLOP/s  phases "
+                  f"{100 * row.get('phase_sum_s', float('nan')) / row.get('call_mean_s', float('nan')):5.1f}% of "
+                  "the call", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows}, indent=1))
 

@@ -66,7 +66,7 @@ class WeightedUnpermute(torch.autograd.Function):
         g = (grad if hf else grad.float()).unsqueeze(0)
         w = weights.to(rows.dtype if hf else torch.float32).unsqueeze(-1)
         grad_y = rows.new_empty(ctx.y_shape)   # every row is one slot's, but the zero row, which dropped slots hit
-        grad_y.index_copy_(0, pos.reshape(-1), (g * w).to(rows.dtype).reshape(k * num_tokens, -1))
+        grad_y.index_copy_(0, pos.reshape(-1), (g * w).to(rows.dtype).reshape(k * num_tokens, rows.shape[-1]))
         grad_y[-1].zero_()   # the zero row carries no gradient (the token exchange drops it anyway)
         grad_w = ((g * rows) if hf else (g * rows.float())).sum(-1).to(weights.dtype)
         return grad_y, grad_w, None, None, None

@@ -27,7 +27,7 @@ from .phases import PHASES
 from .profiling import WARM_PROFILE_STEP, expert_work, measure_costs
 from .shard_store import ExpertShardStore, LayerShard
 from .stops import Stops
-from .timing import DeviceClock
+from .timing import BackwardPhases, DeviceClock
 
 if TYPE_CHECKING:   # installed by the DeepSpeed glue (initialize); the runtime only calls its step
     from ..deepspeed_glue.expert_optimizer import ExpertOptimizer
@@ -70,6 +70,7 @@ class HecateRuntime:
         self.at_boundary = False
         self.device = comm.device   # the rank's working device: every tensor Hecate creates lives there
         self.clock = DeviceClock(self.device)
+        self.backward_phases = BackwardPhases()   # the layer calls' backward, timed in phases
         self.store = ExpertShardStore(self.device)
         self.autograd_anchor = torch.empty(0, requires_grad=True, device=self.device)
         self.bindings: List[LayerBinding] = []

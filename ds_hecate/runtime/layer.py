@@ -18,9 +18,8 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from ..comm.collectives import AllToAllTokens, CommCounters, GatheredExperts, PendingGather
+from ..comm.collectives import CommCounters, GatheredExperts, PendingGather
 from ..errors import HecateError
-from ..ops.combine import weighted_unpermute
 from ..planning import Placement
 from ..planning.balance import estimated_force_balanced_fraction
 from ..planning.cost_model import imbalance, owner_loads
@@ -29,10 +28,11 @@ from ..planning.fanout import RelayPlan
 from ..planning.layer_planner import LayerPlanner, PlanInputs, PlannerSettings
 from ..planning.search.reuse import ScheduleReuse
 from .phases import PHASES
-from .expert_compute import (CallGrads, ExpertRows, Materialize, MaterializeWeights, RematerializedExperts,
-                             expand_segments, run_loop, run_parts, takes_grouped)
+from .dispatcher import Routes, TokenDispatcher, slot_histogram
+from .expert_compute import (CallGrads, ExpertRows, Materialize, MaterializeWeights, RematerializedExperts, run_loop,
+                             run_parts, takes_grouped)
 from .shard_store import LayerShard, ShardAccumulator
-from .timing import Intervals, PhaseTimer
+from .timing import Intervals, PhaseTimer, boundary
 
 if TYPE_CHECKING:
     from .hecate import HecateRuntime
@@ -43,17 +43,6 @@ def in_backward_pass() -> bool:
     """True while autograd runs a backward pass (activation-checkpoint recompute happens there)."""
     current = getattr(torch._C, "_current_graph_task_id", None)
     return current is not None and current() != -1
-
-
-def slot_histogram(flat: torch.Tensor, gates: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """This rank's row of the count exchange, built on the device without reading it: token-expert pairs per
-    expert, then the health flags (any non-finite gate value; routes to an expert id outside ``[0, E)``). A scatter
-    into ``E + 2`` bins (dropped slots, the experts, out of range), not ``bincount``, which reads the maximum."""
-    bins = flat.clamp(min=-1, max=num_experts) + 1
-    hist = torch.zeros(num_experts + 2, dtype=torch.int64, device=flat.device).scatter_add_(
-        0, bins, torch.ones_like(bins))
-    nonfinite = (~torch.isfinite(gates)).any().to(torch.int64).reshape(1)
-    return torch.cat([hist[1:num_experts + 1], nonfinite, hist[num_experts + 1:]])
 
 
 class LayerBinding:
@@ -89,6 +78,8 @@ class LayerBinding:
         self.peak_replica_bytes = 0
         self._live_buffers: List[Tuple[weakref.ref, int]] = []   # gathered buffers and their replica bytes
         self.top_k = 0  # routes per token, seen at the last call (for the trace header)
+        self.dispatcher = TokenDispatcher(runtime.comm, self.counters, f"MoE layer '{shard.name}'",
+                                          runtime.comm.transport.device_ops.combine)
 
     # -- helpers -----------------------------------------------------------------------------------------------
     def timed(self, phase: str) -> PhaseTimer:
@@ -221,7 +212,8 @@ class LayerBinding:
                 placement = self.planner.prefetch_placement(inputs)
                 # the dispatch tables of this placement, so the call after the gate only divides counts
                 rank_tables(placement, self.runtime.ranks_per_node, self.runtime.rank)
-            self.pending = self.gather_prefetched(placement, inputs, async_op=True)
+            with self.timed("gather"):   # issued now, waited for in the call
+                self.pending = self.gather_prefetched(placement, inputs, async_op=True)
 
     def _plan(self, counts: np.ndarray) -> Tuple[DispatchPlan, PendingGather, Optional[Placement]]:
         """Plan this call; returns (plan, gather of the prefetched placement, calibration's extras or None)."""
@@ -263,25 +255,50 @@ class LayerBinding:
         count exchange, so every rank of the group learns of a bad rank at the same collective; with one group all
         raise there, with several the whole world agrees at the end of the forward (:mod:`.stops`; out-of-range
         routes are out of every count, so the call runs as if they were dropped). The count exchange is the
-        call's only host read of the device (``tests/test_host_syncs.py`` counts them).
+        call's only host read of the device (``tests/test_host_syncs.py`` counts them). Every part of the call,
+        backward included, is timed in a phase (:mod:`.phases`).
         """
         rt, shard = self.runtime, self.shard
-        rank, num_experts = rt.rank, shard.num_experts
         recompute = in_backward_pass()
         rt.note_layer_call(self, recompute)
         if not recompute and rt.last_layer_end is not None:
             self.gap_time.add(rt.last_layer_end, rt.clock.mark())
-        num_tokens = x.shape[0]
+        x = boundary(x, self, "dispatch_bwd", None)
         self.top_k = indices.shape[0]
         flat = indices.reshape(-1).long()
         with self.timed("counts"):
-            exchanged = rt.comm.exchange_counts(slot_histogram(flat, gates, num_experts))
-            counts = exchanged[:, :num_experts]   # [ranks, experts] int64 on the host: the planner's input
-            rt.stops.check_gate(exchanged[:, num_experts:], shard.name, num_experts, rt.comm.rank_name)
+            exchanged = rt.comm.exchange_counts(slot_histogram(flat, gates, shard.num_experts))
+            counts = exchanged[:, :shard.num_experts]   # [ranks, experts] int64 on the host: the planner's input
+            rt.stops.check_gate(exchanged[:, shard.num_experts:], shard.name, shard.num_experts, rt.comm.rank_name)
+        plan, gathered = self._plan_and_gather(counts, recompute)
+        with self.timed("dispatch"):
+            routes = Routes.of(flat, int(counts[rt.rank].sum()), x.shape[0], self.top_k, shard.num_experts,
+                               plan.for_rank(rt.rank))
+            recv = boundary(self.dispatcher.dispatch(x, routes), self, "compute_bwd", "dispatch_bwd")
+        with self.timed("compute"):
+            y_recv = self._compute(recv, plan, gathered)
+            # the gathers' last reference in this call: with re-materialization the replicas are freed here,
+            # before the next layer's prefetch allocates its own (only one layer's replicas are in the budget)
+            del gathered
+        y_recv = boundary(y_recv, self, "combine_bwd", "compute_bwd")
+        with self.timed("combine"):
+            out = boundary(self.dispatcher.combine(y_recv, gates, routes, arithmetic), self, None, "combine_bwd")
+        if not recompute:   # bookkeeping after the tokens moved: off the critical path (before the next prefetch)
+            with self.timed("bookkeeping"):
+                self.planner.observe(counts)
+                self._record(plan, counts)
+            if rt.config.prefetch:
+                rt.prefetch_after(self)
+        rt.last_layer_end = rt.clock.mark()
+        return out
+
+    def _plan_and_gather(self, counts: np.ndarray, recompute: bool) -> Tuple[DispatchPlan, GatheredExperts]:
+        """This call's plan and its experts (the prefetched gather waited for, calibration's extras received into
+        its reserved rows). A recompute replays its forward's plan and gathers (same rows: checkpointing checks
+        every saved shape)."""
+        rank = self.runtime.rank
         with self.timed("plan"):
             if recompute:
-                # The same gathers as the forward's, so the buffer holds its experts in the same rows (one gather of
-                # the whole placement would order them otherwise, and checkpointing checks every saved shape)
                 self.recomputes += 1
                 plan, prefetched, extra = self._cached_plan(counts)
                 spare = 0 if extra is None else sum(1 for _, dst in extra.gather_pairs if dst == rank)
@@ -294,49 +311,21 @@ class LayerBinding:
             gathered = pending.wait()
             if extra is not None:
                 gathered = self.gather_extras(extra, gathered)
+        return plan, gathered
 
-        # Send order: by destination, then expert, then slot; the receiver expects (src, expert) segments.
-        with self.timed("dispatch"):
-            mine_dispatch = plan.for_rank(rank)
-            routed = int(counts[rank].sum())   # this rank's routed slots, known on the host
-            # expert-major slot order, dropped slots last (sorted by the key num_experts) and cut off
-            by_expert = torch.argsort(torch.where(flat >= 0, flat, num_experts), stable=True)[:routed]
-            dst_of_sorted = expand_segments(mine_dispatch.send_dst, mine_dispatch.send_rows, x.device, routed)
-            send_slots = by_expert.index_select(0, torch.argsort(dst_of_sorted, stable=True))
-            send_rows = x.index_select(0, send_slots % max(num_tokens, 1))  # on the graph even when empty
-            send_splits, recv_splits = mine_dispatch.send_splits, mine_dispatch.recv_splits
-            recv = AllToAllTokens.apply(send_rows, rt.comm, send_splits, recv_splits, self.counters,
-                                        f"MoE layer '{self.shard.name}'")
-
-        with self.timed("compute"):
-            rows = ExpertRows.of(mine_dispatch, gathered.experts, gathered.owned, x.device)
-            if self.rematerializes:
-                y_recv = RematerializedExperts.apply(recv, rt.autograd_anchor, self, plan, gathered, rows)
-            elif takes_grouped(shard.kernel, gathered, recv):
-                grads = CallGrads(self, gathered)
-                recv = Materialize.apply(recv, rt.autograd_anchor, self, plan, gathered.experts, grads)
-                y_recv = run_parts(shard.kernel, gathered, recv, rows, grads)
-            else:
-                recv, own, replicas = MaterializeWeights.apply(recv, rt.autograd_anchor, self, plan, gathered)
-                y_recv = run_loop(shard.kernel, own, replicas, recv, rows)
-            # The gathers' last references in this call: with re-materialization the replicas are freed here,
-            # before the next layer's prefetch allocates its own (only one layer's replicas are in the budget).
-            del gathered, pending, extra
-        with self.timed("combine"):
-            # the expert outputs carry one zero row after them, and so do the returned rows: every dropped slot
-            # points at it
-            y_back = AllToAllTokens.apply(y_recv, rt.comm, recv_splits, send_splits, self.counters,
-                                          f"MoE layer '{self.shard.name}'", 1)
-            pos = torch.full((flat.numel(),), routed, dtype=torch.int64, device=x.device).scatter_(
-                0, send_slots, torch.arange(routed, device=x.device)).view(self.top_k, num_tokens)
-            out = weighted_unpermute(y_back, gates, pos, arithmetic, rt.comm.transport.device_ops.combine)
-        if not recompute:   # bookkeeping after the tokens moved: off the critical path (before the next prefetch)
-            self.planner.observe(counts)
-            self._record(plan, counts)
-            if rt.config.prefetch:
-                rt.prefetch_after(self)
-        rt.last_layer_end = rt.clock.mark()
-        return out
+    def _compute(self, recv: torch.Tensor, plan: DispatchPlan, gathered: GatheredExperts) -> torch.Tensor:
+        """The experts on the received rows (:mod:`.expert_compute`): outputs in the received order, then a zero
+        row."""
+        rt, kernel = self.runtime, self.shard.kernel
+        rows = ExpertRows.of(plan.for_rank(rt.rank), gathered.experts, gathered.owned, recv.device)
+        if self.rematerializes:
+            return RematerializedExperts.apply(recv, rt.autograd_anchor, self, plan, gathered, rows)
+        if takes_grouped(kernel, gathered, recv):
+            grads = CallGrads(self, gathered)
+            recv = Materialize.apply(recv, rt.autograd_anchor, self, plan, gathered.experts, grads)
+            return run_parts(kernel, gathered, recv, rows, grads)
+        recv, own, replicas = MaterializeWeights.apply(recv, rt.autograd_anchor, self, plan, gathered)
+        return run_loop(kernel, own, replicas, recv, rows)
 
     def _record(self, plan: DispatchPlan, counts: np.ndarray) -> None:
         self.last_plan, self.last_counts = plan, counts

@@ -87,21 +87,87 @@ class Intervals:
         return self._total
 
 
+def record(binding: Any, phase: str, mark: Any, host_start: float) -> None:
+    """An interval of ``phase`` from ``mark`` / ``host_start`` to now: device time into
+    ``binding.device_time[phase]`` (statistics and the cost model), host time into ``binding.host_phase_s``."""
+    binding.host_phase_s[phase] += time.perf_counter() - host_start
+    binding.device_time[phase].add(mark, binding.runtime.clock.mark())
+
+
+class BackwardPhases:
+    """The backward of the layer calls as phases: a layer call puts :class:`PhaseBoundary` nodes on its tensors
+    (output, expert outputs, received rows, input), and in backward each one that autograd reaches ends the phase
+    running since the one before and starts the next. One interval is open at a time per runtime (a layer's
+    backward runs its nodes in a row); a :class:`PhaseTimer` inside it (the SparseReduceScatter's issue, a re-gather,
+    another layer's reduce-scatter wait) pauses it, so no time is counted twice and the phases add up to the call."""
+
+    def __init__(self) -> None:
+        self.open: Optional[Tuple[Any, str, Any, float]] = None   # (binding, phase, device mark, host start)
+
+    def cross(self, binding: Any, ends: Optional[str], starts: Optional[str]) -> None:
+        """At a boundary in backward: close ``ends`` (if it is the interval open for ``binding``; a stale one, of a
+        boundary autograd did not reach, is dropped) and open ``starts``."""
+        if self.open is not None:
+            owner, phase, mark, host_start = self.open
+            if owner is binding and phase == ends:
+                record(binding, phase, mark, host_start)
+        self.open = None
+        if starts is not None:
+            self.open = (binding, starts, binding.runtime.clock.mark(), time.perf_counter())
+
+    def pause(self) -> Optional[Tuple[Any, str]]:
+        """Close the open interval (recorded) for a nested timer; returns what to :meth:`resume`."""
+        if self.open is None:
+            return None
+        owner, phase, mark, host_start = self.open
+        record(owner, phase, mark, host_start)
+        self.open = None
+        return owner, phase
+
+    def resume(self, paused: Optional[Tuple[Any, str]]) -> None:
+        if paused is not None:
+            owner, phase = paused
+            self.open = (owner, phase, owner.runtime.clock.mark(), time.perf_counter())
+
+
+class PhaseBoundary(torch.autograd.Function):
+    """Identity; in backward, the boundary between two backward phases of a layer call (:class:`BackwardPhases`)."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, binding: Any, ends: Optional[str], starts: Optional[str]) -> torch.Tensor:
+        ctx.binding, ctx.ends, ctx.starts = binding, ends, starts
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.binding.runtime.backward_phases.cross(ctx.binding, ctx.ends, ctx.starts)
+        return grad, None, None, None
+
+
+def boundary(tensor: torch.Tensor, binding: Any, ends: Optional[str], starts: Optional[str]) -> torch.Tensor:
+    """``tensor`` with a :class:`PhaseBoundary` on it (as it is where it needs no gradient)."""
+    if not tensor.requires_grad:
+        return tensor
+    return PhaseBoundary.apply(tensor, binding, ends, starts)
+
+
 class PhaseTimer:
-    """One phase of an MoE layer call: device time into ``binding.device_time[phase]`` (statistics and the cost
-    model), host time into ``binding.host_phase_s``; names the phase as the communicator's activity (shown if a
-    collective fails inside it)."""
+    """One phase of an MoE layer call (:func:`record`); names the phase as the communicator's activity (shown if a
+    collective fails inside it); pauses a backward phase it runs inside (:class:`BackwardPhases`)."""
 
     def __init__(self, binding: Any, phase: str) -> None:
         self.binding, self.phase = binding, phase
 
     def __enter__(self) -> None:
-        comm = self.binding.runtime.comm
+        runtime = self.binding.runtime
+        comm = runtime.comm
         self.previous, comm.activity = comm.activity, f"{self.phase} of MoE layer '{self.binding.shard.name}'"
-        self.mark = self.binding.runtime.clock.mark()
+        self.paused = runtime.backward_phases.pause()
+        self.mark = runtime.clock.mark()
         self.start = time.perf_counter()
 
     def __exit__(self, *exc: Any) -> None:
-        self.binding.host_phase_s[self.phase] += time.perf_counter() - self.start
-        self.binding.device_time[self.phase].add(self.mark, self.binding.runtime.clock.mark())
-        self.binding.runtime.comm.activity = self.previous
+        record(self.binding, self.phase, self.mark, self.start)
+        runtime = self.binding.runtime
+        runtime.comm.activity = self.previous
+        runtime.backward_phases.resume(self.paused)

@@ -41,12 +41,17 @@ MUTATIONS: List[Mutation] = [
         "without experts); the ordering lives in engine.py (HecateEngine.save_checkpoint), not checkpoint.py"),
     Mutation(
         "replica-gradient-dropped", "ds_hecate/runtime/expert_compute.py",
-        (("        ctx.binding.reduce_scatter(ctx.plan, ctx.experts, grad_buffer)\n",
-          "        replicas = [i for i, e in enumerate(ctx.experts) if ctx.plan.owners[e] != ctx.binding.runtime.rank]\n"
-          "        if replicas:  # MUTATION: the first replica's gradient never reaches its owner\n"
-          "            grad_buffer = grad_buffer.clone()\n"
-          "            grad_buffer[replicas[0]] = 0\n"
-          "        ctx.binding.reduce_scatter(ctx.plan, ctx.experts, grad_buffer)\n"),),
+        (("        ctx.binding.reduce_scatter(ctx.plan, ctx.experts, None, ctx.grads.finish())\n",
+          "        sends = ctx.grads.finish()\n"
+          "        if sends.shape[0]:  # MUTATION: the first replica's gradient never reaches its owner (grouped)\n"
+          "            sends = sends.clone()\n"
+          "            sends[0] = 0\n"
+          "        ctx.binding.reduce_scatter(ctx.plan, ctx.experts, None, sends)\n"),
+         ("        ctx.binding.reduce_scatter(ctx.plan, ctx.experts, grad_own, grad_replicas)\n",
+          "        if grad_replicas.shape[0]:  # MUTATION: the first replica's gradient never reaches its owner\n"
+          "            grad_replicas = grad_replicas.clone()\n"
+          "            grad_replicas[0] = 0\n"
+          "        ctx.binding.reduce_scatter(ctx.plan, ctx.experts, grad_own, grad_replicas)\n")),
         "a replica's weight gradient is replaced by zeros before SparseReduceScatter"),
     Mutation(
         "token-to-rank-without-expert", "ds_hecate/planning/dispatch_plan.py",
@@ -76,10 +81,10 @@ MUTATIONS: List[Mutation] = [
         "re-sharding moves master weights but not Adam's exp_avg / exp_avg_sq"),
     Mutation(
         "empty-rank-skips-layer", "ds_hecate/runtime/layer.py",
-        (("        num_tokens = x.shape[0]\n"
+        (("        x = boundary(x, self, \"dispatch_bwd\", None)\n"
           "        self.top_k = indices.shape[0]\n",
-          "        num_tokens = x.shape[0]\n"
-          "        if num_tokens == 0:  # MUTATION: a rank without tokens returns before the layer's collectives\n"
+          "        x = boundary(x, self, \"dispatch_bwd\", None)\n"
+          "        if x.shape[0] == 0:  # MUTATION: a rank without tokens returns before the layer's collectives\n"
           "            return x.new_zeros(indices.numel(), x.shape[-1])\n"
           "        self.top_k = indices.shape[0]\n"),),
         "a rank with no tokens skips the count exchange, gathers and all-to-alls (the others wait: a hang)",
@@ -193,16 +198,16 @@ MUTATIONS: List[Mutation] = [
         "the simulator charges host planning in wall time, so its tables move with the machine's load (issue 26)"),
     Mutation(
         "calibration-extension-copies", "ds_hecate/comm/buffers.py",
-        (("        return GatheredExperts(self.experts + extra.experts, self.block[:rows], self.owned, self.block)\n",
+        (("        return GatheredExperts(self.experts + extra.experts, self.owned_rows, self.block[:rows], self.block)\n",
           "        copy = materialized_buffer(rows, self.buffer.shape[1], self.buffer.dtype, self.buffer.device)\n"
           "        copy.copy_(self.block[:rows])  # MUTATION: the extended buffer is a copy (the code before 2026-12-01)\n"
-          "        return GatheredExperts(self.experts + extra.experts, copy, self.owned)\n"),),
+          "        return GatheredExperts(self.experts + extra.experts, self.owned_rows, copy)\n"),),
         "extending the prefetched placement after the gate copies the prefetched rows and the extras into a new "
         "buffer, so both live at once (up to twice the budget; CI saw it on 2026-12-01)"),
     Mutation(
         "rematerialize-replicas-outlive-layer", "ds_hecate/runtime/layer.py",
-        (("            del gathered, pending, extra\n",
-          "            del gathered  # MUTATION: the gathers stay referenced until the layer call returns\n"),),
+        (("            del gathered\n",
+          "            pass  # MUTATION: the gathers stay referenced until the layer call returns\n"),),
         "with re-materialization, a layer's replicas are still alive when the next layer's prefetch allocates its "
         "own (two layers resident, the budget holds one; the bug fixed on 2026-11-30)"),
     Mutation(
@@ -318,8 +323,9 @@ MUTATIONS: List[Mutation] = [
         "SparseReduceScatter"),
     Mutation(
         "layer-call-reads-the-device", "ds_hecate/runtime/layer.py",
-        (("            routed = int(counts[rank].sum())   # this rank's routed slots, known on the host\n",
-          "            routed = int((flat >= 0).sum())  # MUTATION: read back from the device (a second sync)\n"),),
+        (("            routes = Routes.of(flat, int(counts[rt.rank].sum()), x.shape[0], self.top_k, shard.num_experts,\n",
+          "            routes = Routes.of(flat, int((flat >= 0).sum()), x.shape[0], self.top_k, shard.num_experts,"
+          "  # MUTATION: a second sync\n"),),
         "the layer call reads a device tensor on the host besides the count exchange (a CUDA synchronisation)"),
     Mutation(
         "grouped-rows-in-plan-order", "ds_hecate/runtime/expert_compute.py",

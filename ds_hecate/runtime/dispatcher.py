@@ -1,0 +1,84 @@
+"""The token side of a layer call: permute, all-to-all, (the experts), reverse all-to-all, weighted un-permute.
+
+:class:`TokenDispatcher` holds what moves tokens (the group's communicator, the traffic counters, the device's
+combine kernel) and nothing of the runtime; a call's routing is frozen in :class:`Routes`, made from the plan's
+host tables for this rank (:class:`~ds_hecate.planning.dispatch_plan.RankDispatch`) and the slots' expert ids. The
+layer (:meth:`~ds_hecate.runtime.layer.LayerBinding.run`) hands the dispatcher explicit inputs and gets tokens
+back, so another transport (a DeepEP-style one, say) replaces this class without touching the layer.
+
+Send order: by destination, then expert, then slot; the receiver gets (source, expert) segments. The expert
+outputs come back with one zero row after them, which every dropped slot's position points at.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, List, Optional
+
+import torch
+
+from ..comm.buffers import CommCounters
+from ..comm.collectives import AllToAllTokens, Communicator
+from ..ops.combine import weighted_unpermute
+from ..planning.dispatch_plan import RankDispatch
+from .expert_compute import expand_segments
+
+
+def slot_histogram(flat: torch.Tensor, gates: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """This rank's row of the count exchange, built on the device without reading it: token-expert pairs per
+    expert, then the health flags (any non-finite gate value; routes to an expert id outside ``[0, E)``). A scatter
+    into ``E + 2`` bins (dropped slots, the experts, out of range), not ``bincount``, which reads the maximum."""
+    bins = flat.clamp(min=-1, max=num_experts) + 1
+    hist = torch.zeros(num_experts + 2, dtype=torch.int64, device=flat.device).scatter_add_(
+        0, bins, torch.ones_like(bins))
+    nonfinite = (~torch.isfinite(gates)).any().to(torch.int64).reshape(1)
+    return torch.cat([hist[1:num_experts + 1], nonfinite, hist[num_experts + 1:]])
+
+
+@dataclass(frozen=True)
+class Routes:
+    """One call's routing on this rank: its routed slots in send order (``send_slots``: slot ``j * S + t`` is
+    route ``j`` of token ``t``), how many go to / come from each rank, and the call's shape."""
+
+    send_slots: torch.Tensor
+    send_splits: List[int]
+    recv_splits: List[int]
+    routed: int
+    num_tokens: int
+    top_k: int
+
+    @staticmethod
+    def of(flat: torch.Tensor, routed: int, num_tokens: int, top_k: int, num_experts: int,
+           dispatch: RankDispatch) -> "Routes":
+        """From the slots' expert ids (``flat``, ``[k * S]``, -1 dropped) and the plan's tables: slots expert-major
+        (dropped and out-of-range last, cut off at ``routed``, known on the host), then by destination."""
+        by_expert = torch.argsort(torch.where(flat >= 0, flat, num_experts), stable=True)[:routed]
+        dst_of_sorted = expand_segments(dispatch.send_dst, dispatch.send_rows, flat.device, routed)
+        send_slots = by_expert.index_select(0, torch.argsort(dst_of_sorted, stable=True))
+        return Routes(send_slots, list(dispatch.send_splits), list(dispatch.recv_splits), routed, num_tokens, top_k)
+
+
+class TokenDispatcher:
+    """Moves one layer's tokens to the ranks that hold their experts and the outputs back (see the module
+    docstring). ``where`` names the layer in collective errors."""
+
+    def __init__(self, comm: Communicator, counters: CommCounters, where: str,
+                 combine_kernel: Optional[Callable] = None) -> None:
+        self.comm, self.counters, self.where = comm, counters, where
+        self.combine_kernel = combine_kernel
+
+    def dispatch(self, x: torch.Tensor, routes: Routes) -> torch.Tensor:
+        """The rows this rank computes, (source, expert) segments in the plan's order."""
+        send_rows = x.index_select(0, routes.send_slots % max(routes.num_tokens, 1))  # on the graph even when empty
+        return AllToAllTokens.apply(send_rows, self.comm, routes.send_splits, routes.recv_splits, self.counters,
+                                    self.where)
+
+    def combine(self, y_recv: torch.Tensor, gates: torch.Tensor, routes: Routes, arithmetic: str) -> torch.Tensor:
+        """``[S, H]``: each token's routes' outputs (``y_recv``: the received rows' outputs and a zero row) sent
+        back and summed weighted by ``gates`` ``[k, S]`` with the caller's arithmetic."""
+        y_back = AllToAllTokens.apply(y_recv, self.comm, routes.recv_splits, routes.send_splits, self.counters,
+                                      self.where, 1)
+        device = y_recv.device
+        pos = torch.full((routes.top_k * routes.num_tokens,), routes.routed, dtype=torch.int64, device=device)
+        pos = pos.scatter_(0, routes.send_slots, torch.arange(routes.routed, device=device))
+        return weighted_unpermute(y_back, gates, pos.view(routes.top_k, routes.num_tokens), arithmetic,
+                                  self.combine_kernel)
