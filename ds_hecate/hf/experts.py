@@ -15,6 +15,7 @@ from torch import nn
 
 from ..errors import HecateModelError
 from ..experts import ExpertKernel, FFNForm
+from ..runtime.tensor_parallel import run_layer
 
 IMPLEMENTATION = "hecate"
 
@@ -77,7 +78,7 @@ def hecate_experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k
     k = top_k_index.shape[-1]
     indices = top_k_index.reshape(num_tokens, k).t()
     weights = top_k_weights.reshape(num_tokens, k).t()
-    out = binding.run(hidden_states, indices, weights, "hf")  # HF's arithmetic: weights in the output dtype
+    out = run_layer(binding, hidden_states, indices, weights, "hf")  # HF's arithmetic: weights in the output dtype
     return out.to(hidden_states.dtype)
 
 

@@ -15,7 +15,7 @@ every rank.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, List, Optional
+from typing import TYPE_CHECKING, List, Optional, Tuple
 
 import torch
 
@@ -34,6 +34,10 @@ class GroupLayout:
     ``world`` carries what must agree across groups (the global gradient norm, the measured costs, checkpoint
     barriers, the first distribution of the experts); ``edp`` the gradient reduction and the weights' all-gather
     (None with one group); ``partitioned``: expert state split over the EDP peers (ZeRO stage >= 1, R > 1).
+    ``ranks``: the global rank at each position of ``groups`` (None: the same; with a model-parallel unit the groups
+    lie inside the data-parallel ranks of each tensor-parallel rank, ``ds_hecate.deepspeed_glue.model_parallel``);
+    ``tensor_parallel``: the communicator over this rank's tensor-parallel peers, whose tokens are the same (None
+    without tensor parallelism; :mod:`.tensor_parallel`).
     """
 
     groups: ExpertGroups
@@ -41,6 +45,8 @@ class GroupLayout:
     world: Communicator
     edp: Optional[Communicator] = None
     partitioned: bool = False
+    ranks: Optional[Tuple[int, ...]] = None
+    tensor_parallel: Optional[Communicator] = None
 
     @staticmethod
     def single(comm: Communicator, ranks_per_node: int) -> "GroupLayout":
@@ -52,9 +58,21 @@ class GroupLayout:
         return self.groups.edp_size
 
     @property
+    def position(self) -> int:
+        """This rank's position in ``groups`` (its global rank unless ``ranks`` reorders them)."""
+        return self.global_rank if self.ranks is None else self.ranks.index(self.global_rank)
+
+    def global_of(self, position: int) -> int:
+        return position if self.ranks is None else self.ranks[position]
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return 1 if self.tensor_parallel is None else self.tensor_parallel.world_size
+
+    @property
     def edp_index(self) -> int:
         """This rank's index among its EDP peers (its group)."""
-        return self.groups.group_of(self.global_rank)
+        return self.groups.group_of(self.position)
 
     def partition_for(self, numel: int) -> Optional[Partition]:
         return Partition(self.edp_size, self.edp_index, numel) if self.partitioned else None
@@ -64,7 +82,8 @@ class GroupLayout:
         group the owner itself (an int: the collectives of a single group are today's)."""
         if self.edp_size == 1:
             return list(owners)
-        return [tuple(self.groups.global_rank(g, o) for g in range(self.groups.num_groups)) for o in owners]
+        return [tuple(self.global_of(self.groups.global_rank(g, o)) for g in range(self.groups.num_groups))
+                for o in owners]
 
 
 def reduce_gradients(rt: "HecateRuntime") -> None:
