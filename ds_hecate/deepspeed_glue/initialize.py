@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm.exit_guard import release_gloo_works_at_exit
-from ..config import HecateConfig, split_hecate_section
+from ..config import HecateConfig, parse_hecate_section, split_hecate_section
 from ..errors import HecateConfigError, HecateUnsupportedError
 from ..logging_utils import log_rank0, quiet_renamed_all_gather_warning
 from .model_parallel import refuse_unsupported_mpu
@@ -393,6 +393,7 @@ def patch_deepspeed() -> None:
     global _ORIGINAL_INITIALIZE
     import deepspeed
     import deepspeed.runtime.zero.config as zero_config
+    from pydantic import field_validator
 
     if _ORIGINAL_INITIALIZE is None:
         _ORIGINAL_INITIALIZE = deepspeed.initialize
@@ -402,10 +403,19 @@ def patch_deepspeed() -> None:
         base = zero_config.DeepSpeedZeroConfig
 
         class HecateAwareZeroConfig(base):  # type: ignore[misc, valid-type]
-            """DeepSpeed's ZeRO config plus an opaque ``hecate`` section (validated by ds_hecate itself)."""
+            """DeepSpeed's ZeRO config plus a ``hecate`` section, validated by ds_hecate's own schema wherever DeepSpeed
+            parses a config (``deepspeed.zero.Init`` under a Hugging Face ZeRO-3 ``from_pretrained``, a
+            ``DeepSpeedConfig`` built by hand): a bad key fails there, before the model is built."""
 
             hecate: Optional[Dict[str, Any]] = None
             _hecate_aware = True
+
+            @field_validator("hecate")
+            @classmethod
+            def _valid_hecate_section(cls, value: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+                if value is not None:
+                    parse_hecate_section(value)
+                return value
 
         HecateAwareZeroConfig.__name__ = base.__name__
         zero_config.DeepSpeedZeroConfig = HecateAwareZeroConfig
