@@ -54,22 +54,26 @@ def bounded_float(low: float, high: float, what: str) -> ArgType:
     return parse
 
 
-def existing_file(what: str) -> ArgType:
+def _existing(test: Callable[[str], bool], what: str, kind: str) -> ArgType:
+    """A path ``test`` accepts, else ``no <what> <kind> '<path>'``."""
     def parse(text: str) -> str:
-        if not os.path.isfile(text):
-            raise argparse.ArgumentTypeError(f"no {what} file {text!r}")
+        if not test(text):
+            raise argparse.ArgumentTypeError(f"no {what}{kind} {text!r}")
         return text
-    parse.__name__ = "file"
+    parse.__name__ = kind.strip() or "path"
     return parse
+
+
+def existing_file(what: str) -> ArgType:
+    return _existing(os.path.isfile, what, " file")
 
 
 def existing_dir(what: str) -> ArgType:
-    def parse(text: str) -> str:
-        if not os.path.isdir(text):
-            raise argparse.ArgumentTypeError(f"no {what} directory {text!r}")
-        return text
-    parse.__name__ = "directory"
-    return parse
+    return _existing(os.path.isdir, what, " directory")
+
+
+def file_or_dir(what: str) -> ArgType:
+    return _existing(os.path.exists, what, "")
 
 
 def writable_path(text: str) -> str:
@@ -90,15 +94,6 @@ def new_directory(text: str) -> str:
     if os.path.exists(text) and not os.path.isdir(text):
         raise argparse.ArgumentTypeError(f"{text!r} exists and is not a directory")
     return text
-
-
-def file_or_dir(what: str) -> ArgType:
-    def parse(text: str) -> str:
-        if not os.path.exists(text):
-            raise argparse.ArgumentTypeError(f"no {what} {text!r}")
-        return text
-    parse.__name__ = "path"
-    return parse
 
 
 def preset_or_file(presets: Iterable[str], what: str, file_kind: str) -> ArgType:
