@@ -196,7 +196,8 @@ def build_runtime(hcfg: HecateConfig, ds_config: Dict[str, Any], model: Optional
     world = dist.get_world_size()
     rpn = _ranks_per_node(hcfg, world)
     parallel = read_mpu(mpu, world)
-    groups = ExpertGroups(world, _group_size(hcfg, model, parallel, rpn), rpn)
+    with same_on_every_rank():   # from the config, the model and the world: every rank raises alike
+        groups = ExpertGroups(world, _group_size(hcfg, model, parallel, rpn), rpn)
     device = working_device(get_accelerator())
     comm, layout, name = _build_groups(hcfg, ds_config, groups, hecate_rank_order(parallel, groups.ep_size),
                                        parallel, device)
