@@ -194,7 +194,8 @@ def build_runtime(hcfg: HecateConfig, ds_config: Dict[str, Any], model: Optional
     from .monitor import install_recorders
 
     world = dist.get_world_size()
-    rpn = _ranks_per_node(hcfg, world)
+    with same_on_every_rank():
+        rpn = _ranks_per_node(hcfg, world)
     parallel = read_mpu(mpu, world)
     with same_on_every_rank():   # from the config, the model and the world: every rank raises alike
         groups = ExpertGroups(world, _group_size(hcfg, model, parallel, rpn), rpn)
