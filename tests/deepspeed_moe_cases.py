@@ -228,6 +228,7 @@ def expert_grads_ep1_vs_ep2(stage: int) -> dict:
 
 def world2_cases(rank: int, world: int) -> Dict[str, dict]:
     import deepspeed
+    import ds_hecate  # noqa: F401  (the training script's import; `pip install .` makes it automatic)
     deepspeed.init_distributed(dist_backend="gloo")
     _fp16_on_cpu()
     cases = {f"TestSimpleMoE[{s}]": (lambda s=s: simple_moe(s)) for s in (0, 1, 2)}
@@ -325,6 +326,7 @@ def tensor_parallel(ep_size: int, tp_size: int, expert_tp: bool, use_residual: b
 
 def world4_cases(rank: int, world: int) -> Dict[str, dict]:
     import deepspeed
+    import ds_hecate  # noqa: F401  (the training script's import; `pip install .` makes it automatic)
     deepspeed.init_distributed(dist_backend="gloo")
     _fp16_on_cpu()
     cases = {f"TestMoE[{ep}-{stage}-{res}]": (lambda ep=ep, stage=stage, res=res: moe_ep(ep, stage, res))

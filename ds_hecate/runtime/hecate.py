@@ -272,13 +272,14 @@ class HecateRuntime:
     def _note_nonfinite_grads(self, applied: bool) -> None:
         """NaN/Inf in this rank's expert gradients: counted and named in the statistics (each rank its own experts).
         Whether the step is applied is DeepSpeed's decision (its overflow check sees them through the global norm,
-        which includes the experts). Skipped when this step's joint norm is known and finite; otherwise one host sync
-        for all experts.
+        which includes the experts, or skips on the dense gradients before computing it). Skipped when this step's
+        joint norm is known and finite; otherwise one host sync for all experts.
 
         Reported as DeepSpeed reports an overflow: one line per step, from global rank 0, with the count over all
-        ranks (a one-number all-reduce, only on the steps whose joint norm is non-finite: the same steps on every
-        rank). Where no joint norm is computed (ZeRO stage 0 in fp32 without clipping: nothing decides to skip), the
-        ranks that hold a non-finite gradient warn themselves, as there is no collective to agree on."""
+        ranks (a one-number all-reduce, only on steps DeepSpeed skipped or whose joint norm is non-finite: both the
+        same on every rank). Where a step is applied with no joint norm computed (ZeRO stage 0 in fp32 without
+        clipping: nothing decides to skip), the ranks that hold a non-finite gradient warn themselves, as there is
+        no collective to agree on."""
         total = self.last_total_norm
         known = total is not None
         if known and 0 <= float(total) < float("inf"):
@@ -288,7 +289,7 @@ class HecateRuntime:
         if bad:
             self.nonfinite_grad_steps += 1
             self.last_nonfinite_grads = {"step": step, "experts": bad}
-        if not known:
+        if applied and not known:
             if bad:
                 logger.warning(f"rank {self.layout.global_rank}: non-finite (NaN/Inf) gradients in {len(bad)} "
                                f"expert(s) at optimizer step {step}, applied (no loss scaling or clipping decides "
