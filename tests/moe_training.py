@@ -318,6 +318,17 @@ def _inject_inf(engine, rank: int):
     return remove_hook
 
 
+def _model_parallel_unit(spec: Spec):
+    """``Spec.tp_size`` > 1: a model-parallel unit of that tensor-parallel size (tests/grid_mpu.py), and in the oracle
+    DeepSpeed's own tensor-parallel token gather made to run on gloo; else None."""
+    if spec.tp_size == 1:
+        return None
+    from grid_mpu import GridMPU, flat_token_gather_on_gloo
+    if spec.hecate is None:
+        flat_token_gather_on_gloo()
+    return GridMPU(spec.tp_size)
+
+
 def train(rank: int, world_size: int, spec: Spec) -> dict:
     """Train ``spec.steps`` optimizer steps; return losses, grad norms, dense params and every expert's weights."""
     import deepspeed
@@ -341,28 +352,20 @@ def train(rank: int, world_size: int, spec: Spec) -> dict:
         groups = split_params_into_different_moe_groups_for_optimizer(groups)
         optimizer = torch.optim.AdamW(groups, lr=spec.lr, weight_decay=spec.weight_decay)
         params = groups
-    mpu = None
-    if spec.tp_size > 1:
-        from grid_mpu import GridMPU, flat_token_gather_on_gloo
-        mpu = GridMPU(spec.tp_size)
-        if spec.hecate is None:
-            flat_token_gather_on_gloo()   # DeepSpeed's own tensor-parallel token gather, on gloo
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, model_parameters=params,
-                                      config=ds_config(spec), mpu=mpu)
-    # the data follows the data-parallel rank: the tensor-parallel ranks of a slice see the same tokens
-    data_rank, data_world = rank // spec.tp_size, world_size // spec.tp_size
+                                      config=ds_config(spec), mpu=_model_parallel_unit(spec))
+    data_rank, data_world = rank // spec.tp_size, world_size // spec.tp_size   # a slice's TP ranks: the same data
     dtype = torch.bfloat16 if spec.bf16 else torch.float16 if spec.fp16 else torch.float32
-    start = 0
     if spec.resume_from is not None:
         engine.load_checkpoint(spec.resume_from, load_module_only=spec.load_module_only)
-        start = engine.global_steps
+    start = engine.global_steps   # 0, or the checkpoint's step
     torch.manual_seed(spec.seed + 1)  # same RNG stream (gate sampling) in both runs from here on
     losses: List[float] = []
     norms: List[float] = []
     scales: List[float] = []
     states: List[dict] = []
     independent: List[float] = []
-    full_norms: List[float] = []
+    full_norms: List[float] = []   # Spec.full_norm
     scales_before: List[float] = []
     for step in range(start, spec.steps):
         if spec.step_hook is not None:
@@ -402,8 +405,7 @@ def train(rank: int, world_size: int, spec: Spec) -> dict:
     return {"losses": losses, "norms": norms, "scales": scales, "skipped": engine.skipped_steps,
             "dense": final["dense"], "experts": final["experts"], "local_experts": final["local_experts"],
             "states": states, "independent_norms": independent, "scales_before": scales_before,
-            "full_norms": full_norms,
-            "hecate_imported": "ds_hecate" in sys.modules,
+            "full_norms": full_norms, "hecate_imported": "ds_hecate" in sys.modules,
             "hecate_stats": engine.hecate.stats() if getattr(engine, "hecate", None) is not None else None,
             "hecate_memory": engine.hecate.memory_bytes() if getattr(engine, "hecate", None) is not None else None}
 
