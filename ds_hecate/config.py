@@ -193,6 +193,15 @@ def _find_section(ds_config: Mapping[str, Any]) -> Tuple[Optional[Any], Optional
     return None, None
 
 
+def _did_you_mean(key: str) -> str:
+    """`` (did you mean 'K'?)`` for the known key closest to a misspelled one (``materialise_budget_mb``), else
+    empty: a typo is the usual cause of an unknown key, and the full list of known keys is long."""
+    import difflib
+
+    close = difflib.get_close_matches(key.lower(), list(HecateConfig.model_fields), n=1, cutoff=0.75)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
 def parse_hecate_section(raw: Any, where: str = "zero_optimization.hecate") -> HecateConfig:
     """Validate one raw ``hecate`` section; raise :class:`HecateConfigError` naming the bad key."""
     if not isinstance(raw, Mapping):
@@ -204,7 +213,8 @@ def parse_hecate_section(raw: Any, where: str = "zero_optimization.hecate") -> H
         for err in exc.errors():
             key = ".".join(str(p) for p in err.get("loc", ())) or "<section>"
             if err.get("type") == "extra_forbidden":
-                problems.append(f"unknown key '{where}.{key}' (known keys: {', '.join(HecateConfig.model_fields)})")
+                problems.append(f"unknown key '{where}.{key}'{_did_you_mean(key)} (known keys: "
+                                f"{', '.join(HecateConfig.model_fields)})")
             else:
                 problems.append(f"'{where}.{key}': {err.get('msg')} (got {_short_repr(err.get('input'))})")
         raise HecateConfigError("invalid hecate config: " + "; ".join(problems)) from None

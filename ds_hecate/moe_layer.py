@@ -59,8 +59,10 @@ class MoE(nn.Module):
 
     ``ep_size`` is DeepSpeed's: without ``hecate.ep_size`` it is Hecate's group size (each group of ``ep_size``
     consecutive ranks holds every expert once, the groups replicate each other); placement inside a group is
-    Hecate's.
-    ``enable_expert_tensor_parallelism`` and ``use_tutel`` are not supported.
+    Hecate's. ``num_local_experts`` is DeepSpeed's ``num_experts // ep_size`` (what the layer was built to hold per
+    rank); what a rank owns under Hecate changes with re-sharding and is in ``engine.hecate.stats()``.
+    ``enable_expert_tensor_parallelism`` is kept as DeepSpeed keeps it; initialize refuses it with a model-parallel
+    unit of tensor-parallel size above 1 (``ds_hecate.deepspeed_glue.model_parallel``). ``use_tutel`` is not supported.
     """
 
     def __init__(self,
@@ -80,8 +82,6 @@ class MoE(nn.Module):
                  enable_expert_tensor_parallelism: bool = False,
                  top2_2nd_expert_sampling: bool = True) -> None:
         super().__init__()
-        if enable_expert_tensor_parallelism:
-            raise HecateModelError("ds_hecate.MoE: enable_expert_tensor_parallelism is not supported")
         if use_tutel:
             raise HecateModelError("ds_hecate.MoE: use_tutel is not supported (Hecate has its own dispatch)")
         if noisy_gate_policy not in (None, "None", "Jitter", "RSample"):
@@ -89,6 +89,8 @@ class MoE(nn.Module):
         self.hidden_size = hidden_size
         self.num_experts = num_experts
         self.ep_size = ep_size
+        self.num_local_experts = num_experts // ep_size
+        self.enable_expert_tensor_parallelism = enable_expert_tensor_parallelism
         self.k = k
         self.use_residual = use_residual
         self.gate = TopKGate(hidden_size, num_experts, k, capacity_factor, eval_capacity_factor, min_capacity,
@@ -109,8 +111,6 @@ class MoE(nn.Module):
         the rest from their expert-parallel ranks when it shards them.
         """
         inner = ds_moe.deepspeed_moe
-        if getattr(ds_moe, "enable_expert_tensor_parallelism", False):
-            raise HecateModelError("deepspeed MoE with enable_expert_tensor_parallelism is not supported by Hecate")
         if getattr(inner, "use_tutel", False):
             raise HecateModelError("deepspeed MoE with use_tutel=True is not supported by Hecate")
         layer = cls.__new__(cls)
@@ -118,6 +118,8 @@ class MoE(nn.Module):
         layer.hidden_size = inner.gate.wg.in_features
         layer.num_experts = ds_moe.num_experts
         layer.ep_size = ds_moe.ep_size
+        layer.num_local_experts = ds_moe.num_local_experts
+        layer.enable_expert_tensor_parallelism = bool(getattr(ds_moe, "enable_expert_tensor_parallelism", False))
         layer.k = inner.gate.k
         layer.use_residual = ds_moe.use_residual
         layer.gate = inner.gate

@@ -91,6 +91,10 @@ class Spec:
     load_module_only: bool = False
     zero_init: bool = False                # build the model under deepspeed.zero.Init (ZeRO-3)
     step_hook: Optional[Callable] = None    # called as step_hook(rank, step, engine) before each step (faults)
+    full_norm: bool = False                # plain DeepSpeed, ZeRO 1/2: also record the norm of every parameter's full
+                                           # gradient (full_grad_norm), before each step
+    tp_size: int = 1                       # a model-parallel unit (tests/grid_mpu.py) of this tensor-parallel size:
+                                           # each slice of tp_size consecutive ranks trains on the same data
     lr: float = 5e-3
     weight_decay: float = 0.01
     seed: int = 1234
@@ -314,6 +318,17 @@ def _inject_inf(engine, rank: int):
     return remove_hook
 
 
+def _model_parallel_unit(spec: Spec):
+    """``Spec.tp_size`` > 1: a model-parallel unit of that tensor-parallel size (tests/grid_mpu.py), and in the oracle
+    DeepSpeed's own tensor-parallel token gather made to run on gloo; else None."""
+    if spec.tp_size == 1:
+        return None
+    from grid_mpu import GridMPU, flat_token_gather_on_gloo
+    if spec.hecate is None:
+        flat_token_gather_on_gloo()
+    return GridMPU(spec.tp_size)
+
+
 def train(rank: int, world_size: int, spec: Spec) -> dict:
     """Train ``spec.steps`` optimizer steps; return losses, grad norms, dense params and every expert's weights."""
     import deepspeed
@@ -338,18 +353,19 @@ def train(rank: int, world_size: int, spec: Spec) -> dict:
         optimizer = torch.optim.AdamW(groups, lr=spec.lr, weight_decay=spec.weight_decay)
         params = groups
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, model_parameters=params,
-                                      config=ds_config(spec))
+                                      config=ds_config(spec), mpu=_model_parallel_unit(spec))
+    data_rank, data_world = rank // spec.tp_size, world_size // spec.tp_size   # a slice's TP ranks: the same data
     dtype = torch.bfloat16 if spec.bf16 else torch.float16 if spec.fp16 else torch.float32
-    start = 0
     if spec.resume_from is not None:
         engine.load_checkpoint(spec.resume_from, load_module_only=spec.load_module_only)
-        start = engine.global_steps
+    start = engine.global_steps   # 0, or the checkpoint's step
     torch.manual_seed(spec.seed + 1)  # same RNG stream (gate sampling) in both runs from here on
     losses: List[float] = []
     norms: List[float] = []
     scales: List[float] = []
     states: List[dict] = []
     independent: List[float] = []
+    full_norms: List[float] = []   # Spec.full_norm
     scales_before: List[float] = []
     for step in range(start, spec.steps):
         if spec.step_hook is not None:
@@ -359,15 +375,17 @@ def train(rank: int, world_size: int, spec: Spec) -> dict:
         scales_before.append(float(getattr(engine.optimizer, "loss_scale", 1.0)))
         poisoned = _inject_inf(engine, rank) if spec.inject_inf_step == step else None
         for micro in range(spec.gas):
-            x, y, used = rank_batch(spec, step, micro, rank, world_size, dtype)
+            x, y, used = rank_batch(spec, step, micro, data_rank, data_world, dtype)
             if spec.forced_routes:
-                force_routes(engine.module, spec, step, micro, rank, world_size)
+                force_routes(engine.module, spec, step, micro, data_rank, data_world)
             loss = engine(x, y, used)
             engine.backward(loss)
             if poisoned is not None and micro == spec.gas - 1:
                 poisoned()
             if spec.independent_norm and spec.stage == 0 and micro == spec.gas - 1:
                 independent.append(independent_grad_norm(engine, world_size))
+            if spec.full_norm and micro == spec.gas - 1:
+                full_norms.append(full_grad_norm(engine))
             engine.step()
             losses.append(float(loss.detach()))
         scales.append(float(getattr(engine.optimizer, "loss_scale", 1.0)))
@@ -387,7 +405,7 @@ def train(rank: int, world_size: int, spec: Spec) -> dict:
     return {"losses": losses, "norms": norms, "scales": scales, "skipped": engine.skipped_steps,
             "dense": final["dense"], "experts": final["experts"], "local_experts": final["local_experts"],
             "states": states, "independent_norms": independent, "scales_before": scales_before,
-            "hecate_imported": "ds_hecate" in sys.modules,
+            "full_norms": full_norms, "hecate_imported": "ds_hecate" in sys.modules,
             "hecate_stats": engine.hecate.stats() if getattr(engine, "hecate", None) is not None else None,
             "hecate_memory": engine.hecate.memory_bytes() if getattr(engine, "hecate", None) is not None else None}
 
@@ -436,6 +454,21 @@ def independent_grad_norm(engine, world_size: int) -> float:
         for full in consolidated_expert_grads(runtime).values():
             sq += (full.double() / world_size).pow(2).sum()
     return float(sq.sqrt()) / scale
+
+
+def full_grad_norm(engine) -> float:
+    """The global gradient norm of this step from every parameter's full (averaged) gradient, assembled by
+    DeepSpeed's ``safe_get_full_grad`` (a collective under ZeRO 1/2): each parameter counted once, experts included.
+    Called after the last backward of a step, before ``engine.step``; plain DeepSpeed only (Hecate's experts are not
+    module parameters). Divided by the loss scale in force."""
+    from deepspeed.utils import safe_get_full_grad
+
+    sq = torch.zeros((), dtype=torch.float64)
+    for p in engine.module.parameters():
+        grad = safe_get_full_grad(p)
+        if grad is not None:
+            sq += grad.detach().double().pow(2).sum().cpu()
+    return float(sq.sqrt()) / float(getattr(engine.optimizer, "loss_scale", 1.0) or 1.0)
 
 
 def consolidated_expert_grads(runtime) -> Dict[str, torch.Tensor]:

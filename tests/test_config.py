@@ -503,3 +503,18 @@ def test_rematerialize_null_resolves_by_slots_per_owned_expert():
     assert resolved(None, 10, [84 * mib] * 58, [32] * 58) is False
     assert resolved(False, 8192, [84 * mib] * 58, [32] * 58) is False
     assert resolved(True, 1e9, [mib], [1]) is True
+
+
+def test_deepspeeds_own_config_parse_validates_the_section_early():
+    """Wherever DeepSpeed parses a config holding the section (``deepspeed.zero.Init`` under a Hugging Face ZeRO-3
+    ``from_pretrained``, a ``DeepSpeedConfig`` built by hand) it is checked there, before any model is built: a near
+    miss names the key meant; a valid section passes through."""
+    import pydantic
+    import ds_hecate  # noqa: F401  (patches DeepSpeed's ZeRO config)
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    ok = DeepSpeedConfig({"train_batch_size": 1, "zero_optimization": {"stage": 3, "hecate": {"enabled": True}}})
+    assert ok.zero_config.hecate == {"enabled": True}
+    with pytest.raises(pydantic.ValidationError, match=r"materialise_budget_mb'.*did you mean 'materialize_budget_mb'"):
+        DeepSpeedConfig({"train_batch_size": 1,
+                         "zero_optimization": {"stage": 3, "hecate": {"enabled": True, "materialise_budget_mb": 8}}})

@@ -36,6 +36,7 @@ def _errors_worker(rank: int, world: int) -> dict:
 
     out = {}
     out["unknown_key"] = _expect_error(moe, cfg(placemnet="owner"), HecateConfigError)
+    out["near_miss_key"] = _expect_error(moe, cfg(materialise_budget_mb=64), HecateConfigError)
     out["wrong_type"] = _expect_error(moe, cfg(enabled="yes"), HecateConfigError)
     out["bad_value"] = _expect_error(moe, cfg(placement="everywhere"), HecateConfigError)
     both = cfg()
@@ -64,11 +65,7 @@ def _errors_worker(rank: int, world: int) -> dict:
     from deepspeed.pipe import PipelineModule
     out["pipeline"] = _expect_error(lambda: PipelineModule(layers=[nn.Linear(4, 4)], num_stages=1), cfg(),
                                     HecateUnsupportedError)
-    try:
-        deepspeed.initialize(model=moe(), config=cfg(), mpu=object())
-        out["mpu"] = "NO ERROR"
-    except HecateUnsupportedError as exc:
-        out["mpu"] = str(exc)
+    out.update(_mpu_refusals(moe, cfg))
 
     # Spellings that turn Hecate on: nested key, top-level alias, explicit ds_hecate.initialize.
     import ds_hecate
@@ -89,13 +86,64 @@ def _errors_worker(rank: int, world: int) -> dict:
     return out
 
 
+class _FakeMPU:
+    """Answers what initialize asks an mpu before any group is built (tensor-parallel size ``tp``)."""
+
+    def __init__(self, tp: int = 1, pipeline: int = 1, sequence: bool = False) -> None:
+        self.tp, self.pipeline = tp, pipeline
+        if sequence:
+            self.initialize_sequence_parallel = lambda *a: None
+
+    def get_model_parallel_world_size(self):
+        return self.tp
+
+    def get_model_parallel_rank(self):
+        return 0
+
+    def get_data_parallel_world_size(self):
+        return 1
+
+    def get_data_parallel_rank(self):
+        return 0
+
+    def get_data_parallel_group(self):
+        return None
+
+    def get_pipeline_model_parallel_world_size(self):
+        return self.pipeline
+
+
+def _mpu_refusals(moe, cfg) -> dict:
+    """What a model-parallel unit Hecate cannot follow gives: refused before DeepSpeed builds anything."""
+    import deepspeed
+    from deepspeed.moe.layer import MoE
+    from torch import nn
+    from ds_hecate import HecateConfigError, HecateUnsupportedError
+
+    def attempt(model, mpu, error_type):
+        try:
+            deepspeed.initialize(model=model, config=cfg(), mpu=mpu)
+        except error_type as exc:
+            return str(exc)
+        except Exception as exc:  # noqa: BLE001
+            return f"WRONG TYPE {type(exc).__name__}: {exc}"
+        return "NO ERROR"
+
+    expert_tp = MoE(8, nn.Linear(8, 8), num_experts=2, enable_expert_tensor_parallelism=True)
+    return {"mpu_incomplete": attempt(moe(), object(), HecateConfigError),
+            "mpu_pipeline": attempt(moe(), _FakeMPU(pipeline=2), HecateUnsupportedError),
+            "mpu_sequence": attempt(moe(), _FakeMPU(sequence=True), HecateUnsupportedError),
+            "mpu_expert_tp": attempt(expert_tp, _FakeMPU(tp=2), HecateUnsupportedError)}
+
+
 @pytest.fixture(scope="module")
 def outcomes():
     return run_ranks(1, _errors_worker)[0]
 
 
 @pytest.mark.parametrize("case,needles", [
-    ("unknown_key", ["placemnet", "zero_optimization.hecate"]),
+    ("unknown_key", ["placemnet", "zero_optimization.hecate", "did you mean 'placement'?"]),
+    ("near_miss_key", ["'zero_optimization.hecate.materialise_budget_mb'", "did you mean 'materialize_budget_mb'?"]),
     ("wrong_type", ["zero_optimization.hecate.enabled", "'yes'"]),
     ("bad_value", ["zero_optimization.hecate.placement", "everywhere"]),
     ("both_sections", ["both", "zero_optimization.hecate"]),
@@ -110,7 +158,10 @@ def outcomes():
     ("autotp", ["AutoTP"]),
     ("sequence_parallel", ["sequence parallelism"]),
     ("pipeline", ["pipeline engine"]),
-    ("mpu", ["model-parallel unit"]),
+    ("mpu_incomplete", ["model-parallel unit (mpu)", "get_data_parallel_world_size", "lacks"]),
+    ("mpu_pipeline", ["pipeline parallelism", "pipeline-parallel size is 2"]),
+    ("mpu_sequence", ["sequence-parallel mpu"]),
+    ("mpu_expert_tp", ["enable_expert_tensor_parallelism=True", "tensor-parallel size of 2", "<the model>"]),
 ])
 def test_bad_input_fails_at_initialize_with_a_clear_message(outcomes, case, needles):
     message = outcomes[case]

@@ -118,17 +118,11 @@ def _graph() -> Dict[str, Set[str]]:
     return {m: _imports(m, p, known) for m, p in known.items()}
 
 
-#: TEMPORARY (issue 42): runtime/ is being reworked (issue 41, the runtime object's callbacks); until then its files
-#: form this one circle (hecate.py <-> edp.py, layer.py, resharding.py). Remove it with the rework: the circle test
-#: fails once the circle is gone or changes, so that this list cannot outlive it. Nothing else may be added here.
-TEMPORARY_RUNTIME_CIRCLE = ["ds_hecate.runtime.edp", "ds_hecate.runtime.hecate", "ds_hecate.runtime.layer",
-                            "ds_hecate.runtime.resharding"]
-
-
 def test_no_circle_of_files():
-    """No two files of ds_hecate or benchmarks need each other, directly or round a longer circle (the runtime's
-    one known circle apart, :data:`TEMPORARY_RUNTIME_CIRCLE`, which must still be exactly that circle)."""
-    assert _cycles(_graph()) == [TEMPORARY_RUNTIME_CIRCLE]
+    """No two files of ds_hecate or benchmarks need each other, directly or round a longer circle. (runtime/ had one,
+    hecate.py <-> edp.py, layer.py and resharding.py, until the parts typed the runtime that owns them as
+    ``runtime/interfaces.RuntimeView``: put one of those imports back and this fails.)"""
+    assert _cycles(_graph()) == []
 
 
 def test_the_cycle_check_sees_lazy_relative_and_type_checking_imports(tmp_path):
@@ -162,25 +156,21 @@ MAY_IMPORT: Dict[str, Tuple[str, ...]] = {
     "logging_utils": (),
     "planning": ("errors",),
     "trace": ("errors",),
+    "cli_args": ("errors",),
     "experts": (),
     "ops": ("experts",),
     "moe_layer": ("errors", "experts"),
     "comm": ("errors", "logging_utils", "planning"),
     "config": ("comm", "errors", "planning"),
     "runtime": ("comm", "config", "errors", "experts", "logging_utils", "ops", "planning"),
-    "sim": ("config", "errors", "planning", "trace"),
+    "sim": ("cli_args", "config", "errors", "planning", "trace"),
     "hf": ("errors", "experts", "moe_layer", "planning", "runtime"),
     "deepspeed_glue": ("comm", "config", "errors", "experts", "hf", "logging_utils", "moe_layer", "planning",
                        "runtime", "trace"),
     "testing": ("errors", "planning", "sim", "trace"),
-    "tools": ("config", "deepspeed_glue", "errors", "hf", "planning", "runtime", "sim", "trace"),
+    "tools": ("cli_args", "config", "deepspeed_glue", "errors", "hf", "planning", "runtime", "sim", "trace"),
     "__init__": ("config", "deepspeed_glue", "errors", "experts", "moe_layer"),
 }
-
-#: TEMPORARY (issue 42): imports that climb, inside runtime/, which is being reworked (issue 41). Remove with it:
-#: the test below fails once one of these is gone, so that this list cannot outlive them. Nothing else may be added.
-TEMPORARY_RUNTIME_UPWARD = {("ds_hecate.runtime.hecate", "ds_hecate.deepspeed_glue.expert_optimizer")}
-
 
 def _part(module: str) -> str:
     """The top-level part of ds_hecate a module belongs to (``__init__`` for the package itself)."""
@@ -196,7 +186,7 @@ def _climbing(graph: Dict[str, Set[str]]) -> Set[Tuple[str, str]]:
 
 def test_parts_import_downhill_only():
     """Every import between the top-level parts of ds_hecate goes the way :data:`MAY_IMPORT` allows."""
-    assert _climbing(_graph()) == TEMPORARY_RUNTIME_UPWARD
+    assert _climbing(_graph()) == set()
 
 
 def test_the_allowed_direction_is_one_direction():
@@ -285,4 +275,4 @@ def test_public_face():
     assert exposed == PUBLIC - {"__version__"}
     # the folders name the architecture; beside them only the modules every part may read
     top = sorted(p.stem for p in (REPO / "ds_hecate").glob("*.py"))
-    assert top == ["__init__", "config", "errors", "experts", "logging_utils", "moe_layer", "trace"]
+    assert top == ["__init__", "cli_args", "config", "errors", "experts", "logging_utils", "moe_layer", "trace"]

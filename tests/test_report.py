@@ -99,4 +99,4 @@ def test_report_without_inputs_says_what_to_enable(tmp_path, capsys):
     with pytest.raises(ReportError, match="found neither a ds_hecate trace"):
         report(str(tmp_path))
     assert cli_main(["report", str(tmp_path / "missing")]) == 2
-    assert "is not a directory" in capsys.readouterr().err
+    assert "argument run_dir: no run directory" in capsys.readouterr().err

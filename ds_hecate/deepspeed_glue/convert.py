@@ -114,32 +114,54 @@ def _is_transformers_model(model: nn.Module) -> bool:
     return transformers is not None and isinstance(model, transformers.PreTrainedModel)
 
 
+def check_convertible(model: nn.Module) -> List[Tuple[str, nn.Module]]:
+    """The model's MoE layers (``find_moe_layers``), checked before anything is set up: raises if there is none and
+    the model is not a Hugging Face MoE model (those are found by :mod:`ds_hecate.hf` at conversion)."""
+    layers = find_moe_layers(model)
+    if not layers and not _is_transformers_model(model):
+        raise HecateModelError(
+            f"hecate.enabled is true but the model ({type(model).__name__}) has no MoE layer Hecate can take over: "
+            "build MoE layers with deepspeed.moe.layer.MoE or ds_hecate.MoE (Hugging Face models: see "
+            "docs/huggingface.md), or set hecate.enabled to false")
+    return layers
+
+
+def _convert_in_place(ds_moe: nn.Module) -> MoE:
+    """Turn a ``deepspeed.moe.layer.MoE`` object itself into the equivalent ``ds_hecate.MoE`` (same gate and expert
+    modules): for a layer that is the whole model, which has no parent to replace it in and is the object the
+    caller and DeepSpeed's engine hold. Hooks registered on it stay."""
+    converted = MoE.from_deepspeed(ds_moe)
+    kept = {k: v for k, v in vars(ds_moe).items()
+            if k.startswith("_") and k not in ("_parameters", "_buffers", "_modules") and k in vars(converted)}
+    state = {**vars(converted), **kept, "training": ds_moe.training}
+    vars(ds_moe).clear()
+    vars(ds_moe).update(state)
+    ds_moe.__class__ = MoE
+    return ds_moe
+
+
 def convert_model(model: nn.Module, runtime: HecateRuntime) -> Dict[int, Set[int]]:
     """Replace DeepSpeed MoE layers by ``ds_hecate.MoE`` in place and take every MoE layer over.
 
     Returns, per Hecate layer id, the ids of the expert parameters removed from the model.
     """
-    layers = find_moe_layers(model)
-    if not layers and _is_transformers_model(model):
+    layers = check_convertible(model)
+    if not layers:
         from ..hf.takeover import convert_hf_model  # HF MoE models: routed experts through ExpertsInterface
         return convert_hf_model(model, runtime)
-    if not layers:
-        raise HecateModelError(
-            f"hecate.enabled is true but the model ({type(model).__name__}) has no MoE layer Hecate can take over: "
-            "build MoE layers with deepspeed.moe.layer.MoE or ds_hecate.MoE (Hugging Face models: see "
-            "docs/huggingface.md), or set hecate.enabled to false")
     removed: Dict[int, Set[int]] = {}
     for name, module in layers:
-        if name == "":
-            raise HecateModelError("the model passed to deepspeed.initialize is itself a MoE layer; wrap it in a "
-                                   "parent module so Hecate can replace it in place")
         if isinstance(module, DeepSpeedMoE):
-            module = MoE.from_deepspeed(module)
-            _replace_child(model, name, module)
+            if name == "":   # the model is the layer itself
+                module = _convert_in_place(module)
+            else:
+                module = MoE.from_deepspeed(module)
+                _replace_child(model, name, module)
         if module.binding is not None:
             raise HecateModelError(f"MoE layer '{name}' is already taken over by Hecate (initialize called twice?)")
         layer_id = len(runtime.bindings)
         removed[layer_id] = take_over_layer(name, module, runtime)
+        module.expert_group_name = runtime.expert_group_name   # DeepSpeed's registry name of Hecate's groups
     return removed
 
 

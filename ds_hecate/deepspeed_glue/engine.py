@@ -105,8 +105,7 @@ class HecateEngine(DeepSpeedEngine):
         """ZeRO stage 0 (fp32): clip dense and expert gradients by their joint norm, as DeepSpeed clips all
         parameters of a data-parallel model; the norm is also what ``get_global_grad_norm()`` reports."""
         params = [p for p in self.module.parameters() if p.grad is not None]
-        dense_sq = (torch.stack([p.grad.detach().float().norm(2) for p in params]).pow(2).sum() if params
-                    else torch.zeros((), dtype=torch.float32))
+        dense_sq = _dense_grad_sq(params, self.mpu)
         expert = self.hecate.expert_grad_norm(self.dp_world_size)
         total = torch.sqrt(dense_sq + expert.pow(2))
         self.hecate.last_total_norm = total
@@ -143,6 +142,22 @@ class HecateEngine(DeepSpeedEngine):
         runtime.after_step(self.global_steps)
         monitor.end_step(self)  # per-layer events to DeepSpeed's monitor (rank 0, when one is configured)
         return result
+
+
+def _dense_grad_sq(params: list, mpu: Any) -> torch.Tensor:
+    """Squared L2 norm of the dense gradients, as DeepSpeed's ``clip_grad_norm_`` counts it: with a model-parallel
+    unit, parameters replicated over the model-parallel ranks once (on model-parallel rank 0) and tensor-parallel
+    ones on every rank, summed over the model-parallel group."""
+    from deepspeed.runtime.utils import is_model_parallel_parameter
+
+    counted = [p for p in params if mpu is None or mpu.get_model_parallel_rank() == 0
+               or is_model_parallel_parameter(p)]
+    dense_sq = (torch.stack([p.grad.detach().float().norm(2) for p in counted]).pow(2).sum() if counted
+                else torch.zeros((), dtype=torch.float32, device=params[0].grad.device if params else None))
+    if mpu is not None:
+        import torch.distributed as dist
+        dist.all_reduce(dense_sq, group=mpu.get_model_parallel_group())
+    return dense_sq
 
 
 # (runtime, dp world size) of the ZeRO stage-0 steps in progress (FP16_Optimizer, FP16_UnfusedOptimizer). Both

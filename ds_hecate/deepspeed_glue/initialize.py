@@ -20,9 +20,11 @@ import torch
 import torch.distributed as dist
 
 from ..comm.exit_guard import release_gloo_works_at_exit
-from ..config import HecateConfig, split_hecate_section
+from ..config import HecateConfig, parse_hecate_section, split_hecate_section
 from ..errors import HecateConfigError, HecateUnsupportedError
 from ..logging_utils import log_rank0, quiet_renamed_all_gather_warning
+from .model_parallel import refuse_unsupported_mpu
+from .setup_errors import same_on_every_rank
 
 _ORIGINAL_INITIALIZE = None
 
@@ -41,8 +43,9 @@ def _load_config(args: Any, config: Any, config_params: Any) -> Tuple[Optional[D
     return (config if isinstance(config, dict) else load_ds_config(config)), where
 
 
-def _refuse_unsupported(cfg: Dict[str, Any], model: Any, mpu: Any) -> None:
-    """Fail fast on DeepSpeed modes Hecate does not support yet, never train them wrongly."""
+def _refuse_unsupported(cfg: Dict[str, Any], model: Any) -> None:
+    """Fail fast on DeepSpeed modes Hecate does not support yet, never train them wrongly (the mpu's:
+    :func:`.model_parallel.refuse_unsupported_mpu`)."""
     from deepspeed.runtime.pipe.module import PipelineModule
 
     def enabled(section: str) -> bool:
@@ -77,8 +80,6 @@ def _refuse_unsupported(cfg: Dict[str, Any], model: Any, mpu: Any) -> None:
         problems.append("sequence parallelism (sequence_parallel_size > 1)")
     if isinstance(model, PipelineModule):
         problems.append("the pipeline engine (PipelineModule)")
-    if mpu is not None:
-        problems.append("a model-parallel unit (mpu)")
     if problems:
         raise HecateUnsupportedError("hecate does not support " + "; ".join(problems) + " yet")
 
@@ -108,6 +109,29 @@ def _ranks_per_node(hcfg: HecateConfig, world_size: int) -> int:
     return world_size
 
 
+def _prepare(args: Any, config: Any, config_params: Any, passthrough: Dict[str, Any], model: Any, mpu: Any):
+    """Everything decided from the config and the model before any set-up: None without a hecate section, else
+    (the validated section, the config without it, DeepSpeed's call). Raises on an invalid section and on modes,
+    models or model-parallel units Hecate cannot run: before DeepSpeed builds anything."""
+    ds_config, where = _load_config(args, config, config_params)
+    if ds_config is None:
+        return None
+    hcfg, stripped = split_hecate_section(ds_config)
+    if hcfg is None:
+        return None
+    if where == "args.deepspeed_config":
+        args = copy.copy(args)
+        args.deepspeed_config = None
+    call = dict(passthrough, args=args, config=stripped, config_params=None)
+    if hcfg.enabled:
+        _refuse_unsupported(stripped, model)
+        if model is None:
+            raise HecateConfigError("deepspeed.initialize requires a model")
+        from .convert import check_convertible
+        refuse_unsupported_mpu(mpu, check_convertible(model))
+    return hcfg, stripped, call
+
+
 def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimizer: Any = None,
                model_parameters: Any = None, training_data: Any = None, lr_scheduler: Any = None,
                distributed_port: int = 29500, mpu: Any = None, dist_init_required: Optional[bool] = None,
@@ -121,26 +145,18 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
                        training_data=training_data, lr_scheduler=lr_scheduler, distributed_port=distributed_port,
                        mpu=mpu, dist_init_required=dist_init_required, collate_fn=collate_fn, config=config,
                        mesh_param=mesh_param, config_params=config_params)
-    ds_config, where = _load_config(args, config, config_params)
-    if ds_config is None:
+    with same_on_every_rank():   # errors of the config and the model: every rank raises the same, before set-up
+        prepared = _prepare(args, config, config_params, passthrough, model, mpu)
+    if prepared is None:
         return original(**passthrough)
-    hcfg, stripped = split_hecate_section(ds_config)
-    if hcfg is None:
-        return original(**passthrough)
-    if where == "args.deepspeed_config":
-        args = copy.copy(args)
-        args.deepspeed_config = None
-    call = dict(passthrough, args=args, config=stripped, config_params=None)
+    hcfg, stripped, call = prepared
     if not hcfg.enabled:
         return original(**call)
 
-    _refuse_unsupported(stripped, model, mpu)
     quiet_renamed_all_gather_warning()  # before DeepSpeed's first ZeRO all-gather
-    if model is None:
-        raise HecateConfigError("deepspeed.initialize requires a model")
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
                                distributed_port=distributed_port, dist_init_required=dist_init_required)
-    runtime = build_runtime(hcfg, stripped, model)
+    runtime = build_runtime(hcfg, stripped, model, mpu)
     from .convert import convert_model, prune_expert_params
     layer_param_ids = convert_model(model, runtime)
     names = dict(enumerate(runtime.layer_names))
@@ -158,67 +174,131 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
 
 
 def build_runtime(hcfg: HecateConfig, ds_config: Dict[str, Any], model: Optional[torch.nn.Module] = None,
-                  one_rank_shortcuts: bool = True):
+                  mpu: Any = None, one_rank_shortcuts: bool = True):
     """Hecate's process groups (its own communicators, with their own timeout) and an empty runtime with its
     observers (step metrics, routing trace) installed.
 
     The group size ``G`` (``hecate.ep_size``, else the rule of :func:`ds_hecate.planning.groups.resolve_ep_size` on
-    ``model``'s MoE layers) splits the world into groups of consecutive ranks. Per group two process groups: token
-    traffic, and weight traffic on its own (its own NCCL communicator and stream, so token traffic never queues
-    behind it: ds_hecate.comm.collectives); with more than one group also the world's and, per local rank, its
-    expert-data-parallel peers' (``ds_hecate.runtime.edp``). ``new_group`` is collective over the whole world, so
-    every rank creates every group, in the same order. ``one_rank_shortcuts=False`` makes a 1-rank group's
-    communicator issue its collectives through the transport like N ranks (benchmarks only: see
+    ``model``'s MoE layers) splits the world into groups of consecutive ranks; with a model-parallel unit ``mpu`` of
+    tensor-parallel size above 1, into groups of consecutive data-parallel ranks of each tensor-parallel rank
+    (:mod:`.model_parallel`). Per group two process groups: token traffic, and weight traffic on its own (its own
+    NCCL communicator and stream, so token traffic never queues behind it: ds_hecate.comm.collectives); with more
+    than one group also the world's and, per local rank, its expert-data-parallel peers' (``ds_hecate.runtime.edp``);
+    with tensor parallelism, per data-parallel slice, its tensor-parallel peers'. ``new_group`` is collective over
+    the whole world, so every rank creates every group, in the same order. ``one_rank_shortcuts=False`` makes a
+    1-rank group's communicator issue its collectives through the transport like N ranks (benchmarks only: see
     :class:`~ds_hecate.comm.collectives.Communicator`)."""
     from deepspeed.accelerator import get_accelerator
 
-    from ..comm.collectives import Communicator
-    from ..comm.backend import build_communicator
-    from ..planning.groups import ExpertGroups, resolve_ep_size
-    from ..runtime.edp import GroupLayout
+    from ..planning.groups import ExpertGroups
     from ..runtime.hecate import HecateRuntime
-    from .convert import moe_layer_shapes
+    from .model_parallel import hecate_rank_order, read_mpu
     from .monitor import install_recorders
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    rpn = _ranks_per_node(hcfg, world)
+    world = dist.get_world_size()
+    with same_on_every_rank():
+        rpn = _ranks_per_node(hcfg, world)
+    parallel = read_mpu(mpu, world)
+    with same_on_every_rank():   # from the config, the model and the world: every rank raises alike
+        groups = ExpertGroups(world, _group_size(hcfg, model, parallel, rpn), rpn)
+    device = working_device(get_accelerator())
+    comm, layout, name = _build_groups(hcfg, ds_config, groups, hecate_rank_order(parallel, groups.ep_size),
+                                       parallel, device, one_rank_shortcuts)
+    runtime = HecateRuntime(hcfg, comm, _compute_dtype(ds_config), rpn, layout)
+    runtime.expert_group_name = name
+    install_recorders(runtime)
+    return runtime
+
+
+def _group_size(hcfg: HecateConfig, model: Optional[torch.nn.Module], parallel: Any, rpn: int) -> int:
+    """``G``: ``hecate.ep_size``, else the rule on the MoE layers, over the data-parallel ranks of one
+    tensor-parallel rank (the world without tensor parallelism). DeepSpeed's expert-parallel groups span
+    tensor-parallel ranks when its experts are not tensor-parallel; Hecate's cannot, so a layer's ``ep_size`` counts
+    for its part inside one tensor-parallel rank's data-parallel ranks."""
+    import math
+
+    from ..planning.groups import resolve_ep_size
+    from .convert import moe_layer_shapes
+    from .model_parallel import data_parallel_ranks_per_node
+
     ep_sizes, experts = moe_layer_shapes(model) if model is not None else ([], [])
-    group_size, warning = (resolve_ep_size(hcfg.ep_size, ep_sizes, world, experts, rpn) if experts
-                           else (hcfg.ep_size or world, None))
+    dp, tp = parallel.dp_size, parallel.tp_size
+    if not experts:
+        return hcfg.ep_size or dp
+    declared = [math.gcd(int(e), dp) for e in ep_sizes] if tp > 1 else ep_sizes
+    if declared != ep_sizes and hcfg.ep_size is None and any(int(e) > 1 for e in ep_sizes):
+        log_rank0(f"warning: the MoE layers' ep_size {sorted(set(ep_sizes))} spans tensor-parallel ranks; Hecate's "
+                  f"groups lie inside the {dp} data-parallel ranks of each of the {tp} tensor-parallel ranks, so the "
+                  f"layers' groups count as {sorted(set(declared))} there (set hecate.ep_size to choose)")
+    try:
+        size, warning = resolve_ep_size(hcfg.ep_size, declared, dp, experts, data_parallel_ranks_per_node(rpn, tp))
+    except HecateConfigError as exc:
+        if tp == 1:
+            raise
+        raise HecateConfigError(f"with the model-parallel unit's tensor-parallel size {tp}, Hecate's groups lie inside "
+                                f"the {dp} data-parallel ranks of each tensor-parallel rank (the 'world size' "
+                                f"below): {exc}") from None
     if warning:
         log_rank0(f"warning: {warning}")
-    groups = ExpertGroups(world, group_size, rpn)
+    return size
+
+
+def _build_groups(hcfg: HecateConfig, ds_config: Dict[str, Any], groups: Any, order: Tuple[int, ...],
+                  parallel: Any, device: torch.device, one_rank_shortcuts: bool = True):
+    """(the group's communicator, the GroupLayout, DeepSpeed's registry name of the groups): every process group
+    Hecate uses, created on every rank in the same order; ``order`` is the global rank at each position of
+    ``groups`` (:func:`.model_parallel.hecate_rank_order`). Every communicator names its ranks in messages by their
+    global rank (and, with several groups, group and index: ``ExpertGroups.describe``)."""
+    from ..comm.backend import build_communicator
+    from ..comm.collectives import Communicator
+    from ..runtime.edp import GroupLayout
+    from .model_parallel import register_with_deepspeed
+
+    rank, world, size = dist.get_rank(), groups.world_size, groups.ep_size
     timeout = timedelta(seconds=hcfg.collective_timeout_s)
-    device = working_device(get_accelerator())
+
+    def communicator(group, group_rank: int, group_size: int) -> Communicator:
+        return Communicator(group, group_rank, group_size, timeout_s=hcfg.collective_timeout_s, device=device)
+
     if groups.num_groups == 1:
         group = dist.new_group(ranks=list(range(world)), timeout=timeout)
         weight_group = dist.new_group(ranks=list(range(world)), timeout=timeout)
         comm = build_communicator(hcfg.comm_backend, group, rank, world, device,
                                   timeout_s=hcfg.collective_timeout_s, weight_group=weight_group,
                                   device_kernels=hcfg.device_kernels, one_rank_shortcuts=one_rank_shortcuts)
-        comm.name_ranks(groups.describe)
-        layout = GroupLayout.single(comm, rpn)
-        release_gloo_works_at_exit([group, weight_group])
-    else:
-        tokens = [dist.new_group(ranks=list(r), timeout=timeout) for r in groups.all_groups()]
-        weights = [dist.new_group(ranks=list(r), timeout=timeout) for r in groups.all_groups()]
-        peers = [dist.new_group(ranks=list(groups.edp_peers(local)), timeout=timeout) for local in range(group_size)]
-        world_group = dist.new_group(ranks=list(range(world)), timeout=timeout)
-        mine, local = groups.group_of(rank), groups.local_rank(rank)
-        comm = build_communicator(hcfg.comm_backend, tokens[mine], local, group_size, device,
-                                  timeout_s=hcfg.collective_timeout_s, weight_group=weights[mine],
-                                  device_kernels=hcfg.device_kernels)
-        world_comm = Communicator(world_group, rank, world, timeout_s=hcfg.collective_timeout_s, device=device)
-        edp = Communicator(peers[local], mine, groups.num_groups, timeout_s=hcfg.collective_timeout_s,
-                           device=device)
-        comm.name_ranks(lambda i: groups.describe(groups.global_rank(mine, i)))
-        world_comm.name_ranks(groups.describe)
-        edp.name_ranks(lambda g: groups.describe(groups.global_rank(g, local)))
-        layout = GroupLayout(groups, rank, world_comm, edp, partitioned=_zero_stage(ds_config) >= 1)
-        release_gloo_works_at_exit(tokens + weights + peers + [world_group])
-    runtime = HecateRuntime(hcfg, comm, _compute_dtype(ds_config), rpn, layout)
-    install_recorders(runtime)
-    return runtime
+        comm.name_ranks(lambda i: groups.describe(i, order))
+        alone = dist.new_group(ranks=[rank], timeout=timeout, use_local_synchronization=True)
+        release_gloo_works_at_exit([group, weight_group, alone])
+        return (comm, GroupLayout.single(comm, groups.ranks_per_node),
+                register_with_deepspeed(size, group, range(world), alone, [rank]))
+    group_ranks = [[order[p] for p in r] for r in groups.all_groups()]
+    peer_ranks = [[order[p] for p in groups.edp_peers(local)] for local in range(size)]
+    tokens = [dist.new_group(ranks=r, timeout=timeout) for r in group_ranks]
+    weights = [dist.new_group(ranks=r, timeout=timeout) for r in group_ranks]
+    peers = [dist.new_group(ranks=r, timeout=timeout) for r in peer_ranks]
+    world_group = dist.new_group(ranks=list(range(world)), timeout=timeout)
+    slices = ([dist.new_group(ranks=list(r), timeout=timeout) for r in parallel.tp_groups]
+              if parallel.tp_size > 1 else [])
+    position = order.index(rank)
+    mine, local = groups.group_of(position), groups.local_rank(position)
+    comm = build_communicator(hcfg.comm_backend, tokens[mine], local, size, device,
+                              timeout_s=hcfg.collective_timeout_s, weight_group=weights[mine],
+                              device_kernels=hcfg.device_kernels)
+    comm.name_ranks(lambda i: groups.describe(groups.global_rank(mine, i), order))
+    tensor_parallel = None
+    if slices:
+        index = next(i for i, r in enumerate(parallel.tp_groups) if rank in r)
+        tensor_parallel = communicator(slices[index], parallel.tp_groups[index].index(rank), parallel.tp_size)
+    world_comm = communicator(world_group, rank, world).name_ranks(
+        lambda r: groups.describe(order.index(r), order))
+    edp = communicator(peers[local], mine, groups.num_groups).name_ranks(
+        lambda g: groups.describe(groups.global_rank(g, local), order))
+    layout = GroupLayout(groups, rank, world_comm, edp,
+                         partitioned=_zero_stage(ds_config) >= 1,
+                         ranks=None if order == tuple(range(world)) else order, tensor_parallel=tensor_parallel)
+    release_gloo_works_at_exit(tokens + weights + peers + [world_group] + slices)
+    return comm, layout, register_with_deepspeed(size, tokens[mine], group_ranks[mine], peers[local],
+                                                 peer_ranks[local])
 
 
 def _zero_stage(cfg: Dict[str, Any]) -> int:
@@ -323,6 +403,7 @@ def patch_deepspeed() -> None:
     global _ORIGINAL_INITIALIZE
     import deepspeed
     import deepspeed.runtime.zero.config as zero_config
+    from pydantic import field_validator
 
     if _ORIGINAL_INITIALIZE is None:
         _ORIGINAL_INITIALIZE = deepspeed.initialize
@@ -332,10 +413,19 @@ def patch_deepspeed() -> None:
         base = zero_config.DeepSpeedZeroConfig
 
         class HecateAwareZeroConfig(base):  # type: ignore[misc, valid-type]
-            """DeepSpeed's ZeRO config plus an opaque ``hecate`` section (validated by ds_hecate itself)."""
+            """DeepSpeed's ZeRO config plus a ``hecate`` section, validated by ds_hecate's own schema wherever DeepSpeed
+            parses a config (``deepspeed.zero.Init`` under a Hugging Face ZeRO-3 ``from_pretrained``, a
+            ``DeepSpeedConfig`` built by hand): a bad key fails there, before the model is built."""
 
             hecate: Optional[Dict[str, Any]] = None
             _hecate_aware = True
+
+            @field_validator("hecate")
+            @classmethod
+            def _valid_hecate_section(cls, value: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+                if value is not None:
+                    parse_hecate_section(value)
+                return value
 
         HecateAwareZeroConfig.__name__ = base.__name__
         zero_config.DeepSpeedZeroConfig = HecateAwareZeroConfig

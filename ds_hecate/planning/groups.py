@@ -154,12 +154,14 @@ class ExpertGroups:
     def all_groups(self) -> List[Tuple[int, ...]]:
         return [self.group_ranks(g) for g in range(self.num_groups)]
 
-    def describe(self, rank: int) -> str:
-        """How messages name a rank: its global rank, and with several groups its group and index in it
+    def describe(self, rank: int, order: Optional[Sequence[int]] = None) -> str:
+        """How messages name the rank at position ``rank``: its global rank (``order[rank]`` where the positions
+        are not the global ranks, as with a model-parallel unit), and with several groups its group and index in it
         (``global rank 2 (group 1, index 0)``)."""
+        name = f"global rank {order[rank] if order is not None else rank}"
         if self.num_groups == 1:
-            return f"global rank {rank}"
-        return f"global rank {rank} (group {self.group_of(rank)}, index {self.local_rank(rank)})"
+            return name
+        return f"{name} (group {self.group_of(rank)}, index {self.local_rank(rank)})"
 
 
 def _in_range(name: str, value: int, low: int, high: int) -> None:

@@ -15,16 +15,15 @@ every rank.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 
 from ..comm.collectives import Communicator
 from ..planning.groups import ExpertGroups
+from .interfaces import RuntimeView
 from .shard_store import LayerShard, Partition
 
-if TYPE_CHECKING:
-    from .hecate import HecateRuntime
 
 
 @dataclass
@@ -34,6 +33,10 @@ class GroupLayout:
     ``world`` carries what must agree across groups (the global gradient norm, the measured costs, checkpoint
     barriers, the first distribution of the experts); ``edp`` the gradient reduction and the weights' all-gather
     (None with one group); ``partitioned``: expert state split over the EDP peers (ZeRO stage >= 1, R > 1).
+    ``ranks``: the global rank at each position of ``groups`` (None: the same; with a model-parallel unit the groups
+    lie inside the data-parallel ranks of each tensor-parallel rank, ``ds_hecate.deepspeed_glue.model_parallel``);
+    ``tensor_parallel``: the communicator over this rank's tensor-parallel peers, whose tokens are the same (None
+    without tensor parallelism; :mod:`.tensor_parallel`).
     """
 
     groups: ExpertGroups
@@ -41,6 +44,8 @@ class GroupLayout:
     world: Communicator
     edp: Optional[Communicator] = None
     partitioned: bool = False
+    ranks: Optional[Tuple[int, ...]] = None
+    tensor_parallel: Optional[Communicator] = None
 
     @staticmethod
     def single(comm: Communicator, ranks_per_node: int) -> "GroupLayout":
@@ -52,9 +57,21 @@ class GroupLayout:
         return self.groups.edp_size
 
     @property
+    def position(self) -> int:
+        """This rank's position in ``groups`` (its global rank unless ``ranks`` reorders them)."""
+        return self.global_rank if self.ranks is None else self.ranks.index(self.global_rank)
+
+    def global_of(self, position: int) -> int:
+        return position if self.ranks is None else self.ranks[position]
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return 1 if self.tensor_parallel is None else self.tensor_parallel.world_size
+
+    @property
     def edp_index(self) -> int:
         """This rank's index among its EDP peers (its group)."""
-        return self.groups.group_of(self.global_rank)
+        return self.groups.group_of(self.position)
 
     def partition_for(self, numel: int) -> Optional[Partition]:
         return Partition(self.edp_size, self.edp_index, numel) if self.partitioned else None
@@ -64,10 +81,11 @@ class GroupLayout:
         group the owner itself (an int: the collectives of a single group are today's)."""
         if self.edp_size == 1:
             return list(owners)
-        return [tuple(self.groups.global_rank(g, o) for g in range(self.groups.num_groups)) for o in owners]
+        return [tuple(self.global_of(self.groups.global_rank(g, o)) for g in range(self.groups.num_groups))
+                for o in owners]
 
 
-def reduce_gradients(rt: "HecateRuntime") -> None:
+def reduce_gradients(rt: RuntimeView) -> None:
     """Sum every owner's expert gradients over its EDP peers (after the group's SparseReduceScatters are flushed):
     an all-reduce of the whole rows, or partitioned a reduce-scatter into this peer's slices. Collective over the
     EDP peers, one call per layer in layer order, except for the layers :func:`reduce_layer` already handed over in
@@ -81,7 +99,7 @@ def reduce_gradients(rt: "HecateRuntime") -> None:
         reduce_layer(rt, shard)
 
 
-def reduce_layer(rt: "HecateRuntime", shard: LayerShard) -> None:
+def reduce_layer(rt: RuntimeView, shard: LayerShard) -> None:
     """One layer's EDP reduction (see :func:`reduce_gradients`). Partitioned, the whole fp32 rows are released once
     their slices are taken (a layer reduced twice, say a layer called twice per forward, adds the second slices to
     the first). Collective over the EDP peers."""
@@ -108,7 +126,7 @@ def reduce_layer(rt: "HecateRuntime", shard: LayerShard) -> None:
     shard.grads = None   # the whole rows are this peer's slices now: freed before the next layer's arrive
 
 
-def refresh_weights(rt: "HecateRuntime", shards: Optional[List[LayerShard]] = None) -> None:
+def refresh_weights(rt: RuntimeView, shards: Optional[List[LayerShard]] = None) -> None:
     """The resident compute-dtype weights the layer calls compute from, after the masters changed: partitioned,
     every peer's (updated) master slices all-gathered into them (collective over the EDP peers, one call per
     partitioned layer in layer order); otherwise cast from the whole masters (:meth:`LayerShard.refresh`, nothing
@@ -129,7 +147,7 @@ def refresh_weights(rt: "HecateRuntime", shards: Optional[List[LayerShard]] = No
         shard.weight_rows.copy_(part.whole(gathered))
 
 
-def whole_masters(rt: "HecateRuntime", shard: LayerShard, with_state: bool = False):
+def whole_masters(rt: RuntimeView, shard: LayerShard, with_state: bool = False):
     """This rank's owned experts as whole fp32 masters (and, with ``with_state``, whole optimizer-state vectors):
     the masters themselves, or partitioned their slices all-gathered over the EDP peers. Collective over the EDP
     peers when partitioned. Returns (expert -> master, expert -> state dict)."""

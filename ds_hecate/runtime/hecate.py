@@ -9,7 +9,7 @@ Observers (step metrics, routing trace) are registered by whoever builds the run
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -22,15 +22,15 @@ from ..planning.cost_model import StepCostModel, scheduler_costs
 from ..planning.replica_pool import LayerGrant, ReplicaPool
 from ..planning.dispatch_plan import DispatchPlan
 from .edp import GroupLayout, reduce_gradients, reduce_layer, refresh_weights, whole_masters
+from .interfaces import ExpertStepper
 from .layer import LayerBinding, in_backward_pass
 from .phases import PHASES
 from .profiling import WARM_PROFILE_STEP, expert_work, measure_costs
 from .shard_store import ExpertShardStore, LayerShard
 from .stops import Stops
+from .tensor_parallel import data_parallel_ranks_per_node
 from .timing import BackwardPhases, DeviceClock
 
-if TYPE_CHECKING:   # installed by the DeepSpeed glue (initialize); the runtime only calls its step
-    from ..deepspeed_glue.expert_optimizer import ExpertOptimizer
 
 __all__ = ["HecateRuntime", "LayerBinding", "PHASES"]
 
@@ -64,7 +64,10 @@ class HecateRuntime:
         self.reduce_dtype = wire[wire_dtype(config.reduce_dtype, compute, "sparse_reduce_scatter")]
         self.edp_reduce_dtype = wire[wire_dtype(config.reduce_dtype, compute, "expert_data_parallel")]
         self.global_ranks_per_node = ranks_per_node
-        self.ranks_per_node = group_ranks_per_node(self.world_size, ranks_per_node)   # the group's node layout
+        # the group's node layout (with tensor parallelism the group is one TP rank's data-parallel ranks)
+        self.ranks_per_node = group_ranks_per_node(
+            self.world_size, data_parallel_ranks_per_node(ranks_per_node, self.layout.tensor_parallel_size))
+        self.expert_group_name: Optional[str] = None   # its groups' name in DeepSpeed's registry (initialize sets it)
         self._reduced = False   # the EDP reduction of this accumulation window has run
         #: the backward in progress ends an accumulation window (set by the engine; reductions may go early)
         self.at_boundary = False
@@ -75,12 +78,13 @@ class HecateRuntime:
         self.autograd_anchor = torch.empty(0, requires_grad=True, device=self.device)
         self.bindings: List[LayerBinding] = []
         self.layer_names: List[str] = []
-        self.optimizer: Optional["ExpertOptimizer"] = None
+        self.optimizer: Optional[ExpertStepper] = None
         self.layer_group: Dict[int, int] = {}  # layer id -> expert optimizer param group
         self.last_total_norm: Optional[torch.Tensor] = None
         self.steps_applied = 0
         self.steps_skipped = 0
-        self.nonfinite_grad_steps = 0
+        self.nonfinite_grad_steps = 0   # steps with a non-finite gradient in one of this rank's experts
+        self.nonfinite_grad_steps_any_rank = 0   # steps with one in any rank's experts (where a norm decides)
         self.norm_from_optimizer = False  # set by the norm hook when DeepSpeed's optimizer computes the joint norm
         self.last_nonfinite_grads: Optional[dict] = None
         self.reshards = 0
@@ -249,7 +253,7 @@ class HecateRuntime:
         """
         self.reduce_across_groups()
         try:
-            self._note_nonfinite_grads()
+            self._note_nonfinite_grads(applied)
             if not applied:
                 self.steps_skipped += 1
                 return
@@ -267,14 +271,45 @@ class HecateRuntime:
             self.last_total_norm = None
             self._reduced = False
 
-    def _note_nonfinite_grads(self) -> None:
-        """NaN/Inf in this rank's expert gradients: counted and named in the statistics, and logged. Whether the
-        step is applied is DeepSpeed's decision (its overflow check sees them through the global norm, which
-        includes the experts). Skipped when this step's joint norm is known and finite; otherwise one host sync
-        for all experts."""
+    def _note_nonfinite_grads(self, applied: bool) -> None:
+        """NaN/Inf in this rank's expert gradients: counted and named in the statistics (each rank its own experts).
+        Whether the step is applied is DeepSpeed's decision (its overflow check sees them through the global norm,
+        which includes the experts, or skips on the dense gradients before computing it). Skipped when this step's
+        joint norm is known and finite; otherwise one host sync for all experts.
+
+        Reported as DeepSpeed reports an overflow: one line per step, from global rank 0, with the count over all
+        ranks (a one-number all-reduce, only on steps DeepSpeed skipped or whose joint norm is non-finite: both the
+        same on every rank). Where a step is applied with no joint norm computed (ZeRO stage 0 in fp32 without
+        clipping: nothing decides to skip), the ranks that hold a non-finite gradient warn themselves, as there is
+        no collective to agree on."""
         total = self.last_total_norm
-        if total is not None and 0 <= float(total) < float("inf"):
+        known = total is not None
+        if known and 0 <= float(total) < float("inf"):
             return
+        bad = self._nonfinite_experts()
+        step = self.steps_applied + self.steps_skipped + 1
+        if bad:
+            self.nonfinite_grad_steps += 1
+            self.last_nonfinite_grads = {"step": step, "experts": bad}
+        if applied and not known:
+            if bad:
+                logger.warning(f"rank {self.layout.global_rank}: non-finite (NaN/Inf) gradients in {len(bad)} "
+                               f"expert(s) at optimizer step {step}, applied (no loss scaling or clipping decides "
+                               f"to skip it): {', '.join(bad[:8])}{' ...' if len(bad) > 8 else ''}")
+            return
+        count = torch.tensor([float(len(bad))], dtype=torch.float32, device=self.device)
+        everywhere = int(self.layout.world.all_reduce(count, collective="non-finite expert gradient count").item())
+        if everywhere:
+            self.nonfinite_grad_steps_any_rank += 1
+            if self.layout.global_rank == 0:
+                outcome = ("skipped (DeepSpeed's overflow check)" if not applied else
+                           "applied (no loss scaling decides to skip it)")
+                logger.info(f"optimizer step {step}: non-finite (NaN/Inf) gradients in {everywhere} expert(s) over "
+                            f"the ranks, step {outcome}; each rank's experts: engine.hecate.stats()"
+                            f"['last_nonfinite_grads']")
+
+    def _nonfinite_experts(self) -> List[str]:
+        """Names of this rank's owned experts whose gradient holds a NaN or Inf (one host sync for all)."""
         names, checks = [], []
         for binding in self.bindings:
             for e, param in binding.shard.masters.items():
@@ -282,14 +317,8 @@ class HecateRuntime:
                     names.append(f"{binding.shard.name} expert {e}")
                     checks.append(torch.isfinite(param.grad).all())
         if not checks:
-            return
-        bad = [name for name, ok in zip(names, torch.stack(checks).tolist()) if not ok]
-        if bad:
-            self.nonfinite_grad_steps += 1
-            self.last_nonfinite_grads = {"step": self.steps_applied + self.steps_skipped + 1, "experts": bad}
-            logger.warning(f"rank {self.rank}: non-finite (NaN/Inf) gradients in {len(bad)} expert(s) "
-                           f"at optimizer step {self.last_nonfinite_grads['step']}: {', '.join(bad[:8])}"
-                           f"{' ...' if len(bad) > 8 else ''}")
+            return []
+        return [name for name, ok in zip(names, torch.stack(checks).tolist()) if not ok]
 
     def after_step(self, global_steps: int) -> None:
         """Step-boundary work, identical on every rank: cost profiling once, periodic re-sharding."""
@@ -353,6 +382,7 @@ class HecateRuntime:
                 "nodes": layout.groups.world_size // self.global_ranks_per_node,
                 "ep_size": self.world_size, "expert_data_parallel_size": layout.edp_size,
                 "group": layout.edp_index, "group_rank": self.rank,
+                "tensor_parallel_size": layout.tensor_parallel_size,
                 "expert_state_partitioned": layout.partitioned, "placement": self.config.placement,
                 "rematerialize": self.rematerialize,
                 "reduce_dtype": {"sparse_reduce_scatter": str(self.reduce_dtype).replace("torch.", ""),
@@ -360,7 +390,9 @@ class HecateRuntime:
                 "layers": [b.stats() for b in self.bindings], "comm": total.as_dict(),
                 "memory": self.memory_bytes(), "steps_applied": self.steps_applied,
                 "steps_skipped": self.steps_skipped, "reshards": self.reshards,
-                "nonfinite_grad_steps": self.nonfinite_grad_steps, "last_nonfinite_grads": self.last_nonfinite_grads,
+                "nonfinite_grad_steps": self.nonfinite_grad_steps,
+                "nonfinite_grad_steps_any_rank": self.nonfinite_grad_steps_any_rank,
+                "last_nonfinite_grads": self.last_nonfinite_grads,
                 "measured_costs": dict(self.measured)}
 
     def summary(self) -> str:
@@ -369,7 +401,10 @@ class HecateRuntime:
         layout = self.layout
         world = layout.groups.world_size
         nodes = world // self.global_ranks_per_node
-        groups = (f"; groups of {self.world_size} consecutive ranks (hecate.ep_size) x {layout.edp_size} "
+        tp = layout.tensor_parallel_size
+        members = (f"data-parallel ranks of each of the {tp} tensor-parallel ranks (tokens shared 1/{tp} per "
+                   f"tensor-parallel rank)" if tp > 1 else "consecutive ranks")
+        groups = (f"; groups of {self.world_size} {members} (hecate.ep_size) x {layout.edp_size} "
                   f"expert-data-parallel replicas, expert state "
                   f"{'partitioned over' if layout.partitioned else 'whole on'} each replica"
                   if layout.edp_size > 1 else "")

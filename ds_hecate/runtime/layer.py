@@ -13,7 +13,7 @@ The gather/compute pair is an autograd function (:mod:`.expert_compute`), so bac
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -31,11 +31,11 @@ from .phases import PHASES
 from .dispatcher import Routes, TokenDispatcher, slot_histogram
 from .expert_compute import (CallGrads, ExpertRows, Materialize, MaterializeWeights, RematerializedExperts, run_loop,
                              run_parts, takes_grouped)
+from .interfaces import RuntimeView
 from .shard_store import LayerShard, ShardAccumulator
+from .tensor_parallel import run_layer
 from .timing import Intervals, PhaseTimer, boundary
 
-if TYPE_CHECKING:
-    from .hecate import HecateRuntime
 
 
 
@@ -48,7 +48,7 @@ def in_backward_pass() -> bool:
 class LayerBinding:
     """Connects one ``ds_hecate.MoE`` module to the runtime and to its shard."""
 
-    def __init__(self, runtime: "HecateRuntime", shard: LayerShard, hidden_size: int) -> None:
+    def __init__(self, runtime: RuntimeView, shard: LayerShard, hidden_size: int) -> None:
         self.runtime = runtime
         self.index = len(runtime.bindings)   # registration order: this layer's place in the pool and call order
         self.shard = shard
@@ -247,6 +247,14 @@ class LayerBinding:
     # -- one layer call ---------------------------------------------------------------------------------------
     def run(self, x: torch.Tensor, indices: torch.Tensor, gates: torch.Tensor,
             arithmetic: str = "deepspeed") -> torch.Tensor:
+        """The layer's routed-experts output ``[S, H]`` for a data-parallel slice's tokens (the MoE layers call
+        this): :meth:`call`, with a model-parallel unit on this tensor-parallel rank's share of them
+        (:mod:`.tensor_parallel`)."""
+        return run_layer(self.call, self.runtime.layout.tensor_parallel, self.shard.num_experts, x, indices, gates,
+                         arithmetic)
+
+    def call(self, x: torch.Tensor, indices: torch.Tensor, gates: torch.Tensor,
+             arithmetic: str = "deepspeed") -> torch.Tensor:
         """The layer's routed-experts output ``[S, H]``: for each token the sum over its routes ``j`` (``indices``:
         ``[k, S]`` expert ids, -1 = dropped) of ``gates[j, t]`` times the expert's output, combined with the caller's
         arithmetic (:mod:`ds_hecate.ops.combine`: ``"deepspeed"`` or ``"hf"``).

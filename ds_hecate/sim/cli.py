@@ -54,6 +54,8 @@ def run_simulate(args: argparse.Namespace) -> int:
     from .core import SYSTEMS, format_table, simulate
     from .settings import SimSettings
 
+    if args.warmup >= args.steps:
+        args.parser.error(f"argument --warmup: must be fewer than --steps ({args.steps}), got {args.warmup}")
     systems = [s for part in args.systems for s in part.split(",") if s] if args.systems else list(SYSTEMS)
     hecate, ds = _hecate_from_ds_config(args.config)
     stage, precision = _zero_and_precision(ds) if args.config else (1, "bf16")
@@ -80,6 +82,17 @@ def run_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ranks_per_node(args: argparse.Namespace, hecate: Any, cluster: Any) -> Tuple[int, str]:
+    """Ranks per node for ``plan`` and where the number comes from (for the message that blames it)."""
+    if args.ranks_per_node:
+        return args.ranks_per_node, "--ranks-per-node"
+    if hecate.ranks_per_node:
+        return hecate.ranks_per_node, "hecate.ranks_per_node of --config"
+    if cluster is not None:
+        return cluster.devices_per_node, f"the devices per node of --cluster {cluster.name}"
+    return 8, "the default; set --ranks-per-node"
+
+
 def run_plan(args: argparse.Namespace) -> int:
     from .memory_plan import format_plan, optimizer_layout_from_ds_config, plan_memory
     from .presets import resolve_cluster, resolve_model
@@ -87,10 +100,11 @@ def run_plan(args: argparse.Namespace) -> int:
     hecate, ds = _hecate_from_ds_config(args.config)
     model = resolve_model(args.model)
     cluster = resolve_cluster(args.cluster) if args.cluster else None
-    rpn = args.ranks_per_node or hecate.ranks_per_node or (cluster.devices_per_node if cluster else 8)
+    rpn, source = _ranks_per_node(args, hecate, cluster)
     rpn = min(rpn, args.world_size)
-    if args.world_size < 1 or args.world_size % rpn:
-        raise HecateError(f"--world-size {args.world_size} must be a positive multiple of --ranks-per-node {rpn}")
+    if args.world_size % rpn:
+        args.parser.error(f"argument --world-size: {args.world_size} must be a multiple of the ranks per node, {rpn} "
+                          f"({source})")
     stage, precision = _zero_and_precision(ds)
     plan = plan_memory(model, hecate, args.world_size, rpn, stage, precision, optimizer_layout_from_ds_config(ds),
                        cluster=cluster, ep_size=args.ep_size)
@@ -100,27 +114,36 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def add_parsers(sub: Any) -> None:
-    """Register ``simulate`` and ``plan`` on the ``ds-hecate`` sub-parsers."""
+    """Register ``simulate`` and ``plan`` on the ``ds-hecate`` sub-parsers (every flag typed by
+    :mod:`ds_hecate.cli_args`: a bad value is argparse's error, exit status 2)."""
+    from .. import cli_args as args
     from .presets import CLUSTERS, MODELS
     from .workloads import WORKLOADS
     from .core import SYSTEMS
 
     sim = sub.add_parser("simulate", help="replay routing on a modelled cluster for Hecate and the baselines")
-    sim.add_argument("--cluster", required=True, help=f"preset ({', '.join(CLUSTERS)}) or a JSON file")
-    sim.add_argument("--model", required=True, help=f"preset ({', '.join(MODELS)}) or a JSON file of sizes")
-    sim.add_argument("--workload", required=True, help=f"{'/'.join(WORKLOADS)} or a routing trace (.jsonl)")
-    sim.add_argument("--systems", nargs="*", default=None,
+    sim.add_argument("--cluster", required=True, type=args.preset_or_file(CLUSTERS, "cluster", "a JSON file"),
+                     help=f"preset ({', '.join(CLUSTERS)}) or a JSON file")
+    sim.add_argument("--model", required=True, type=args.preset_or_file(MODELS, "model", "a JSON file of sizes"),
+                     help=f"preset ({', '.join(MODELS)}) or a JSON file of sizes")
+    sim.add_argument("--workload", required=True, type=args.routing_workload(WORKLOADS),
+                     help=f"{'/'.join(WORKLOADS)} or a routing trace (.jsonl)")
+    sim.add_argument("--systems", nargs="*", default=None, type=args.names_from(SYSTEMS, "system"),
                      help=f"any of {', '.join(SYSTEMS)} (default: all), space or comma separated")
-    sim.add_argument("--steps", type=int, default=30, help="simulated training steps (default 30)")
-    sim.add_argument("--warmup", type=int, default=1, help="first steps left out of the averages (default 1)")
-    sim.add_argument("--world-size", type=int, default=None, help="devices (default: the cluster's)")
-    sim.add_argument("--tokens-per-rank", type=int, default=None, help="default: the model's seq_len * micro_batch")
-    sim.add_argument("--config", default=None, help="DeepSpeed JSON config whose hecate section the Hecate systems "
-                                                    "plan with (default: hecate defaults)")
-    sim.add_argument("--materialize-budget-mb", type=float, default=None,
+    sim.add_argument("--steps", type=args.positive_int, default=30, help="simulated training steps (default 30)")
+    sim.add_argument("--warmup", type=args.non_negative_int, default=1,
+                     help="first steps left out of the averages, fewer than --steps (default 1)")
+    sim.add_argument("--world-size", type=args.positive_int, default=None, help="devices (default: the cluster's)")
+    sim.add_argument("--tokens-per-rank", type=args.positive_int, default=None,
+                     help="default: the model's seq_len * micro_batch")
+    sim.add_argument("--config", default=None, type=args.existing_file("DeepSpeed config"),
+                     help="DeepSpeed JSON config whose hecate section the Hecate systems plan with (default: hecate "
+                          "defaults)")
+    sim.add_argument("--materialize-budget-mb", type=args.bounded_float(0, 1e9, "MiB"), default=None,
                      help="replica memory per rank, MiB (default: the config's, else 10%% of device memory)")
-    sim.add_argument("--measured", default=None, help="JSON of ds_hecate's measured costs (stats()['measured_costs'] "
-                                                      "or the whole stats): calibrates compute, link and T_nonMoE")
+    sim.add_argument("--measured", default=None, type=args.existing_file("measured costs"),
+                     help="JSON of ds_hecate's measured costs (stats()['measured_costs'] or the whole stats): "
+                          "calibrates compute, link and T_nonMoE")
     sim.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default=None,
                      help="compute dtype (default: the config's, else bf16)")
     sim.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None,
@@ -128,30 +151,33 @@ def add_parsers(sub: Any) -> None:
     sim.add_argument("--spag", choices=("p2p", "ring"), default="p2p",
                      help="Hecate's sparse collectives: p2p from the owner (as ds_hecate runs them, default) or "
                           "ring broadcast/reduce per expert (what-if)")
-    sim.add_argument("--ep-size", type=int, default=None,
+    sim.add_argument("--ep-size", type=args.positive_int, default=None,
                      help="group size G: Hecate shards the experts inside groups of G consecutive ranks, replicated "
                           "across groups (expert data parallelism); the EP baselines use ep_size G (default: the "
                           "config's hecate.ep_size, else the runtime's rule)")
-    sim.add_argument("--seed", type=int, default=0, help="workload seed (W4, W7)")
+    sim.add_argument("--seed", type=args.non_negative_int, default=0, help="workload seed (W4, W7)")
     sim.add_argument("--no-planning-charge", action="store_true",
                      help="leave Hecate's host planning time out of its step")
     sim.add_argument("--planning-clock", choices=("work", "thread"), default="work",
                      help="count the host planning from what the planner did, in its work models' microseconds "
                           "(work: the same figures on every machine), or as this machine's thread CPU time")
-    sim.add_argument("--json", default=None, help="also write the results as JSON to this file")
-    sim.set_defaults(run=run_simulate)
+    sim.add_argument("--json", default=None, type=args.writable_path,
+                     help="also write the results as JSON to this file")
+    sim.set_defaults(run=run_simulate, parser=sim)
 
     plan = sub.add_parser("plan", help="memory per rank and the scheduler's budgets, before launching")
-    plan.add_argument("--config", default=None, help="DeepSpeed JSON config (ZeRO stage, precision, optimizer, "
-                                                     "hecate section)")
-    plan.add_argument("--model", required=True, help=f"preset ({', '.join(MODELS)}) or a JSON file of sizes")
-    plan.add_argument("--world-size", type=int, required=True, help="ranks")
-    plan.add_argument("--ranks-per-node", type=int, default=None,
+    plan.add_argument("--config", default=None, type=args.existing_file("DeepSpeed config"),
+                      help="DeepSpeed JSON config (ZeRO stage, precision, optimizer, hecate section)")
+    plan.add_argument("--model", required=True, type=args.preset_or_file(MODELS, "model", "a JSON file of sizes"),
+                      help=f"preset ({', '.join(MODELS)}) or a JSON file of sizes")
+    plan.add_argument("--world-size", type=args.positive_int, required=True, help="ranks")
+    plan.add_argument("--ranks-per-node", type=args.positive_int, default=None,
                       help="default: hecate.ranks_per_node, else the cluster's, else 8")
-    plan.add_argument("--ep-size", type=int, default=None,
+    plan.add_argument("--ep-size", type=args.positive_int, default=None,
                       help="group size G of the Hecate domain (default: the config's hecate.ep_size, else the "
                            "runtime's rule)")
-    plan.add_argument("--cluster", default=None, help="preset or JSON: device memory and bandwidth/T_nonMoE for t")
-    plan.add_argument("--device-memory-gb", type=float, default=None,
+    plan.add_argument("--cluster", default=None, type=args.preset_or_file(CLUSTERS, "cluster", "a JSON file"),
+                      help="preset or JSON: device memory and bandwidth/T_nonMoE for t")
+    plan.add_argument("--device-memory-gb", type=args.positive_float, default=None,
                       help="warn above this (default: the cluster's device memory, else 80)")
-    plan.set_defaults(run=run_plan)
+    plan.set_defaults(run=run_plan, parser=plan)

@@ -63,46 +63,56 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    from .. import cli_args as types
+
     parser = argparse.ArgumentParser(prog="ds-hecate", description="ds_hecate tools")
     sub = parser.add_subparsers(dest="command", required=True)
     consolidate = sub.add_parser("consolidate", help="one fp32 state dict (dense + every expert) from a checkpoint")
-    consolidate.add_argument("checkpoint_dir", help="the save_dir given to engine.save_checkpoint")
+    consolidate.add_argument("checkpoint_dir", type=types.existing_dir("checkpoint"),
+                             help="the save_dir given to engine.save_checkpoint")
     consolidate.add_argument("--tag", default=None, help="checkpoint tag (default: the one in 'latest')")
     consolidate.add_argument("--layout", choices=("hecate", "deepspeed"), default="hecate",
                              help="parameter names of ds_hecate.MoE (default) or deepspeed.moe.layer.MoE")
-    consolidate.add_argument("--output", "-o", required=True, help="output file (torch.save)")
-    consolidate.set_defaults(run=_consolidate)
+    consolidate.add_argument("--output", "-o", required=True, type=types.writable_path, help="output file (torch.save)")
+    consolidate.set_defaults(run=_consolidate, parser=consolidate)
     report = sub.add_parser("report", help="PNG plots (expert load, per-rank compute, replicas, communication) "
                                            "from a run's trace and CSV monitor files")
-    report.add_argument("run_dir", help="directory holding the trace (hecate.trace_file) and/or DeepSpeed's "
-                                        "csv_monitor output, e.g. the example's --monitor-dir")
-    report.add_argument("--output-dir", "-o", default=None, help="where the PNGs go (default: RUN_DIR/report)")
-    report.set_defaults(run=_report)
+    report.add_argument("run_dir", type=types.existing_dir("run"),
+                        help="directory holding the trace (hecate.trace_file) and/or DeepSpeed's csv_monitor "
+                             "output, e.g. the example's --monitor-dir")
+    report.add_argument("--output-dir", "-o", default=None, type=types.new_directory,
+                        help="where the PNGs go (default: RUN_DIR/report)")
+    report.set_defaults(run=_report, parser=report)
     export_hf = sub.add_parser("export-hf", help="a Hugging Face checkpoint directory (safetensors, every expert) "
                                                  "from a Hecate checkpoint of an HF MoE model")
-    export_hf.add_argument("checkpoint_dir", help="the save_dir given to engine.save_checkpoint (for the HF Trainer: "
-                                                  "OUTPUT_DIR/checkpoint-N)")
-    export_hf.add_argument("--model-config", default=None, help="HF config.json, or its directory (default: "
-                                                                 "CHECKPOINT_DIR/config.json)")
+    export_hf.add_argument("checkpoint_dir", type=types.existing_dir("checkpoint"),
+                           help="the save_dir given to engine.save_checkpoint (for the HF Trainer: "
+                                "OUTPUT_DIR/checkpoint-N)")
+    export_hf.add_argument("--model-config", default=None, type=types.file_or_dir("model config"),
+                           help="HF config.json, or its directory (default: CHECKPOINT_DIR/config.json)")
     export_hf.add_argument("--tag", default=None, help="checkpoint tag (default: the one in 'latest')")
     export_hf.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="weights dtype")
-    export_hf.add_argument("--output", "-o", required=True, help="output directory (from_pretrained loads it)")
-    export_hf.set_defaults(run=_export_hf)
+    export_hf.add_argument("--output", "-o", required=True, type=types.new_directory,
+                           help="output directory (from_pretrained loads it)")
+    export_hf.set_defaults(run=_export_hf, parser=export_hf)
     check = sub.add_parser("check", help="which checkpoint tags are complete, incomplete (a save that did not finish) "
                                          "or damaged; verifies every expert file's digest")
-    check.add_argument("save_dir", help="the save_dir given to engine.save_checkpoint")
+    check.add_argument("save_dir", type=types.existing_dir("save"),
+                       help="the save_dir given to engine.save_checkpoint")
     check.add_argument("--tag", default=None, help="check this tag only (default: every tag with Hecate state)")
     check.add_argument("--no-verify", action="store_true", help="skip reading the expert files (marks and sizes only)")
-    check.set_defaults(run=_check)
+    check.set_defaults(run=_check, parser=check)
     from ..sim.cli import add_parsers as add_sim_parsers
     add_sim_parsers(sub)   # simulate, plan
-    args = parser.parse_args(argv)
     from ..errors import HecateError
-    try:
-        return args.run(args)
-    except HecateError as exc:
-        print(f"ds-hecate: error: {exc}", file=sys.stderr)
-        return 2
+    try:   # argparse ends a bad command line with SystemExit(2): returned as main's status, as a run's is
+        args = parser.parse_args(argv)
+        try:
+            return args.run(args)
+        except HecateError as exc:   # what only the work itself finds out (file contents, combinations): in
+            args.parser.error(str(exc))   # argparse's form too, from the command's parser (usage line, status 2)
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
 
 
 if __name__ == "__main__":

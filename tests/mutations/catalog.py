@@ -442,6 +442,25 @@ MUTATIONS: List[Mutation] = [
         (("    replica = _probe_replica_overhead_s(rt) if rt.bindings else 0.0\n",
           "    replica = 0.0  # MUTATION: the replica probe never runs\n"),),
         "the profiling step records no replica overhead, so with nothing configured replicas are priced at nothing"),
+    Mutation(
+        "tp-rank-runs-the-whole-slice", "ds_hecate/runtime/tensor_parallel.py",
+        (("    if comm is None or comm.world_size == 1:\n        return run(x, indices, gates, arithmetic)\n",
+          "    if True:  # MUTATION: every tensor-parallel rank runs all of its slice's tokens\n"
+          "        return run(x, indices, gates, arithmetic)\n"),),
+        "with a model-parallel unit each tensor-parallel rank dispatches the whole slice instead of its share, so "
+        "every token-expert pair is counted once per tensor-parallel rank in the expert gradients"),
+    Mutation(
+        "tp-share-gradient-not-gathered", "ds_hecate/runtime/tensor_parallel.py",
+        (("            whole = _all_gather(ctx.comm, grad.contiguous(), ctx.dim, ctx.total, "
+          "\"tensor-parallel gradient all-gather\")\n",
+          "            whole = _all_gather(ctx.comm, grad.contiguous(), ctx.dim, ctx.total, "
+          "\"tensor-parallel gradient all-gather\")\n"
+          "            start, length, _ = share(ctx.total, ctx.comm.world_size, ctx.comm.rank)  # MUTATION: only\n"
+          "            keep = torch.zeros_like(whole)  # this rank's share of the input gradient survives\n"
+          "            keep.narrow(ctx.dim, start, length).copy_(whole.narrow(ctx.dim, start, length))\n"
+          "            whole = keep\n"),),
+        "the backward of a tensor-parallel rank's token share keeps its own share's gradient instead of all-gathering "
+        "every share's, so the dense layers and the gate see a partial gradient"),
 ]
 
 _EXACT2 = "tests/test_exactness.py::test_trajectories_match_data_parallel[2rank]"
@@ -550,4 +569,6 @@ TESTS_FOR: Dict[str, List[str]] = {
         "tests/test_replica_overhead.py::test_a_replica_that_saves_less_than_its_overhead_is_not_placed"],
     "replica-overhead-not-measured": [
         "tests/test_replica_overhead.py::test_training_measures_the_overhead_once_for_every_rank"],
+    "tp-rank-runs-the-whole-slice": ["tests/test_model_parallel.py"],
+    "tp-share-gradient-not-gathered": ["tests/test_model_parallel.py"],
 }
