@@ -219,7 +219,7 @@ def _group_size(hcfg: HecateConfig, model: Optional[torch.nn.Module], parallel: 
 
     from ..planning.groups import resolve_ep_size
     from .convert import moe_layer_shapes
-    from .model_parallel import data_parallel_ranks_per_node
+    from ..planning.groups import data_parallel_ranks_per_node
 
     ep_sizes, experts = moe_layer_shapes(model) if model is not None else ([], [])
     dp, tp = parallel.dp_size, parallel.tp_size

@@ -25,7 +25,6 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import HecateConfigError, HecateUnsupportedError
-from ..runtime.tensor_parallel import data_parallel_ranks_per_node  # noqa: F401  (re-exported)
 
 EXPERT_TP_FLAG = "enable_expert_tensor_parallelism"
 

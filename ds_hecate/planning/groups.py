@@ -164,6 +164,13 @@ class ExpertGroups:
         return f"{name} (group {self.group_of(rank)}, index {self.local_rank(rank)})"
 
 
+def data_parallel_ranks_per_node(ranks_per_node: int, tp_size: int) -> int:
+    """Data-parallel ranks of one tensor-parallel rank on one node (what a Hecate group's planner sees as a node):
+    the node's ranks over the TP size when TP groups lie inside nodes (Megatron's layout), else 1 (TP groups spanning
+    nodes: one such rank per node)."""
+    return ranks_per_node // tp_size if ranks_per_node % tp_size == 0 else 1
+
+
 def _in_range(name: str, value: int, low: int, high: int) -> None:
     if not low <= value < high:
         raise ValueError(f"ExpertGroups: {name} {value} out of range [{low}, {high})")

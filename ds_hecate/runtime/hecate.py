@@ -21,6 +21,7 @@ from ..planning import CommCostModel, Placement
 from ..planning.cost_model import StepCostModel, scheduler_costs
 from ..planning.replica_pool import LayerGrant, ReplicaPool
 from ..planning.dispatch_plan import DispatchPlan
+from ..planning.groups import data_parallel_ranks_per_node
 from .edp import GroupLayout, reduce_gradients, reduce_layer, refresh_weights, whole_masters
 from .interfaces import ExpertStepper
 from .layer import LayerBinding, in_backward_pass
@@ -28,7 +29,6 @@ from .phases import PHASES
 from .profiling import WARM_PROFILE_STEP, expert_work, measure_costs
 from .shard_store import ExpertShardStore, LayerShard
 from .stops import Stops
-from .tensor_parallel import data_parallel_ranks_per_node
 from .timing import BackwardPhases, DeviceClock
 
 

@@ -22,13 +22,6 @@ import torch
 from ..comm.collectives import Communicator
 
 
-def data_parallel_ranks_per_node(ranks_per_node: int, tp_size: int) -> int:
-    """Data-parallel ranks of one tensor-parallel rank on one node (what a Hecate group's planner sees as a node):
-    the node's ranks over the TP size when TP groups lie inside nodes (Megatron's layout), else 1 (TP groups spanning
-    nodes: one such rank per node)."""
-    return ranks_per_node // tp_size if ranks_per_node % tp_size == 0 else 1
-
-
 def share(num_tokens: int, peers: int, rank: int) -> Tuple[int, int, int]:
     """(start, length, padded length) of TP rank ``rank``'s tokens out of ``num_tokens``."""
     chunk = -(-num_tokens // peers) if num_tokens else 0
