@@ -109,10 +109,12 @@ def cli_defaults() -> Dict[str, Any]:
     """The defaults of ``ds-hecate simulate`` (steps, warm-up, seed, spag), read from its own parser so this script
     cannot drift from the CLI."""
     from ds_hecate.sim.cli import add_parsers
+    from ds_hecate.sim.presets import CLUSTERS, MODELS
 
     parser = argparse.ArgumentParser()
     add_parsers(parser.add_subparsers())
-    ns = parser.parse_args(["simulate", "--cluster", "-", "--model", "-", "--workload", "W0"])
+    ns = parser.parse_args(["simulate", "--cluster", next(iter(CLUSTERS)), "--model", next(iter(MODELS)),
+                            "--workload", "W0"])
     return {"steps": ns.steps, "warmup": ns.warmup, "seed": ns.seed, "spag": ns.spag}
 
 

@@ -80,10 +80,11 @@ def test_simulator_plans_with_the_runtimes_windows():
     from ds_hecate.sim.presets import resolve_cluster, resolve_model
     from ds_hecate.sim.systems import make_system
     from ds_hecate.sim.model_state import ADAM
+    from ds_hecate.sim.settings import SimSettings
 
     cluster, model = resolve_cluster("a100-4x8"), resolve_model("bert-moe")
-    ctx = _context(cluster, model, model.tokens_per_rank, Config(enabled=True, materialize_budget_mb=8000.0), 1,
-                   "bf16", ADAM, "p2p", None, True, cluster.world_size)
+    ctx = _context(cluster, model, model.tokens_per_rank, Config(enabled=True, materialize_budget_mb=8000.0),
+                   SimSettings(zero_stage=1, precision="bf16", optimizer=ADAM, spag="p2p"), cluster.world_size)
     for system, regather in (("hecate", False), ("hecate-rm", True)):
         costs = make_system(system, ctx).planners[0].inputs.costs
         assert costs.reduce_share == pytest.approx(ctx.grad_b / (ctx.compute_b + ctx.grad_b))

@@ -1,0 +1,150 @@
+"""Fit the simulator's per-call overhead model (:mod:`ds_hecate.sim.overhead`) from measured layer calls.
+
+    overhead = fixed_s + per_row_byte_s * routed rows * row bytes + per_owned_byte_s * owned expert bytes
+
+- **CPU** (this kind of machine): from a ``benchmarks/layer_versus.py`` JSON. Each cell (shape, dtype) gives a
+  system's median forward + backward against the plain grouped-GEMM layer's (the floor); the overhead is the
+  difference. ds_hecate's is ``ds_hecate-call-no-shortcuts`` (its layer call behind the plain layer's router, its
+  collectives through the process group: the per-rank path of N ranks); the baselines' is the lower of DeepSpeed's
+  AutoEP and legacy MoE layers in each cell (each with its own router, as users run them). Non-negative least
+  squares over the cells.
+- **GPU presets**: from a GPU check JSON (``benchmarks/gpu_check.py``'s ``layer_call`` stage, one rank, bf16). No
+  plain layer ran there, so its time is estimated as the measured grouped GEMMs (``expert_compute_s``, forward +
+  backward) plus :data:`PLAIN_TOKEN_PASSES` passes over the routed rows at :data:`GPU_MEMORY_GBPS` (the
+  router, permutation, un-permute and their backward). The per-owned-byte term is what the call's ``plan`` and
+  ``reduce_wait`` phases spent per owned byte (the pre-issue-41 runtime cast and packed the owned experts there, and
+  zero-filled and accumulated their gradients); the fixed and per-row-byte terms are fitted to what remains. The
+  baselines ran on no GPU: they are charged nothing (the plain layer's cost), which flatters them, not ds_hecate.
+
+    python -m benchmarks.overhead_fit --versus docs/layer_versus_after.json --gpu docs/gpu_check_h200.json \\
+        --json docs/call_overhead_fit.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.layer_call import SHAPES  # noqa: E402
+
+HECATE_CPU_SYSTEM = "ds_hecate-call-no-shortcuts"
+BASELINE_CPU_SYSTEMS = ("autoep", "deepspeed-moe")
+#: the plain layer's passes over the routed rows besides its GEMMs (router, sort-permute gather, index_copy back,
+#: weighted sum; and their backward), for the GPU estimate
+PLAIN_TOKEN_PASSES = 10
+#: the GPU check's device (H200, HBM3e), GB/s
+GPU_MEMORY_GBPS = 4800.0
+BYTES = {"fp32": 4, "bf16": 2}
+
+
+def _features(shape_name: str, dtype: str) -> Tuple[float, float]:
+    """(routed row bytes, owned expert bytes) of a one-rank call of ``shape_name`` (every expert owned)."""
+    shape = SHAPES[shape_name]
+    item = BYTES[dtype]
+    return (shape.tokens * shape.top_k * shape.hidden * item, shape.experts * shape.expert_params * item)
+
+
+def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Non-negative least squares by elimination of the most negative coefficient (tiny problems only)."""
+    active = list(range(a.shape[1]))
+    while True:
+        x = np.zeros(a.shape[1])
+        if active:
+            x[active] = np.linalg.lstsq(a[:, active], b, rcond=None)[0]
+        negative = [i for i in active if x[i] < 0]
+        if not negative:
+            return x
+        active.remove(min(negative, key=lambda i: x[i]))
+
+
+def fit_cpu(versus: dict) -> Dict[str, dict]:
+    """The CPU coefficients from a layer_versus JSON: ``{"hecate": {...}, "baselines": {...}, "points": [...]}``."""
+    rows: Dict[str, List[Tuple[float, float, float]]] = {"hecate": [], "baselines": []}
+    points = []
+    for cell in versus["cells"]:
+        systems = cell["systems"]
+        plain = systems.get("plain", {}).get("median_s")
+        if plain is None:
+            continue
+        row_b, owned_b = _features(cell["shape"], cell["dtype"])
+        hecate = systems.get(HECATE_CPU_SYSTEM, {}).get("median_s")
+        base = [systems[s]["median_s"] for s in BASELINE_CPU_SYSTEMS if systems.get(s, {}).get("median_s")]
+        if hecate is not None:
+            rows["hecate"].append((row_b, owned_b, hecate - plain))
+        if base:
+            rows["baselines"].append((row_b, owned_b, min(base) - plain))
+        points.append({"shape": cell["shape"], "dtype": cell["dtype"], "plain_s": plain, "hecate_s": hecate,
+                       "baseline_s": min(base) if base else None})
+    out: Dict[str, dict] = {"points": points}
+    for family, data in rows.items():
+        if not data:
+            continue
+        arr = np.asarray(data, dtype=float)
+        a = np.column_stack([np.ones(len(arr)), arr[:, 0], arr[:, 1]])
+        x = nnls(a, arr[:, 2])
+        out[family] = {"fixed_s": float(x[0]), "per_row_byte_s": float(x[1]), "per_owned_byte_s": float(x[2])}
+    return out
+
+
+def fit_gpu(check: dict) -> Dict[str, dict]:
+    """The GPU coefficients from a GPU check JSON (see the module docstring)."""
+    records = [r for r in check["stages"]["layer_call"]["records"] if r["mode"] == "grouped"]
+    points, remainder = [], []
+    per_byte = []
+    for r in records:
+        row_b, owned_b = _features(r["shape"], r["dtype"])
+        plain = r["expert_compute_s"] + PLAIN_TOKEN_PASSES * row_b / (GPU_MEMORY_GBPS * 1e9)
+        overhead = r["fwd_bwd_s"] - plain
+        weight_phases = r["phases"].get("plan", 0.0) + r["phases"].get("reduce_wait", 0.0)
+        per_byte.append(weight_phases / owned_b)
+        points.append({"shape": r["shape"], "dtype": r["dtype"], "hecate_s": r["fwd_bwd_s"], "plain_estimate_s": plain,
+                       "owned_byte_phases_s": weight_phases})
+        remainder.append((row_b, overhead - weight_phases))
+    per_owned = float(np.mean(per_byte))
+    arr = np.asarray(remainder, dtype=float)
+    x = nnls(np.column_stack([np.ones(len(arr)), arr[:, 0]]), arr[:, 1])
+    return {"hecate": {"fixed_s": float(x[0]), "per_row_byte_s": float(x[1]), "per_owned_byte_s": per_owned},
+            "baselines": {"fixed_s": 0.0, "per_row_byte_s": 0.0, "per_owned_byte_s": 0.0},
+            "device_memory_gbps": GPU_MEMORY_GBPS, "points": points}
+
+
+def fit(versus: Optional[dict], check: Optional[dict]) -> dict:
+    out = {}
+    if versus is not None:
+        out["cpu"] = fit_cpu(versus)
+    if check is not None:
+        out["gpu"] = fit_gpu(check)
+    return out
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--versus", help="a benchmarks/layer_versus.py --json file (CPU)")
+    parser.add_argument("--gpu", help="a benchmarks/gpu_check.py --out file with its layer_call stage")
+    parser.add_argument("--json", help="write the coefficients here")
+    args = parser.parse_args(argv)
+    if not args.versus and not args.gpu:
+        parser.error("give --versus and/or --gpu")
+    load = (lambda p: json.loads(Path(p).read_text()) if p else None)
+    result = fit(load(args.versus), load(args.gpu))
+    for device, coefficients in result.items():
+        for family in ("hecate", "baselines"):
+            if family in coefficients:
+                c = coefficients[family]
+                print(f"{device:4s} {family:9s} fixed {c['fixed_s'] * 1e3:8.3f} ms  per row byte "
+                      f"{c['per_row_byte_s'] * 1e12:9.3f} ps  per owned byte {c['per_owned_byte_s'] * 1e12:9.4f} ps")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
