@@ -33,10 +33,10 @@ class WeightedUnpermute(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y: torch.Tensor, weights: torch.Tensor, pos: torch.Tensor, arithmetic: str,
-                kernel: Optional[Callable] = None) -> torch.Tensor:
+                kernel: Optional[Callable] = None, slots: Optional[torch.Tensor] = None) -> torch.Tensor:
         if arithmetic not in ARITHMETIC:
             raise ValueError(f"combine arithmetic must be one of {ARITHMETIC}, got {arithmetic!r}")
-        ctx.arithmetic = arithmetic
+        ctx.arithmetic, ctx.slots = arithmetic, slots
         k, num_tokens = pos.shape
         weights = weights.contiguous()   # [k, S] from a [S, k] router output: a strided product is slow
         ctx.y_shape = y.shape
@@ -65,14 +65,20 @@ class WeightedUnpermute(torch.autograd.Function):
         hf = ctx.arithmetic == "hf"
         g = (grad if hf else grad.float()).unsqueeze(0)
         w = weights.to(rows.dtype if hf else torch.float32).unsqueeze(-1)
+        per_slot = (g * w).to(rows.dtype).reshape(k * num_tokens, rows.shape[-1])
         grad_y = rows.new_empty(ctx.y_shape)   # every row is one slot's, but the zero row, which dropped slots hit
-        grad_y.index_copy_(0, pos.reshape(-1), (g * w).to(rows.dtype).reshape(k * num_tokens, rows.shape[-1]))
+        if ctx.slots is not None:   # row r is slot slots[r]: a gather (a scatter is several times slower)
+            torch.index_select(per_slot, 0, ctx.slots, out=grad_y[:ctx.slots.shape[0]])
+        else:
+            grad_y.index_copy_(0, pos.reshape(-1), per_slot)
         grad_y[-1].zero_()   # the zero row carries no gradient (the token exchange drops it anyway)
         grad_w = ((g * rows) if hf else (g * rows.float())).sum(-1).to(weights.dtype)
-        return grad_y, grad_w, None, None, None
+        return grad_y, grad_w, None, None, None, None
 
 
 def weighted_unpermute(y: torch.Tensor, weights: torch.Tensor, pos: torch.Tensor, arithmetic: str = "deepspeed",
-                       kernel: Optional[Callable] = None) -> torch.Tensor:
-    """``[S, H]`` combined outputs (see the module docstring); ``weights`` ``[k, S]``, ``pos`` ``[k, S]``."""
-    return WeightedUnpermute.apply(y, weights, pos, arithmetic, kernel)
+                       kernel: Optional[Callable] = None, slots: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``[S, H]`` combined outputs (see the module docstring); ``weights`` ``[k, S]``, ``pos`` ``[k, S]``;
+    ``slots``: the inverse of ``pos`` where known (row ``r`` of ``y`` is slot ``slots[r]``, the last row the zero
+    row), which makes the backward a gather."""
+    return WeightedUnpermute.apply(y, weights, pos, arithmetic, kernel, slots)

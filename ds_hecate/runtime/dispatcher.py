@@ -34,6 +34,39 @@ def slot_histogram(flat: torch.Tensor, gates: torch.Tensor, num_experts: int) ->
     return torch.cat([hist[1:num_experts + 1], nonfinite, hist[num_experts + 1:]])
 
 
+class SlotRows(torch.autograd.Function):
+    """``x``'s token rows for the routed slots (``x[slots % S]``): a token appears once per route, so the input
+    gradient sums up to ``k`` rows per token. autograd's ``index_select`` backward does it with ``index_add_``,
+    which on CUDA adds a token's rows atomically in no fixed order (``x.grad`` differed between two runs of the same
+    call on the H200); here on CUDA the rows' gradients go back to slot order (one scatter, no duplicate) and each
+    token's routes are summed in route order, so ``x.grad`` is the same bits every run. On the CPU ``index_add_``
+    is sequential, and kept (bit-equal to autograd's)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, slots: torch.Tensor, top_k: int) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        ctx.save_for_backward(slots)
+        ctx.shape, ctx.top_k = x.shape, top_k
+        return x.index_select(0, slots % max(num_tokens, 1))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (slots,) = ctx.saved_tensors
+        num_tokens = ctx.shape[0]
+        if not (grad.device.type == "cuda" or DETERMINISTIC_SLOT_SUM):
+            return grad.new_zeros(ctx.shape).index_add_(0, slots % max(num_tokens, 1), grad), None, None
+        per_slot = grad.new_zeros((ctx.top_k * num_tokens,) + tuple(ctx.shape[1:]))
+        per_slot.index_copy_(0, slots, grad)
+        first, *rest = per_slot.view((ctx.top_k,) + tuple(ctx.shape)).unbind(0)
+        for route in rest:
+            first.add_(route)
+        return first, None, None
+
+
+#: run :class:`SlotRows`' CUDA backward (routes summed in route order) on any device: tests check it on the CPU
+DETERMINISTIC_SLOT_SUM = False
+
+
 @dataclass(frozen=True)
 class Routes:
     """One call's routing on this rank: its routed slots in send order (``send_slots``: slot ``j * S + t`` is
@@ -68,7 +101,7 @@ class TokenDispatcher:
 
     def dispatch(self, x: torch.Tensor, routes: Routes) -> torch.Tensor:
         """The rows this rank computes, (source, expert) segments in the plan's order."""
-        send_rows = x.index_select(0, routes.send_slots % max(routes.num_tokens, 1))  # on the graph even when empty
+        send_rows = SlotRows.apply(x, routes.send_slots, routes.top_k)   # on the graph even when empty
         return AllToAllTokens.apply(send_rows, self.comm, routes.send_splits, routes.recv_splits, self.counters,
                                     self.where)
 
@@ -81,4 +114,4 @@ class TokenDispatcher:
         pos = torch.full((routes.top_k * routes.num_tokens,), routes.routed, dtype=torch.int64, device=device)
         pos = pos.scatter_(0, routes.send_slots, torch.arange(routes.routed, device=device))
         return weighted_unpermute(y_back, gates, pos.view(routes.top_k, routes.num_tokens), arithmetic,
-                                  self.combine_kernel)
+                                  self.combine_kernel, routes.send_slots)

@@ -39,11 +39,13 @@ from .shard_store import ShardAccumulator
 @dataclass(frozen=True)
 class ExpertRows:
     """How the received token rows (source-major, then expert) meet a call's experts: ``order`` takes them
-    expert-major in the gathered experts' order (own experts first), ``own`` and ``replicas`` cut that into one
-    group per expert of each part (0 rows for an expert this call routes nothing to); the first ``own_rows`` rows
-    are the own experts'."""
+    expert-major in the gathered experts' order (own experts first), ``inverse`` puts expert-major rows back in the
+    received order (both permutations, built from the plan's host tables: gathers both ways, never a scatter);
+    ``own`` and ``replicas`` cut the expert-major rows into one group per expert of each part (0 rows for an
+    expert this call routes nothing to); the first ``own_rows`` rows are the own experts'."""
 
     order: torch.Tensor
+    inverse: torch.Tensor
     own: RowGroups
     replicas: RowGroups
 
@@ -66,9 +68,37 @@ class ExpertRows:
         lengths = np.asarray(dispatch.order_lengths, dtype=np.int64).reshape(len(dispatch.mine), sources)
         held = [mine[e] for e in experts if e in mine]
         sizes = [int(dispatch.sizes[mine[e]]) if e in mine else 0 for e in experts]
-        return ExpertRows(segment_order(starts[held].reshape(-1), lengths[held].reshape(-1), device),
+        held_starts, held_lengths = starts[held].reshape(-1), lengths[held].reshape(-1)
+        # where each segment lands in expert-major order, and the segments in received order
+        positions = np.cumsum(held_lengths) - held_lengths
+        received = np.argsort(held_starts, kind="stable")
+        return ExpertRows(segment_order(held_starts, held_lengths, device),
+                          segment_order(positions[received], held_lengths[received], device),
                           RowGroups.build(sizes[:owned], device, to_device),
                           RowGroups.build(sizes[owned:], device, to_device))
+
+
+class Permute(torch.autograd.Function):
+    """``x[perm]`` for a permutation ``perm`` whose inverse ``inverse`` is known: the backward is a gather with the
+    inverse (autograd's ``index_select`` backward scatters with ``index_add_``, several times slower on the CPU and
+    atomic on CUDA). ``pad_rows`` zero rows follow the output (the combine's dropped slots point at them)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, perm: torch.Tensor, inverse: torch.Tensor, pad_rows: int = 0) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        ctx.pad_rows = pad_rows
+        if not pad_rows:
+            return x.index_select(0, perm)
+        out = x.new_empty((perm.shape[0] + pad_rows,) + tuple(x.shape[1:]))
+        out[perm.shape[0]:].zero_()
+        torch.index_select(x, 0, perm, out=out[:perm.shape[0]])
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        rows = grad.shape[0] - ctx.pad_rows
+        return grad[:rows].index_select(0, inverse), None, None, None
 
 
 def takes_grouped(kernel, gathered: GatheredExperts, recv: torch.Tensor) -> bool:
@@ -101,45 +131,33 @@ class CallGrads:
         return self.sends.rows()
 
 
-def padded_outputs(like: torch.Tensor, rows: int, width: int) -> torch.Tensor:
-    """The block a call's expert outputs go into: ``rows`` rows, then one zero row (every dropped slot of the
-    combine points at it; the token exchange sends the rows before it)."""
-    out = like.new_empty(rows + 1, width)
-    out[rows:].zero_()
-    return out
-
-
 def run_parts(kernel, gathered: GatheredExperts, recv: torch.Tensor, rows: ExpertRows,
               grads: CallGrads) -> torch.Tensor:
     """Grouped path: both parts on their rows (one grouped GEMM per projection and part), outputs in the received
     order followed by a zero row (one gather, two scatters back: a fixed number of ops whatever the number of
     experts)."""
-    grouped = recv.index_select(0, rows.order)
-    out = padded_outputs(grouped, grouped.shape[0], kernel_out_features(kernel, gathered))
+    grouped = Permute.apply(recv, rows.order, rows.inverse)
     split = rows.own_rows
+    parts = []
     if gathered.owned:
-        out.index_copy_(0, rows.order[:split], grouped_ffn(kernel, gathered.owned_rows, grouped[:split], rows.own,
-                                                           grads.own))
+        parts.append(grouped_ffn(kernel, gathered.owned_rows, grouped[:split], rows.own, grads.own))
     if gathered.buffer.shape[0]:
-        out.index_copy_(0, rows.order[split:], grouped_ffn(kernel, gathered.buffer, grouped[split:], rows.replicas,
-                                                           grads.replicas))
-    return out
-
-
-def kernel_out_features(kernel, gathered: GatheredExperts) -> int:
-    """The experts' output width: the down projection's rows."""
-    return int(kernel.shapes[kernel.names.index(kernel.form.down)][0])
+        parts.append(grouped_ffn(kernel, gathered.buffer, grouped[split:], rows.replicas, grads.replicas))
+    # no expert at all (a rank owning none, with no replica): the empty rows themselves, so that the output stays
+    # on the graph through Materialize, whose backward issues this rank's SparseReduceScatter
+    outputs = grouped if not parts else parts[0] if len(parts) == 1 else torch.cat(parts)
+    return Permute.apply(outputs, rows.inverse, rows.order, 1)
 
 
 def run_loop(kernel, own_weights: torch.Tensor, replica_weights: torch.Tensor, recv: torch.Tensor,
              rows: ExpertRows) -> torch.Tensor:
     """The per-expert loop over both parts (autograd through the weights), outputs in the received order followed by
     a zero row."""
-    grouped = recv.index_select(0, rows.order)
+    grouped = Permute.apply(recv, rows.order, rows.inverse)
     flats = list(own_weights.unbind(0)) + list(replica_weights.unbind(0))
     outs = [kernel(flat, x) for flat, x in zip(flats, grouped.split(list(rows.sizes)))]
     out = torch.cat(outs) if outs else grouped
-    return padded_outputs(out, out.shape[0], out.shape[1]).index_copy(0, rows.order, out)
+    return Permute.apply(out, rows.inverse, rows.order, 1)
 
 
 class Materialize(torch.autograd.Function):

@@ -347,7 +347,7 @@ def _simulate_system(system: str, ctx: SimContext, counts, classes: List[Tuple[L
     world, mdl = ctx.world, ctx.model
     totals = np.zeros(steps)
     parts = {k: np.zeros(steps) for k in ("compute", "all_to_all", "exposed_comm", "edp_reduce", "rearrange",
-                                          "host_planning")}
+                                          "host_planning", "call_overhead")}
     imbalance, reps_sum, reps_n = [], 0.0, 0
     replicas_by_layer: List[Tuple[bool, np.ndarray]] = []
     for layers, group_classes, grant in _pool_classes(system, ctx, classes):
@@ -358,7 +358,7 @@ def _simulate_system(system: str, ctx: SimContext, counts, classes: List[Tuple[L
         peak_reps = np.zeros(world)
         for s in range(steps):
             lt, rearrange = sim.step(s, counts[s][layers[0]])
-            overhead = ctx.cluster.layer_overhead_s if system != "ideal" else 0.0
+            overhead = (ctx.cluster.layer_overhead_s if system != "ideal" else 0.0) + call_overhead_s(system, ctx, lt)
             planning = getattr(sim, "planning_s", 0.0)
             totals[s] += weight * (lt.total + rearrange + overhead + planning + sim.edp_reduce_s)
             parts["host_planning"][s] += weight * planning
@@ -367,6 +367,7 @@ def _simulate_system(system: str, ctx: SimContext, counts, classes: List[Tuple[L
             parts["all_to_all"][s] += weight * lt.a2a
             parts["exposed_comm"][s] += weight * lt.exposed
             parts["rearrange"][s] += weight * rearrange
+            parts["call_overhead"][s] += weight * overhead
             if s >= warmup:
                 imbalance.append(lt.imbalance)
                 reps_sum += float(lt.replicas.sum()) * weight
@@ -381,6 +382,16 @@ def _simulate_system(system: str, ctx: SimContext, counts, classes: List[Tuple[L
         imbalance=float(np.mean(imbalance)) if imbalance else 1.0,
         replicas_per_layer=reps_sum / reps_n if reps_n else 0.0,
         breakdown_s={**{k: float(v[warmup:].mean()) for k, v in parts.items()}, "non_moe": fixed})
+
+
+def call_overhead_s(system: str, ctx: SimContext, lt) -> float:
+    """The layer call's runtime overhead over the plain grouped-GEMM layer (:mod:`.overhead`), for the slowest
+    rank: its token-expert pairs and the experts it owns (a group's ranks own ``num_experts / ep_size`` each)."""
+    model = ctx.cluster.call_overheads().for_system(system)
+    if lt.processed is None:
+        return 0.0
+    owned_bytes = ctx.owned_per_rank * ctx.numel * ctx.compute_b
+    return float(model.seconds(np.asarray(lt.processed, dtype=float), ctx.row_bytes, owned_bytes).max())
 
 
 def format_table(result: SimResult) -> str:

@@ -46,6 +46,7 @@ class LayerTime:
     exposed: float
     imbalance: float
     replicas: np.ndarray                # per rank
+    processed: Optional[np.ndarray] = None   # token-expert pairs computed per rank (the call overhead's rows)
 
 
 def layer_time(ctx: SimContext, counts: np.ndarray, mat: np.ndarray, owners: np.ndarray, mode: str,
@@ -101,7 +102,7 @@ def layer_time(ctx: SimContext, counts: np.ndarray, mat: np.ndarray, owners: np.
     c_max, a_max = float(compute.max()), 4 * float(a2a_pass.max())
     exposed = float(exp_f.max()) + float(exp_b.max())
     return LayerTime(c_max + a_max + exposed, c_max, a_max, exposed,
-                      float(imbalance(processed)), replicas.sum(axis=1))
+                     float(imbalance(processed)), replicas.sum(axis=1), processed)
 
 
 def _replica_phase(ctx: SimContext, rep: np.ndarray, mat: np.ndarray, owners: np.ndarray, rpn: int, fanout: int,

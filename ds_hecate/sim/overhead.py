@@ -27,7 +27,7 @@ import numpy as np
 
 #: the systems whose calls are charged :attr:`CallOverheads.hecate` (every other system but the ideal takes the
 #: baselines' coefficients)
-HECATE_SYSTEMS = ("Hecate", "Hecate-RM")
+HECATE_SYSTEMS = ("hecate", "hecate-rm")
 
 
 @dataclass(frozen=True)
@@ -76,3 +76,13 @@ class CallOverheads:
     def as_dict(self) -> Dict[str, Dict[str, float]]:
         return {name: dict(fixed_s=o.fixed_s, per_row_byte_s=o.per_row_byte_s, per_owned_byte_s=o.per_owned_byte_s)
                 for name, o in (("hecate", self.hecate), ("baselines", self.baselines))}
+
+
+def scaled_to(fit: Mapping[str, Mapping[str, float]], fitted_gbps: float, device_gbps: float) -> CallOverheads:
+    """A device class's fitted coefficients for another device of the class: the byte terms (memory-bound passes)
+    scaled by the ratio of their memory bandwidths, the fixed term (launches, host work) kept."""
+    ratio = fitted_gbps / device_gbps
+    return CallOverheads.of({family: {"fixed_s": terms.get("fixed_s", 0.0),
+                                      "per_row_byte_s": terms.get("per_row_byte_s", 0.0) * ratio,
+                                      "per_owned_byte_s": terms.get("per_owned_byte_s", 0.0) * ratio}
+                             for family, terms in fit.items()})

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Type, TypeVar, Union
 
 from ..errors import HecateError
+from .overhead import CallOverheads, scaled_to
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,22 @@ class Cluster:
     fixed_step_s: float = 0.0                     # per-step time outside the blocks (optimizer step, data), s
     layer_overhead_s: float = 0.0                 # per MoE layer call, fwd+bwd: count exchange, planning, launch
     replica_overhead_s: float = 0.0               # measured: what the runtime's planner charges per replica held
+    #: each system's per-call runtime overhead over the plain layer (sim/overhead.py; a JSON object
+    #: ``{"hecate": {...}, "baselines": {...}}`` in a cluster file); None: none charged
+    call_overhead: Optional[CallOverheads] = None
     description: str = ""
+
+    def __post_init__(self) -> None:
+        raw = self.call_overhead
+        if raw is not None and not isinstance(raw, CallOverheads):
+            try:
+                object.__setattr__(self, "call_overhead", CallOverheads.of(raw))
+            except (TypeError, ValueError, AttributeError) as exc:
+                raise HecateError(f"cluster {self.name!r}: call_overhead: {exc}") from None
+
+    def call_overheads(self) -> CallOverheads:
+        """The per-call overhead model of this cluster's devices (none charged when not given)."""
+        return self.call_overhead if self.call_overhead is not None else CallOverheads()
 
     @property
     def world_size(self) -> int:
