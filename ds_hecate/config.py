@@ -110,9 +110,9 @@ class HecateConfig(BaseModel):
         None, ge=1, description="Ranks per node for topology-aware dispatch; default: LOCAL_WORLD_SIZE.")
     ep_size: Optional[int] = Field(
         None, ge=1, le=1 << 30,
-        description="The Hecate domain G: groups of G consecutive ranks each hold one whole copy of every expert, "
+        description="The Hecate domain (ep_size): groups of ep_size consecutive ranks each hold one whole copy of every expert, "
                     "sharded whole over the group (planning, gathers and token dispatch stay inside it), and the "
-                    "world/G groups are expert-data-parallel replicas (ranks r and r+G hold the same experts). Must "
+                    "world/ep_size groups are expert-data-parallel replicas (ranks r and r+ep_size hold the same experts). Must "
                     "divide the world size. null: the converted MoE layers' ep_size when above 1, else the world "
                     "when it is at most the number of experts, else the largest divisor of the world that is at "
                     "most the number of experts and does not split a node (ds_hecate.planning.groups).")

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from dataclasses import replace
 
+import pytest
+
 from dist_utils import run_ranks
 from moe_training import Spec, TinyMoE, batch, ds_config
 
@@ -24,7 +26,7 @@ def _memory_worker(rank: int, world: int, spec: Spec) -> dict:
     torch.manual_seed(spec.seed)
     engine, *_ = deepspeed.initialize(model=TinyMoE(spec), model_parameters=None, config=ds_config(spec))
     out = {"init": engine.hecate.memory_bytes()}
-    x, y, used = batch(spec, 0, 0, rank, torch.float32)
+    x, y, used = batch(spec, 0, 0, rank, torch.bfloat16 if spec.bf16 else torch.float32)
     engine.backward(engine(x, y, used))
     engine.hecate.flush_reductions()          # gradients land in the owners' accumulators
     out["after_backward"] = engine.hecate.memory_bytes()
@@ -35,32 +37,46 @@ def _memory_worker(rank: int, world: int, spec: Spec) -> dict:
     return out
 
 
-def test_plan_matches_shard_store_to_the_byte():
+@pytest.mark.parametrize("ranks,precision,stage,ep_size", [
+    (2, "fp32", 2, 1),    # one group, fp32: the masters are the resident weights
+    (2, "bf16", 2, 1),    # one group, bf16: the resident bf16 copy beside the fp32 masters
+    (4, "fp32", 1, 2),    # groups of 2 x 2 peers, ZeRO-1: sliced masters, the resident whole fp32 weights apart
+], ids=["fp32", "bf16-resident", "fp32-partitioned"])
+def test_plan_matches_shard_store_to_the_byte(ranks, precision, stage, ep_size):
     import torch
 
     from ds_hecate.config import HecateConfig
     from ds_hecate.sim.memory_plan import optimizer_layout_from_ds_config, plan_memory, probe_optimizer_state
     from ds_hecate.sim.presets import ModelShape
 
-    results = run_ranks(2, _memory_worker, SPEC)
-    model = ModelShape(name="tiny", moe_layers=SPEC.layers, hidden_size=SPEC.hidden, ffn_size=SPEC.ffn,
-                       num_experts=SPEC.num_experts, top_k=SPEC.k, vocab_size=0, seq_len=SPEC.tokens,
+    spec = replace(SPEC, bf16=precision == "bf16", stage=stage,
+                   hecate={**SPEC.hecate, **({"ep_size": ep_size} if ep_size > 1 else {})})
+    results = run_ranks(ranks, _memory_worker, spec)
+    model = ModelShape(name="tiny", moe_layers=spec.layers, hidden_size=spec.hidden, ffn_size=spec.ffn,
+                       num_experts=spec.num_experts, top_k=spec.k, vocab_size=0, seq_len=spec.tokens,
                        expert_bias=True)
     assert results[0]["numel"] == model.expert_params
-    layout = optimizer_layout_from_ds_config(ds_config(SPEC))
+    layout = optimizer_layout_from_ds_config(ds_config(spec))
     assert layout == probe_optimizer_state(torch.optim.AdamW)   # what the expert optimizer steps with
-    plan = plan_memory(model, HecateConfig(**SPEC.hecate), world_size=2, ranks_per_node=2, zero_stage=SPEC.stage,
-                       precision="fp32", optimizer=layout)
+    plan = plan_memory(model, HecateConfig(**spec.hecate), world_size=ranks, ranks_per_node=ranks, zero_stage=stage,
+                       precision=precision, optimizer=layout)
     for rank, got in enumerate(results):
         want = plan.expert_memory_bytes(rank)
         assert plan.owned_experts[rank] == sum(got["owned"])
         assert got["init"]["expert_master"] == want["expert_master"]
-        assert got["after_backward"]["expert_grad"] == want["expert_grad"]
+        assert got["init"]["expert_weights"] == want.get("expert_weights", 0)
+        assert got["after_step"]["expert_weights"] == want.get("expert_weights", 0)
+        if ep_size == 1:   # partitioned, the whole rows live only until the reduction (transient_grad_bytes)
+            assert got["after_backward"]["expert_grad"] == want["expert_grad"]
         assert got["after_step"]["expert_optimizer_state"] == want["expert_optimizer_state"]
         assert got["after_step"]["materialize_budget"] == want["materialize_budget"]
-    # 5 experts over 2 ranks: 3 and 2 per layer, so the two ranks differ and both are checked
-    assert plan.owned_experts == [6, 4]
-    assert plan.expert_master[0] == 6 * model.expert_params * 4 != plan.expert_master[1]
+    if precision == "bf16":
+        assert plan.weights(0) == plan.owned_experts[0] * model.expert_params * 2 > 0
+    if ep_size == 1:   # 5 experts over 2 ranks: 3 and 2 per layer, so the two ranks differ and both are checked
+        assert plan.owned_experts == [6, 4]
+        assert plan.expert_master[0] == 6 * model.expert_params * 4 != plan.expert_master[1]
+    else:
+        assert plan.edp_size == 2 and plan.weights(0) == plan.owned_experts[0] * model.expert_params * 4
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -119,7 +135,10 @@ def test_plan_partitions_expert_state_over_expert_data_parallel_peers(tmp_path):
                                            "materialize_budget": 1 << 30}
     assert plan_memory(model, HecateConfig(enabled=True, ep_size=4), 1024, 8, 1, "bf16", ADAM).edp_size == 256
     full = plan_memory(model, hecate, 1024, 8, 0, "bf16", ADAM).expert_memory_bytes(5)
-    assert full["expert_master"] == layers * numel * 4 and "expert_weights" not in full
+    # ZeRO-0: whole fp32 masters on every peer, and the resident bf16 copy the calls compute from beside them
+    assert full["expert_master"] == layers * numel * 4 and full["expert_weights"] == layers * numel * 2
+    fp32 = plan_memory(model, hecate, 1024, 8, 0, "fp32", ADAM).expert_memory_bytes(5)
+    assert "expert_weights" not in fp32   # fp32 whole masters are the resident weights
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps({"zero_optimization": {"stage": 1}, "bf16": {"enabled": True}}))
     proc = _cli("plan", "--config", str(cfg), "--model", "mixtral-8x7b", "--world-size", "1024", "--ranks-per-node",

@@ -87,7 +87,7 @@ def save(rt, checkpoint_dir: str) -> None:
                                               "checkpoint planner-state gather")
     if layout.global_rank == 0:
         files = {name: record for _, records in gathered for name, record in records.items()}
-        meta = {"format": FORMAT, "world_size": layout.groups.world_size, "ep_size": rt.world_size,
+        meta = {"format": FORMAT, "world_size": layout.groups.world_size, "ep_size": rt.ep_size,
                 "layers": _layer_meta(rt), "groups": [g for g, _ in gathered if g is not None],
                 "steps_applied": rt.steps_applied, "steps_skipped": rt.steps_skipped, "reshards": rt.reshards,
                 "measured_costs": rt.measured, "files": dict(sorted(files.items()))}
@@ -227,10 +227,10 @@ def prepare_load(rt, checkpoint_dir: str, load_optimizer_states: bool = True) ->
         meta = read_meta(meta_path)
         digests = check_format(meta, checkpoint_dir, warn=rt.layout.global_rank == 0)   # once per job
         _check_meta(rt, meta, checkpoint_dir)
-        same_group = _saved_group_size(meta) == rt.world_size
+        same_group = _saved_ep_size(meta) == rt.ep_size
         for layer, binding in zip(meta["layers"], rt.bindings):
             shard = binding.shard
-            owners = tuple(layer["owners"]) if same_group else even_sharding(shard.num_experts, rt.world_size)
+            owners = tuple(layer["owners"]) if same_group else even_sharding(shard.num_experts, rt.ep_size)
             owners_per_layer.append(owners)
             if same_group:
                 binding.check_saved_schedule(layer.get("schedule", {}))
@@ -282,13 +282,13 @@ def prepare_load(rt, checkpoint_dir: str, load_optimizer_states: bool = True) ->
     return install
 
 
-def _saved_group_size(meta: Dict[str, Any]) -> int:
+def _saved_ep_size(meta: Dict[str, Any]) -> int:
     """The group size a checkpoint was saved with (before groups: one group of its world)."""
     return int(meta.get("ep_size", meta["world_size"]))
 
 
 def _same_layout(meta: Dict[str, Any], rt) -> bool:
-    return meta["world_size"] == rt.layout.groups.world_size and _saved_group_size(meta) == rt.world_size
+    return meta["world_size"] == rt.layout.groups.world_size and _saved_ep_size(meta) == rt.ep_size
 
 
 def _group_state(meta: Dict[str, Any], rt) -> Optional[List[Dict[str, Any]]]:
@@ -308,7 +308,7 @@ def _group_history(meta: Dict[str, Any], layer: Dict[str, Any], rt, binding) -> 
     history = layer["load_history"]
     if _same_layout(meta, rt):
         return history
-    world = rt.world_size
+    world = rt.ep_size
     return [[[sum(row[e] for row in m) / world for e in range(len(m[0]))]] * world for m in history]
 
 

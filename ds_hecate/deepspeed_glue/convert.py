@@ -97,7 +97,7 @@ def _take_over_gathered(name: str, layer: MoE, experts: List[nn.Module], runtime
     local = {e: kernel.flatten(expert) for e, expert in zip(layer.local_expert_ids, experts)}
     local = {e: initial_master(flat, runtime.compute_dtype) for e, flat in local.items()}
     sources = _expert_sources(layer, runtime.layout.groups.world_size)
-    owners = even_sharding(layer.num_experts, runtime.world_size)   # inside the rank's group
+    owners = even_sharding(layer.num_experts, runtime.ep_size)   # inside the rank's group
     shard = LayerShard(layer_id=len(runtime.bindings), name=name, num_experts=layer.num_experts, kernel=kernel,
                        owners=owners, rank=runtime.rank)
     runtime.take_experts(shard, sources, local)

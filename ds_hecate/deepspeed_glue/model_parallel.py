@@ -129,7 +129,7 @@ def read_mpu(mpu: Any, world_size: int) -> ModelParallelLayout:
     return ModelParallelLayout(tp, mine[0], tp_groups, dp_members)
 
 
-def hecate_rank_order(layout: ModelParallelLayout, group_size: int) -> Tuple[int, ...]:
+def hecate_rank_order(layout: ModelParallelLayout, ep_size: int) -> Tuple[int, ...]:
     """Global rank of each position of Hecate's groups (position ``g * G + l``: local rank ``l`` of group ``g``).
 
     Groups are ``G`` consecutive data-parallel ranks (ascending global rank) of one tensor-parallel rank, ordered by
@@ -137,20 +137,20 @@ def hecate_rank_order(layout: ModelParallelLayout, group_size: int) -> Tuple[int
     expert-data-parallel peer set (local rank ``l`` of each group) is then ascending in global rank, so a rank's
     position in a process group built from either is its local rank or its group index, as Hecate numbers them;
     raises for an mpu layout where that does not hold."""
-    groups = sorted((members[i:i + group_size] for members in layout.dp_members
-                     for i in range(0, len(members), group_size)), key=lambda g: g[0])
-    for local in range(group_size):
+    groups = sorted((members[i:i + ep_size] for members in layout.dp_members
+                     for i in range(0, len(members), ep_size)), key=lambda g: g[0])
+    for local in range(ep_size):
         peers = [g[local] for g in groups]
         if peers != sorted(peers):
             raise HecateUnsupportedError(
-                f"Hecate cannot lay its groups of {group_size} over this model-parallel unit's ranks (data-parallel "
+                f"Hecate cannot lay its groups of {ep_size} over this model-parallel unit's ranks (data-parallel "
                 f"ranks per tensor-parallel rank: {[list(m) for m in layout.dp_members]}): the ranks holding the "
                 "same experts would not be in the same order in every group; use an mpu whose data-parallel ranks of "
                 "each tensor-parallel rank are ordered alike (Megatron's layout), or set hecate.ep_size")
     return tuple(r for g in groups for r in g)
 
 
-def register_with_deepspeed(group_size: int, token_group: Any, token_ranks: Sequence[int], edp_group: Any,
+def register_with_deepspeed(ep_size: int, token_group: Any, token_ranks: Sequence[int], edp_group: Any,
                             edp_ranks: Sequence[int]) -> str:
     """Enter Hecate's groups in DeepSpeed's expert-group registry as ``ep_size_<G>`` (unless DeepSpeed already has
     groups of that name), so what DeepSpeed users read stays meaningful: ``groups._get_expert_parallel_world_size``
@@ -158,7 +158,7 @@ def register_with_deepspeed(group_size: int, token_group: Any, token_ranks: Sequ
     ``expert_data_parallel_group``. Returns the name."""
     from deepspeed.utils import groups
 
-    name = f"ep_size_{group_size}"
+    name = f"ep_size_{ep_size}"
     if name not in groups._EXPERT_PARALLEL_GROUP and name not in groups._EXPERT_DATA_PARALLEL_GROUP:
         groups._EXPERT_PARALLEL_GROUP[name] = token_group
         groups._EXPERT_PARALLEL_GROUP_RANKS[name] = list(token_ranks)

@@ -178,7 +178,7 @@ class TraceRecorder:
                 "ranks_per_node": rt.ranks_per_node, "owners": [list(b.shard.owners) for b in rt.bindings],
                 "compute_dtype": str(rt.compute_dtype).replace("torch.", ""),
                 "step": "optimizer step the call belongs to (engine.global_steps + 1)"}
-        return TraceWriter(self.path, rt.world_size, top_k, layers, meta)
+        return TraceWriter(self.path, rt.ep_size, top_k, layers, meta)
 
     def observe(self, binding: "LayerBinding", plan: "LayerPlan", counts: List[List[int]]) -> None:
         if self.writer is None:

@@ -84,7 +84,7 @@ def _take_over(name: str, module: nn.Module, arch: MoEArchitecture, runtime) -> 
                                  f"experts module '{name}' ({type(module).__name__})")
     local = {e: initial_master(torch.cat([full_gu[e].reshape(-1), full_d[e].reshape(-1)]), runtime.compute_dtype)
              for e in range(num_experts)}
-    owners = even_sharding(num_experts, runtime.world_size)   # inside the rank's group
+    owners = even_sharding(num_experts, runtime.ep_size)   # inside the rank's group
     shard = LayerShard(layer_id=len(runtime.bindings), name=name, num_experts=num_experts, kernel=kernel,
                        owners=owners, rank=runtime.rank)
     # Rank 0's weights, as DeepSpeed's broadcast at initialize gives every dense parameter.

@@ -3,10 +3,10 @@ groups by expert data parallelism (EDP).
 
 Why: with one owner per expert in the whole world, every rank plans, gathers and dispatches over every rank, and at
 1,024 ranks with 8 or 256 experts most ranks own nothing and must materialize replicas each step just to have work
-(docs/benchmarks.md, "1,024 GPUs"). Groups of ``G`` ranks each hold one whole copy of every expert, sharded whole over
-the group's ranks (heterogeneous sharding inside the group), and the ``world / G`` groups are data-parallel replicas
+(docs/benchmarks.md, "1,024 GPUs"). Groups of ``ep_size`` ranks each hold one whole copy of every expert, sharded whole over
+the group's ranks (heterogeneous sharding inside the group), and the ``world / ep_size`` groups are data-parallel replicas
 of each other, as DeepSpeed's ``ep_size`` with its expert-data-parallel groups (``deepspeed/utils/groups.py``):
-rank ``r`` and ``r + G`` hold the same experts and reduce their gradients together at the accumulation boundary.
+rank ``r`` and ``r + ep_size`` hold the same experts and reduce their gradients together at the accumulation boundary.
 
 Pure (standard library only): the runtime resolves the group size with :func:`resolve_ep_size` at initialize, and
 the simulator and ``ds-hecate plan`` with the same call, so all three use one rule.
@@ -51,7 +51,7 @@ def _split_warning(value: int, source: str, ranks_per_node: int, world_size: int
 
 def resolve_ep_size(explicit: Optional[int], layer_ep_sizes: Sequence[int], world_size: int,
                     num_experts: Union[int, Sequence[int]], ranks_per_node: int) -> Tuple[int, Optional[str]]:
-    """The group size ``G`` (``hecate.ep_size``) and a warning to log, or None.
+    """The group size ``ep_size`` (``hecate.ep_size``) and a warning to log, or None.
 
     In order:
 
@@ -96,7 +96,7 @@ def _checked(value: int, source: str, world_size: int, experts: int, rpn: int) -
 
 @dataclass(frozen=True)
 class ExpertGroups:
-    """``world_size / ep_size`` groups of ``ep_size`` consecutive ranks; group ``g`` is ranks ``[g*G, (g+1)*G)``.
+    """``world_size / ep_size`` groups of ``ep_size`` consecutive ranks; group ``g`` is ranks ``[g*ep_size, (g+1)*ep_size)``.
 
     Inside a group a rank is known by its local rank (what the group's planner calls a rank); across groups the
     ranks with the same local rank are expert-data-parallel peers, holding the same experts.
@@ -148,7 +148,7 @@ class ExpertGroups:
         return tuple(range(group * self.ep_size, (group + 1) * self.ep_size))
 
     def edp_peers(self, rank: int) -> Tuple[int, ...]:
-        """The ranks holding the same experts as ``rank`` (itself included), ascending: ``rank mod G`` + k*G."""
+        """The ranks holding the same experts as ``rank`` (itself included), ascending: ``rank mod ep_size`` + k*ep_size."""
         return tuple(range(self.local_rank(rank), self.world_size, self.ep_size))
 
     def all_groups(self) -> List[Tuple[int, ...]]:

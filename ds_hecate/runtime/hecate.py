@@ -2,8 +2,8 @@
 
 A layer call is :class:`~ds_hecate.runtime.layer.LayerBinding`'s; this module holds what spans layers and steps:
 prefetch order, gradient norm and the expert optimizer step, cost profiling and re-shard triggers, consolidation.
-With groups (``hecate.ep_size``) ``comm``, ``rank`` and ``world_size`` are the rank's group's (what its layers plan
-and gather over) and :attr:`HecateRuntime.layout` holds the world and expert-data-parallel side (:mod:`.edp`).
+With groups (``hecate.ep_size``) ``comm`` and ``rank`` are the rank's group's and ``ep_size`` its size (what its
+layers plan and gather over) and :attr:`HecateRuntime.layout` holds the world and expert-data-parallel side (:mod:`.edp`).
 Observers (step metrics, routing trace) are registered by whoever builds the runtime
 (:func:`ds_hecate.deepspeed_glue.initialize.build_runtime`), not imported here.
 """
@@ -35,16 +35,16 @@ from .timing import BackwardPhases, DeviceClock
 __all__ = ["HecateRuntime", "LayerBinding", "PHASES"]
 
 
-def group_ranks_per_node(group_size: int, ranks_per_node: int) -> int:
-    """Ranks per node as a group's planner sees its ``group_size`` consecutive ranks: the group itself when it fits
+def group_ranks_per_node(ep_size: int, ranks_per_node: int) -> int:
+    """Ranks per node as a group's planner sees its ``ep_size`` consecutive ranks: the group itself when it fits
     in a node, whole nodes when it spans several; a group that splits nodes (accepted with a warning) plans with the
     largest common block."""
-    if ranks_per_node % group_size == 0:
-        return group_size
-    if group_size % ranks_per_node == 0:
+    if ranks_per_node % ep_size == 0:
+        return ep_size
+    if ep_size % ranks_per_node == 0:
         return ranks_per_node
     import math
-    return math.gcd(group_size, ranks_per_node)
+    return math.gcd(ep_size, ranks_per_node)
 
 
 class HecateRuntime:
@@ -55,7 +55,7 @@ class HecateRuntime:
         self.config = config
         self.comm = comm   # the rank's group (token and weight traffic of its layer calls)
         self.rank = comm.rank   # in the group
-        self.world_size = comm.world_size   # the group's size, hecate.ep_size
+        self.ep_size = comm.world_size   # the group's size, hecate.ep_size
         self.layout = layout if layout is not None else GroupLayout.single(comm, ranks_per_node)
         self.stops = Stops(self.layout)   # bad gates: every rank of every group stops with the same error
         self.compute_dtype = compute_dtype
@@ -66,7 +66,7 @@ class HecateRuntime:
         self.global_ranks_per_node = ranks_per_node
         # the group's node layout (with tensor parallelism the group is one TP rank's data-parallel ranks)
         self.ranks_per_node = group_ranks_per_node(
-            self.world_size, data_parallel_ranks_per_node(ranks_per_node, self.layout.tensor_parallel_size))
+            self.ep_size, data_parallel_ranks_per_node(ranks_per_node, self.layout.tensor_parallel_size))
         self.expert_group_name: Optional[str] = None   # its groups' name in DeepSpeed's registry (initialize sets it)
         self._reduced = False   # the EDP reduction of this accumulation window has run
         #: the backward in progress ends an accumulation window (set by the engine; reductions may go early)
@@ -120,7 +120,7 @@ class HecateRuntime:
         if self._pool is None or self._pool[0] != key:
             self._pool = (key, ReplicaPool.plan(self.config.materialize_budget_mb,
                                                 [b.expert_bytes for b in self.bindings],
-                                                [-(-b.shard.num_experts // self.world_size) for b in self.bindings],
+                                                [-(-b.shard.num_experts // self.ep_size) for b in self.bindings],
                                                 self.config.rematerialize))
         return self._pool[1]
 
@@ -150,7 +150,7 @@ class HecateRuntime:
     def step_costs(self, binding: LayerBinding) -> StepCostModel:
         """Cost model for the scheduler: configured values, else measured ones (identical on all ranks)."""
         # One formula for the runtime, ``ds-hecate plan`` and the simulator (ds_hecate.planning.cost_model).
-        return scheduler_costs(self.config, self.measured, self.world_size, self.ranks_per_node,
+        return scheduler_costs(self.config, self.measured, self.ep_size, self.ranks_per_node,
                                binding.cost.expert_bytes, binding.cost.token_bytes(1), self.overlaps_compute,
                                relays_stream_ordered=self.relays_stream_ordered,
                                reduce_bytes=binding.cost.reduce_bytes, regather=binding.rematerializes)
@@ -354,7 +354,7 @@ class HecateRuntime:
         EDP peers gather partitioned masters first; then each group gathers its owners' experts)."""
         shard = binding.shard
         everything = tuple(range(shard.num_experts))
-        placement = Placement(shard.owners, (everything,) * self.world_size)
+        placement = Placement(shard.owners, (everything,) * self.ep_size)
         masters, _ = whole_masters(self, shard)
         flats = self.comm.start_sparse_all_gather(placement, masters, shard.kernel.numel, torch.float32,
                                                   CommCounters(), async_op=False).wait().flats()
@@ -380,7 +380,7 @@ class HecateRuntime:
         layout = self.layout
         return {"world_size": layout.groups.world_size, "ranks_per_node": self.global_ranks_per_node,
                 "nodes": layout.groups.world_size // self.global_ranks_per_node,
-                "ep_size": self.world_size, "expert_data_parallel_size": layout.edp_size,
+                "ep_size": self.ep_size, "expert_data_parallel_size": layout.edp_size,
                 "group": layout.edp_index, "group_rank": self.rank,
                 "tensor_parallel_size": layout.tensor_parallel_size,
                 "expert_state_partitioned": layout.partitioned, "placement": self.config.placement,
@@ -404,7 +404,7 @@ class HecateRuntime:
         tp = layout.tensor_parallel_size
         members = (f"data-parallel ranks of each of the {tp} tensor-parallel ranks (tokens shared 1/{tp} per "
                    f"tensor-parallel rank)" if tp > 1 else "consecutive ranks")
-        groups = (f"; groups of {self.world_size} {members} (hecate.ep_size) x {layout.edp_size} "
+        groups = (f"; groups of {self.ep_size} {members} (hecate.ep_size) x {layout.edp_size} "
                   f"expert-data-parallel replicas, expert state "
                   f"{'partitioned over' if layout.partitioned else 'whole on'} each replica"
                   if layout.edp_size > 1 else "")

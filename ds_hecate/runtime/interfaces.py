@@ -36,13 +36,14 @@ class ExpertStepper(Protocol):
 
 class RuntimeView(Protocol):
     """The runtime as its layers, the expert-data-parallel work and re-sharding read it (one rank's
-    :class:`~ds_hecate.runtime.hecate.HecateRuntime`; ``rank`` and ``world_size`` are its group's)."""
+    :class:`~ds_hecate.runtime.hecate.HecateRuntime`; ``rank`` is the index in its group, ``ep_size`` the group's size;
+    the whole world is ``layout.world``)."""
 
     config: Any
     comm: Any                      # the group's Communicator
     layout: Any                    # edp.GroupLayout: the world, the expert-data-parallel peers, tensor parallelism
     rank: int
-    world_size: int
+    ep_size: int
     ranks_per_node: int
     device: torch.device
     compute_dtype: torch.dtype

@@ -55,7 +55,7 @@ class LayerBinding:
         self.hidden_size = hidden_size
         self.cost = runtime.comm_cost_model(shard, hidden_size)
         self.planner = LayerPlanner(PlannerSettings.from_config(runtime.config, runtime.ranks_per_node),
-                                    runtime.world_size, shard.num_experts)
+                                    runtime.ep_size, shard.num_experts)
         self.counters = CommCounters()
         self.host_phase_s: Dict[str, float] = {p: 0.0 for p in PHASES}   # host time (launches, planning)
         self.pending: Optional[PendingGather] = None
@@ -196,9 +196,9 @@ class LayerBinding:
     def check_saved_schedule(self, state: dict) -> None:
         """Raise if a checkpoint's saved schedule (``ScheduleReuse.state_dict``) cannot belong to this layer."""
         rt = self.runtime
-        if not ScheduleReuse.state_fits(state, rt.world_size, self.shard.num_experts):
+        if not ScheduleReuse.state_fits(state, rt.ep_size, self.shard.num_experts):
             raise HecateError(f"MoE layer '{self.shard.name}': the checkpoint's saved schedule does not fit this "
-                              f"model ({rt.world_size} ranks, {self.shard.num_experts} experts); the checkpoint's "
+                              f"model ({rt.ep_size} ranks, {self.shard.num_experts} experts); the checkpoint's "
                               "meta.json is damaged")
 
     def restore_schedule(self, state: dict) -> None:
@@ -362,7 +362,7 @@ class LayerBinding:
                "time_s": {k: round(v, 6) for k, v in self.phase_seconds().items()},
                "host_time_s": {k: round(v, 6) for k, v in self.host_phase_s.items()}}
         if plan is not None and counts is not None:
-            world = self.runtime.world_size
+            world = self.runtime.ep_size
             before = owner_loads(counts, self.shard.owners, world)
             after = plan.loads()
             moved_experts = {e for e, _ in plan.gather_pairs}

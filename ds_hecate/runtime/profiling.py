@@ -30,11 +30,11 @@ def expert_work(rt) -> Tuple[int, float]:
 
 
 def _probe_link_gbps(rt) -> float:
-    if rt.world_size == 1:
+    if rt.ep_size == 1:
         return 0.0
     n = PROBE_BYTES_PER_PEER // 4
-    send = torch.zeros(n * rt.world_size, dtype=torch.float32, device=rt.comm.device)
-    splits = [n] * rt.world_size
+    send = torch.zeros(n * rt.ep_size, dtype=torch.float32, device=rt.comm.device)
+    splits = [n] * rt.ep_size
     clock = DeviceClock(rt.comm.device)
     rt.comm.all_to_all(send, splits, splits, collective="link probe")  # warm-up
     start = clock.mark()
@@ -42,7 +42,7 @@ def _probe_link_gbps(rt) -> float:
     for _ in range(reps):
         rt.comm.all_to_all(send, splits, splits, collective="link probe")
     elapsed = DeviceClock.seconds(start, clock.mark()) / reps
-    return PROBE_BYTES_PER_PEER * (rt.world_size - 1) / max(elapsed, 1e-9) / 1e9
+    return PROBE_BYTES_PER_PEER * (rt.ep_size - 1) / max(elapsed, 1e-9) / 1e9
 
 
 def _probe_replica_overhead_s(rt) -> float:

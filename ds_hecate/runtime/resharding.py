@@ -80,7 +80,7 @@ def reshard(rt) -> bool:
             loads.append(flat[:b.shard.num_experts])
             flat = flat[b.shard.num_experts:]
     degrees = [min(rt.step_costs(b).overlap_degree, b.shard.num_experts) for b in rt.bindings]
-    new_owners = heterogeneous_sharding(loads, rt.world_size, rt.ranks_per_node, degrees)
+    new_owners = heterogeneous_sharding(loads, rt.ep_size, rt.ranks_per_node, degrees)
     changed = [i for i, b in enumerate(rt.bindings) if tuple(new_owners[i]) != tuple(b.shard.owners)]
     if not changed:
         return False

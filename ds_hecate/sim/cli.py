@@ -152,8 +152,8 @@ def add_parsers(sub: Any) -> None:
                      help="Hecate's sparse collectives: p2p from the owner (as ds_hecate runs them, default) or "
                           "ring broadcast/reduce per expert (what-if)")
     sim.add_argument("--ep-size", type=args.positive_int, default=None,
-                     help="group size G: Hecate shards the experts inside groups of G consecutive ranks, replicated "
-                          "across groups (expert data parallelism); the EP baselines use ep_size G (default: the "
+                     help="group size (ep_size): Hecate shards the experts inside groups of ep_size consecutive ranks, replicated "
+                          "across groups (expert data parallelism); the EP baselines use the same ep_size (default: the "
                           "config's hecate.ep_size, else the runtime's rule)")
     sim.add_argument("--seed", type=args.non_negative_int, default=0, help="workload seed (W4, W7)")
     sim.add_argument("--no-planning-charge", action="store_true",

@@ -8,8 +8,9 @@ shard store's tensors: fp32 masters (``model_state.MASTER_BYTES_PER_PARAM``, ``L
 accumulators (``LayerShard.accumulate``) and the optimizer state the expert optimizer class creates, probed by
 stepping that class once on a tiny tensor (the same vector/scalar split re-sharding uses). So with one group the plan
 and ``engine.hecate.memory_bytes()`` agree to the byte (tests/test_plan_cli.py checks it on a real 2-rank run). With
-several groups the masters and optimizer state are partitioned over the expert-data-parallel peers under ZeRO >= 1,
-and a full copy of the weights in the compute dtype is added (``expert_weights``).
+bf16/fp16 compute the resident compute-dtype weights are counted (``expert_weights``; with fp32 the masters are
+them). With several groups the masters and optimizer state are partitioned over the expert-data-parallel peers under
+ZeRO >= 1, and the resident full copy in the compute dtype is counted whatever the precision.
 
 Dense parameters (everything DeepSpeed keeps) follow ZeRO's usual accounting (``dense_state_bytes``). Activations are
 not counted (they depend on batch and routing; the paper's Fig. 13 leaves them out too).
@@ -103,7 +104,7 @@ class MemoryPlan:
     costs: StepCostModel
     ep_size: int = 0                             # the Hecate domain G (0: the whole world, for older callers)
     edp_size: int = 1                            # R = world / G expert-data-parallel peers
-    expert_weights: List[int] = field(default_factory=list)   # full compute-dtype copies (EDP-partitioned masters)
+    expert_weights: List[int] = field(default_factory=list)   # resident compute-dtype copies (none: fp32 whole)
     notes: List[str] = field(default_factory=list)
 
     def weights(self, rank: int) -> int:
@@ -120,7 +121,7 @@ class MemoryPlan:
 
     def expert_memory_bytes(self, rank: int) -> Dict[str, int]:
         """The keys of ``HecateRuntime.memory_bytes()`` this plan predicts for ``rank`` (``expert_weights`` only
-        where the masters are partitioned over expert-data-parallel peers)."""
+        where a resident copy exists besides the masters: bf16/fp16 compute or partitioned masters)."""
         out = {"expert_master": self.expert_master[rank], "expert_grad": self.expert_grad[rank],
                "expert_optimizer_state": self.expert_optimizer_state[rank],
                "materialize_budget": self.materialize_budget}

@@ -7,15 +7,18 @@ disagree. Pure Python.
   bf16/fp16, 2-byte params and grads plus an fp32 master and the optimizer state; with fp32, 4-byte params and grads
   and the optimizer state only. ZeRO stage 1 partitions the optimizer state (and master) over the data-parallel
   ranks, stage 2 also the gradients, stage 3 also the parameters (``dense_state_bytes``).
-- Hecate's owned experts (the shard store: fp32 master, fp32 gradient accumulator, the expert optimizer's state). With
-  one group (``edp_size`` 1) that is all, one copy in the job. With ``R = edp_size`` expert-data-parallel peers and
-  ZeRO stage 1 or above, each peer steps ``1/R`` of the master and optimizer state after a reduce-scatter of the
-  gradient, and the updated weights are all-gathered into a full copy in the compute dtype (what SparseAllGather
-  sends and the owner computes with). The gradient is kept as this peer's fp32 slice: in the backward that ends an
-  accumulation window each layer's whole fp32 rows are reduce-scattered as soon as its SparseReduceScatter is done
-  and released, so at most two layers' whole rows exist at once (:func:`transient_grad_bytes`; with gradient
-  accumulation the rows of the earlier micro-batches stay whole until then). ZeRO stage 0 all-reduces the
-  gradient and every peer steps the full expert.
+- Hecate's owned experts (the shard store: fp32 master, fp32 gradient accumulator kept across steps, the expert
+  optimizer's state, and the resident weights in the compute dtype the layer calls compute from and SparseAllGather
+  sends, refreshed once per optimizer step). With fp32 compute and whole masters the masters are those weights (no
+  second copy); with bf16/fp16 compute the resident copy adds 2 bytes per parameter. With one group (``edp_size`` 1)
+  that is all, one copy in the job. With ``R = edp_size`` expert-data-parallel peers and ZeRO stage 1 or above, each
+  peer steps ``1/R`` of the master and optimizer state after a reduce-scatter of the gradient, and the updated
+  weights are all-gathered into the resident full copy in the compute dtype (fp32 compute included: the master is
+  then this peer's slice apart from it). The gradient is kept as this peer's fp32 slice: in the backward that ends
+  an accumulation window each layer's whole fp32 rows are reduce-scattered as soon as its SparseReduceScatter is
+  done and released, so at most two layers' whole rows exist at once (:func:`transient_grad_bytes`; with gradient
+  accumulation the rows of the earlier micro-batches stay whole until then). ZeRO stage 0 all-reduces the gradient
+  and every peer steps the full expert.
 """
 from __future__ import annotations
 
@@ -66,7 +69,7 @@ def dense_state_bytes(dense_params: int, world_size: int, zero_stage: int, preci
 class ExpertState:
     """Bytes one rank holds for one expert it owns, under the names of ``engine.hecate.memory_bytes()``."""
 
-    expert_weights: int            # full copy in the compute dtype (only with EDP-partitioned masters)
+    expert_weights: int            # resident full copy in the compute dtype (none where the fp32 masters are it)
     expert_master: int             # fp32 master (or this rank's 1/R partition of it)
     expert_grad: int               # fp32 gradient accumulator (whole, or partitioned this rank's slice)
     expert_optimizer_state: int    # the expert optimizer's state (or its 1/R partition)
@@ -94,13 +97,11 @@ def owned_expert_state(numel: int, edp_size: int, zero_stage: int, precision: st
     compute_b = compute_bytes(precision)
     grad = numel * GRAD_BYTES_PER_PARAM
     if not partitions_over_edp(edp_size, zero_stage):
-        return ExpertState(0, numel * MASTER_BYTES_PER_PARAM, grad, optimizer.bytes_for(numel))
+        weights = 0 if compute_b == MASTER_BYTES_PER_PARAM else numel * compute_b   # fp32: the masters are it
+        return ExpertState(weights, numel * MASTER_BYTES_PER_PARAM, grad, optimizer.bytes_for(numel))
     part = int(math.ceil(numel / edp_size))
-    if compute_b < MASTER_BYTES_PER_PARAM:   # bf16/fp16: full weights in the compute dtype
-        weights, master = numel * compute_b, part * MASTER_BYTES_PER_PARAM
-    else:                                                 # fp32: the all-gathered master is the weights
-        weights, master = 0, numel * MASTER_BYTES_PER_PARAM
-    return ExpertState(weights, master, part * GRAD_BYTES_PER_PARAM, optimizer.bytes_for(part))
+    return ExpertState(numel * compute_b, part * MASTER_BYTES_PER_PARAM, part * GRAD_BYTES_PER_PARAM,
+                       optimizer.bytes_for(part))
 
 
 def transient_grad_bytes(numel: int, owned_per_layer: int, edp_size: int, zero_stage: int) -> int:
