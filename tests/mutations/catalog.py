@@ -1,23 +1,13 @@
 """The planted faults of ``run.py``: each :class:`Mutation` (one known bug as exact text replacements in one source
 file) and :data:`TESTS_FOR`, the tests expected to kill it, cheapest first. The data apart from the mechanics, so
-adding a mutation touches this file only."""
+adding a mutation touches the catalogs only: this file, and ``catalog_resident.py`` (the resident compute-dtype
+expert copies and the persistent gradient accumulator of issue 41), whose entries are appended here."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Dict, List, Tuple
+from typing import Dict, List
 
-
-@dataclass(frozen=True)
-class Mutation:
-    name: str
-    file: str                          # relative to the repository root
-    edits: Tuple[Tuple[str, str], ...]  # (exact old text, new text), each old text must occur exactly once
-    what: str                          # the bug, in words
-    env: Dict[str, str] = field(default_factory=dict)   # extra environment (e.g. a shorter hang watchdog)
-
-
-# A hang is a kill too; dist_utils' watchdog (DS_HECATE_TEST_TIMEOUT, 300 s by default) turns it into a failure.
-SHORT_WATCHDOG = {"DS_HECATE_TEST_TIMEOUT": "120"}
+from catalog_resident import RESIDENT_MUTATIONS, RESIDENT_TESTS_FOR
+from mutation import SHORT_WATCHDOG, Mutation
 
 MUTATIONS: List[Mutation] = [
     Mutation(
@@ -572,3 +562,5 @@ TESTS_FOR: Dict[str, List[str]] = {
     "tp-rank-runs-the-whole-slice": ["tests/test_model_parallel.py"],
     "tp-share-gradient-not-gathered": ["tests/test_model_parallel.py"],
 }
+MUTATIONS += RESIDENT_MUTATIONS
+TESTS_FOR.update(RESIDENT_TESTS_FOR)
