@@ -342,13 +342,14 @@ def test_edp_partitioned_memory():
     """ZeRO-1 over R = 4 peers: DeepSpeed's EP keeps bf16 params and grads whole and 1/R of master and Adam
     state; Hecate keeps bf16 weights whole, 1/R of the fp32 gradient, master and Adam state, and in the backward
     that ends the window the whole fp32 gradient rows of two layers (reduce-scattered layer by layer, then freed).
-    ZeRO-0: every peer holds the whole expert state."""
+    ZeRO-0: every peer holds the whole expert state (Hecate: fp32 master, fp32 gradient accumulator, Adam state and
+    the resident bf16 copy its calls compute from)."""
     from ds_hecate.sim.model_state import dense_state_bytes
 
     kw = dict(steps=2, world_size=32, materialize_budget_mb=0.0, force_balanced=False)
     numel, layers = EIGHT.expert_params, EIGHT.moe_layers     # one expert per rank and layer
     for stage, ep_per_param, hc_per_param, transient in ((1, 2 + 2 + 12 / 4, 2 + 4 / 4 + 12 / 4, 2 * numel * 4),
-                                                         (0, 16, 16, 0)):
+                                                         (0, 16, 16 + 2, 0)):
         r = simulate("h100-128x8", EIGHT, "W0", SimSettings(zero_stage=stage, **kw), systems=["ep", "hecate"]).systems
         dense = sum(dense_state_bytes(EIGHT.dense_params, 32, stage, "bf16", 8))
         assert r["ep"].peak_memory_bytes == pytest.approx(dense + layers * numel * ep_per_param, abs=64)
