@@ -70,7 +70,7 @@ def run_simulate(args: argparse.Namespace) -> int:
                            zero_stage=args.zero_stage if args.zero_stage is not None else stage,
                            precision=args.precision or precision, spag=args.spag,
                            charge_planning=not args.no_planning_charge, ep_size=args.ep_size,
-                           planning_clock=args.planning_clock)
+                           planning_clock=args.planning_clock, charge_call_overhead=not args.no_call_overhead)
     result = simulate(cluster, args.model, args.workload, settings, systems=systems)
     print(format_table(result))
     if args.json:
@@ -158,6 +158,9 @@ def add_parsers(sub: Any) -> None:
     sim.add_argument("--seed", type=args.non_negative_int, default=0, help="workload seed (W4, W7)")
     sim.add_argument("--no-planning-charge", action="store_true",
                      help="leave Hecate's host planning time out of its step")
+    sim.add_argument("--no-call-overhead", action="store_true",
+                     help="leave every system's per-call runtime overhead out (the cluster's call_overhead, fitted "
+                          "per device class: docs/simulator.md, Call overhead)")
     sim.add_argument("--planning-clock", choices=("work", "thread"), default="work",
                      help="count the host planning from what the planner did, in its work models' microseconds "
                           "(work: the same figures on every machine), or as this machine's thread CPU time")

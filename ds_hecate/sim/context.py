@@ -32,6 +32,7 @@ class SimContext:
     planner_costs: Optional[Dict[str, float]] = None   # what the planners see, when not the time model's costs
     charge_planning: bool = True        # add Hecate's host planning time (critical path, exposed search)
     planning_clock: str = "work"        # how it is counted: "work" (the planner's work models), "thread" (CPU time)
+    charge_call_overhead: bool = True   # add each system's per-call runtime overhead (the cluster's call_overhead)
     ep_size: int = 0                    # G: Hecate's domain and the EP baselines' expert-parallel size; 0: the world
     planner_token_price: float = 1.0    # what-if: Hecate's planners see token traffic at this fraction of its cost
 

@@ -306,6 +306,7 @@ def _context(cl: Cluster, mdl: ModelShape, tokens: int, hecate: HecateConfig, se
                       planner_costs=(None if s.planner_costs is None
                                      else {k: float(v) for k, v in s.planner_costs.items()}),
                       charge_planning=s.charge_planning, planning_clock=s.planning_clock,
+                      charge_call_overhead=s.charge_call_overhead,
                       planner_token_price=float(s.planner_token_price))
 
 
@@ -388,7 +389,7 @@ def call_overhead_s(system: str, ctx: SimContext, lt) -> float:
     """The layer call's runtime overhead over the plain grouped-GEMM layer (:mod:`.overhead`), for the slowest
     rank: its token-expert pairs and the experts it owns (a group's ranks own ``num_experts / ep_size`` each)."""
     model = ctx.cluster.call_overheads().for_system(system)
-    if lt.processed is None:
+    if lt.processed is None or not ctx.charge_call_overhead:
         return 0.0
     owned_bytes = ctx.owned_per_rank * ctx.numel * ctx.compute_b
     return float(model.seconds(np.asarray(lt.processed, dtype=float), ctx.row_bytes, owned_bytes).max())
@@ -404,7 +405,7 @@ def format_table(result: SimResult) -> str:
             + ("(one group)" if result.edp_size == 1 else
                f"({result.edp_size} groups, expert-data-parallel across them)"))
     cols = ("system", "step ms", "vs EP", "of ideal", "of force-balanced", "peak GiB/rank", "imbalance",
-            "replicas/layer", "compute ms", "a2a ms", "exposed ms", "edp ms", "rearr ms")
+            "replicas/layer", "compute ms", "a2a ms", "exposed ms", "edp ms", "rearr ms", "call ms")
     rows = [cols]
     for r in result.systems.values():
         b = r.breakdown_s
@@ -413,7 +414,8 @@ def format_table(result: SimResult) -> str:
                      f"{r.peak_memory_bytes / (1 << 30):.2f}",
                      f"{r.imbalance:.2f}", f"{r.replicas_per_layer:.1f}", f"{b['compute'] * 1e3:.2f}",
                      f"{b['all_to_all'] * 1e3:.2f}", f"{b['exposed_comm'] * 1e3:.2f}",
-                     f"{b.get('edp_reduce', 0.0) * 1e3:.2f}", f"{b['rearrange'] * 1e3:.2f}"))
+                     f"{b.get('edp_reduce', 0.0) * 1e3:.2f}", f"{b['rearrange'] * 1e3:.2f}",
+                     f"{b.get('call_overhead', 0.0) * 1e3:.2f}"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(cols))]
     lines = [head, ""]
     for i, row in enumerate(rows):

@@ -14,20 +14,30 @@ Every system's call is charged, per rank ``r``, one formula of the same form:
 (``routed_rows_r``: token-expert pairs the rank computes; ``row_bytes``: one token row in the compute dtype;
 ``owned_bytes_r``: the rank's owned experts in the compute dtype), and a layer waits for its slowest rank. The
 coefficients are fitted per device class from side-by-side measurements against the plain layer
-(``python -m benchmarks.overhead_fit``, which writes ``docs/call_overhead_fit.json``): the CPU's from
+(``python -m benchmarks.overhead_fit``, which writes ``ds_hecate/sim/call_overhead_fit.json``, package data): the CPU's from
 ``benchmarks/layer_versus.py`` on this kind of machine, the GPU presets' from the GPU check's layer-call figures.
 ``docs/simulator.md`` says what was fitted where, and from which runtime.
 """
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass
-from typing import Dict, Mapping
+from pathlib import Path
+from typing import Any, Dict, Mapping, Optional
 
 import numpy as np
+
+from ..errors import HecateError
 
 #: the systems whose calls are charged :attr:`CallOverheads.hecate` (every other system but the ideal takes the
 #: baselines' coefficients)
 HECATE_SYSTEMS = ("hecate", "hecate-rm")
+#: the formula's terms (seconds; seconds per byte)
+TERMS = ("fixed_s", "per_row_byte_s", "per_owned_byte_s")
+#: the committed fit (``python -m benchmarks.overhead_fit``), next to this module: package data (setup.py's
+#: ``package_data``), so a checkout and an installed copy read the same file
+FIT_NAME = "call_overhead_fit.json"
 
 
 @dataclass(frozen=True)
@@ -44,12 +54,21 @@ class CallOverhead:
 
     @staticmethod
     def of(raw: Mapping[str, float]) -> "CallOverhead":
-        unknown = set(raw) - {"fixed_s", "per_row_byte_s", "per_owned_byte_s"}
+        """From ``{"fixed_s": ..., "per_row_byte_s": ..., "per_owned_byte_s": ...}`` (absent terms: 0); an unknown,
+        non-numeric, negative or non-finite term is an error naming it."""
+        if not isinstance(raw, Mapping):
+            raise ValueError(f"call overhead: expected an object of terms {list(TERMS)}, got {type(raw).__name__}")
+        unknown = sorted(set(raw) - set(TERMS))
         if unknown:
-            raise ValueError(f"call overhead: unknown term(s) {sorted(unknown)}")
-        values = {k: float(v) for k, v in raw.items()}
-        if any(v < 0 for v in values.values()):
-            raise ValueError(f"call overhead terms must not be negative, got {values}")
+            raise ValueError(f"call overhead: unknown term(s) {unknown}; known: {', '.join(TERMS)}")
+        values = {}
+        for key, value in raw.items():
+            try:
+                values[key] = float(value)
+            except (TypeError, ValueError):
+                raise ValueError(f"call overhead term {key!r} must be a number, got {value!r}") from None
+            if not math.isfinite(values[key]) or values[key] < 0:
+                raise ValueError(f"call overhead term {key!r} must be finite and not negative, got {value!r}")
         return CallOverhead(**values)
 
 
@@ -68,10 +87,19 @@ class CallOverheads:
 
     @staticmethod
     def of(raw: Mapping[str, Mapping[str, float]]) -> "CallOverheads":
+        if not isinstance(raw, Mapping):
+            raise ValueError(f"call overheads: expected an object with hecate and/or baselines, got "
+                             f"{type(raw).__name__}")
         unknown = set(raw) - {"hecate", "baselines"}
         if unknown:
             raise ValueError(f"call overheads: unknown family {sorted(unknown)}; known: hecate, baselines")
-        return CallOverheads(**{k: CallOverhead.of(v) for k, v in raw.items()})
+        families = {}
+        for family, terms in raw.items():
+            try:
+                families[family] = CallOverhead.of(terms)
+            except ValueError as exc:
+                raise ValueError(f"{family}: {exc}") from None
+        return CallOverheads(**families)
 
     def as_dict(self) -> Dict[str, Dict[str, float]]:
         return {name: dict(fixed_s=o.fixed_s, per_row_byte_s=o.per_row_byte_s, per_owned_byte_s=o.per_owned_byte_s)
@@ -80,9 +108,45 @@ class CallOverheads:
 
 def scaled_to(fit: Mapping[str, Mapping[str, float]], fitted_gbps: float, device_gbps: float) -> CallOverheads:
     """A device class's fitted coefficients for another device of the class: the byte terms (memory-bound passes)
-    scaled by the ratio of their memory bandwidths, the fixed term (launches, host work) kept."""
-    ratio = fitted_gbps / device_gbps
-    return CallOverheads.of({family: {"fixed_s": terms.get("fixed_s", 0.0),
-                                      "per_row_byte_s": terms.get("per_row_byte_s", 0.0) * ratio,
-                                      "per_owned_byte_s": terms.get("per_owned_byte_s", 0.0) * ratio}
-                             for family, terms in fit.items()})
+    scaled by the ratio of their memory bandwidths, the fixed term (launches, host work) kept. The fit is checked
+    first (:meth:`CallOverheads.of`: a bad term is an error naming it)."""
+    ratio = float(fitted_gbps) / float(device_gbps)
+    if not math.isfinite(ratio) or ratio <= 0:
+        raise ValueError(f"call overhead: memory bandwidths must be positive, got {fitted_gbps!r} fitted, "
+                         f"{device_gbps!r} for the device")
+    checked = CallOverheads.of(fit).as_dict()
+    return CallOverheads.of({family: {"fixed_s": checked[family]["fixed_s"],
+                                      "per_row_byte_s": checked[family]["per_row_byte_s"] * ratio,
+                                      "per_owned_byte_s": checked[family]["per_owned_byte_s"] * ratio}
+                             for family in fit})
+
+
+def fit_path() -> Path:
+    """Where the committed fit is: next to this module, in a checkout and in an installed copy alike."""
+    path = Path(__file__).resolve().parent / FIT_NAME
+    if not path.is_file():
+        raise HecateError(f"the simulator's call overhead fit {FIT_NAME} is missing from {path.parent}; reinstall "
+                          "ds_hecate or refit it with python -m benchmarks.overhead_fit (docs/simulator.md, "
+                          "\"Call overhead\")")
+    return path
+
+
+def load_fit(path: Optional[Path] = None) -> Dict[str, Any]:
+    """The fit file (``{"cpu": {...}, "gpu": {...}}``), the committed one unless ``path`` is given."""
+    path = path or fit_path()
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise HecateError(f"cannot read the call overhead fit {str(path)!r}: {exc}") from None
+
+
+def device_overheads(fit: Mapping[str, Any], device: str, device_gbps: Optional[float] = None) -> CallOverheads:
+    """The coefficients of one device class of ``fit`` (``"cpu"`` or ``"gpu"``), as fitted, or for a device of the
+    class with memory bandwidth ``device_gbps`` (:func:`scaled_to` from the fit's ``device_memory_gbps``)."""
+    if device not in fit:
+        raise HecateError(f"the call overhead fit has no {device!r} coefficients (it has {sorted(fit)})")
+    entry = fit[device]
+    families = {family: entry[family] for family in ("hecate", "baselines") if family in entry}
+    if device_gbps is None:
+        return CallOverheads.of(families)
+    return scaled_to(families, float(entry["device_memory_gbps"]), device_gbps)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Type, TypeVar, Union
 
 from ..errors import HecateError
-from .overhead import CallOverheads, scaled_to
+from .overhead import CallOverheads, device_overheads, load_fit
 
 
 @dataclass(frozen=True)
@@ -214,21 +214,39 @@ MODELS: Dict[str, ModelShape] = {m.name: m for m in (
                            "top-8 + 1 shared, MLA (671B)"),
 )}
 
+#: the committed fit of the per-call overhead model (ds_hecate/sim/call_overhead_fit.json, written by
+#: ``python -m benchmarks.overhead_fit``):
+#: the presets' ``call_overhead`` follow from it, so a refit changes them without an edit here
+CALL_OVERHEAD_FIT = load_fit()
+#: each GPU preset's device memory bandwidth (GB/s, vendor figures: V100-32GB HBM2, A100-40GB HBM2, H100-80GB SXM
+#: HBM3), to which the GPU fit (one H200, 4800 GB/s) is scaled: byte terms by the ratio, the fixed term kept
+#: (``sim/overhead.scaled_to``; docs/simulator.md, "Call overhead")
+MEMORY_GBPS = {"v100-4x8": 900.0, "a100-4x8": 1555.0, "h100-128x8": 3350.0}
+
+
+def _gpu_overhead(name: str) -> CallOverheads:
+    return device_overheads(CALL_OVERHEAD_FIT, "gpu", MEMORY_GBPS[name])
+
+
 CLUSTERS: Dict[str, Cluster] = {c.name: c for c in (
     Cluster("v100-4x8", nodes=4, devices_per_node=8, intra_node_gbps=150.0, inter_node_gbps=12.5,
             device_tflops=50.0, device_memory_gb=32.0, intra_latency_s=5e-6, inter_latency_s=3e-5,
+            call_overhead=_gpu_overhead("v100-4x8"),
             description="paper cluster A: 4x AWS p3dn.24xlarge, 8x V100-32GB, NVLink 300 GB/s (150 per direction), "
                         "100 Gb/s per node; effective 50 TFLOP/s (40% of fp16 peak, assumed)"),
     Cluster("a100-4x8", nodes=4, devices_per_node=8, intra_node_gbps=300.0, inter_node_gbps=50.0,
             device_tflops=125.0, device_memory_gb=40.0, intra_latency_s=5e-6, inter_latency_s=2e-5,
+            call_overhead=_gpu_overhead("a100-4x8"),
             description="paper cluster B: 4x AWS p4d.24xlarge, 8x A100-40GB, NVSwitch 600 GB/s (300 per "
                         "direction), 400 Gb/s per node; effective 125 TFLOP/s (40% of bf16 peak, assumed)"),
     Cluster("h100-128x8", nodes=128, devices_per_node=8, intra_node_gbps=450.0, inter_node_gbps=400.0,
             device_tflops=600.0, device_memory_gb=80.0, intra_latency_s=3e-6, inter_latency_s=1e-5,
+            call_overhead=_gpu_overhead("h100-128x8"),
             description="128 nodes x 8 H100-80GB, NVLink4 450 GB/s per direction, 8x 400 Gb/s NICs per node; "
                         "effective 600 TFLOP/s (about 60% of bf16 peak, assumed)"),
     Cluster("cpu-2", nodes=1, devices_per_node=2, intra_node_gbps=0.9, inter_node_gbps=0.9, device_tflops=0.01,
             device_memory_gb=24.0, intra_latency_s=0.0, inter_latency_s=0.0, overlaps_compute=False,
+            call_overhead=device_overheads(CALL_OVERHEAD_FIT, "cpu"),
             description="this 2-vCPU machine, 2 gloo ranks; nominal figures from docs/benchmarks.md: pass the "
                         "measured costs of the run to compare with (--measured or Cluster.from_measured)"),
 )}

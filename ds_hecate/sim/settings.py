@@ -38,7 +38,9 @@ class SimSettings:
     critical path in full, the search where it outlasts the non-MoE compute that hides it), is added to its step
     (``host_planning`` in the breakdown); ``planning_clock``: how it is counted, ``work`` (from what the planner
     did, in its work models' estimated microseconds: the same figures on every machine and under any load) or
-    ``thread`` (this thread's CPU time as it runs here).
+    ``thread`` (this thread's CPU time as it runs here). ``charge_call_overhead``: every system's per-call runtime
+    overhead (the cluster's ``call_overhead``, :mod:`.overhead`; ``call_overhead`` in the breakdown); False leaves
+    it out, a what-if of runtimes as lean as a plain layer (the planners decide alike either way).
 
     ``ep_size``: the group size G every system but the ideal runs in (Hecate's domain, the EP baselines'
     expert-parallel size); None: the ``hecate`` config's ``ep_size``, else the runtime's rule
@@ -59,6 +61,7 @@ class SimSettings:
     planner_costs: Optional[Mapping[str, float]] = None
     force_balanced: bool = True
     charge_planning: bool = True
+    charge_call_overhead: bool = True
     ep_size: Optional[int] = None
     planning_clock: str = "work"
     planner_token_price: float = 1.0

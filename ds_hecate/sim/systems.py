@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections import deque
+from dataclasses import replace
 from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -79,10 +80,10 @@ def _group_slices(ctx: SimContext) -> List[slice]:
 
 def _worst(times: Sequence[LayerTime], extra: Sequence[float], replicas: np.ndarray) -> Tuple[LayerTime, int]:
     """The slowest group's layer time (its own ``extra`` seconds included in the choice), with every group's
-    replicas, and its index."""
+    replicas, and its index. Its ranks' ``processed`` pairs stay: the call overhead (core.call_overhead_s) is charged
+    on them."""
     i = max(range(len(times)), key=lambda k: (times[k].total + extra[k], -k))
-    t = times[i]
-    return LayerTime(t.total, t.compute, t.a2a, t.exposed, t.imbalance, replicas), i
+    return replace(times[i], replicas=replicas), i
 
 
 class _EPFamily(_System):
