@@ -50,7 +50,7 @@ gpu-check:
 		echo "pip has network and bring .whl/ along)"; exit 1; \
 	fi
 	@mkdir -p $(dir $(GPU_OUT))
-	PYTHONPATH="$(GPU_PYTHONPATH)" timeout 360 $(PYTHON) benchmarks/gpu_check.py --out $(GPU_OUT).json \
+	PYTHONPATH="$(GPU_PYTHONPATH)" timeout 540 $(PYTHON) benchmarks/gpu_check.py --out $(GPU_OUT).json \
 		--markdown $(GPU_OUT).md $(ARGS)
 
 # Here, with network: the wheels the GPU machine lacks (Python 3.12, manylinux x86-64, --no-deps with every

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 import signal
 import statistics
 import subprocess
@@ -95,6 +96,37 @@ def run_command(cmd: List[str], timeout: Optional[float], env: Optional[Dict[str
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         return None, out
+
+
+def spawn_ranks(target: Callable, world: int, args: Tuple, timeout: float) -> Dict[int, Tuple[bool, object]]:
+    """Run ``target(rank, world, store, *args, queue)`` in ``world`` spawned processes (``store``: a file for
+    ``init_method="file://..."``) and collect what each puts on the queue, ``(rank, ok, payload)``, for at most
+    ``timeout`` seconds: a rank that dies or hangs ends the wait (a hang fails fast, never the stage's own timeout),
+    and every process still alive then is killed. Returns ``{rank: (ok, payload)}`` of the ranks that answered."""
+    import torch.multiprocessing as mp
+    store = tempfile.mktemp(prefix="gpu_check_ranks_")
+    mp_ctx = mp.get_context("spawn")
+    q = mp_ctx.Queue()
+    procs = [mp_ctx.Process(target=target, args=(r, world, store, *args, q), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: Dict[int, Tuple[bool, object]] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) < world and time.monotonic() < deadline:
+            try:
+                rank, ok, payload = q.get(timeout=0.5)
+                results[rank] = (ok, payload)
+            except Exception:  # noqa: BLE001 - queue.Empty: look whether a worker died
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    break
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        if os.path.exists(store):
+            os.remove(store)
+    return results
 
 
 def host_seconds(fn: Callable[[], object]) -> float:

@@ -14,12 +14,11 @@ the 2-process stage over gloo on the CPU.
 """
 from __future__ import annotations
 
-import os
 import tempfile
 import time
 from typing import Dict
 
-from .common import Context, result, skipped
+from .common import Context, result, skipped, spawn_ranks
 
 
 def _init_single(backend: str) -> None:
@@ -175,33 +174,11 @@ def _worker(rank: int, world: int, store: str, numel: int, dry_run: bool, q) -> 
 
 def two_process(ctx: Context, timeout: float = 25.0) -> dict:
     import torch
-    import torch.multiprocessing as mp
     gpus = 0 if ctx.dry_run else torch.cuda.device_count()
     if not ctx.dry_run and gpus < 2:
         return skipped(f"{gpus} GPU(s): NCCL refuses two ranks on one device; needs 2 GPUs", gpus=gpus)
     numel = (1 << 12) if ctx.dry_run else ((1 << 20) if ctx.quick else (1 << 22))
-    store = tempfile.mktemp(prefix="gpu_check_2p_")
-    mp_ctx = mp.get_context("spawn")
-    q = mp_ctx.Queue()
-    procs = [mp_ctx.Process(target=_worker, args=(r, 2, store, numel, ctx.dry_run, q), daemon=True)
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    results, deadline = {}, time.monotonic() + timeout
-    try:
-        while len(results) < 2 and time.monotonic() < deadline:
-            try:
-                rank, ok, payload = q.get(timeout=0.5)
-                results[rank] = (ok, payload)
-            except Exception:  # noqa: BLE001 - queue.Empty: look whether a worker died
-                if any(p.exitcode not in (None, 0) for p in procs):
-                    break
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        if os.path.exists(store):
-            os.remove(store)
+    results = spawn_ranks(_worker, 2, (numel, ctx.dry_run), timeout)
     out = {"gpus": gpus, "numel": numel, "transport": "gloo (dry run)" if ctx.dry_run else "CuPy+NCCL"}
     bad = [f"rank {r}: {p}" for r, (ok, p) in sorted(results.items()) if not ok]
     if len(results) < 2 or bad:
