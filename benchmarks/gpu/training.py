@@ -50,10 +50,10 @@ def build_model():
                                                top2_2nd_expert_sampling=False)})
 
 
-def demo_losses(device: str, steps: int, transport: str = "torch",
-                kernels: str = "auto") -> Tuple[List[float], List[List[int]], dict]:
-    """(losses, tokens per expert per step, the transport's kernel use) of the demo model trained ``steps`` steps
-    on 1 rank on ``device`` (the Hecate runtime and its expert optimizer, as the engine drives them)."""
+def hecate_runtime(model, comm, dev, ranks_per_node: int, **hecate) -> tuple:
+    """(runtime, dense AdamW) for ``model`` as the engine sets them up: its MoE layer converted onto a Hecate runtime
+    over ``comm`` (configured costs: the placements must not hang on how fast a run happened to be; ``hecate``
+    overrides keys), the model moved to ``dev``, the expert optimizer following the dense one's learning rate."""
     import torch
 
     from ds_hecate.config import parse_hecate_section
@@ -61,18 +61,28 @@ def demo_losses(device: str, steps: int, transport: str = "torch",
     from ds_hecate.deepspeed_glue.expert_optimizer import ExpertOptimizer, LrSource
     from ds_hecate.runtime.hecate import HecateRuntime
 
-    model = build_model()
-    dev = torch.device("cuda", 0) if device == "cuda" else torch.device(device)
-    comm = _communicator(transport, dev, kernels)
-    cfg = parse_hecate_section({"enabled": True, "compute_s_per_pair": 1e-6, "link_gbps": 1.0,
-                                "non_moe_time_s": 0.0})
-    rt = HecateRuntime(cfg, comm, torch.float32, 1)
+    cfg = parse_hecate_section({"enabled": True, "compute_s_per_pair": 1e-6, "link_gbps": 1.0, "non_moe_time_s": 0.0,
+                                **hecate})
+    rt = HecateRuntime(cfg, comm, torch.float32, ranks_per_node)
     convert_model(model, rt)
     model.to(dev)
     dense = torch.optim.AdamW(model.parameters(), lr=1e-3)
     rt.optimizer = ExpertOptimizer(torch.optim.AdamW, [{"params": rt.store.parameters(), "lr": 1e-3}],
                                    [LrSource(dense.param_groups[0])])
     rt.layer_group = {0: 0}
+    return rt, dense
+
+
+def demo_losses(device: str, steps: int, transport: str = "torch",
+                kernels: str = "auto") -> Tuple[List[float], List[List[int]], dict]:
+    """(losses, tokens per expert per step, the transport's kernel use) of the demo model trained ``steps`` steps
+    on 1 rank on ``device`` (the Hecate runtime and its expert optimizer, as the engine drives them)."""
+    import torch
+
+    model = build_model()
+    dev = torch.device("cuda", 0) if device == "cuda" else torch.device(device)
+    comm = _communicator(transport, dev, kernels)
+    rt, dense = hecate_runtime(model, comm, dev, ranks_per_node=1)
     gen = torch.Generator().manual_seed(1)
     losses, counts = [], []
     for step in range(1, steps + 1):

@@ -25,7 +25,7 @@ import time
 from typing import Dict, List
 
 from .common import Context, result, spawn_ranks
-from .training import TOLERANCE, build_model
+from .training import TOLERANCE, build_model, hecate_runtime
 
 WORLD = 2
 
@@ -36,10 +36,6 @@ def train(rank: int, world: int, device: str, steps: int) -> dict:
     import torch.distributed as dist
 
     from ds_hecate.comm.backend import build_communicator
-    from ds_hecate.config import parse_hecate_section
-    from ds_hecate.deepspeed_glue.convert import convert_model
-    from ds_hecate.deepspeed_glue.expert_optimizer import ExpertOptimizer, LrSource
-    from ds_hecate.runtime.hecate import HecateRuntime
 
     start = time.perf_counter()
     model = build_model()
@@ -47,15 +43,7 @@ def train(rank: int, world: int, device: str, steps: int) -> dict:
     comm = build_communicator("torch", dist.group.WORLD, rank, world, dev, timeout_s=60)
     # configured costs and no re-sharding: the placements (so the summation order) must not hang on how fast
     # each run happened to be
-    cfg = parse_hecate_section({"enabled": True, "reshard_interval": 0, "compute_s_per_pair": 1e-6,
-                                "link_gbps": 1.0, "non_moe_time_s": 0.0})
-    rt = HecateRuntime(cfg, comm, torch.float32, world)
-    convert_model(model, rt)
-    model.to(dev)
-    dense = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    rt.optimizer = ExpertOptimizer(torch.optim.AdamW, [{"params": rt.store.parameters(), "lr": 1e-3}],
-                                   [LrSource(dense.param_groups[0])])
-    rt.layer_group = {0: 0}
+    rt, dense = hecate_runtime(model, comm, dev, ranks_per_node=world, reshard_interval=0)
     gen = torch.Generator().manual_seed(1 + rank)   # each rank its own batches
     losses: List[float] = []
     counts: List[List[int]] = []
