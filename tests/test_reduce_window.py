@@ -62,7 +62,7 @@ def test_scheduler_costs_give_the_reduction_backwards_window_where_compute_hides
 def test_runtime_prices_its_layers_reduction_and_regather(rematerializes):
     # the runtime's own step_costs on one layer's binding: the reduction's bytes in its reduce dtype, and the
     # layer's re-materialization as the replica pool resolved it
-    runtime = SimpleNamespace(config=HecateConfig(enabled=True), measured={"non_moe_time_s": 1e-3}, world_size=8,
+    runtime = SimpleNamespace(config=HecateConfig(enabled=True), measured={"non_moe_time_s": 1e-3}, ep_size=8,
                               ranks_per_node=8, overlaps_compute=True, relays_stream_ordered=True)
     cost = CommCostModel(hidden_size=16, expert_numel=1_000, activation_bytes=2, param_bytes=2, grad_bytes=4)
     binding = SimpleNamespace(cost=cost, rematerializes=rematerializes)
