@@ -16,7 +16,7 @@
   zero-filled and accumulated their gradients); the fixed and per-row-byte terms are fitted to what remains. The
   baselines ran on no GPU: they are charged nothing (the plain layer's cost), which flatters them, not ds_hecate.
 
-    python -m benchmarks.overhead_fit --versus docs/layer_versus_provisional.json --gpu docs/gpu_check_h200.json \\
+    python -m benchmarks.overhead_fit --versus docs/layer_versus_after.json --gpu docs/gpu_check_h200.json \\
         --json ds_hecate/sim/call_overhead_fit.json
 
 The committed fit (``ds_hecate/sim/call_overhead_fit.json``, package data the presets read) is that command's

@@ -20,7 +20,7 @@ from ds_hecate.sim.presets import CLUSTERS, MEMORY_GBPS, resolve_cluster
 
 REPO = Path(__file__).resolve().parents[1]
 COMMITTED = REPO / "ds_hecate" / "sim" / FIT_NAME
-VERSUS = REPO / "docs" / "layer_versus_provisional.json"
+VERSUS = REPO / "docs" / "layer_versus_after.json"
 GPU_CHECK = REPO / "docs" / "gpu_check_h200.json"
 #: vendor memory bandwidths (GB/s) the GPU fit (an H200 at 4,800) is scaled to, as docs/simulator.md lists them
 VENDOR_GBPS = {"v100-4x8": 900.0, "a100-4x8": 1555.0, "h100-128x8": 3350.0}
@@ -46,7 +46,7 @@ def test_committed_fit_is_the_refit_of_the_committed_inputs():
     assert fit_path() == COMMITTED.resolve()
     refit = json.loads(json.dumps(overhead_fit.fit_files(str(VERSUS), str(GPU_CHECK))))
     _same(refit, json.loads(COMMITTED.read_text(encoding="utf-8")))
-    assert refit["cpu"]["source"]["path"] == "docs/layer_versus_provisional.json"
+    assert refit["cpu"]["source"]["path"] == "docs/layer_versus_after.json"
     assert refit["gpu"]["source"]["path"] == "docs/gpu_check_h200.json"
 
 
