@@ -134,7 +134,8 @@ def simple_moe(stage: int) -> dict:
               "zero_optimization": {"stage": stage}}
     engine, *_ = deepspeed.initialize(config=with_hecate(config), model=TwoMoELayers(16, ep_size=1))
     losses = train(engine, 3, 16, torch.float16)
-    return {"engine": type(engine).__name__, "losses": losses}
+    return {"engine": type(engine).__name__, "losses": losses, "hecate_layers": len(engine.hecate.bindings),
+            "steps": engine.global_steps}
 
 
 def singleton_all_to_all(ep_size: int) -> dict:

@@ -39,8 +39,8 @@ class SlotRows(torch.autograd.Function):
     gradient sums up to ``k`` rows per token. autograd's ``index_select`` backward does it with ``index_add_``,
     which on CUDA adds a token's rows atomically in no fixed order (``x.grad`` differed between two runs of the same
     call on the H200); here on CUDA the rows' gradients go back to slot order (one scatter, no duplicate) and each
-    token's routes are summed in route order, so ``x.grad`` is the same bits every run. On the CPU ``index_add_``
-    is sequential, and kept (bit-equal to autograd's)."""
+    token's routes are summed by one reduction over that layout, so ``x.grad`` is the same bits every run. On the
+    CPU ``index_add_`` is sequential, and kept (bit-equal to autograd's)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, slots: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -57,13 +57,11 @@ class SlotRows(torch.autograd.Function):
             return grad.new_zeros(ctx.shape).index_add_(0, slots % max(num_tokens, 1), grad), None, None
         per_slot = grad.new_zeros((ctx.top_k * num_tokens,) + tuple(ctx.shape[1:]))
         per_slot.index_copy_(0, slots, grad)
-        first, *rest = per_slot.view((ctx.top_k,) + tuple(ctx.shape)).unbind(0)
-        for route in rest:
-            first.add_(route)
-        return first, None, None
+        # one reduction over the routes of the slot-ordered rows: its order is fixed by the layout, not the send order
+        return per_slot.view((ctx.top_k,) + tuple(ctx.shape)).sum(0), None, None
 
 
-#: run :class:`SlotRows`' CUDA backward (routes summed in route order) on any device: tests check it on the CPU
+#: run :class:`SlotRows`' CUDA backward (one reduction over the slot-ordered rows) on any device: tests check it on the CPU
 DETERMINISTIC_SLOT_SUM = False
 
 

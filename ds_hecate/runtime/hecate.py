@@ -9,6 +9,7 @@ Observers (step metrics, routing trace) are registered by whoever builds the run
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -43,7 +44,6 @@ def group_ranks_per_node(ep_size: int, ranks_per_node: int) -> int:
         return ep_size
     if ep_size % ranks_per_node == 0:
         return ranks_per_node
-    import math
     return math.gcd(ep_size, ranks_per_node)
 
 
