@@ -1,7 +1,9 @@
 """``ds_hecate.MoE``: a drop-in for ``deepspeed.moe.layer.MoE`` whose experts Hecate can take over.
 
 Same constructor arguments and the same return value ``(output, l_aux, exp_counts)``; the gate *is* DeepSpeed's
-``TopKGate``, so routing (including its random sampling) is bit-for-bit DeepSpeed's. Before Hecate takes it over
+``TopKGate``, so routing (including its random sampling) is bit-for-bit DeepSpeed's (for ``k >= 3`` its forward is
+computed by :mod:`ds_hecate.ops.topk_gate`, the same values and gradients without the capacity slots Hecate does not
+read). Before Hecate takes it over
 (or without Hecate) the layer runs its experts locally, which is exactly data-parallel MoE. After
 :func:`ds_hecate.initialize` it runs through the Hecate runtime: experts sharded, materialized per plan, tokens
 dispatched to replicas.
@@ -20,6 +22,7 @@ from torch import nn
 from deepspeed.moe.sharded_moe import TopKGate
 
 from .errors import HecateModelError
+from .ops.topk_gate import gate_routes
 
 
 def _expert_copies(expert: nn.Module, count: int):
@@ -150,8 +153,9 @@ class MoE(nn.Module):
                 used_token: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         d_model = hidden_states.shape[-1]
         x = hidden_states.reshape(-1, d_model)
-        # DeepSpeed's gate with sparse routes: indices/gates are [k, S]; dropped routes have index -1.
-        l_aux, _capacity, _num_experts, indices, _locations, gates, exp_counts = self.gate(x, used_token, True, False)
+        # DeepSpeed's gate with sparse routes (computed as DeepSpeed does, without the slots Hecate does not read:
+        # ds_hecate.ops.topk_gate): indices/gates are [k, S]; dropped routes have index -1.
+        l_aux, indices, gates, exp_counts = gate_routes(self.gate, x, used_token)
         if self.binding is not None:   # Hecate: DeepSpeed's combine arithmetic, fused with the un-permute
             output = self.binding.run(x, indices, gates, "deepspeed").reshape(hidden_states.shape)
         else:

@@ -159,7 +159,7 @@ MAY_IMPORT: Dict[str, Tuple[str, ...]] = {
     "cli_args": ("errors",),
     "experts": (),
     "ops": ("experts",),
-    "moe_layer": ("errors", "experts"),
+    "moe_layer": ("errors", "experts", "ops"),
     "comm": ("errors", "logging_utils", "planning"),
     "config": ("comm", "errors", "planning"),
     "runtime": ("comm", "config", "errors", "experts", "logging_utils", "ops", "planning"),

@@ -1,9 +1,10 @@
 """The weighted un-permute that ends a layer call: ``out[t] = sum_j w[j, t] * y[pos[j, t]]``.
 
 ``y`` holds the expert outputs returned to this rank (one row per routed slot that was not dropped, in send order)
-followed by one zero row; ``pos[j, t]`` is the row of slot ``(j, t)`` (route ``j`` of token ``t``), the zero row for
-a dropped slot. One op replaces the slot-order buffer (``[kS, H]`` zeros and an ``index_copy``) and the per-route
-products of the former combine; a fixed handful of ops whatever ``k`` and the number of experts.
+followed by one zero row (which the caller may leave out when no slot is dropped: with ``slots``, the rows after the
+routed ones are the zero rows); ``pos[j, t]`` is the row of slot ``(j, t)`` (route ``j`` of token ``t``), the zero
+row for a dropped slot. One op replaces the slot-order buffer (``[kS, H]`` zeros and an ``index_copy``) and the
+per-route products of the former combine; a fixed handful of ops whatever ``k`` and the number of experts.
 
 Two arithmetics, the ones the callers' own code uses, so training is the same function:
 
@@ -42,7 +43,7 @@ class WeightedUnpermute(torch.autograd.Function):
         ctx.y_shape = y.shape
         if kernel is not None and arithmetic == "deepspeed":
             ctx.save_for_backward(y.index_select(0, pos.reshape(-1)).view(k, num_tokens, y.shape[1]), weights, pos)
-            dump = y.shape[0] - 1
+            dump = slots.shape[0] if slots is not None else y.shape[0] - 1   # the zero row, if any
             return kernel(y, torch.where(pos == dump, -1, pos).reshape(-1), weights.float())
         if k == 0:
             ctx.save_for_backward(y.new_empty(0, num_tokens, y.shape[1]), weights, pos)
@@ -66,12 +67,14 @@ class WeightedUnpermute(torch.autograd.Function):
         g = (grad if hf else grad.float()).unsqueeze(0)
         w = weights.to(rows.dtype if hf else torch.float32).unsqueeze(-1)
         per_slot = (g * w).to(rows.dtype).reshape(k * num_tokens, rows.shape[-1])
-        grad_y = rows.new_empty(ctx.y_shape)   # every row is one slot's, but the zero row, which dropped slots hit
+        grad_y = rows.new_empty(ctx.y_shape)   # every row is one slot's, but a zero row, which dropped slots hit
         if ctx.slots is not None:   # row r is slot slots[r]: a gather (a scatter is several times slower)
-            torch.index_select(per_slot, 0, ctx.slots, out=grad_y[:ctx.slots.shape[0]])
+            routed = ctx.slots.shape[0]
+            torch.index_select(per_slot, 0, ctx.slots, out=grad_y[:routed])
+            grad_y[routed:].zero_()   # the zero row, if any, carries no gradient (the token exchange drops it)
         else:
             grad_y.index_copy_(0, pos.reshape(-1), per_slot)
-        grad_y[-1].zero_()   # the zero row carries no gradient (the token exchange drops it anyway)
+            grad_y[-1].zero_()
         grad_w = ((g * rows) if hf else (g * rows.float())).sum(-1).to(weights.dtype)
         return grad_y, grad_w, None, None, None, None
 

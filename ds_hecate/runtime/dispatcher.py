@@ -7,7 +7,8 @@ layer (:meth:`~ds_hecate.runtime.layer.LayerBinding.run`) hands the dispatcher e
 back, so another transport (a DeepEP-style one, say) replaces this class without touching the layer.
 
 Send order: by destination, then expert, then slot; the receiver gets (source, expert) segments. The expert
-outputs come back with one zero row after them, which every dropped slot's position points at.
+outputs come back with one zero row after them when a slot of the rank is dropped (every dropped slot's position
+points at it), with none when every slot is routed.
 """
 from __future__ import annotations
 
@@ -77,12 +78,23 @@ class Routes:
     num_tokens: int
     top_k: int
 
+    @property
+    def pad_rows(self) -> int:
+        """Zero rows after the expert outputs: one when a slot of this rank is dropped (its position points at it),
+        none otherwise (every position is a routed row's)."""
+        return int(self.routed < self.top_k * self.num_tokens)
+
     @staticmethod
     def of(flat: torch.Tensor, routed: int, num_tokens: int, top_k: int, num_experts: int,
-           dispatch: RankDispatch) -> "Routes":
+           dispatch: RankDispatch, alone: bool = False) -> "Routes":
         """From the slots' expert ids (``flat``, ``[k * S]``, -1 dropped) and the plan's tables: slots expert-major
-        (dropped and out-of-range last, cut off at ``routed``, known on the host), then by destination."""
+        (dropped and out-of-range last, cut off at ``routed``, known on the host), then by destination (``alone``:
+        a rank alone in its group with the one-rank shortcuts on has one destination, itself, so the expert-major
+        order is the send order)."""
         by_expert = torch.argsort(torch.where(flat >= 0, flat, num_experts), stable=True)[:routed]
+        if alone:
+            return Routes(by_expert, list(dispatch.send_splits), list(dispatch.recv_splits), routed, num_tokens,
+                          top_k)
         dst_of_sorted = expand_segments(dispatch.send_dst, dispatch.send_rows, flat.device, routed)
         send_slots = by_expert.index_select(0, torch.argsort(dst_of_sorted, stable=True))
         return Routes(send_slots, list(dispatch.send_splits), list(dispatch.recv_splits), routed, num_tokens, top_k)
@@ -104,10 +116,11 @@ class TokenDispatcher:
                                     self.where)
 
     def combine(self, y_recv: torch.Tensor, gates: torch.Tensor, routes: Routes, arithmetic: str) -> torch.Tensor:
-        """``[S, H]``: each token's routes' outputs (``y_recv``: the received rows' outputs and a zero row) sent
-        back and summed weighted by ``gates`` ``[k, S]`` with the caller's arithmetic."""
+        """``[S, H]``: each token's routes' outputs (``y_recv``: the received rows' outputs and
+        ``routes.pad_rows`` zero rows) sent back and summed weighted by ``gates`` ``[k, S]`` with the caller's
+        arithmetic."""
         y_back = AllToAllTokens.apply(y_recv, self.comm, routes.recv_splits, routes.send_splits, self.counters,
-                                      self.where, 1)
+                                      self.where, routes.pad_rows)
         device = y_recv.device
         pos = torch.full((routes.top_k * routes.num_tokens,), routes.routed, dtype=torch.int64, device=device)
         pos = pos.scatter_(0, routes.send_slots, torch.arange(routes.routed, device=device))

@@ -42,12 +42,18 @@ class ExpertRows:
     expert-major in the gathered experts' order (own experts first), ``inverse`` puts expert-major rows back in the
     received order (both permutations, built from the plan's host tables: gathers both ways, never a scatter);
     ``own`` and ``replicas`` cut the expert-major rows into one group per expert of each part (0 rows for an
-    expert this call routes nothing to); the first ``own_rows`` rows are the own experts'."""
+    expert this call routes nothing to); the first ``own_rows`` rows are the own experts'. ``pad_rows`` zero rows
+    follow the outputs (:attr:`~ds_hecate.runtime.dispatcher.Routes.pad_rows`). ``in_order``: the received rows are
+    expert-major already and the rank is alone in its group (one-rank shortcuts on: its rows come from itself), so
+    both permutations are skipped (on N ranks they run even when they happen to be the identity, so a 1-rank
+    measurement without the shortcuts times the N-rank path)."""
 
     order: torch.Tensor
     inverse: torch.Tensor
     own: RowGroups
     replicas: RowGroups
+    pad_rows: int = 1
+    in_order: bool = False
 
     @property
     def own_rows(self) -> int:
@@ -58,7 +64,8 @@ class ExpertRows:
         return self.own.sizes + self.replicas.sizes
 
     @staticmethod
-    def of(dispatch: RankDispatch, experts: Sequence[int], owned: int, device: torch.device) -> "ExpertRows":
+    def of(dispatch: RankDispatch, experts: Sequence[int], owned: int, device: torch.device, pad_rows: int = 1,
+           alone: bool = False) -> "ExpertRows":
         mine = {e: i for i, e in enumerate(dispatch.mine)}
         missing = set(mine) - set(experts)
         if missing:
@@ -72,10 +79,22 @@ class ExpertRows:
         # where each segment lands in expert-major order, and the segments in received order
         positions = np.cumsum(held_lengths) - held_lengths
         received = np.argsort(held_starts, kind="stable")
+        nonempty = held_lengths > 0
+        in_order = alone and bool(np.array_equal(held_starts[nonempty], positions[nonempty]))
         return ExpertRows(segment_order(held_starts, held_lengths, device),
                           segment_order(positions[received], held_lengths[received], device),
                           RowGroups.build(sizes[:owned], device, to_device),
-                          RowGroups.build(sizes[owned:], device, to_device))
+                          RowGroups.build(sizes[owned:], device, to_device), pad_rows, in_order)
+
+    def to_experts(self, recv: torch.Tensor) -> torch.Tensor:
+        """The received rows expert-major."""
+        return recv if self.in_order else Permute.apply(recv, self.order, self.inverse)
+
+    def to_received(self, outputs: torch.Tensor) -> torch.Tensor:
+        """Expert-major outputs back in the received order, :attr:`pad_rows` zero rows after them."""
+        if self.in_order and not self.pad_rows:
+            return outputs
+        return Permute.apply(outputs, self.inverse, self.order, self.pad_rows)
 
 
 class Permute(torch.autograd.Function):
@@ -134,30 +153,36 @@ class CallGrads:
 def run_parts(kernel, gathered: GatheredExperts, recv: torch.Tensor, rows: ExpertRows,
               grads: CallGrads) -> torch.Tensor:
     """Grouped path: both parts on their rows (one grouped GEMM per projection and part), outputs in the received
-    order followed by a zero row (one gather, two scatters back: a fixed number of ops whatever the number of
-    experts)."""
-    grouped = Permute.apply(recv, rows.order, rows.inverse)
-    split = rows.own_rows
+    order followed by ``rows.pad_rows`` zero rows (a gather each way: a fixed number of ops whatever the number of
+    experts; none when :attr:`ExpertRows.in_order`)."""
+    grouped = rows.to_experts(recv)
+    has_own, has_replicas = gathered.owned > 0, gathered.buffer.shape[0] > 0
+    # the parts' rows: one split (its backward is one concatenation), or the rows whole when one part runs (a slice
+    # would cost a zero-filled full-size gradient in backward)
+    if has_own and has_replicas:
+        own_in, replica_in = grouped.split([rows.own_rows, grouped.shape[0] - rows.own_rows])
+    else:
+        own_in = replica_in = grouped
     parts = []
-    if gathered.owned:
-        parts.append(grouped_ffn(kernel, gathered.owned_rows, grouped[:split], rows.own, grads.own))
-    if gathered.buffer.shape[0]:
-        parts.append(grouped_ffn(kernel, gathered.buffer, grouped[split:], rows.replicas, grads.replicas))
+    if has_own:
+        parts.append(grouped_ffn(kernel, gathered.owned_rows, own_in, rows.own, grads.own))
+    if has_replicas:
+        parts.append(grouped_ffn(kernel, gathered.buffer, replica_in, rows.replicas, grads.replicas))
     # no expert at all (a rank owning none, with no replica): the empty rows themselves, so that the output stays
     # on the graph through Materialize, whose backward issues this rank's SparseReduceScatter
     outputs = grouped if not parts else parts[0] if len(parts) == 1 else torch.cat(parts)
-    return Permute.apply(outputs, rows.inverse, rows.order, 1)
+    return rows.to_received(outputs)
 
 
 def run_loop(kernel, own_weights: torch.Tensor, replica_weights: torch.Tensor, recv: torch.Tensor,
              rows: ExpertRows) -> torch.Tensor:
     """The per-expert loop over both parts (autograd through the weights), outputs in the received order followed by
-    a zero row."""
-    grouped = Permute.apply(recv, rows.order, rows.inverse)
+    ``rows.pad_rows`` zero rows."""
+    grouped = rows.to_experts(recv)
     flats = list(own_weights.unbind(0)) + list(replica_weights.unbind(0))
     outs = [kernel(flat, x) for flat, x in zip(flats, grouped.split(list(rows.sizes)))]
     out = torch.cat(outs) if outs else grouped
-    return Permute.apply(out, rows.inverse, rows.order, 1)
+    return rows.to_received(out)
 
 
 class Materialize(torch.autograd.Function):
@@ -210,7 +235,7 @@ class RematerializedExperts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, recv, anchor, binding, plan, gathered: GatheredExperts, rows: ExpertRows):
-        ctx.binding, ctx.plan = binding, plan
+        ctx.binding, ctx.plan, ctx.layout = binding, plan, (rows.pad_rows, rows.in_order)
         ctx.save_for_backward(recv)
         kernel = binding.shard.kernel
         with torch.no_grad():
@@ -224,7 +249,9 @@ class RematerializedExperts(torch.autograd.Function):
         (recv,) = ctx.saved_tensors
         with binding.timed("regather"):
             gathered = binding.gather(plan.placement, async_op=False).wait()
-        rows = ExpertRows.of(plan.for_rank(binding.runtime.rank), gathered.experts, gathered.owned, recv.device)
+        pad_rows, in_order = ctx.layout
+        rows = ExpertRows.of(plan.for_rank(binding.runtime.rank), gathered.experts, gathered.owned, recv.device,
+                             pad_rows, in_order)
         kernel, experts = binding.shard.kernel, gathered.experts
         x = recv.detach().requires_grad_(True)
         with torch.enable_grad():

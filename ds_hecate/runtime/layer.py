@@ -281,10 +281,10 @@ class LayerBinding:
         plan, gathered = self._plan_and_gather(counts, recompute)
         with self.timed("dispatch"):
             routes = Routes.of(flat, int(counts[rt.rank].sum()), x.shape[0], self.top_k, shard.num_experts,
-                               plan.for_rank(rt.rank))
+                               plan.for_rank(rt.rank), rt.comm.alone)
             recv = boundary(self.dispatcher.dispatch(x, routes), self, "compute_bwd", "dispatch_bwd")
         with self.timed("compute"):
-            y_recv = self._compute(recv, plan, gathered)
+            y_recv = self._compute(recv, plan, gathered, routes.pad_rows)
             # the gathers' last reference in this call: with re-materialization the replicas are freed here,
             # before the next layer's prefetch allocates its own (only one layer's replicas are in the budget)
             del gathered
@@ -321,11 +321,13 @@ class LayerBinding:
                 gathered = self.gather_extras(extra, gathered)
         return plan, gathered
 
-    def _compute(self, recv: torch.Tensor, plan: DispatchPlan, gathered: GatheredExperts) -> torch.Tensor:
-        """The experts on the received rows (:mod:`.expert_compute`): outputs in the received order, then a zero
-        row."""
+    def _compute(self, recv: torch.Tensor, plan: DispatchPlan, gathered: GatheredExperts,
+                 pad_rows: int) -> torch.Tensor:
+        """The experts on the received rows (:mod:`.expert_compute`): outputs in the received order, then
+        ``pad_rows`` zero rows."""
         rt, kernel = self.runtime, self.shard.kernel
-        rows = ExpertRows.of(plan.for_rank(rt.rank), gathered.experts, gathered.owned, recv.device)
+        rows = ExpertRows.of(plan.for_rank(rt.rank), gathered.experts, gathered.owned, recv.device, pad_rows,
+                             rt.comm.alone)
         if self.rematerializes:
             return RematerializedExperts.apply(recv, rt.autograd_anchor, self, plan, gathered, rows)
         if takes_grouped(kernel, gathered, recv):

@@ -1,0 +1,108 @@
+"""DeepSpeed's top-k gate (``TopKGate`` with ``k >= 3``, sparse routes) computed without the work Hecate discards.
+
+``deepspeed.moe.sharded_moe.topkgating`` builds, besides the routes, each route's slot in a capacity buffer (a
+cumulative sum over the tokens of a dense ``[S, E]`` int64 mask, gathered and cast per route) and normalizes the
+gates as a dense ``[S, E]`` division whose routes it then gathers; autograd runs that dense graph backward. Hecate
+reads the routes, their weights, ``l_aux`` and the per-expert counts, never the slots, so :func:`sparse_topk_gate`
+computes those and nothing else, **bit for bit** as DeepSpeed does, forward and backward:
+
+- routes: ``softmax`` then ``topk`` of the same fp32 logits, the mask and (with ``drop_tokens``) DeepSpeed's
+  capacity selection, the same ops in the same order;
+- weights: ``top_gate / clamp(sum(gates * mask))``: DeepSpeed's ``(gates * mask / denom).gather(top_idx)`` is
+  ``gates * 1.0 / denom`` at the routes, the same rounding; the denominator is DeepSpeed's dense row sum (its
+  reduction order is the kernel's over the ``E`` columns, so it is not replaced by a sum over ``k``);
+- backward (:class:`_NormalizedRoutes`): DeepSpeed's gradient of the gates, ``((D / denom) + d_denom) * mask``
+  with ``D`` the routes' gradients scattered into ``[S, E]`` (what gather's backward does) and ``d_denom`` the row
+  sum of ``-D * (w / denom)``, formed with the same dense ops where the order of a sum depends on them; the
+  route-only terms are computed per route, not over ``[S, E]``;
+- ``l_aux`` and the counts: DeepSpeed's expressions (autograd adds their gradient to the gates' as it does there).
+
+The tests hold it to DeepSpeed's function on random logits (forward and the input and router gradients, fp32 and
+bf16 inputs, with and without token dropping). Configurations it does not cover (``k <= 2``, whose gates sample and
+mask differently; an expert-parallel group, whose gate all-reduces the capacity; DeepSpeed's wall-clock timers)
+run DeepSpeed's own gate: :func:`gate_routes` chooses.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+#: (l_aux, route expert ids ``[k, S]`` int32 (-1 dropped), route weights ``[k, S]``, tokens per expert ``[E]``)
+GateRoutes = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+class _NormalizedRoutes(torch.autograd.Function):
+    """``top_gate / denom`` per route, ``[S, k]``, with DeepSpeed's gradient of ``gates`` (see the module
+    docstring). ``denom`` is ``clamp(sum(gates * mask, -1), eps)``; ``gates_sum`` is the sum before the clamp."""
+
+    @staticmethod
+    def forward(ctx, gates: torch.Tensor, top_idx: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        gates_sum = torch.sum(gates * mask, dim=-1, keepdim=True)
+        denom = torch.clamp(gates_sum, min=torch.finfo(gates.dtype).eps)
+        routes = gates.gather(1, top_idx) / denom
+        ctx.save_for_backward(top_idx, mask, gates_sum, denom, routes)
+        return routes
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        top_idx, mask, gates_sum, denom, routes = ctx.saved_tensors
+        shape = mask.shape
+        # gather's backward: the routes' gradients in a dense [S, E] (scatter_add into zeros, as autograd does)
+        dense = grad.new_zeros(shape).scatter_add_(1, top_idx, grad)
+        # division's gradient for the denominator: -grad * ((gates_masked / denom) / denom), summed over the row;
+        # non-zero only at the routes, where gates_masked / denom is the route's weight
+        terms = grad.new_zeros(shape).scatter_add_(1, top_idx, -grad * (routes / denom))
+        d_denom = torch.where(gates_sum >= torch.finfo(denom.dtype).eps, terms.sum(dim=1, keepdim=True),
+                              torch.zeros((), dtype=grad.dtype, device=grad.device))
+        # the gradient of gates_masked (division's, plus the row sum's), then the mask's product
+        return dense.div_(denom).add_(d_denom).mul_(mask), None, None
+
+
+def supports(gate: nn.Module) -> bool:
+    """Whether :func:`sparse_topk_gate` computes ``gate``'s routes (otherwise DeepSpeed's gate runs)."""
+    return (getattr(gate, "k", 0) >= 3 and getattr(gate, "ep_group", None) is None
+            and not getattr(gate, "wall_clock_breakdown", False))
+
+
+def sparse_topk_gate(gate: nn.Module, x: torch.Tensor, used_token: Optional[torch.Tensor] = None) -> GateRoutes:
+    """``gate`` (a ``TopKGate`` that :func:`supports`) on the tokens ``x`` ``[S, H]``: what its forward returns with
+    ``sparse_routes=True``, less the capacity and the slots."""
+    from deepspeed.moe.sharded_moe import _capacity, multiplicative_jitter
+    x_fp32 = x.float()
+    if gate.noisy_gate_policy == "Jitter" and gate.training:
+        x_fp32 = multiplicative_jitter(x_fp32, device=x.device)
+    logits = F.linear(x_fp32, weight=gate.wg.weight.float(), bias=None)
+    k = gate.k
+    gates = F.softmax(logits, dim=1)
+    num_experts = int(gates.shape[1])
+    top_gate, top_idx = torch.topk(gates, k=k, dim=1)
+    mask = torch.zeros_like(gates, dtype=torch.bool).scatter_(1, top_idx, 1)
+    exp_counts = torch.sum(mask, dim=0).detach().to(logits.device)
+    me = torch.mean(gates, dim=0)
+    ce = torch.mean(mask.float(), dim=0)
+    l_aux = torch.mean(me * ce) * num_experts * num_experts / k
+    if gate.drop_tokens:
+        capacity_factor = gate.capacity_factor if gate.training else gate.eval_capacity_factor
+        capacity = _capacity(gates, torch.tensor(capacity_factor * k), torch.tensor(gate.min_capacity))
+        topk_masked_gates = torch.zeros_like(gates).scatter(1, top_idx, top_gate)
+        selection_capacity = min(capacity, torch.tensor(gates.size(0)).to(capacity.device))
+        _, capacity_indices = torch.topk(topk_masked_gates, k=selection_capacity, dim=0, sorted=False)
+        mask &= torch.zeros_like(gates, dtype=torch.bool).scatter_(0, capacity_indices, True)
+    weights = _NormalizedRoutes.apply(gates, top_idx, mask)
+    if gate.drop_tokens:
+        kept = mask.gather(1, top_idx)
+        top_idx = torch.where(kept, top_idx, torch.full_like(top_idx, -1))
+        weights = weights * kept   # DeepSpeed gathers the masked (zero) weight of a dropped route
+    return l_aux, top_idx.t().contiguous().to(torch.int32), weights.t().contiguous(), exp_counts
+
+
+def gate_routes(gate: nn.Module, x: torch.Tensor, used_token: Optional[torch.Tensor] = None) -> GateRoutes:
+    """The routes of DeepSpeed's ``gate`` for ``x``: :func:`sparse_topk_gate` where it applies, else the gate's own
+    forward with sparse routes."""
+    if supports(gate):
+        return sparse_topk_gate(gate, x, used_token)
+    l_aux, _capacity, _num_experts, indices, _locations, weights, exp_counts = gate(x, used_token, True, False)
+    return l_aux, indices, weights, exp_counts

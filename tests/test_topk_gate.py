@@ -1,0 +1,86 @@
+"""``ds_hecate.ops.topk_gate`` against DeepSpeed's ``TopKGate``: the same routes, weights, ``l_aux`` and counts, and
+the same gradients of the tokens and the router weight, bit for bit (it replaces DeepSpeed's gate on Hecate's
+layers, whose promise is DeepSpeed's training)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from deepspeed.moe.sharded_moe import TopKGate
+
+from ds_hecate.ops.topk_gate import gate_routes, sparse_topk_gate, supports
+
+CASES = [  # tokens, hidden, experts, k, drop_tokens, capacity factor, input dtype
+    (64, 16, 8, 3, False, 1.0, torch.float32),
+    (512, 32, 128, 8, False, 1.0, torch.float32),
+    (300, 24, 64, 6, False, 1.0, torch.bfloat16),
+    (256, 16, 16, 4, True, 1.0, torch.float32),     # capacity drops routes
+    (256, 16, 16, 4, True, 0.25, torch.bfloat16),
+    (1, 8, 8, 3, False, 1.0, torch.float32),
+]
+
+
+def _gate(hidden, experts, k, drop, factor, seed):
+    torch.manual_seed(seed)
+    gate = TopKGate(hidden, experts, k, capacity_factor=factor, eval_capacity_factor=factor, min_capacity=2,
+                    drop_tokens=drop)
+    return gate
+
+
+def _run(fn, gate, x, grads):
+    """(outputs, input gradient, router gradient) of one gate call with a loss on every output that has one."""
+    gate.wg.weight.grad = None
+    x = x.detach().clone().requires_grad_(True)
+    l_aux, indices, weights, counts = fn(gate, x)
+    (weights.float() * grads).sum().add(l_aux * 0.37).backward()
+    return (l_aux.detach(), indices, weights.detach(), counts), x.grad, gate.wg.weight.grad.clone()
+
+
+def _deepspeed(gate, x):
+    l_aux, _c, _n, indices, _loc, weights, counts = gate(x, None, True, False)
+    return l_aux, indices, weights, counts
+
+
+@pytest.mark.parametrize("tokens,hidden,experts,k,drop,factor,dtype", CASES)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_same_routes_and_gradients_as_deepspeed_bit_for_bit(tokens, hidden, experts, k, drop, factor, dtype, seed):
+    gate = _gate(hidden, experts, k, drop, factor, seed)
+    assert supports(gate)
+    x = torch.randn(tokens, hidden).to(dtype)
+    grads = torch.randn(k, tokens)
+    if seed == 2:   # some routes without gradient, a whole token's included
+        grads[:, : tokens // 2] = 0.0
+    ours, ours_dx, ours_dw = _run(lambda g, t: sparse_topk_gate(g, t), gate, x, grads)
+    ref, ref_dx, ref_dw = _run(_deepspeed, gate, x, grads)
+    for name, a, b in zip(("l_aux", "indices", "weights", "counts"), ours, ref):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        assert torch.equal(a, b), name
+    if drop:
+        assert (ref[1] < 0).any(), "the case was meant to drop routes"
+    assert torch.equal(ours_dx, ref_dx)
+    assert torch.equal(ours_dw, ref_dw)
+
+
+def test_jitter_draws_the_same_noise():
+    gate = _gate(16, 16, 4, False, 1.0, 3)
+    gate.noisy_gate_policy = "Jitter"
+    x, grads = torch.randn(128, 16), torch.randn(4, 128)
+    torch.manual_seed(7)
+    ours = _run(lambda g, t: sparse_topk_gate(g, t), gate, x, grads)
+    torch.manual_seed(7)
+    ref = _run(_deepspeed, gate, x, grads)
+    assert all(torch.equal(a, b) for a, b in zip(ours[0], ref[0]))
+    assert torch.equal(ours[1], ref[1]) and torch.equal(ours[2], ref[2])
+
+
+def test_gates_it_does_not_cover_run_deepspeeds_own():
+    top2 = _gate(16, 8, 2, False, 1.0, 0)
+    assert not supports(top2)
+    timed = _gate(16, 8, 4, False, 1.0, 0)
+    timed.wall_clock_breakdown = True
+    assert not supports(timed)
+    x = torch.randn(32, 16)
+    torch.manual_seed(5)
+    ours = gate_routes(top2, x)
+    torch.manual_seed(5)
+    ref = _deepspeed(top2, x)
+    assert all(torch.equal(a, b) for a, b in zip(ours, ref))
