@@ -51,7 +51,8 @@ class WeightedUnpermute(torch.autograd.Function):
         rows = y.index_select(0, pos.reshape(-1)).view(k, num_tokens, y.shape[1])
         ctx.save_for_backward(rows, weights, pos)   # the gathered rows, for the weights' gradient
         if arithmetic == "deepspeed":   # rounded fp32 products, then the sum (no fused multiply-add): DeepSpeed's
-            terms = rows.float() * weights.float().unsqueeze(-1)
+            # (a half-precision ``rows`` is promoted inside the product: the values of ``rows.float()``, no copy)
+            terms = rows * weights.float().unsqueeze(-1)
         else:
             terms = (rows * weights.to(y.dtype).unsqueeze(-1)).float()
         first, *rest = terms.unbind(0)
@@ -75,7 +76,7 @@ class WeightedUnpermute(torch.autograd.Function):
         else:
             grad_y.index_copy_(0, pos.reshape(-1), per_slot)
             grad_y[-1].zero_()
-        grad_w = ((g * rows) if hf else (g * rows.float())).sum(-1).to(weights.dtype)
+        grad_w = (g * rows).sum(-1).to(weights.dtype)   # "deepspeed": g is fp32, rows promoted in the product
         return grad_y, grad_w, None, None, None, None
 
 
