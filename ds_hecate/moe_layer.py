@@ -1,7 +1,7 @@
 """``ds_hecate.MoE``: a drop-in for ``deepspeed.moe.layer.MoE`` whose experts Hecate can take over.
 
 Same constructor arguments and the same return value ``(output, l_aux, exp_counts)``; the gate *is* DeepSpeed's
-``TopKGate``, so routing (including its random sampling) is bit-for-bit DeepSpeed's (for ``k >= 3`` its forward is
+``TopKGate``, so routing (including its random sampling) is bit-for-bit DeepSpeed's (for ``k >= 2`` its forward is
 computed by :mod:`ds_hecate.ops.topk_gate`, the same values and gradients without the capacity slots Hecate does not
 read). Before Hecate takes it over
 (or without Hecate) the layer runs its experts locally, which is exactly data-parallel MoE. After

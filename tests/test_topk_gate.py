@@ -16,6 +16,10 @@ CASES = [  # tokens, hidden, experts, k, drop_tokens, capacity factor, input dty
     (256, 16, 16, 4, True, 1.0, torch.float32),     # capacity drops routes
     (256, 16, 16, 4, True, 0.25, torch.bfloat16),
     (1, 8, 8, 3, False, 1.0, torch.float32),
+    (512, 32, 16, 2, False, 1.0, torch.float32),    # top-2: DeepSpeed's top2gating, second expert sampled
+    (300, 24, 64, 2, False, 1.0, torch.bfloat16),
+    (256, 16, 8, 2, True, 1.0, torch.float32),      # top-2 with capacity drops
+    (256, 16, 8, 2, True, 0.25, torch.bfloat16),
 ]
 
 
@@ -49,7 +53,9 @@ def test_same_routes_and_gradients_as_deepspeed_bit_for_bit(tokens, hidden, expe
     grads = torch.randn(k, tokens)
     if seed == 2:   # some routes without gradient, a whole token's included
         grads[:, : tokens // 2] = 0.0
-    ours, ours_dx, ours_dw = _run(lambda g, t: sparse_topk_gate(g, t), gate, x, grads)
+    torch.manual_seed(100 + seed)   # top-2 samples its second expert: the same draws for both
+    ours, ours_dx, ours_dw = _run(lambda g, t: gate_routes(g, t), gate, x, grads)
+    torch.manual_seed(100 + seed)
     ref, ref_dx, ref_dw = _run(_deepspeed, gate, x, grads)
     for name, a, b in zip(("l_aux", "indices", "weights", "counts"), ours, ref):
         assert a.dtype == b.dtype and a.shape == b.shape, name
@@ -72,15 +78,26 @@ def test_jitter_draws_the_same_noise():
     assert torch.equal(ours[1], ref[1]) and torch.equal(ours[2], ref[2])
 
 
+def test_top2_without_sampling_and_the_second_route_differs_from_the_first():
+    gate = _gate(16, 8, 2, False, 1.0, 4)
+    gate.top2_2nd_expert_sampling = False
+    x, grads = torch.randn(200, 16), torch.randn(2, 200)
+    ours = _run(lambda g, t: gate_routes(g, t), gate, x, grads)
+    ref = _run(_deepspeed, gate, x, grads)
+    assert all(torch.equal(a, b) for a, b in zip(ours[0], ref[0]))
+    assert torch.equal(ours[1], ref[1]) and torch.equal(ours[2], ref[2])
+    assert (ours[0][1][0] != ours[0][1][1]).all()
+
+
 def test_gates_it_does_not_cover_run_deepspeeds_own():
-    top2 = _gate(16, 8, 2, False, 1.0, 0)
-    assert not supports(top2)
+    top1 = _gate(16, 8, 1, False, 1.0, 0)
+    assert not supports(top1)
     timed = _gate(16, 8, 4, False, 1.0, 0)
     timed.wall_clock_breakdown = True
     assert not supports(timed)
     x = torch.randn(32, 16)
     torch.manual_seed(5)
-    ours = gate_routes(top2, x)
+    ours = gate_routes(top1, x)
     torch.manual_seed(5)
-    ref = _deepspeed(top2, x)
+    ref = _deepspeed(top1, x)
     assert all(torch.equal(a, b) for a, b in zip(ours, ref))

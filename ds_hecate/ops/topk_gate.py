@@ -1,4 +1,4 @@
-"""DeepSpeed's top-k gate (``TopKGate`` with ``k >= 3``, sparse routes) computed without the work Hecate discards.
+"""DeepSpeed's top-k gate (``TopKGate`` with ``k >= 2``, sparse routes) computed without the work Hecate discards.
 
 ``deepspeed.moe.sharded_moe.topkgating`` builds, besides the routes, each route's slot in a capacity buffer (a
 cumulative sum over the tokens of a dense ``[S, E]`` int64 mask, gathered and cast per route) and normalizes the
@@ -17,10 +17,13 @@ computes those and nothing else, **bit for bit** as DeepSpeed does, forward and 
   route-only terms are computed per route, not over ``[S, E]``;
 - ``l_aux`` and the counts: DeepSpeed's expressions (autograd adds their gradient to the gates' as it does there).
 
-The tests hold it to DeepSpeed's function on random logits (forward and the input and router gradients, fp32 and
-bf16 inputs, with and without token dropping). Configurations it does not cover (``k <= 2``, whose gates sample and
-mask differently; an expert-parallel group, whose gate all-reduces the capacity; DeepSpeed's wall-clock timers)
-run DeepSpeed's own gate: :func:`gate_routes` chooses.
+``k == 2`` is DeepSpeed's ``top2gating`` (:func:`sparse_top2_gate`): the first expert by ``argmax``, the second by
+the same Gumbel draw, the two routes' weights gathered where DeepSpeed takes one-hot dot products, no cumulative sums
+over the tokens unless capacity drops routes. The tests hold both to DeepSpeed's functions on random logits (forward
+and the input and router gradients, fp32 and bf16 inputs, with and without token dropping, the same random draws).
+Configurations they do not cover (``k == 1``, whose gate has its own noise and capacity rules; an expert-parallel
+group, whose gate all-reduces the capacity; DeepSpeed's wall-clock timers) run DeepSpeed's own gate:
+:func:`gate_routes` chooses.
 """
 from __future__ import annotations
 
@@ -62,19 +65,61 @@ class _NormalizedRoutes(torch.autograd.Function):
 
 
 def supports(gate: nn.Module) -> bool:
-    """Whether :func:`sparse_topk_gate` computes ``gate``'s routes (otherwise DeepSpeed's gate runs)."""
-    return (getattr(gate, "k", 0) >= 3 and getattr(gate, "ep_group", None) is None
+    """Whether :func:`sparse_topk_gate` (``k >= 3``) or :func:`sparse_top2_gate` (``k == 2``) computes ``gate``'s
+    routes (otherwise DeepSpeed's gate runs)."""
+    return (getattr(gate, "k", 0) >= 2 and getattr(gate, "ep_group", None) is None
             and not getattr(gate, "wall_clock_breakdown", False))
+
+
+def _logits(gate: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``TopKGate.forward``'s fp32 logits (with its input jitter when asked)."""
+    from deepspeed.moe.sharded_moe import multiplicative_jitter
+    x_fp32 = x.float()
+    if gate.noisy_gate_policy == "Jitter" and gate.training:
+        x_fp32 = multiplicative_jitter(x_fp32, device=x.device)
+    return F.linear(x_fp32, weight=gate.wg.weight.float(), bias=None)
+
+
+def sparse_top2_gate(gate: nn.Module, x: torch.Tensor) -> GateRoutes:
+    """``top2gating`` with sparse routes for a ``TopKGate`` with ``k == 2``, bit for bit (module docstring): the
+    second expert by the same Gumbel draw, the two routes' weights as gathers of the gates where DeepSpeed takes
+    one-hot dot products (``einsum("se,se->s")``: one non-zero term, the same value; backward, the route's gradient
+    at its expert), the same division and clamp, no capacity slots."""
+    from deepspeed.moe.sharded_moe import _capacity, gumbel_rsample
+    logits = _logits(gate, x)
+    gates = F.softmax(logits, dim=1)
+    num_experts = int(gates.shape[1])
+    first = torch.argmax(gates, dim=1)
+    mask1 = F.one_hot(first, num_classes=num_experts)
+    if gate.top2_2nd_expert_sampling:
+        logits = logits + gumbel_rsample(logits.shape, device=logits.device)
+    second = torch.argmax(logits.masked_fill(mask1.bool(), float("-inf")), dim=1)
+    me = torch.mean(gates, dim=0)
+    ce = torch.mean(mask1.float(), dim=0)
+    l_aux = torch.mean(me * ce) * num_experts * num_experts
+    exp_counts = mask1.sum(dim=0).scatter_add_(0, second, torch.ones_like(second)).detach()
+    routes = torch.stack([first, second])                                 # [2, S]
+    weights = gates.gather(1, routes.t()).t()                             # [2, S]
+    if gate.drop_tokens:   # DeepSpeed's capacity: the first routes fill each expert's slots, then the second
+        mask2 = F.one_hot(second, num_classes=num_experts)
+        factor = gate.capacity_factor if gate.training else gate.eval_capacity_factor
+        capacity = _capacity(gates, torch.tensor(factor * 2), torch.tensor(gate.min_capacity))
+        locations1 = torch.cumsum(mask1, dim=0) - 1
+        locations2 = torch.cumsum(mask2, dim=0) - 1 + torch.sum(mask1, dim=0, keepdim=True)
+        kept = torch.stack([(torch.lt(locations1, capacity) * mask1).any(dim=1),
+                            (torch.lt(locations2, capacity) * mask2).any(dim=1)])
+        weights = weights * kept
+        routes = torch.where(kept, routes, torch.full_like(routes, -1))
+    first_w, second_w = weights.unbind(0)
+    denom = torch.clamp(first_w + second_w, min=torch.finfo(weights.dtype).eps)
+    return l_aux, routes.to(torch.int32), torch.stack([first_w / denom, second_w / denom]), exp_counts
 
 
 def sparse_topk_gate(gate: nn.Module, x: torch.Tensor, used_token: Optional[torch.Tensor] = None) -> GateRoutes:
     """``gate`` (a ``TopKGate`` that :func:`supports`) on the tokens ``x`` ``[S, H]``: what its forward returns with
     ``sparse_routes=True``, less the capacity and the slots."""
-    from deepspeed.moe.sharded_moe import _capacity, multiplicative_jitter
-    x_fp32 = x.float()
-    if gate.noisy_gate_policy == "Jitter" and gate.training:
-        x_fp32 = multiplicative_jitter(x_fp32, device=x.device)
-    logits = F.linear(x_fp32, weight=gate.wg.weight.float(), bias=None)
+    from deepspeed.moe.sharded_moe import _capacity
+    logits = _logits(gate, x)
     k = gate.k
     gates = F.softmax(logits, dim=1)
     num_experts = int(gates.shape[1])
@@ -103,6 +148,6 @@ def gate_routes(gate: nn.Module, x: torch.Tensor, used_token: Optional[torch.Ten
     """The routes of DeepSpeed's ``gate`` for ``x``: :func:`sparse_topk_gate` where it applies, else the gate's own
     forward with sparse routes."""
     if supports(gate):
-        return sparse_topk_gate(gate, x, used_token)
+        return sparse_top2_gate(gate, x) if gate.k == 2 else sparse_topk_gate(gate, x, used_token)
     l_aux, _capacity, _num_experts, indices, _locations, weights, exp_counts = gate(x, used_token, True, False)
     return l_aux, indices, weights, exp_counts
