@@ -40,16 +40,16 @@ from .shard_store import ShardAccumulator
 class ExpertRows:
     """How the received token rows (source-major, then expert) meet a call's experts: ``order`` takes them
     expert-major in the gathered experts' order (own experts first), ``inverse`` puts expert-major rows back in the
-    received order (both permutations, built from the plan's host tables: gathers both ways, never a scatter);
-    ``own`` and ``replicas`` cut the expert-major rows into one group per expert of each part (0 rows for an
-    expert this call routes nothing to); the first ``own_rows`` rows are the own experts'. ``pad_rows`` zero rows
-    follow the outputs (:attr:`~ds_hecate.runtime.dispatcher.Routes.pad_rows`). ``in_order``: the received rows are
-    expert-major already and the rank is alone in its group (one-rank shortcuts on: its rows come from itself), so
-    both permutations are skipped (on N ranks they run even when they happen to be the identity, so a 1-rank
-    measurement without the shortcuts times the N-rank path)."""
+    received order (both permutations, built from the plan's host tables: gathers both ways, never a scatter; None
+    when no permutation runs); ``own`` and ``replicas`` cut the expert-major rows into one group per expert of each
+    part (0 rows for an expert this call routes nothing to); the first ``own_rows`` rows are the own experts'.
+    ``pad_rows`` zero rows follow the outputs (:attr:`~ds_hecate.runtime.dispatcher.Routes.pad_rows`). ``in_order``:
+    the received rows are expert-major already and the rank is alone in its group (one-rank shortcuts on: its rows
+    come from itself), so both permutations are skipped (on N ranks they run even when they happen to be the
+    identity, so a 1-rank measurement without the shortcuts times the N-rank path)."""
 
-    order: torch.Tensor
-    inverse: torch.Tensor
+    order: Optional[torch.Tensor]
+    inverse: Optional[torch.Tensor]
     own: RowGroups
     replicas: RowGroups
     pad_rows: int = 1
@@ -81,8 +81,9 @@ class ExpertRows:
         received = np.argsort(held_starts, kind="stable")
         nonempty = held_lengths > 0
         in_order = alone and bool(np.array_equal(held_starts[nonempty], positions[nonempty]))
-        return ExpertRows(segment_order(held_starts, held_lengths, device),
-                          segment_order(positions[received], held_lengths[received], device),
+        permutes = not in_order or pad_rows > 0   # (the zero row is appended by the permutation back)
+        return ExpertRows(segment_order(held_starts, held_lengths, device) if permutes else None,
+                          segment_order(positions[received], held_lengths[received], device) if permutes else None,
                           RowGroups.build(sizes[:owned], device, to_device),
                           RowGroups.build(sizes[owned:], device, to_device), pad_rows, in_order)
 
