@@ -95,7 +95,15 @@ def test_gates_it_does_not_cover_run_deepspeeds_own():
     timed = _gate(16, 8, 4, False, 1.0, 0)
     timed.wall_clock_breakdown = True
     assert not supports(timed)
+    class Biased(TopKGate):   # a gate of the user's own: its forward, not DeepSpeed's, is the routing
+        def forward(self, input, used_token=None, sparse_routes=False, use_tutel=False):
+            return super().forward(input * 2.0, used_token, sparse_routes, use_tutel)
+
+    biased = Biased(16, 8, 4, drop_tokens=False)
+    assert not supports(biased)
     x = torch.randn(32, 16)
+    assert torch.equal(gate_routes(biased, x)[2], _deepspeed(biased, x)[2])
+    assert not torch.equal(gate_routes(biased, x)[2], sparse_topk_gate(biased, x)[2])   # the override matters
     torch.manual_seed(5)
     ours = gate_routes(top1, x)
     torch.manual_seed(5)

@@ -66,9 +66,11 @@ class _NormalizedRoutes(torch.autograd.Function):
 
 def supports(gate: nn.Module) -> bool:
     """Whether :func:`sparse_topk_gate` (``k >= 3``) or :func:`sparse_top2_gate` (``k == 2``) computes ``gate``'s
-    routes (otherwise DeepSpeed's gate runs)."""
-    return (getattr(gate, "k", 0) >= 2 and getattr(gate, "ep_group", None) is None
-            and not getattr(gate, "wall_clock_breakdown", False))
+    routes (otherwise the gate's own forward runs): a DeepSpeed ``TopKGate`` whose forward is DeepSpeed's (a
+    subclass that overrides it, a biased or a forced-routing gate say, keeps its own)."""
+    from deepspeed.moe.sharded_moe import TopKGate
+    return (isinstance(gate, TopKGate) and type(gate).forward is TopKGate.forward and gate.k >= 2
+            and gate.ep_group is None and not gate.wall_clock_breakdown)
 
 
 def _logits(gate: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -1,11 +1,13 @@
 """The planted faults of ``run.py``: each :class:`Mutation` (one known bug as exact text replacements in one source
 file) and :data:`TESTS_FOR`, the tests expected to kill it, cheapest first. The data apart from the mechanics, so
-adding a mutation touches the catalogs only: this file, and ``catalog_resident.py`` (the resident compute-dtype
-expert copies and the persistent gradient accumulator of issue 41), whose entries are appended here."""
+adding a mutation touches the catalogs only: this file, ``catalog_resident.py`` (the resident compute-dtype
+expert copies and the persistent gradient accumulator of issue 41) and ``catalog_layer_call.py`` (the layer call's
+lean gate and row layout, issue 41), whose entries are appended here."""
 from __future__ import annotations
 
 from typing import Dict, List
 
+from catalog_layer_call import LAYER_CALL_MUTATIONS, LAYER_CALL_TESTS_FOR
 from catalog_resident import RESIDENT_MUTATIONS, RESIDENT_TESTS_FOR
 from mutation import SHORT_WATCHDOG, Mutation
 
@@ -562,5 +564,6 @@ TESTS_FOR: Dict[str, List[str]] = {
     "tp-rank-runs-the-whole-slice": ["tests/test_model_parallel.py"],
     "tp-share-gradient-not-gathered": ["tests/test_model_parallel.py"],
 }
-MUTATIONS += RESIDENT_MUTATIONS
+MUTATIONS += RESIDENT_MUTATIONS + LAYER_CALL_MUTATIONS
 TESTS_FOR.update(RESIDENT_TESTS_FOR)
+TESTS_FOR.update(LAYER_CALL_TESTS_FOR)

@@ -1,0 +1,47 @@
+"""Mutations of the layer call's lean paths (issue 41): DeepSpeed's gate computed without its capacity slots
+(``ds_hecate/ops/topk_gate.py``), the zero row after the expert outputs only when a slot is dropped, and the
+permutations a rank alone skips. Appended to ``catalog.py``'s MUTATIONS and TESTS_FOR."""
+from __future__ import annotations
+
+from typing import Dict, List
+
+from mutation import Mutation
+
+LAYER_CALL_MUTATIONS: List[Mutation] = [
+    Mutation(
+        "gate-denominator-summed-over-k", "ds_hecate/ops/topk_gate.py",
+        (("        gates_sum = torch.sum(gates * mask, dim=-1, keepdim=True)\n",
+          "        gates_sum = gates.gather(1, top_idx).sum(-1, keepdim=True)  # MUTATION: k terms, not the row\n"),),
+        "the top-k gate's denominator summed over the k routes instead of DeepSpeed's dense row sum: the same "
+        "value up to its rounding, so the weights drift from DeepSpeed's by an ulp"),
+    Mutation(
+        "top2-second-expert-unsampled", "ds_hecate/ops/topk_gate.py",
+        (("    if gate.top2_2nd_expert_sampling:\n",
+          "    if False:  # MUTATION: the second expert without DeepSpeed's Gumbel draw\n"),),
+        "the top-2 gate picks its second expert without DeepSpeed's sampling: other routes, and the global random "
+        "stream one draw behind DeepSpeed's"),
+    Mutation(
+        "no-zero-row-with-dropped-slots", "ds_hecate/runtime/dispatcher.py",
+        (("        return int(self.routed < self.top_k * self.num_tokens)\n",
+          "        return 0  # MUTATION: no zero row, even when a dropped slot's position points at it\n"),),
+        "the expert outputs come back without the zero row though a slot was dropped: its position reads past the "
+        "rows (or, alone, the next layer's memory), the combine fails or adds a stranger's output"),
+    Mutation(
+        "identity-permutation-skipped-on-n-ranks", "ds_hecate/runtime/expert_compute.py",
+        (("        in_order = alone and bool(",
+          "        in_order = True and bool("),),
+        "a rank of N skips the permutations whenever its rows happen to arrive expert-major: the same outputs, but "
+        "the 1-rank measurement without the one-rank shortcuts no longer times the N-rank path"),
+]
+
+#: mutation -> pytest node ids expected to kill it, cheapest first (as catalog.TESTS_FOR)
+LAYER_CALL_TESTS_FOR: Dict[str, List[str]] = {
+    "gate-denominator-summed-over-k": ["tests/test_topk_gate.py"],
+    "top2-second-expert-unsampled": ["tests/test_topk_gate.py"],
+    "no-zero-row-with-dropped-slots": [
+        "tests/test_dispatcher.py::test_a_zero_row_follows_the_outputs_only_when_a_slot_is_dropped",
+        "tests/test_oracle.py::test_follows_deepspeed_step_by_step[2-drop-top2]"],
+    "identity-permutation-skipped-on-n-ranks": [
+        "tests/test_dispatcher.py::test_the_permutations_are_skipped_only_by_a_rank_alone_whose_rows_arrive_"
+        "expert_major"],
+}
