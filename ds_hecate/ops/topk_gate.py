@@ -13,8 +13,9 @@ computes those and nothing else, **bit for bit** as DeepSpeed does, forward and 
   reduction order is the kernel's over the ``E`` columns, so it is not replaced by a sum over ``k``);
 - backward (:class:`_NormalizedRoutes`): DeepSpeed's gradient of the gates, ``((D / denom) + d_denom) * mask``
   with ``D`` the routes' gradients scattered into ``[S, E]`` (what gather's backward does) and ``d_denom`` the row
-  sum of ``-D * (w / denom)``, formed with the same dense ops where the order of a sum depends on them; the
-  route-only terms are computed per route, not over ``[S, E]``;
+  sum of ``-D * (w / denom)``: that sum over the dense row as DeepSpeed's autograd takes it (its order decides the
+  rounding), the rest per route and placed into zeros (off the routes DeepSpeed's product is a zero too; only its
+  sign may differ, which no later sum sees);
 - ``l_aux`` and the counts: DeepSpeed's expressions (autograd adds their gradient to the gates' as it does there).
 
 ``k == 2`` is DeepSpeed's ``top2gating`` (:func:`sparse_top2_gate`): the first expert by ``argmax``, the second by
@@ -53,15 +54,18 @@ class _NormalizedRoutes(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         top_idx, mask, gates_sum, denom, routes = ctx.saved_tensors
         shape = mask.shape
-        # gather's backward: the routes' gradients in a dense [S, E] (scatter_add into zeros, as autograd does)
-        dense = grad.new_zeros(shape).scatter_add_(1, top_idx, grad)
         # division's gradient for the denominator: -grad * ((gates_masked / denom) / denom), summed over the row;
-        # non-zero only at the routes, where gates_masked / denom is the route's weight
+        # non-zero only at the routes, where gates_masked / denom is the route's weight. The row sum is the dense
+        # one DeepSpeed's autograd takes (its order over the E columns decides the rounding).
         terms = grad.new_zeros(shape).scatter_add_(1, top_idx, -grad * (routes / denom))
         d_denom = torch.where(gates_sum >= torch.finfo(denom.dtype).eps, terms.sum(dim=1, keepdim=True),
                               torch.zeros((), dtype=grad.dtype, device=grad.device))
-        # the gradient of gates_masked (division's, plus the row sum's), then the mask's product
-        return dense.div_(denom).add_(d_denom).mul_(mask), None, None
+        # gates_masked's gradient at the routes: the gathered gradient (gather's backward adds it to a zero: 0 + g)
+        # over denom, plus the row sum's, times the mask there; every other column is the mask's zero. Computed
+        # per route and placed, where DeepSpeed's autograd runs the same arithmetic over the whole [S, E].
+        kept = mask.gather(1, top_idx)
+        at_routes = (grad + 0.0).div_(denom).add_(d_denom).mul_(kept)
+        return grad.new_zeros(shape).scatter_(1, top_idx, at_routes), None, None
 
 
 def supports(gate: nn.Module) -> bool:
