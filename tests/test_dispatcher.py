@@ -89,3 +89,17 @@ def test_a_zero_row_follows_the_outputs_only_when_a_slot_is_dropped():
     full = Routes(torch.arange(12), [12], [12], routed=12, num_tokens=4, top_k=3)
     dropped = Routes(torch.arange(11), [11], [11], routed=11, num_tokens=4, top_k=3)
     assert (full.pad_rows, dropped.pad_rows) == (0, 1)
+
+
+def test_the_count_row_flags_every_non_finite_gate_and_counts_every_route():
+    from ds_hecate.runtime.dispatcher import slot_histogram
+    flat = torch.tensor([0, 2, 2, -1, 5, 3])   # expert 2 twice, a dropped slot, an id out of range (E = 4)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        gates = torch.rand(6).to(dtype)
+        assert slot_histogram(flat, gates, 4).tolist() == [1, 0, 2, 1, 0, 1]
+        for bad in (float("inf"), float("-inf"), float("nan")):
+            spoiled = gates.clone()
+            spoiled[3] = bad
+            assert slot_histogram(flat, spoiled, 4).tolist() == [1, 0, 2, 1, 1, 1], (dtype, bad)
+        huge = torch.full((6,), torch.finfo(dtype).max, dtype=dtype)   # finite, though their sum overflows
+        assert slot_histogram(flat, huge, 4)[4] == 0

@@ -31,7 +31,9 @@ def slot_histogram(flat: torch.Tensor, gates: torch.Tensor, num_experts: int) ->
     bins = flat.clamp(min=-1, max=num_experts) + 1
     hist = torch.zeros(num_experts + 2, dtype=torch.int64, device=flat.device).scatter_add_(
         0, bins, torch.ones_like(bins))
-    nonfinite = (~torch.isfinite(gates)).any().to(torch.int64).reshape(1)
+    # x - x is +0 for every finite x and NaN for inf or NaN, so the sum is non-zero exactly when a value is not
+    # finite (three ops; isfinite().all() decomposes into more)
+    nonfinite = (gates - gates).sum().ne(0).to(torch.int64).reshape(1)
     return torch.cat([hist[1:num_experts + 1], nonfinite, hist[num_experts + 1:]])
 
 
@@ -91,7 +93,10 @@ class Routes:
         (dropped and out-of-range last, cut off at ``routed``, known on the host), then by destination (``alone``:
         a rank alone in its group with the one-rank shortcuts on has one destination, itself, so the expert-major
         order is the send order)."""
-        by_expert = torch.argsort(torch.where(flat >= 0, flat, num_experts), stable=True)[:routed]
+        if routed == flat.shape[0]:   # no slot dropped or out of range (the counts say so): every id sorts as is
+            by_expert = torch.argsort(flat, stable=True)
+        else:
+            by_expert = torch.argsort(torch.where(flat >= 0, flat, num_experts), stable=True)[:routed]
         if alone:
             return Routes(by_expert, list(dispatch.send_splits), list(dispatch.recv_splits), routed, num_tokens,
                           top_k)
