@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -37,6 +37,16 @@ GROUPED_MM_ENV = "DS_HECATE_GROUPED_MM"
 CPU_GROUPED_MIN_EXPERTS = 16
 
 
+def _plain_copy(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return host.to(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _no_offsets(device: torch.device) -> torch.Tensor:
+    """The group ends of a part without experts (never written: grouped GEMM reads them)."""
+    return torch.zeros(0, dtype=torch.int32, device=device)
+
+
 @dataclass(frozen=True)
 class RowGroups:
     """How the grouped token rows split over the buffer's experts: ``sizes`` on the host, ``offs`` (int32 group
@@ -45,25 +55,32 @@ class RowGroups:
 
     sizes: Tuple[int, ...]
     offs: torch.Tensor
-    lengths: torch.Tensor
+    copy: Callable[[torch.Tensor, torch.device], torch.Tensor] = field(default=_plain_copy, repr=False,
+                                                                       compare=False)
 
     @property
     def total(self) -> int:
         return sum(self.sizes)
 
+    @functools.cached_property
+    def lengths(self) -> torch.Tensor:
+        """The sizes as int64 on the rows' device, copied when first asked for (only biased experts need them)."""
+        return self.copy(torch.tensor(self.sizes, dtype=torch.int64), self.offs.device)
+
     @staticmethod
     def build(sizes: Sequence[int], device: torch.device,
-              to_device=lambda t, device: t.to(device)) -> "RowGroups":
+              to_device: Callable[[torch.Tensor, torch.device], torch.Tensor] = _plain_copy) -> "RowGroups":
         """``to_device`` copies a small host tensor to the device (the runtime passes its pinned, non-blocking
-        copy)."""
+        copy). No sizes (a part without experts): an empty table made once per device."""
+        if not len(sizes):
+            return RowGroups((), _no_offsets(device), to_device)
         host = np.asarray(sizes, dtype=np.int64)
-        lengths = to_device(torch.from_numpy(host.copy()), device)
         offs = to_device(torch.from_numpy(np.cumsum(host).astype(np.int32)), device)
-        return RowGroups(tuple(int(s) for s in host), offs, lengths)
+        return RowGroups(tuple(int(s) for s in host), offs, to_device)
 
     def group_of_row(self) -> torch.Tensor:
         """The expert (buffer row) of every token row, on the device (no host read: the total is known)."""
-        experts = torch.arange(len(self.sizes), device=self.lengths.device)
+        experts = torch.arange(len(self.sizes), device=self.offs.device)
         return torch.repeat_interleave(experts, self.lengths, output_size=self.total)
 
 

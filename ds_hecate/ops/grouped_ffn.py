@@ -78,6 +78,10 @@ class GradTarget(Protocol):
 
     def rows(self) -> torch.Tensor: ...
 
+    def columns_view(self, lo: int, hi: int, shape: Tuple[int, ...]) -> torch.Tensor:
+        """``rows()[:, lo:hi]`` as ``[experts, *shape]``."""
+        ...
+
     def is_fresh(self, name: str) -> bool: ...
 
     def written(self, names: Optional[Sequence[str]] = None) -> None: ...
@@ -97,6 +101,10 @@ class SendRows:
         if self.tensor is None:
             self.tensor = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         return self.tensor
+
+    def columns_view(self, lo: int, hi: int, shape: Tuple[int, ...]) -> torch.Tensor:
+        rows = self.rows()
+        return rows[:, lo:hi].view(rows.shape[0], *shape)
 
     def is_fresh(self, name: str) -> bool:
         return name in self.fresh
@@ -135,7 +143,7 @@ class GradPart:
         if experts == 0:
             return
         lo, hi = self.columns(name)
-        dest = self.target.rows()[:, lo:hi].view(experts, *shape)
+        dest = self.target.columns_view(lo, hi, tuple(shape))
         expert_weight_grads(grad, rows, groups.offs, list(groups.sizes), dest, not self._write(name))
         self._done(name)
 
@@ -199,13 +207,13 @@ class SinkProjection(torch.autograd.Function):
         return grad_rows, None, None, None, None, None, None
 
 
-def grouped_ffn(kernel: ExpertKernel, weights: torch.Tensor, rows: torch.Tensor, groups: RowGroups,
+def grouped_ffn(kernel: ExpertKernel, views: Dict[str, torch.Tensor], rows: torch.Tensor, groups: RowGroups,
                 part: GradPart) -> torch.Tensor:
-    """The FFN experts of ``weights`` (``[experts, numel]``) on their rows (grouped by expert, ``groups``), one
-    grouped GEMM per projection; the weight gradients go to ``part`` in backward."""
+    """The FFN experts whose weights are ``views`` (``kernel.grouped_views`` of an ``[experts, numel]`` buffer, with
+    the kernel's gate/up fusion) on their rows (grouped by expert, ``groups``), one grouped GEMM per projection;
+    the weight gradients go to ``part`` in backward."""
     form = kernel.form
     fuse = form.fusable(kernel.names)
-    views: Dict[str, torch.Tensor] = kernel.grouped_views(weights, fuse)
 
     def proj(h: torch.Tensor, name: str, bias: Optional[str]) -> torch.Tensor:
         return SinkProjection.apply(h, views[name], views[bias] if bias is not None else None, groups, part, name,

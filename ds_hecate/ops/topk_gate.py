@@ -34,7 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-#: (l_aux, route expert ids ``[k, S]`` int32 (-1 dropped), route weights ``[k, S]``, tokens per expert ``[E]``)
+#: (l_aux, route expert ids ``[k, S]`` (-1 dropped; int64 from this module, the dispatcher's index type, int32 from
+#: DeepSpeed's gate), route weights ``[k, S]``, tokens per expert ``[E]``)
 GateRoutes = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
@@ -118,7 +119,7 @@ def sparse_top2_gate(gate: nn.Module, x: torch.Tensor) -> GateRoutes:
         routes = torch.where(kept, routes, torch.full_like(routes, -1))
     first_w, second_w = weights.unbind(0)
     denom = torch.clamp(first_w + second_w, min=torch.finfo(weights.dtype).eps)
-    return l_aux, routes.to(torch.int32), torch.stack([first_w / denom, second_w / denom]), exp_counts
+    return l_aux, routes, torch.stack([first_w / denom, second_w / denom]), exp_counts
 
 
 def sparse_topk_gate(gate: nn.Module, x: torch.Tensor, used_token: Optional[torch.Tensor] = None) -> GateRoutes:
@@ -147,7 +148,7 @@ def sparse_topk_gate(gate: nn.Module, x: torch.Tensor, used_token: Optional[torc
         kept = mask.gather(1, top_idx)
         top_idx = torch.where(kept, top_idx, torch.full_like(top_idx, -1))
         weights = weights * kept   # DeepSpeed gathers the masked (zero) weight of a dropped route
-    return l_aux, top_idx.t().contiguous().to(torch.int32), weights.t().contiguous(), exp_counts
+    return l_aux, top_idx.t().contiguous(), weights.t().contiguous(), exp_counts
 
 
 def gate_routes(gate: nn.Module, x: torch.Tensor, used_token: Optional[torch.Tensor] = None) -> GateRoutes:

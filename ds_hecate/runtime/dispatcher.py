@@ -48,16 +48,17 @@ class SlotRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, slots: torch.Tensor, top_k: int) -> torch.Tensor:
         num_tokens = x.shape[0]
-        ctx.save_for_backward(slots)
+        tokens = slots % max(num_tokens, 1)
+        ctx.save_for_backward(slots, tokens)
         ctx.shape, ctx.top_k = x.shape, top_k
-        return x.index_select(0, slots % max(num_tokens, 1))
+        return x.index_select(0, tokens)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        (slots,) = ctx.saved_tensors
+        slots, tokens = ctx.saved_tensors
         num_tokens = ctx.shape[0]
         if not (grad.device.type == "cuda" or DETERMINISTIC_SLOT_SUM):
-            return grad.new_zeros(ctx.shape).index_add_(0, slots % max(num_tokens, 1), grad), None, None
+            return grad.new_zeros(ctx.shape).index_add_(0, tokens, grad), None, None
         per_slot = grad.new_zeros((ctx.top_k * num_tokens,) + tuple(ctx.shape[1:]))
         per_slot.index_copy_(0, slots, grad)
         # one reduction over the routes of the slot-ordered rows: its order is fixed by the layout, not the send order

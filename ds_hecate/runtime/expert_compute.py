@@ -23,7 +23,7 @@ the device back.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -121,15 +121,20 @@ class Permute(torch.autograd.Function):
         return grad[:rows].index_select(0, inverse), None, None, None
 
 
-def takes_grouped(kernel, gathered: GatheredExperts, recv: torch.Tensor) -> bool:
-    """Whether this call runs grouped GEMM (the device rule over all its experts; both parts' operands aligned)."""
+#: the two parts' named ``[experts, *shape]`` weight views (own, replicas; empty for a part without experts)
+GroupedOperands = Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]
+
+
+def grouped_operands(kernel, gathered: GatheredExperts, recv: torch.Tensor) -> Optional[GroupedOperands]:
+    """The two parts' grouped-GEMM operands when this call runs grouped GEMM (the device rule over all its experts;
+    every operand aligned), else None. Made once per call: the check and the GEMMs use the same views."""
     weights = gathered.owned_rows if gathered.owned else gathered.buffer
     if not grouped_available(kernel, weights, len(gathered.experts)):
-        return False
+        return None
     fuse = kernel.form.fusable(kernel.names)
-    views = [v for part in (gathered.owned_rows, gathered.buffer) if part.shape[0]
-             for v in kernel.grouped_views(part, fuse).values()]
-    return _aligned([recv, *views])
+    own, replicas = (kernel.grouped_views(part, fuse) if part.shape[0] else {}
+                     for part in (gathered.owned_rows, gathered.buffer))
+    return (own, replicas) if _aligned([recv, *own.values(), *replicas.values()]) else None
 
 
 class CallGrads:
@@ -151,8 +156,8 @@ class CallGrads:
         return self.sends.rows()
 
 
-def run_parts(kernel, gathered: GatheredExperts, recv: torch.Tensor, rows: ExpertRows,
-              grads: CallGrads) -> torch.Tensor:
+def run_parts(kernel, gathered: GatheredExperts, recv: torch.Tensor, rows: ExpertRows, grads: CallGrads,
+              operands: GroupedOperands) -> torch.Tensor:
     """Grouped path: both parts on their rows (one grouped GEMM per projection and part), outputs in the received
     order followed by ``rows.pad_rows`` zero rows (a gather each way: a fixed number of ops whatever the number of
     experts; none when :attr:`ExpertRows.in_order`)."""
@@ -166,9 +171,9 @@ def run_parts(kernel, gathered: GatheredExperts, recv: torch.Tensor, rows: Exper
         own_in = replica_in = grouped
     parts = []
     if has_own:
-        parts.append(grouped_ffn(kernel, gathered.owned_rows, own_in, rows.own, grads.own))
+        parts.append(grouped_ffn(kernel, operands[0], own_in, rows.own, grads.own))
     if has_replicas:
-        parts.append(grouped_ffn(kernel, gathered.buffer, replica_in, rows.replicas, grads.replicas))
+        parts.append(grouped_ffn(kernel, operands[1], replica_in, rows.replicas, grads.replicas))
     # no expert at all (a rank owning none, with no replica): the empty rows themselves, so that the output stays
     # on the graph through Materialize, whose backward issues this rank's SparseReduceScatter
     outputs = grouped if not parts else parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -240,8 +245,9 @@ class RematerializedExperts(torch.autograd.Function):
         ctx.save_for_backward(recv)
         kernel = binding.shard.kernel
         with torch.no_grad():
-            if takes_grouped(kernel, gathered, recv):
-                return run_parts(kernel, gathered, recv, rows, CallGrads(binding, gathered))
+            operands = grouped_operands(kernel, gathered, recv)
+            if operands is not None:
+                return run_parts(kernel, gathered, recv, rows, CallGrads(binding, gathered), operands)
             return run_loop(kernel, gathered.owned_rows, gathered.buffer, recv, rows)
 
     @staticmethod
@@ -256,9 +262,10 @@ class RematerializedExperts(torch.autograd.Function):
         kernel, experts = binding.shard.kernel, gathered.experts
         x = recv.detach().requires_grad_(True)
         with torch.enable_grad():
-            if takes_grouped(kernel, gathered, recv):
+            operands = grouped_operands(kernel, gathered, recv)
+            if operands is not None:
                 grads = CallGrads(binding, gathered)
-                y = run_parts(kernel, gathered, x, rows, grads)
+                y = run_parts(kernel, gathered, x, rows, grads, operands)
                 (grad_rows,) = torch.autograd.grad(y, (x,), grad_out)
                 del gathered   # the re-gathered replicas go before the reduce-scatter sends
                 binding.reduce_scatter(plan, experts, None, grads.finish())
@@ -306,5 +313,5 @@ def expert_major_order(dispatch: RankDispatch, device: torch.device) -> torch.Te
 
 
 __all__: List[str] = ["ExpertRows", "CallGrads", "Materialize", "MaterializeWeights", "RematerializedExperts",
-                      "run_parts", "run_loop", "takes_grouped", "expand_segments", "segment_order",
+                      "run_parts", "run_loop", "grouped_operands", "GroupedOperands", "expand_segments", "segment_order",
                       "expert_major_order"]

@@ -30,7 +30,7 @@ from ..planning.search.reuse import ScheduleReuse
 from .phases import PHASES
 from .dispatcher import Routes, TokenDispatcher, slot_histogram
 from .expert_compute import (CallGrads, ExpertRows, Materialize, MaterializeWeights, RematerializedExperts, run_loop,
-                             run_parts, takes_grouped)
+                             run_parts, grouped_operands)
 from .interfaces import RuntimeView
 from .shard_store import LayerShard, ShardAccumulator
 from .tensor_parallel import run_layer
@@ -273,7 +273,9 @@ class LayerBinding:
             self.gap_time.add(rt.last_layer_end, rt.clock.mark())
         x = boundary(x, self, "dispatch_bwd", None)
         self.top_k = indices.shape[0]
-        flat = indices.reshape(-1).long()
+        flat = indices.reshape(-1)
+        if flat.dtype != torch.int64:   # (DeepSpeed's gate gives int32 ids)
+            flat = flat.long()
         with self.timed("counts"):
             exchanged = rt.comm.exchange_counts(slot_histogram(flat, gates, shard.num_experts))
             counts = exchanged[:, :shard.num_experts]   # [ranks, experts] int64 on the host: the planner's input
@@ -330,10 +332,11 @@ class LayerBinding:
                              rt.comm.alone)
         if self.rematerializes:
             return RematerializedExperts.apply(recv, rt.autograd_anchor, self, plan, gathered, rows)
-        if takes_grouped(kernel, gathered, recv):
+        operands = grouped_operands(kernel, gathered, recv)
+        if operands is not None:
             grads = CallGrads(self, gathered)
             recv = Materialize.apply(recv, rt.autograd_anchor, self, plan, gathered.experts, grads)
-            return run_parts(kernel, gathered, recv, rows, grads)
+            return run_parts(kernel, gathered, recv, rows, grads, operands)
         recv, own, replicas = MaterializeWeights.apply(recv, rt.autograd_anchor, self, plan, gathered)
         return run_loop(kernel, own, replicas, recv, rows)
 

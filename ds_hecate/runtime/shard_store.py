@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -34,6 +34,25 @@ def initial_master(flat: torch.Tensor, compute_dtype: torch.dtype) -> torch.Tens
     masters from the model after casting it to the compute dtype, so the experts' masters start from the same
     rounded values as every dense parameter's (and as a data-parallel run's experts)."""
     return flat.to(compute_dtype).to(torch.float32)
+
+
+class _RowsByExpert(Mapping):
+    """expert -> its row of ``rows`` (``experts`` in row order); the rows are unbound at the first lookup."""
+
+    def __init__(self, experts: Sequence[int], rows: torch.Tensor) -> None:
+        self._experts, self._rows = list(experts), rows
+        self._views: Optional[Dict[int, torch.Tensor]] = None
+
+    def __getitem__(self, expert: int) -> torch.Tensor:
+        if self._views is None:
+            self._views = dict(zip(self._experts, self._rows.unbind(0)))
+        return self._views[expert]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._experts)
+
+    def __len__(self) -> int:
+        return len(self._experts)
 
 
 @dataclass(frozen=True)
@@ -105,6 +124,27 @@ class LayerShard:
     #: partitioned: ``[owned, slice]`` reduced gradient slices (``masters[e].grad`` views a row), else None
     slice_grads: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
     compute_dtype: torch.dtype = field(default=torch.float32, repr=False, compare=False)
+    #: views of :attr:`grads` made once per accumulator, not per call (its rows, the masters' ``.grad`` at the start
+    #: of every window; a parameter's columns as ``[owned, *shape]``); dropped whenever ``grads`` is replaced or freed
+    _grad_views: Optional[Dict[object, object]] = field(default=None, repr=False, compare=False)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name == "grads":   # the views would keep a replaced or freed accumulator alive
+            object.__setattr__(self, "_grad_views", None)
+        object.__setattr__(self, name, value)
+
+    def _grads_view(self, key, make: Callable[[torch.Tensor], object]):
+        """A view of :attr:`grads` (``make(grads)``), made once per accumulator."""
+        if self._grad_views is None:
+            self._grad_views = {}
+        if key not in self._grad_views:
+            self._grad_views[key] = make(self.grads)
+        return self._grad_views[key]
+
+    def grad_columns(self, device: torch.device, lo: int, hi: int, shape: Tuple[int, ...]) -> torch.Tensor:
+        """The accumulator's columns ``[lo, hi)`` as ``[owned, *shape]`` (allocated when missing, not filled)."""
+        self.accumulator_rows(device)
+        return self._grads_view(("columns", lo, hi, shape), lambda g: g[:, lo:hi].view(g.shape[0], *shape))
 
     @property
     def owned(self) -> List[int]:
@@ -121,10 +161,11 @@ class LayerShard:
         return self.partition is None and self.compute_dtype == torch.float32
 
     @property
-    def weights(self) -> Dict[int, torch.Tensor]:
+    def weights(self) -> Mapping[int, torch.Tensor]:
         """expert -> its whole flat weights in the compute dtype (rows of :attr:`weight_rows`), what
-        SparseAllGather sends from."""
-        return dict(zip(self.owned, self.weight_rows.unbind(0)))
+        SparseAllGather sends from (the rows are taken apart only when a row is asked for: a call that sends
+        nothing issues no op for them)."""
+        return _RowsByExpert(self.owned, self.weight_rows)
 
     def set_masters(self, flats: Dict[int, torch.Tensor], partition: Optional[Partition] = None,
                     compute_dtype: torch.dtype = torch.float32) -> None:
@@ -210,7 +251,7 @@ class LayerShard:
         first = self.fresh_params == frozenset(self.kernel.names)
         self.fresh_params = frozenset() if names is None else self.fresh_params - set(names)
         if first and self.partition is None:
-            for e, row in zip(self.owned, self.grads.unbind(0)):
+            for e, row in zip(self.owned, self._grads_view("rows", lambda g: g.unbind(0))):
                 self.masters[e].grad = row
 
     def grad_rows(self, device: torch.device) -> torch.Tensor:
@@ -259,6 +300,9 @@ class ShardAccumulator:
 
     def rows(self) -> torch.Tensor:
         return self.shard.accumulator_rows(self.device)
+
+    def columns_view(self, lo: int, hi: int, shape: Tuple[int, ...]) -> torch.Tensor:
+        return self.shard.grad_columns(self.device, lo, hi, shape)
 
     def fresh_columns(self) -> List[Tuple[int, int]]:
         self.rows()
