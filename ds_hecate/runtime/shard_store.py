@@ -124,8 +124,8 @@ class LayerShard:
     #: partitioned: ``[owned, slice]`` reduced gradient slices (``masters[e].grad`` views a row), else None
     slice_grads: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
     compute_dtype: torch.dtype = field(default=torch.float32, repr=False, compare=False)
-    #: views of :attr:`grads` made once per accumulator, not per call (its rows, the masters' ``.grad`` at the start
-    #: of every window; a parameter's columns as ``[owned, *shape]``); dropped whenever ``grads`` is replaced or freed
+    #: views of :attr:`grads` made once per accumulator, not per call (a parameter's columns as ``[owned, *shape]``,
+    #: where the expert compute writes); dropped whenever ``grads`` is replaced or freed
     _grad_views: Optional[Dict[object, object]] = field(default=None, repr=False, compare=False)
 
     def __setattr__(self, name: str, value) -> None:
@@ -251,7 +251,8 @@ class LayerShard:
         first = self.fresh_params == frozenset(self.kernel.names)
         self.fresh_params = frozenset() if names is None else self.fresh_params - set(names)
         if first and self.partition is None:
-            for e, row in zip(self.owned, self._grads_view("rows", lambda g: g.unbind(0))):
+            # fresh views each window (a view handed out as .grad could have been re-pointed by its holder)
+            for e, row in zip(self.owned, self.grads.unbind(0)):
                 self.masters[e].grad = row
 
     def grad_rows(self, device: torch.device) -> torch.Tensor:
