@@ -2,11 +2,10 @@
 
 Same constructor arguments and the same return value ``(output, l_aux, exp_counts)``; the gate *is* DeepSpeed's
 ``TopKGate``, so routing (including its random sampling) is bit-for-bit DeepSpeed's (for ``k >= 2`` its forward is
-computed by :mod:`ds_hecate.ops.topk_gate`, the same values and gradients without the capacity slots Hecate does not
-read). Before Hecate takes it over
-(or without Hecate) the layer runs its experts locally, which is exactly data-parallel MoE. After
-:func:`ds_hecate.initialize` it runs through the Hecate runtime: experts sharded, materialized per plan, tokens
-dispatched to replicas.
+computed by :mod:`ds_hecate.ops.topk_gate`: the same values and gradients without the capacity slots Hecate does not
+read). Before Hecate takes it over (or without Hecate) the layer runs its experts locally, which is exactly
+data-parallel MoE. After :func:`ds_hecate.initialize` it runs through the Hecate runtime: experts sharded,
+materialized per plan, tokens dispatched to replicas.
 
 It deliberately does not subclass DeepSpeed's ``MoE``: that class flips DeepSpeed into its own expert-parallel
 paths (``has_moe_layers``), which must stay off once Hecate owns the experts.
