@@ -9,7 +9,8 @@ The expert gradient accumulator (``LayerShard.grads``) is kept across steps: the
 accumulation window is written, later ones added, so a run with gradient accumulation must follow DeepSpeed's.
 
 Each test trains with ``deepspeed.initialize`` and the ``hecate`` section (tests/moe_training.py); the rows are
-checked on every rank before every optimizer step by a step hook (:func:`check_rows_are_the_masters`).
+checked on every rank before every optimizer step by a step hook (:func:`check_rows_are_the_masters`). The last test
+is a unit test of the accumulator's cached column views (they must follow a freed or replaced accumulator).
 """
 from __future__ import annotations
 
@@ -118,3 +119,29 @@ def test_accumulation_windows_start_from_nothing():
     oracle = run_specs(1, [base])[0]
     mine = run_specs(1, [replace(base, hecate=ONE_RANK.hecate)])[0]
     assert_same_steps(oracle, mine, label="gas 3")
+
+
+def test_accumulator_column_views_follow_a_replaced_or_freed_accumulator():
+    """The column views the expert compute writes weight gradients into are made once per accumulator: when the
+    accumulator is freed (partitioned masters, after each window's reduction) or replaced (a re-shard or a load
+    lays the masters out anew), the next view must be of the new rows, not of the old ones it would keep alive."""
+    from ds_hecate.experts import ExpertKernel, SwiGLUExpert
+    from ds_hecate.runtime.shard_store import LayerShard, ShardAccumulator
+    kernel = ExpertKernel(SwiGLUExpert(8, 16))
+    shard = LayerShard(layer_id=0, name="moe", num_experts=2, kernel=kernel, owners=(0, 0), rank=0)
+    shard.set_masters({e: torch.randn(kernel.numel) for e in (0, 1)})
+    target = ShardAccumulator(shard, torch.device("cpu"))
+    lo, hi = shard.param_columns("w2.weight")
+    first = target.columns_view(lo, hi, (8, 16))
+    assert first.data_ptr() == shard.grads[:, lo:].data_ptr()
+    assert target.columns_view(lo, hi, (8, 16)) is first   # made once per accumulator
+    for replaced in (False, True):
+        old = shard.grads
+        shard.grads = None   # freed after a window's reduction over the peers
+        if replaced:
+            shard.accumulator_rows(torch.device("cpu"))   # a new accumulator before the next view
+        view = target.columns_view(lo, hi, (8, 16))
+        assert shard.grads is not old
+        assert view.data_ptr() == shard.grads[:, lo:].data_ptr()
+        view.fill_(1.0)
+        assert bool((shard.grads[:, lo:hi] == 1.0).all())

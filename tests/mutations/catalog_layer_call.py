@@ -1,6 +1,6 @@
 """Mutations of the layer call's lean paths (issue 41): DeepSpeed's gate computed without its capacity slots
-(``ds_hecate/ops/topk_gate.py``), the zero row after the expert outputs only when a slot is dropped, and the
-permutations a rank alone skips. Appended to ``catalog.py``'s MUTATIONS and TESTS_FOR."""
+(``ds_hecate/ops/topk_gate.py``), the zero row after the expert outputs only when a slot is dropped, the
+permutations a rank alone skips, and the accumulator views made once per accumulator. Appended to ``catalog.py``'s MUTATIONS and TESTS_FOR."""
 from __future__ import annotations
 
 from typing import Dict, List
@@ -27,6 +27,13 @@ LAYER_CALL_MUTATIONS: List[Mutation] = [
         "the expert outputs come back without the zero row though a slot was dropped: its position reads past the "
         "rows (or, alone, the next layer's memory), the combine fails or adds a stranger's output"),
     Mutation(
+        "accumulator-views-outlive-accumulator", "ds_hecate/runtime/shard_store.py",
+        (("        if name == \"grads\":   # the views would keep a replaced or freed accumulator alive\n"
+          "            object.__setattr__(self, \"_grad_views\", None)\n",
+          "        pass  # MUTATION: the cached column views survive the accumulator they view\n"),),
+        "the expert compute's cached column views of the fp32 accumulator are kept when the accumulator is freed "
+        "or replaced: weight gradients land in the old rows, the optimizer reads the new, uninitialized ones"),
+    Mutation(
         "identity-permutation-skipped-on-n-ranks", "ds_hecate/runtime/expert_compute.py",
         (("        in_order = alone and bool(",
           "        in_order = True and bool("),),
@@ -41,6 +48,8 @@ LAYER_CALL_TESTS_FOR: Dict[str, List[str]] = {
     "no-zero-row-with-dropped-slots": [
         "tests/test_dispatcher.py::test_a_zero_row_follows_the_outputs_only_when_a_slot_is_dropped",
         "tests/test_oracle.py::test_follows_deepspeed_step_by_step[2-drop-top2]"],
+    "accumulator-views-outlive-accumulator": [
+        "tests/test_resident_copies.py::test_accumulator_column_views_follow_a_replaced_or_freed_accumulator"],
     "identity-permutation-skipped-on-n-ranks": [
         "tests/test_dispatcher.py::test_the_permutations_are_skipped_only_by_a_rank_alone_whose_rows_arrive_"
         "expert_major"],
