@@ -109,6 +109,9 @@ def _cases_2() -> Dict[str, Case]:
         "fp16-zero0-sgd-clip": (replace(fp16, stage=0, clip=0.05, extra_config=SGD), LOCAL, FP16_SGD_TOL),
         # ZeRO-3 (Hecate over ds_hecate.MoE; the oracle is DeepSpeed's MoE at stage 2).
         "zero3": (replace(BASE, native=True, stage=3, gate_bias=HOT), DEFAULT, {}),
+        # DeepSpeed's own TopKGate class (no test bias): its routes come from ds_hecate.ops.topk_gate, which must
+        # read the gate's ZeRO-3-partitioned weight as the gate's own forward would
+        "zero3-plain-gate": (replace(BASE, native=True, stage=3), LOCAL, {}),
         "zero3-fp16-sgd-clip": (replace(fp16, native=True, stage=3, clip=0.05, extra_config=SGD), LOCAL,
                                 FP16_SGD_TOL),
         # DeepSpeed MoE features.

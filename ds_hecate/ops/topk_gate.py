@@ -32,6 +32,7 @@ from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+from deepspeed.moe.sharded_moe import TopKGate, _capacity, gumbel_rsample, multiplicative_jitter
 from torch import nn
 
 #: (l_aux, route expert ids ``[k, S]`` (-1 dropped; int64 from this module, the dispatcher's index type, int32 from
@@ -73,14 +74,12 @@ def supports(gate: nn.Module) -> bool:
     """Whether :func:`sparse_topk_gate` (``k >= 3``) or :func:`sparse_top2_gate` (``k == 2``) computes ``gate``'s
     routes (otherwise the gate's own forward runs): a DeepSpeed ``TopKGate`` whose forward is DeepSpeed's (a
     subclass that overrides it, a biased or a forced-routing gate say, keeps its own)."""
-    from deepspeed.moe.sharded_moe import TopKGate
     return (isinstance(gate, TopKGate) and type(gate).forward is TopKGate.forward and gate.k >= 2
             and gate.ep_group is None and not gate.wall_clock_breakdown)
 
 
 def _logits(gate: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``TopKGate.forward``'s fp32 logits (with its input jitter when asked)."""
-    from deepspeed.moe.sharded_moe import multiplicative_jitter
     x_fp32 = x.float()
     if gate.noisy_gate_policy == "Jitter" and gate.training:
         x_fp32 = multiplicative_jitter(x_fp32, device=x.device)
@@ -92,7 +91,6 @@ def sparse_top2_gate(gate: nn.Module, x: torch.Tensor) -> GateRoutes:
     second expert by the same Gumbel draw, the two routes' weights as gathers of the gates where DeepSpeed takes
     one-hot dot products (``einsum("se,se->s")``: one non-zero term, the same value; backward, the route's gradient
     at its expert), the same division and clamp, no capacity slots."""
-    from deepspeed.moe.sharded_moe import _capacity, gumbel_rsample
     logits = _logits(gate, x)
     gates = F.softmax(logits, dim=1)
     num_experts = int(gates.shape[1])
@@ -122,10 +120,9 @@ def sparse_top2_gate(gate: nn.Module, x: torch.Tensor) -> GateRoutes:
     return l_aux, routes, torch.stack([first_w / denom, second_w / denom]), exp_counts
 
 
-def sparse_topk_gate(gate: nn.Module, x: torch.Tensor, used_token: Optional[torch.Tensor] = None) -> GateRoutes:
+def sparse_topk_gate(gate: nn.Module, x: torch.Tensor) -> GateRoutes:
     """``gate`` (a ``TopKGate`` that :func:`supports`) on the tokens ``x`` ``[S, H]``: what its forward returns with
     ``sparse_routes=True``, less the capacity and the slots."""
-    from deepspeed.moe.sharded_moe import _capacity
     logits = _logits(gate, x)
     k = gate.k
     gates = F.softmax(logits, dim=1)
@@ -152,9 +149,10 @@ def sparse_topk_gate(gate: nn.Module, x: torch.Tensor, used_token: Optional[torc
 
 
 def gate_routes(gate: nn.Module, x: torch.Tensor, used_token: Optional[torch.Tensor] = None) -> GateRoutes:
-    """The routes of DeepSpeed's ``gate`` for ``x``: :func:`sparse_topk_gate` where it applies, else the gate's own
-    forward with sparse routes."""
+    """The routes of DeepSpeed's ``gate`` for ``x``: :func:`sparse_top2_gate` or :func:`sparse_topk_gate` where they
+    apply, else the gate's own forward with sparse routes (``used_token`` goes there: only DeepSpeed's top-1 gate
+    reads it)."""
     if supports(gate):
-        return sparse_top2_gate(gate, x) if gate.k == 2 else sparse_topk_gate(gate, x, used_token)
+        return sparse_top2_gate(gate, x) if gate.k == 2 else sparse_topk_gate(gate, x)
     l_aux, _capacity, _num_experts, indices, _locations, weights, exp_counts = gate(x, used_token, True, False)
     return l_aux, indices, weights, exp_counts

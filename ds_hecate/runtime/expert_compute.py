@@ -256,9 +256,9 @@ class RematerializedExperts(torch.autograd.Function):
         (recv,) = ctx.saved_tensors
         with binding.timed("regather"):
             gathered = binding.gather(plan.placement, async_op=False).wait()
-        pad_rows, in_order = ctx.layout
+        pad_rows, in_order = ctx.layout   # (in order only when alone: the same rows skip the same permutations)
         rows = ExpertRows.of(plan.for_rank(binding.runtime.rank), gathered.experts, gathered.owned, recv.device,
-                             pad_rows, in_order)
+                             pad_rows, alone=in_order)
         kernel, experts = binding.shard.kernel, gathered.experts
         x = recv.detach().requires_grad_(True)
         with torch.enable_grad():

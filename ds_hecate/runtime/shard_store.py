@@ -124,27 +124,23 @@ class LayerShard:
     #: partitioned: ``[owned, slice]`` reduced gradient slices (``masters[e].grad`` views a row), else None
     slice_grads: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
     compute_dtype: torch.dtype = field(default=torch.float32, repr=False, compare=False)
-    #: views of :attr:`grads` made once per accumulator, not per call (a parameter's columns as ``[owned, *shape]``,
-    #: where the expert compute writes); dropped whenever ``grads`` is replaced or freed
-    _grad_views: Optional[Dict[object, object]] = field(default=None, repr=False, compare=False)
+    #: (lo, hi, shape) -> :attr:`grads`' columns as ``[owned, *shape]``, where the expert compute writes: made once
+    #: per accumulator, not per call; dropped whenever ``grads`` is replaced or freed
+    _grad_columns: Dict[Tuple[int, int, Tuple[int, ...]], torch.Tensor] = field(default_factory=dict, repr=False,
+                                                                                  compare=False)
 
     def __setattr__(self, name: str, value) -> None:
         if name == "grads":   # the views would keep a replaced or freed accumulator alive
-            object.__setattr__(self, "_grad_views", None)
+            object.__setattr__(self, "_grad_columns", {})
         object.__setattr__(self, name, value)
-
-    def _grads_view(self, key, make: Callable[[torch.Tensor], object]):
-        """A view of :attr:`grads` (``make(grads)``), made once per accumulator."""
-        if self._grad_views is None:
-            self._grad_views = {}
-        if key not in self._grad_views:
-            self._grad_views[key] = make(self.grads)
-        return self._grad_views[key]
 
     def grad_columns(self, device: torch.device, lo: int, hi: int, shape: Tuple[int, ...]) -> torch.Tensor:
         """The accumulator's columns ``[lo, hi)`` as ``[owned, *shape]`` (allocated when missing, not filled)."""
-        self.accumulator_rows(device)
-        return self._grads_view(("columns", lo, hi, shape), lambda g: g[:, lo:hi].view(g.shape[0], *shape))
+        rows = self.accumulator_rows(device)
+        key = (lo, hi, shape)
+        if key not in self._grad_columns:
+            self._grad_columns[key] = rows[:, lo:hi].view(rows.shape[0], *shape)
+        return self._grad_columns[key]
 
     @property
     def owned(self) -> List[int]:

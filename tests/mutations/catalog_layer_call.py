@@ -29,7 +29,7 @@ LAYER_CALL_MUTATIONS: List[Mutation] = [
     Mutation(
         "accumulator-views-outlive-accumulator", "ds_hecate/runtime/shard_store.py",
         (("        if name == \"grads\":   # the views would keep a replaced or freed accumulator alive\n"
-          "            object.__setattr__(self, \"_grad_views\", None)\n",
+          "            object.__setattr__(self, \"_grad_columns\", {})\n",
           "        pass  # MUTATION: the cached column views survive the accumulator they view\n"),),
         "the expert compute's cached column views of the fp32 accumulator are kept when the accumulator is freed "
         "or replaced: weight gradients land in the old rows, the optimizer reads the new, uninitialized ones"),
