@@ -20,7 +20,8 @@ for every token, see :func:`~benchmarks.versus_systems.routed_inputs`), dtype an
 
 Shapes: on the CPU ``weight-bound`` (128 experts, hidden 256, ffn 256, 512 tokens, top-2), ``launch-bound`` (128
 experts, hidden 64, ffn 64, 4,096 tokens, top-8), ``compute-bound`` (16 experts, hidden 256, ffn 512, 2,048 tokens,
-top-2); on CUDA the GPU check's ``qwen3-30b-a3b`` and ``deepseek-v3`` (:data:`benchmarks.layer_call.SHAPES`).
+top-2); on CUDA the GPU check's ``qwen3-30b-a3b`` and ``deepseek-v3`` (:data:`benchmarks.layer_call.SHAPES`). By
+name only: ``host-bound`` (the launch-bound layer with 64 tokens: each system's fixed work per call).
 
     python -m benchmarks.layer_versus --dtype fp32 --dtype bf16 --reps 40 --json out.json --markdown docs/benchmarks.md
     python -m benchmarks.layer_versus --device cuda --dtype bf16
@@ -54,6 +55,9 @@ SHAPES: Dict[str, LayerShape] = {
     **{name: CALL_SHAPES[name] for name in ("weight-bound", "launch-bound", "compute-bound", "qwen3-30b-a3b",
                                             "deepseek-v3")},
     "quick": LayerShape(hidden=32, ffn=32, experts=16, top_k=2, tokens=128),
+    # the launch-bound layer with 64 tokens: the grouped GEMMs shrink to almost nothing, what is left is each
+    # system's fixed work per call (host code, small ops): not a default shape, asked for by name
+    "host-bound": LayerShape(hidden=64, ffn=64, experts=128, top_k=8, tokens=64),
 }
 DEFAULT_SHAPES = {"cpu": ("weight-bound", "launch-bound", "compute-bound"), "cuda": ("qwen3-30b-a3b", "deepseek-v3")}
 #: agreement with the plain layer above which a row is flagged (fp32; bf16 rounds each system differently)

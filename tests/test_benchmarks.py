@@ -179,3 +179,14 @@ def test_layer_versus_quick_runs_and_its_table_is_well_formed(tmp_path):
     lines = [line for line in doc.read_text().splitlines() if line.startswith("| quick |")][:len(lv.SYSTEMS)]
     assert all(line.count("|") == len(lv.TABLE_HEADER) + 2 for line in lines)
     assert lines[1].split(" | ")[4] == lines[1].split(" | ")[-1].rstrip(" |")   # ds_hecate: its own ratio, twice
+
+
+def test_gate_cost_times_the_three_gates(capsys):
+    """``python -m benchmarks.gate_cost``: DeepSpeed's gate, ds_hecate's computation of it and a plain router, each
+    timed forward and backward (the figure docs/benchmarks.md quotes)."""
+    from benchmarks import gate_cost
+    assert gate_cost.main(["--shape", "quick", "--reps", "2", "--warmup", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("quick: 128 tokens, 16 experts, top-2")
+    timed = {line.split()[0]: float(line.split()[1]) for line in lines[1:]}
+    assert set(timed) == {"deepspeed", "ds_hecate", "plain"} and all(t > 0 for t in timed.values()), timed
