@@ -13,6 +13,7 @@ from ds_hecate.planning.dispatch_plan import DispatchPlan
 from ds_hecate.planning.plan import LayerPlan, Placement
 from ds_hecate.planning.cost_model import StepCostModel, estimate_layer
 from ds_hecate.planning.sharding import even_sharding
+from ds_hecate.runtime.dispatcher import send_order
 from ds_hecate.runtime.expert_compute import expand_segments, expert_major_order
 
 
@@ -66,6 +67,8 @@ def test_dispatch_plan_matches_explicit_routes(seed):
             want = [d for e in range(num_e) for d, c in ref.routes[r][e] for _ in range(c)]
             got = expand_segments(mine.send_dst, mine.send_rows, torch.device("cpu")).tolist()
             assert got == want
+            # the send order: the route order sorted by destination, stably
+            assert send_order(mine).tolist() == sorted(range(len(want)), key=lambda i: want[i])
             order, sizes = _reference_order(ref, r)
             assert expert_major_order(mine, torch.device("cpu")).tolist() == order and mine.sizes == sizes
 

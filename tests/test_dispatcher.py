@@ -96,10 +96,11 @@ def test_the_count_row_flags_every_non_finite_gate_and_counts_every_route():
     flat = torch.tensor([0, 2, 2, -1, 5, 3])   # expert 2 twice, a dropped slot, an id out of range (E = 4)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         gates = torch.rand(6).to(dtype)
-        assert slot_histogram(flat, gates, 4).tolist() == [1, 0, 2, 1, 0, 1]
+        assert slot_histogram(flat, gates, 4).tolist() == [1, 0, 2, 1, 1, 0]   # counts, out of range, non-finite
         for bad in (float("inf"), float("-inf"), float("nan")):
             spoiled = gates.clone()
             spoiled[3] = bad
             assert slot_histogram(flat, spoiled, 4).tolist() == [1, 0, 2, 1, 1, 1], (dtype, bad)
+        assert slot_histogram(flat[:4], spoiled[:4], 4).tolist() == [1, 0, 2, 0, 0, 1], (dtype, bad)
         huge = torch.full((6,), torch.finfo(dtype).max, dtype=dtype)   # finite, though their sum overflows
-        assert slot_histogram(flat, huge, 4)[4] == 0
+        assert slot_histogram(flat, huge, 4)[5] == 0

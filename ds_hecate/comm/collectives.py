@@ -127,7 +127,11 @@ class Communicator:
         """All ranks' per-expert token-expert pair counts as a host ``[ranks, n]`` int64 array (the planner's
         input; one device-to-host copy, the layer call's only host read, no Python lists: at 1,024 ranks x 256
         experts those alone cost ms)."""
-        local = local_counts.to(device=self.device, dtype=torch.int64).reshape(-1).contiguous()
+        local = local_counts.reshape(-1)
+        if local.device != self.device or local.dtype != torch.int64:
+            local = local.to(device=self.device, dtype=torch.int64)
+        if not local.is_contiguous():   # (checked, not called: a no-op ``contiguous`` still dispatches)
+            local = local.contiguous()
         if self.alone:
             return local.cpu().numpy().reshape(1, -1)
         out = torch.empty(self.world_size * local.numel(), dtype=torch.int64, device=self.device)

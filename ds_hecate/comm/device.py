@@ -6,7 +6,10 @@ import torch
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Copy a small host tensor to ``device`` without blocking the host: pinned and ``non_blocking`` on CUDA (the
-    caching host allocator keeps the pinned buffer alive until the copy has run)."""
+    caching host allocator keeps the pinned buffer alive until the copy has run). A tensor already on ``device``
+    (the CPU) is returned as it is, without dispatching a no-op ``to``."""
+    if host.device == device:
+        return host
     if device.type == "cuda":
         host = host.pin_memory()
     return host.to(device, non_blocking=True)

@@ -21,6 +21,8 @@ from typing import Callable, Optional
 
 import torch
 
+from .casts import cast
+
 ARITHMETIC = ("deepspeed", "hf")
 
 
@@ -51,31 +53,34 @@ class WeightedUnpermute(torch.autograd.Function):
         rows = y.index_select(0, pos.reshape(-1)).view(k, num_tokens, y.shape[1])
         ctx.save_for_backward(rows, weights, pos)   # the gathered rows, for the weights' gradient
         if arithmetic == "deepspeed":   # rounded fp32 products, then the sum (no fused multiply-add): DeepSpeed's
-            terms = _times(rows, weights.float().unsqueeze(-1))
+            terms = _times(rows, cast(weights, torch.float32).unsqueeze(-1))
         else:
-            terms = (rows * weights.to(y.dtype).unsqueeze(-1)).float()
+            terms = cast(rows * cast(weights, y.dtype).unsqueeze(-1), torch.float32)
         first, *rest = terms.unbind(0)
         for term in rest:
             first.add_(term)
-        return first.to(y.dtype)
+        return cast(first, y.dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         rows, weights, pos = ctx.saved_tensors
         k, num_tokens = pos.shape
         hf = ctx.arithmetic == "hf"
-        g = (grad if hf else grad.float()).unsqueeze(0)
-        w = weights.to(rows.dtype if hf else torch.float32).unsqueeze(-1)
-        per_slot = (g * w).to(rows.dtype).reshape(k * num_tokens, rows.shape[-1])
+        g = (grad if hf else cast(grad, torch.float32)).unsqueeze(0)
+        w = cast(weights, rows.dtype if hf else torch.float32).unsqueeze(-1)
+        per_slot = cast(g * w, rows.dtype).reshape(k * num_tokens, rows.shape[-1])
         grad_y = rows.new_empty(ctx.y_shape)   # every row is one slot's, but a zero row, which dropped slots hit
         if ctx.slots is not None:   # row r is slot slots[r]: a gather (a scatter is several times slower)
             routed = ctx.slots.shape[0]
-            torch.index_select(per_slot, 0, ctx.slots, out=grad_y[:routed])
-            grad_y[routed:].zero_()   # the zero row, if any, carries no gradient (the token exchange drops it)
+            if routed == grad_y.shape[0]:
+                torch.index_select(per_slot, 0, ctx.slots, out=grad_y)
+            else:
+                torch.index_select(per_slot, 0, ctx.slots, out=grad_y[:routed])
+                grad_y[routed:].zero_()   # the zero row carries no gradient (the token exchange drops it)
         else:
             grad_y.index_copy_(0, pos.reshape(-1), per_slot)
             grad_y[-1].zero_()
-        grad_w = ((g * rows) if hf else _times(rows, g)).sum(-1).to(weights.dtype)
+        grad_w = cast(((g * rows) if hf else _times(rows, g)).sum(-1), weights.dtype)
         return grad_y, grad_w, None, None, None, None
 
 

@@ -35,6 +35,8 @@ import torch.nn.functional as F
 from deepspeed.moe.sharded_moe import TopKGate, _capacity, gumbel_rsample, multiplicative_jitter
 from torch import nn
 
+from .casts import cast
+
 #: (l_aux, route expert ids ``[k, S]`` (-1 dropped; int64 from this module, the dispatcher's index type, int32 from
 #: DeepSpeed's gate), route weights ``[k, S]``, tokens per expert ``[E]``)
 GateRoutes = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -45,11 +47,12 @@ class _NormalizedRoutes(torch.autograd.Function):
     docstring). ``denom`` is ``clamp(sum(gates * mask, -1), eps)``; ``gates_sum`` is the sum before the clamp."""
 
     @staticmethod
-    def forward(ctx, gates: torch.Tensor, top_idx: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, gates: torch.Tensor, top_idx: torch.Tensor, mask: torch.Tensor, dropped: bool) -> torch.Tensor:
         gates_sum = torch.sum(gates * mask, dim=-1, keepdim=True)
         denom = torch.clamp(gates_sum, min=torch.finfo(gates.dtype).eps)
         routes = gates.gather(1, top_idx) / denom
         ctx.save_for_backward(top_idx, mask, gates_sum, denom, routes)
+        ctx.dropped = dropped
         return routes
 
     @staticmethod
@@ -60,14 +63,15 @@ class _NormalizedRoutes(torch.autograd.Function):
         # non-zero only at the routes, where gates_masked / denom is the route's weight. The row sum is the dense
         # one DeepSpeed's autograd takes (its order over the E columns decides the rounding).
         terms = grad.new_zeros(shape).scatter_add_(1, top_idx, -grad * (routes / denom))
-        d_denom = torch.where(gates_sum >= torch.finfo(denom.dtype).eps, terms.sum(dim=1, keepdim=True),
-                              torch.zeros((), dtype=grad.dtype, device=grad.device))
+        d_denom = torch.where(gates_sum >= torch.finfo(denom.dtype).eps, terms.sum(dim=1, keepdim=True), 0.0)
         # gates_masked's gradient at the routes: the gathered gradient (gather's backward adds it to a zero: 0 + g)
         # over denom, plus the row sum's, times the mask there; every other column is the mask's zero. Computed
-        # per route and placed, where DeepSpeed's autograd runs the same arithmetic over the whole [S, E].
-        kept = mask.gather(1, top_idx)
-        at_routes = (grad + 0.0).div_(denom).add_(d_denom).mul_(kept)
-        return grad.new_zeros(shape).scatter_(1, top_idx, at_routes), None, None
+        # per route and placed, where DeepSpeed's autograd runs the same arithmetic over the whole [S, E]. Without
+        # capacity drops the mask is one at every route (the product by it is the identity, and skipped).
+        at_routes = (grad + 0.0).div_(denom).add_(d_denom)
+        if ctx.dropped:
+            at_routes.mul_(mask.gather(1, top_idx))
+        return grad.new_zeros(shape).scatter_(1, top_idx, at_routes), None, None, None
 
 
 def supports(gate: nn.Module) -> bool:
@@ -80,10 +84,10 @@ def supports(gate: nn.Module) -> bool:
 
 def _logits(gate: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``TopKGate.forward``'s fp32 logits (with its input jitter when asked)."""
-    x_fp32 = x.float()
+    x_fp32 = cast(x, torch.float32)
     if gate.noisy_gate_policy == "Jitter" and gate.training:
         x_fp32 = multiplicative_jitter(x_fp32, device=x.device)
-    return F.linear(x_fp32, weight=gate.wg.weight.float(), bias=None)
+    return F.linear(x_fp32, weight=cast(gate.wg.weight, torch.float32), bias=None)
 
 
 def sparse_top2_gate(gate: nn.Module, x: torch.Tensor) -> GateRoutes:
@@ -102,7 +106,7 @@ def sparse_top2_gate(gate: nn.Module, x: torch.Tensor) -> GateRoutes:
     me = torch.mean(gates, dim=0)
     ce = torch.mean(mask1.float(), dim=0)
     l_aux = torch.mean(me * ce) * num_experts * num_experts
-    exp_counts = mask1.sum(dim=0).scatter_add_(0, second, torch.ones_like(second)).detach()
+    exp_counts = mask1.sum(dim=0).scatter_add_(0, second, torch.ones_like(second))   # (integers: no gradient)
     routes = torch.stack([first, second])                                 # [2, S]
     weights = gates.gather(1, routes.t()).t()                             # [2, S]
     if gate.drop_tokens:   # DeepSpeed's capacity: the first routes fill each expert's slots, then the second
@@ -117,7 +121,7 @@ def sparse_top2_gate(gate: nn.Module, x: torch.Tensor) -> GateRoutes:
         routes = torch.where(kept, routes, torch.full_like(routes, -1))
     first_w, second_w = weights.unbind(0)
     denom = torch.clamp(first_w + second_w, min=torch.finfo(weights.dtype).eps)
-    return l_aux, routes, torch.stack([first_w / denom, second_w / denom]), exp_counts
+    return l_aux, routes, weights / denom, exp_counts   # (each route's weight over its token's denominator)
 
 
 def sparse_topk_gate(gate: nn.Module, x: torch.Tensor) -> GateRoutes:
@@ -129,7 +133,7 @@ def sparse_topk_gate(gate: nn.Module, x: torch.Tensor) -> GateRoutes:
     num_experts = int(gates.shape[1])
     top_gate, top_idx = torch.topk(gates, k=k, dim=1)
     mask = torch.zeros_like(gates, dtype=torch.bool).scatter_(1, top_idx, 1)
-    exp_counts = torch.sum(mask, dim=0).detach().to(logits.device)
+    exp_counts = torch.sum(mask, dim=0)   # (a count: no gradient to detach from; on the logits' device already)
     me = torch.mean(gates, dim=0)
     ce = torch.mean(mask.float(), dim=0)
     l_aux = torch.mean(me * ce) * num_experts * num_experts / k
@@ -140,7 +144,7 @@ def sparse_topk_gate(gate: nn.Module, x: torch.Tensor) -> GateRoutes:
         selection_capacity = min(capacity, torch.tensor(gates.size(0)).to(capacity.device))
         _, capacity_indices = torch.topk(topk_masked_gates, k=selection_capacity, dim=0, sorted=False)
         mask &= torch.zeros_like(gates, dtype=torch.bool).scatter_(0, capacity_indices, True)
-    weights = _NormalizedRoutes.apply(gates, top_idx, mask)
+    weights = _NormalizedRoutes.apply(gates, top_idx, mask, bool(gate.drop_tokens))
     if gate.drop_tokens:
         kept = mask.gather(1, top_idx)
         top_idx = torch.where(kept, top_idx, torch.full_like(top_idx, -1))

@@ -15,26 +15,28 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, List, Optional
 
+import numpy as np
 import torch
 
 from ..comm.buffers import CommCounters
 from ..comm.collectives import AllToAllTokens, Communicator
 from ..ops.combine import weighted_unpermute
 from ..planning.dispatch_plan import RankDispatch
-from .expert_compute import expand_segments
+from .expert_compute import host_index, segment_rows
 
 
 def slot_histogram(flat: torch.Tensor, gates: torch.Tensor, num_experts: int) -> torch.Tensor:
     """This rank's row of the count exchange, built on the device without reading it: token-expert pairs per
-    expert, then the health flags (any non-finite gate value; routes to an expert id outside ``[0, E)``). A scatter
-    into ``E + 2`` bins (dropped slots, the experts, out of range), not ``bincount``, which reads the maximum."""
-    bins = flat.clamp(min=-1, max=num_experts) + 1
+    expert, then the health flags: routes to an expert id outside ``[0, E)``, any non-finite gate value. One scatter
+    into ``E + 2`` bins (the experts, out of range, and the dropped slots, whose bin the non-finite flag then
+    overwrites), not ``bincount``, which reads the maximum."""
+    bins = flat.clamp(max=num_experts).remainder(num_experts + 2)   # -1 (dropped) -> E + 1, >= E -> E
     hist = torch.zeros(num_experts + 2, dtype=torch.int64, device=flat.device).scatter_add_(
         0, bins, torch.ones_like(bins))
     # x - x is +0 for every finite x and NaN for inf or NaN, so the sum is non-zero exactly when a value is not
     # finite (three ops; isfinite().all() decomposes into more)
-    nonfinite = (gates - gates).sum().ne(0).to(torch.int64).reshape(1)
-    return torch.cat([hist[1:num_experts + 1], nonfinite, hist[num_experts + 1:]])
+    hist[num_experts + 1:].copy_((gates - gates).sum().ne(0))
+    return hist
 
 
 class SlotRows(torch.autograd.Function):
@@ -91,9 +93,10 @@ class Routes:
     def of(flat: torch.Tensor, routed: int, num_tokens: int, top_k: int, num_experts: int,
            dispatch: RankDispatch, alone: bool = False) -> "Routes":
         """From the slots' expert ids (``flat``, ``[k * S]``, -1 dropped) and the plan's tables: slots expert-major
-        (dropped and out-of-range last, cut off at ``routed``, known on the host), then by destination (``alone``:
-        a rank alone in its group with the one-rank shortcuts on has one destination, itself, so the expert-major
-        order is the send order)."""
+        (dropped and out-of-range last, cut off at ``routed``, known on the host), then by destination
+        (:func:`send_order`: a gather whose index the host builds from the plan; ``alone``: a rank alone in its
+        group with the one-rank shortcuts on has one destination, itself, so the expert-major order is the send
+        order)."""
         if routed == flat.shape[0]:   # no slot dropped or out of range (the counts say so): every id sorts as is
             by_expert = torch.argsort(flat, stable=True)
         else:
@@ -101,9 +104,18 @@ class Routes:
         if alone:
             return Routes(by_expert, list(dispatch.send_splits), list(dispatch.recv_splits), routed, num_tokens,
                           top_k)
-        dst_of_sorted = expand_segments(dispatch.send_dst, dispatch.send_rows, flat.device, routed)
-        send_slots = by_expert.index_select(0, torch.argsort(dst_of_sorted, stable=True))
+        send_slots = by_expert.index_select(0, host_index(send_order(dispatch), flat.device))
         return Routes(send_slots, list(dispatch.send_splits), list(dispatch.recv_splits), routed, num_tokens, top_k)
+
+
+def send_order(dispatch: RankDispatch) -> np.ndarray:
+    """Where each send position takes its row of the expert-major routed slots: the plan's route segments
+    (expert-major, each to one destination) grouped by destination, stably, i.e. the stable sort of the rows by
+    destination, computed on the host from the segments instead of sorting every row on the device."""
+    lengths = np.asarray(dispatch.send_rows, dtype=np.int64)
+    starts = np.cumsum(lengths) - lengths
+    by_destination = np.argsort(np.asarray(dispatch.send_dst), kind="stable")
+    return segment_rows(starts[by_destination], lengths[by_destination])
 
 
 class TokenDispatcher:

@@ -16,9 +16,9 @@ back to the received order.
 - **Re-materialization** (:class:`RematerializedExperts`, Hecate-RM): no weights kept between forward and backward;
   backward gathers the replicas again and recomputes.
 
-The segment expansions turn the planner's per-(source, expert) tables into per-row indices on the compute device,
-with pinned non-blocking copies of the small tables and the output sizes known on the host, so none of them reads
-the device back.
+The segment expansions turn the planner's per-(source, expert) tables into per-row indices: built on the host (the
+tables and every size are there), copied to the compute device once each (pinned, non-blocking), so none of them
+reads the device back and none costs the device more than the copy.
 """
 from __future__ import annotations
 
@@ -117,8 +117,8 @@ class Permute(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (inverse,) = ctx.saved_tensors
-        rows = grad.shape[0] - ctx.pad_rows
-        return grad[:rows].index_select(0, inverse), None, None, None
+        rows = grad[:grad.shape[0] - ctx.pad_rows] if ctx.pad_rows else grad
+        return rows.index_select(0, inverse), None, None, None
 
 
 #: the two parts' named ``[experts, *shape]`` weight views (own, replicas; empty for a part without experts)
@@ -284,26 +284,29 @@ def _or_zeros(grad: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
     return grad if grad is not None else torch.zeros_like(like)
 
 
-def expand_segments(values: np.ndarray, lengths: np.ndarray, device: torch.device,
-                    total: Optional[int] = None) -> torch.Tensor:
-    """``values[i]`` repeated ``lengths[i]`` times, expanded on ``device`` (the tables are ranks x experts small;
-    the expansion is per token, so it runs where the tokens are). ``total`` (``sum(lengths)``, computed on the host
-    when not given) sizes the output, so the device is never read."""
-    lengths = np.ascontiguousarray(lengths, dtype=np.int64)
-    total = int(lengths.sum()) if total is None else total
-    return torch.repeat_interleave(to_device(torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64)), device),
-                                   to_device(torch.from_numpy(lengths), device), output_size=total)
-
-
-def segment_order(starts: np.ndarray, lengths: np.ndarray, device: torch.device) -> torch.Tensor:
-    """The rows of consecutive segments (segment ``i``: ``lengths[i]`` rows from ``starts[i]``) as one index
-    vector on ``device``: each row is its segment's start plus its offset in it."""
+def segment_rows(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The rows of consecutive segments (segment ``i``: ``lengths[i]`` rows from ``starts[i]``) as one host index
+    vector: each row is its segment's start plus its offset in it. Built on the host from the plan's tables (one
+    ``repeat`` and one ``arange``), so the device gets the finished index in one copy, not the expansion's ops."""
     starts = np.asarray(starts, dtype=np.int64)
     lengths = np.asarray(lengths, dtype=np.int64)
     first_out = np.cumsum(lengths) - lengths
-    total = int(lengths.sum())
-    return (expand_segments(starts - first_out, lengths, device, total)
-            + torch.arange(total, device=device))
+    return np.repeat(starts - first_out, lengths) + np.arange(int(lengths.sum()), dtype=np.int64)
+
+
+def host_index(rows: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host-built int64 index on ``device``: pinned and non-blocking on CUDA, the array itself on the CPU."""
+    return to_device(torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64)), device)
+
+
+def expand_segments(values: np.ndarray, lengths: np.ndarray, device: torch.device) -> torch.Tensor:
+    """``values[i]`` repeated ``lengths[i]`` times, on ``device`` (expanded on the host, copied once)."""
+    return host_index(np.repeat(np.asarray(values, dtype=np.int64), np.asarray(lengths, dtype=np.int64)), device)
+
+
+def segment_order(starts: np.ndarray, lengths: np.ndarray, device: torch.device) -> torch.Tensor:
+    """:func:`segment_rows` on ``device``."""
+    return host_index(segment_rows(starts, lengths), device)
 
 
 def expert_major_order(dispatch: RankDispatch, device: torch.device) -> torch.Tensor:
@@ -313,5 +316,5 @@ def expert_major_order(dispatch: RankDispatch, device: torch.device) -> torch.Te
 
 
 __all__: List[str] = ["ExpertRows", "CallGrads", "Materialize", "MaterializeWeights", "RematerializedExperts",
-                      "run_parts", "run_loop", "grouped_operands", "GroupedOperands", "expand_segments", "segment_order",
-                      "expert_major_order"]
+                      "run_parts", "run_loop", "grouped_operands", "GroupedOperands", "expand_segments", "segment_rows",
+                      "segment_order", "host_index", "expert_major_order"]

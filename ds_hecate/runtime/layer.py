@@ -279,7 +279,9 @@ class LayerBinding:
         with self.timed("counts"):
             exchanged = rt.comm.exchange_counts(slot_histogram(flat, gates, shard.num_experts))
             counts = exchanged[:, :shard.num_experts]   # [ranks, experts] int64 on the host: the planner's input
-            rt.stops.check_gate(exchanged[:, shard.num_experts:], shard.name, shard.num_experts, rt.comm.rank_name)
+            # (the flags as the stops read them: non-finite, out of range)
+            rt.stops.check_gate(exchanged[:, [shard.num_experts + 1, shard.num_experts]], shard.name,
+                                shard.num_experts, rt.comm.rank_name)
         plan, gathered = self._plan_and_gather(counts, recompute)
         with self.timed("dispatch"):
             routes = Routes.of(flat, int(counts[rt.rank].sum()), x.shape[0], self.top_k, shard.num_experts,
