@@ -71,7 +71,8 @@ class _NormalizedRoutes(torch.autograd.Function):
         at_routes = (grad + 0.0).div_(denom).add_(d_denom)
         if ctx.dropped:
             at_routes.mul_(mask.gather(1, top_idx))
-        return grad.new_zeros(shape).scatter_(1, top_idx, at_routes), None, None, None
+        # the gradient is zero off the routes, as ``terms`` is: the routes' entries overwritten, no second [S, E]
+        return terms.scatter_(1, top_idx, at_routes), None, None, None
 
 
 def supports(gate: nn.Module) -> bool:
@@ -104,7 +105,7 @@ def sparse_top2_gate(gate: nn.Module, x: torch.Tensor) -> GateRoutes:
         logits = logits + gumbel_rsample(logits.shape, device=logits.device)
     second = torch.argmax(logits.masked_fill(mask1.bool(), float("-inf")), dim=1)
     me = torch.mean(gates, dim=0)
-    ce = torch.mean(mask1.float(), dim=0)
+    ce = torch.mean(mask1, dim=0, dtype=torch.float32)   # (mask1.float()'s mean, converted inside the reduction)
     l_aux = torch.mean(me * ce) * num_experts * num_experts
     exp_counts = mask1.sum(dim=0).scatter_add_(0, second, torch.ones_like(second))   # (integers: no gradient)
     routes = torch.stack([first, second])                                 # [2, S]
@@ -135,7 +136,7 @@ def sparse_topk_gate(gate: nn.Module, x: torch.Tensor) -> GateRoutes:
     mask = torch.zeros_like(gates, dtype=torch.bool).scatter_(1, top_idx, 1)
     exp_counts = torch.sum(mask, dim=0)   # (a count: no gradient to detach from; on the logits' device already)
     me = torch.mean(gates, dim=0)
-    ce = torch.mean(mask.float(), dim=0)
+    ce = torch.mean(mask, dim=0, dtype=torch.float32)   # (mask.float()'s mean, converted inside the reduction)
     l_aux = torch.mean(me * ce) * num_experts * num_experts / k
     if gate.drop_tokens:
         capacity_factor = gate.capacity_factor if gate.training else gate.eval_capacity_factor
