@@ -30,12 +30,14 @@ def _gate(hidden, experts, k, drop, factor, seed):
     return gate
 
 
-def _run(fn, gate, x, grads):
-    """(outputs, input gradient, router gradient) of one gate call with a loss on every output that has one."""
+def _run(fn, gate, x, grads, loss="both"):
+    """(outputs, input gradient, router gradient) of one gate call with a loss on the weights and ``l_aux``
+    (``loss``: ``"both"``, or only one of them: ``"weights"``, ``"l_aux"``)."""
     gate.wg.weight.grad = None
     x = x.detach().clone().requires_grad_(True)
     l_aux, indices, weights, counts = fn(gate, x)
-    (weights.float() * grads).sum().add(l_aux * 0.37).backward()
+    terms = {"weights": (weights.float() * grads).sum(), "l_aux": l_aux * 0.37}
+    (terms["weights"] + terms["l_aux"] if loss == "both" else terms[loss]).backward()
     return (l_aux.detach(), indices, weights.detach(), counts), x.grad, gate.wg.weight.grad.clone()
 
 
@@ -67,6 +69,21 @@ def test_same_routes_and_gradients_as_deepspeed_bit_for_bit(tokens, hidden, expe
         assert (ref[1] < 0).any(), "the case was meant to drop routes"
     assert torch.equal(ours_dx, ref_dx)
     assert torch.equal(ours_dw, ref_dw)
+
+
+@pytest.mark.parametrize("loss", ["weights", "l_aux"])
+@pytest.mark.parametrize("k,drop", [(4, False), (4, True), (2, False)])
+def test_a_loss_on_one_output_alone_has_deepspeeds_gradients(loss, k, drop):
+    """The top-k gate adds ``l_aux``'s gradient in the weights' backward: with only one of the two in the loss
+    the other's part must be absent, not zero-filled (a ``-0`` would become ``+0``) or taken twice."""
+    gate = _gate(16, 16, k, drop, 1.0, 3)
+    x, grads = torch.randn(256, 16), torch.randn(k, 256)
+    torch.manual_seed(7)
+    _, ours_dx, ours_dw = _run(lambda g, t: gate_routes(g, t), gate, x, grads, loss)
+    torch.manual_seed(7)
+    _, ref_dx, ref_dw = _run(_deepspeed, gate, x, grads, loss)
+    assert torch.equal(ours_dx, ref_dx) and torch.equal(ours_dw, ref_dw)
+    assert (ours_dx.signbit() == ref_dx.signbit()).all()
 
 
 def test_jitter_draws_the_same_noise():

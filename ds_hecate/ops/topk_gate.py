@@ -43,21 +43,28 @@ GateRoutes = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 class _NormalizedRoutes(torch.autograd.Function):
-    """``top_gate / denom`` per route, ``[S, k]``, with DeepSpeed's gradient of ``gates`` (see the module
-    docstring). ``denom`` is ``clamp(sum(gates * mask, -1), eps)``; ``gates_sum`` is the sum before the clamp."""
+    """``top_gate / denom`` per route, ``[S, k]``, and ``l_aux``'s ``me = mean(gates, 0)``, with DeepSpeed's
+    gradient of ``gates`` (see the module docstring). ``denom`` is ``clamp(sum(gates * mask, -1), eps)``;
+    ``gates_sum`` is the sum before the clamp. ``me``'s gradient (``grad_me / S`` in every row, what ``mean``'s
+    backward gives) is added in the same pass: autograd would divide an expanded ``[S, E]`` and then add the two
+    ``[S, E]`` gradients (an addition of two terms either way, so the same bits)."""
 
     @staticmethod
-    def forward(ctx, gates: torch.Tensor, top_idx: torch.Tensor, mask: torch.Tensor, dropped: bool) -> torch.Tensor:
+    def forward(ctx, gates: torch.Tensor, top_idx: torch.Tensor, mask: torch.Tensor,
+                dropped: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+        ctx.set_materialize_grads(False)
         gates_sum = torch.sum(gates * mask, dim=-1, keepdim=True)
         denom = torch.clamp(gates_sum, min=torch.finfo(gates.dtype).eps)
         routes = gates.gather(1, top_idx) / denom
         ctx.save_for_backward(top_idx, mask, gates_sum, denom, routes)
         ctx.dropped = dropped
-        return routes
+        return routes, torch.mean(gates, dim=0)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
+    def backward(ctx, grad: Optional[torch.Tensor], grad_me: Optional[torch.Tensor]):
         top_idx, mask, gates_sum, denom, routes = ctx.saved_tensors
+        if grad is None:   # (only l_aux reached the gates)
+            grad = routes.new_zeros(routes.shape)
         shape = mask.shape
         # division's gradient for the denominator: -grad * ((gates_masked / denom) / denom), summed over the row;
         # non-zero only at the routes, where gates_masked / denom is the route's weight. The row sum is the dense
@@ -72,7 +79,10 @@ class _NormalizedRoutes(torch.autograd.Function):
         if ctx.dropped:
             at_routes.mul_(mask.gather(1, top_idx))
         # the gradient is zero off the routes, as ``terms`` is: the routes' entries overwritten, no second [S, E]
-        return terms.scatter_(1, top_idx, at_routes), None, None, None
+        grad_gates = terms.scatter_(1, top_idx, at_routes)
+        if grad_me is not None:
+            grad_gates.add_(grad_me.div(shape[0]))
+        return grad_gates, None, None, None
 
 
 def supports(gate: nn.Module) -> bool:
@@ -133,11 +143,14 @@ def sparse_topk_gate(gate: nn.Module, x: torch.Tensor) -> GateRoutes:
     gates = F.softmax(logits, dim=1)
     num_experts = int(gates.shape[1])
     top_gate, top_idx = torch.topk(gates, k=k, dim=1)
-    mask = torch.zeros_like(gates, dtype=torch.bool).scatter_(1, top_idx, 1)
-    exp_counts = torch.sum(mask, dim=0)   # (a count: no gradient to detach from; on the logits' device already)
-    me = torch.mean(gates, dim=0)
-    ce = torch.mean(mask, dim=0, dtype=torch.float32)   # (mask.float()'s mean, converted inside the reduction)
-    l_aux = torch.mean(me * ce) * num_experts * num_experts / k
+    if gate.drop_tokens:   # (the capacity selection narrows the boolean mask in place)
+        mask = torch.zeros_like(gates, dtype=torch.bool).scatter_(1, top_idx, 1)
+        exp_counts = torch.sum(mask, dim=0)
+        ce = torch.mean(mask, dim=0, dtype=torch.float32)
+    else:   # the mask as the products and means see it, in the gates' dtype: no conversion of [S, E] per use
+        mask = torch.zeros_like(gates).scatter_(1, top_idx, 1.0)
+        exp_counts = torch.sum(mask, dim=0).long()   # (0/1 summed exactly: DeepSpeed's int64 counts)
+        ce = torch.mean(mask, dim=0)
     if gate.drop_tokens:
         capacity_factor = gate.capacity_factor if gate.training else gate.eval_capacity_factor
         capacity = _capacity(gates, torch.tensor(capacity_factor * k), torch.tensor(gate.min_capacity))
@@ -145,7 +158,8 @@ def sparse_topk_gate(gate: nn.Module, x: torch.Tensor) -> GateRoutes:
         selection_capacity = min(capacity, torch.tensor(gates.size(0)).to(capacity.device))
         _, capacity_indices = torch.topk(topk_masked_gates, k=selection_capacity, dim=0, sorted=False)
         mask &= torch.zeros_like(gates, dtype=torch.bool).scatter_(0, capacity_indices, True)
-    weights = _NormalizedRoutes.apply(gates, top_idx, mask, bool(gate.drop_tokens))
+    weights, me = _NormalizedRoutes.apply(gates, top_idx, mask, bool(gate.drop_tokens))
+    l_aux = torch.mean(me * ce) * num_experts * num_experts / k
     if gate.drop_tokens:
         kept = mask.gather(1, top_idx)
         top_idx = torch.where(kept, top_idx, torch.full_like(top_idx, -1))
