@@ -1,6 +1,7 @@
 """Mutations of the layer call's lean paths (issue 41): DeepSpeed's gate computed without its capacity slots
 (``ds_hecate/ops/topk_gate.py``), the zero row after the expert outputs only when a slot is dropped, the
-permutations a rank alone skips, and the accumulator views made once per accumulator. Appended to ``catalog.py``'s MUTATIONS and TESTS_FOR."""
+permutations a rank alone skips, the accumulator views made once per accumulator, the send order and count row
+built from fewer ops, and l_aux's gradient added in the routes' backward. Appended to ``catalog.py``'s MUTATIONS and TESTS_FOR."""
 from __future__ import annotations
 
 from typing import Dict, List
@@ -39,6 +40,24 @@ LAYER_CALL_MUTATIONS: List[Mutation] = [
           "        in_order = True and bool("),),
         "a rank of N skips the permutations whenever its rows happen to arrive expert-major: the same outputs, but "
         "the 1-rank measurement without the one-rank shortcuts no longer times the N-rank path"),
+    Mutation(
+        "send-order-not-by-destination", "ds_hecate/runtime/dispatcher.py",
+        (("    by_destination = np.argsort(np.asarray(dispatch.send_dst), kind=\"stable\")\n",
+          "    by_destination = np.arange(len(dispatch.send_dst))  # MUTATION: the route order, not by destination\n"),),
+        "the host-built send order keeps the plan's route order (expert, then destination) instead of grouping the "
+        "rows by destination: on N ranks rows go to ranks that do not hold their expert"),
+    Mutation(
+        "count-row-keeps-dropped-slots", "ds_hecate/runtime/dispatcher.py",
+        (("    hist[num_experts + 1:].copy_((gates - gates).sum().ne(0))\n",
+          "    hist[num_experts + 1:].add_((gates - gates).sum().ne(0))  # MUTATION: the dropped slots' count stays\n"),),
+        "the count row's last bin keeps the dropped slots' count under the non-finite flag: a rank whose gate "
+        "drops a route reports non-finite gates and every rank stops"),
+    Mutation(
+        "l-aux-gradient-not-added", "ds_hecate/ops/topk_gate.py",
+        (("        if grad_me is not None:\n",
+          "        if False:  # MUTATION: l_aux's gradient of the gates left out\n"),),
+        "the top-k gate's routes backward leaves out l_aux's mean gradient it took over from autograd: the router "
+        "trains without the load-balancing loss"),
 ]
 
 #: mutation -> pytest node ids expected to kill it, cheapest first (as catalog.TESTS_FOR)
@@ -53,4 +72,9 @@ LAYER_CALL_TESTS_FOR: Dict[str, List[str]] = {
     "identity-permutation-skipped-on-n-ranks": [
         "tests/test_dispatcher.py::test_the_permutations_are_skipped_only_by_a_rank_alone_whose_rows_arrive_"
         "expert_major"],
+    "send-order-not-by-destination": [
+        "tests/test_dispatch_plan.py::test_dispatch_plan_matches_explicit_routes"],
+    "count-row-keeps-dropped-slots": [
+        "tests/test_dispatcher.py::test_the_count_row_flags_every_non_finite_gate_and_counts_every_route"],
+    "l-aux-gradient-not-added": ["tests/test_topk_gate.py"],
 }
