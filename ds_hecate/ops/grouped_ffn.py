@@ -54,16 +54,17 @@ def expert_weight_grads(grad: torch.Tensor, rows: torch.Tensor, offs: torch.Tens
     add."""
     shape = tuple(dest.shape[1:])
     if per_expert_products(grad.device, shape[0], shape[1], grad.dtype):
-        start = 0
-        for i, size in enumerate(sizes):
-            g, h = grad[start:start + size], rows[start:start + size]
-            start += size
+        # the experts' rows and destinations cut once each (not two slices and a select per expert)
+        total = sum(sizes)
+        if grad.shape[0] != total:   # (rows past the experts' carry no weight gradient)
+            grad, rows = grad[:total], rows[:total]
+        for g, h, d in zip(grad.split(sizes), rows.split(sizes), dest.unbind(0)):
             if not accumulate and dest.dtype == grad.dtype:
-                torch.mm(g.t(), h, out=dest[i])
+                torch.mm(g.t(), h, out=d)
             elif not accumulate:
-                dest[i].copy_(torch.mm(g.t(), h))
+                d.copy_(torch.mm(g.t(), h))
             else:
-                dest[i].add_(torch.mm(g.t(), h))
+                d.add_(torch.mm(g.t(), h))
         return
     products = F.grouped_mm(grad.t(), rows, offs=offs)   # [experts, out, in]
     if accumulate:
