@@ -102,5 +102,7 @@ def test_the_count_row_flags_every_non_finite_gate_and_counts_every_route():
             spoiled[3] = bad
             assert slot_histogram(flat, spoiled, 4).tolist() == [1, 0, 2, 1, 1, 1], (dtype, bad)
         assert slot_histogram(flat[:4], spoiled[:4], 4).tolist() == [1, 0, 2, 0, 0, 1], (dtype, bad)
+        # any negative id is a dropped slot (Routes sorts them last, as -1): in no expert's count, no flag
+        assert slot_histogram(torch.tensor([0, -3, 2, -1]), gates[:4], 4).tolist() == [1, 0, 1, 0, 0, 0]
         huge = torch.full((6,), torch.finfo(dtype).max, dtype=dtype)   # finite, though their sum overflows
         assert slot_histogram(flat, huge, 4)[5] == 0

@@ -30,7 +30,7 @@ def slot_histogram(flat: torch.Tensor, gates: torch.Tensor, num_experts: int) ->
     expert, then the health flags: routes to an expert id outside ``[0, E)``, any non-finite gate value. One scatter
     into ``E + 2`` bins (the experts, out of range, and the dropped slots, whose bin the non-finite flag then
     overwrites), not ``bincount``, which reads the maximum."""
-    bins = flat.clamp(max=num_experts).remainder(num_experts + 2)   # -1 (dropped) -> E + 1, >= E -> E
+    bins = flat.clamp(min=-1, max=num_experts).remainder(num_experts + 2)   # < 0 (dropped) -> E + 1, >= E -> E
     hist = torch.zeros(num_experts + 2, dtype=torch.int64, device=flat.device).scatter_add_(
         0, bins, torch.ones_like(bins))
     # x - x is +0 for every finite x and NaN for inf or NaN, so the sum is non-zero exactly when a value is not
