@@ -115,7 +115,7 @@ def sparse_top2_gate(gate: nn.Module, x: torch.Tensor) -> GateRoutes:
         logits = logits + gumbel_rsample(logits.shape, device=logits.device)
     second = torch.argmax(logits.masked_fill(mask1.bool(), float("-inf")), dim=1)
     me = torch.mean(gates, dim=0)
-    ce = torch.mean(mask1, dim=0, dtype=torch.float32)   # (mask1.float()'s mean, converted inside the reduction)
+    ce = torch.mean(mask1.float(), dim=0)
     l_aux = torch.mean(me * ce) * num_experts * num_experts
     exp_counts = mask1.sum(dim=0).scatter_add_(0, second, torch.ones_like(second))   # (integers: no gradient)
     routes = torch.stack([first, second])                                 # [2, S]
@@ -146,7 +146,7 @@ def sparse_topk_gate(gate: nn.Module, x: torch.Tensor) -> GateRoutes:
     if gate.drop_tokens:   # (the capacity selection narrows the boolean mask in place)
         mask = torch.zeros_like(gates, dtype=torch.bool).scatter_(1, top_idx, 1)
         exp_counts = torch.sum(mask, dim=0)
-        ce = torch.mean(mask, dim=0, dtype=torch.float32)
+        ce = torch.mean(mask.float(), dim=0)
     else:   # the mask as the products and means see it, in the gates' dtype: no conversion of [S, E] per use
         mask = torch.zeros_like(gates).scatter_(1, top_idx, 1.0)
         exp_counts = torch.sum(mask, dim=0).long()   # (0/1 summed exactly: DeepSpeed's int64 counts)
