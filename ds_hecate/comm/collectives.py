@@ -130,8 +130,7 @@ class Communicator:
         local = local_counts.reshape(-1)
         if local.device != self.device or local.dtype != torch.int64:
             local = local.to(device=self.device, dtype=torch.int64)
-        if not local.is_contiguous():   # (checked, not called: a no-op ``contiguous`` still dispatches)
-            local = local.contiguous()
+        local = local.contiguous()
         if self.alone:
             return local.cpu().numpy().reshape(1, -1)
         out = torch.empty(self.world_size * local.numel(), dtype=torch.int64, device=self.device)

@@ -72,10 +72,9 @@ class WeightedUnpermute(torch.autograd.Function):
         grad_y = rows.new_empty(ctx.y_shape)   # every row is one slot's, but a zero row, which dropped slots hit
         if ctx.slots is not None:   # row r is slot slots[r]: a gather (a scatter is several times slower)
             routed = ctx.slots.shape[0]
-            if routed == grad_y.shape[0]:
-                torch.index_select(per_slot, 0, ctx.slots, out=grad_y)
-            else:
-                torch.index_select(per_slot, 0, ctx.slots, out=grad_y[:routed])
+            padded = routed < grad_y.shape[0]
+            torch.index_select(per_slot, 0, ctx.slots, out=grad_y[:routed] if padded else grad_y)
+            if padded:
                 grad_y[routed:].zero_()   # the zero row carries no gradient (the token exchange drops it)
         else:
             grad_y.index_copy_(0, pos.reshape(-1), per_slot)

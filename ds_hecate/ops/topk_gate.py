@@ -143,15 +143,14 @@ def sparse_topk_gate(gate: nn.Module, x: torch.Tensor) -> GateRoutes:
     gates = F.softmax(logits, dim=1)
     num_experts = int(gates.shape[1])
     top_gate, top_idx = torch.topk(gates, k=k, dim=1)
-    if gate.drop_tokens:   # (the capacity selection narrows the boolean mask in place)
-        mask = torch.zeros_like(gates, dtype=torch.bool).scatter_(1, top_idx, 1)
-        exp_counts = torch.sum(mask, dim=0)
-        ce = torch.mean(mask.float(), dim=0)
-    else:   # the mask as the products and means see it, in the gates' dtype: no conversion of [S, E] per use
+    if not gate.drop_tokens:   # the mask as the products and means see it, in the gates' dtype: no [S, E] conversion
         mask = torch.zeros_like(gates).scatter_(1, top_idx, 1.0)
         exp_counts = torch.sum(mask, dim=0).long()   # (0/1 summed exactly: DeepSpeed's int64 counts)
         ce = torch.mean(mask, dim=0)
-    if gate.drop_tokens:
+    else:   # DeepSpeed's boolean mask, which its capacity selection then narrows in place
+        mask = torch.zeros_like(gates, dtype=torch.bool).scatter_(1, top_idx, 1)
+        exp_counts = torch.sum(mask, dim=0)
+        ce = torch.mean(mask.float(), dim=0)
         capacity_factor = gate.capacity_factor if gate.training else gate.eval_capacity_factor
         capacity = _capacity(gates, torch.tensor(capacity_factor * k), torch.tensor(gate.min_capacity))
         topk_masked_gates = torch.zeros_like(gates).scatter(1, top_idx, top_gate)

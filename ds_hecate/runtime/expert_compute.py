@@ -299,11 +299,6 @@ def host_index(rows: np.ndarray, device: torch.device) -> torch.Tensor:
     return to_device(torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64)), device)
 
 
-def expand_segments(values: np.ndarray, lengths: np.ndarray, device: torch.device) -> torch.Tensor:
-    """``values[i]`` repeated ``lengths[i]`` times, on ``device`` (expanded on the host, copied once)."""
-    return host_index(np.repeat(np.asarray(values, dtype=np.int64), np.asarray(lengths, dtype=np.int64)), device)
-
-
 def segment_order(starts: np.ndarray, lengths: np.ndarray, device: torch.device) -> torch.Tensor:
     """:func:`segment_rows` on ``device``."""
     return host_index(segment_rows(starts, lengths), device)
@@ -316,5 +311,5 @@ def expert_major_order(dispatch: RankDispatch, device: torch.device) -> torch.Te
 
 
 __all__: List[str] = ["ExpertRows", "CallGrads", "Materialize", "MaterializeWeights", "RematerializedExperts",
-                      "run_parts", "run_loop", "grouped_operands", "GroupedOperands", "expand_segments", "segment_rows",
+                      "run_parts", "run_loop", "grouped_operands", "GroupedOperands", "segment_rows",
                       "segment_order", "host_index", "expert_major_order"]
