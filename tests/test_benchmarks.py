@@ -2,6 +2,7 @@
 has the documented schema, the report renders, and forced routing is exact and identical across systems."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -190,3 +191,37 @@ def test_gate_cost_times_the_three_gates(capsys):
     assert lines[0].startswith("quick: 128 tokens, 16 experts, top-2")
     timed = {line.split()[0]: float(line.split()[1]) for line in lines[1:]}
     assert set(timed) == {"deepspeed", "ds_hecate", "plain"} and all(t > 0 for t in timed.values()), timed
+
+
+def test_nrank_path_splits_the_no_shortcut_excess(tmp_path):
+    """``python -m benchmarks.nrank_path --quick``: the five layers run, the attribution adds up, and the generated
+    block is a well-formed table."""
+    from benchmarks import nrank_path
+    out, doc = tmp_path / "nrank.json", tmp_path / "bench.md"
+    doc.write_text(f"# keep\n{nrank_path.MARK_BEGIN}\nold\n{nrank_path.MARK_END}\n")
+    assert nrank_path.main(["--quick", "--reps", "2", "--json", str(out), "--markdown", str(doc)]) == 0
+    cell = json.loads(out.read_text())["cells"][0]
+    assert list(cell["layers"]) == list(nrank_path.LAYERS)
+    assert all(len(row["times_s"]) == 2 and row["median_s"] > 0 for row in cell["layers"].values())
+    a = cell["attribution"]
+    assert a["excess"] == pytest.approx(a["collectives"] + a["permutations"] + a["rest"])
+    rows = [line for line in doc.read_text().splitlines() if line.startswith("| quick | fp32 |")]
+    assert len(rows) == 1 and rows[0].count("|") == 11 and "\nold\n" not in doc.read_text()
+
+
+def test_nrank_path_refuses_a_counterfactual_that_computes_other_bits_or_never_ran(monkeypatch):
+    """The attribution is only a split of the same call's time: a counterfactual that changes the values (here an
+    all-to-all that reverses the rows) or whose change never runs (the permutations not skipped) stops the cell."""
+    from benchmarks import nrank_path
+
+    def reversing(layer, transport, recv, send, recv_splits, send_splits, async_op):
+        nrank_path.TAKEN[layer] += 1
+        recv.copy_(send.flip(0))
+    monkeypatch.setattr(nrank_path, "_copying_all_to_all", reversing)
+    with pytest.raises(SystemExit, match="exchanges-as-copies counterfactual computed other bits"):
+        nrank_path.measure_cell("quick", "fp32", 1, 0)
+    monkeypatch.undo()
+    monkeypatch.setattr(nrank_path, "TAKEN", {"exchanges-as-copies": 0, "copies-in-order": 0, "in order": 0})
+    monkeypatch.setattr(nrank_path, "_rows_in_order", contextlib.nullcontext)
+    with pytest.raises(SystemExit, match="copies-in-order counterfactual's change never ran"):
+        nrank_path.measure_cell("quick", "fp32", 1, 0)
