@@ -41,7 +41,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -204,33 +204,44 @@ def _git_commit() -> str:
         return "unknown"
 
 
-def run(args) -> dict:
-    """Every (shape, dtype) cell in a process of its own (fresh allocator, fresh DeepSpeed state)."""
+def cell_processes(module: str, cells: List[Tuple[str, str]], options: List[str],
+                   show: Callable[[dict], str]) -> List[dict]:
+    """Each (shape, dtype) cell measured by ``python -m <module> --cell FILE --shape S --dtype D <options>`` in a
+    process of its own (fresh allocator, fresh DeepSpeed state), its wall time added; ``show(cell)`` printed as each
+    ends."""
+    out = []
+    for shape, dtype in cells:
+        with tempfile.TemporaryDirectory(prefix=module.rpartition(".")[2] + "_") as tmp:
+            cell_json = os.path.join(tmp, "cell.json")
+            cmd = [sys.executable, "-m", module, "--cell", cell_json, "--shape", shape, "--dtype", dtype, *options]
+            started = time.perf_counter()
+            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+            if proc.returncode != 0 or not os.path.exists(cell_json):
+                sys.exit(f"{module}: {shape} {dtype} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+            cell = json.loads(Path(cell_json).read_text())
+        cell["wall_s"] = time.perf_counter() - started
+        out.append(cell)
+        print(show(cell), flush=True)
+    return out
+
+
+def run_record(schema: str, module: str, argv: List[str], load_before: float, cells: List[dict]) -> dict:
+    """A run's JSON: its cells with the date, commit, command and machine (load average before and now)."""
     from benchmarks.machine import describe_machine
-    shapes = args.shape or (["quick"] if args.quick else list(DEFAULT_SHAPES[args.device.split(":")[0]]))
-    dtypes = args.dtype or ["fp32"]
-    load_before = os.getloadavg()[0]
-    cells = []
-    for shape in shapes:
-        for dtype in dtypes:
-            with tempfile.TemporaryDirectory(prefix="layer_versus_") as tmp:
-                cell_json = os.path.join(tmp, "cell.json")
-                cmd = [sys.executable, "-m", "benchmarks.layer_versus", "--cell", cell_json, "--shape", shape,
-                       "--dtype", dtype, "--device", args.device, "--reps", str(args.reps), "--warmup",
-                       str(args.warmup), "--systems", args.systems]
-                started = time.perf_counter()
-                proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-                if proc.returncode != 0 or not os.path.exists(cell_json):
-                    sys.exit(f"layer_versus: {shape} {dtype} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-                cell = json.loads(Path(cell_json).read_text())
-            cell["wall_s"] = time.perf_counter() - started
-            cells.append(cell)
-            print(cell_lines(cell), flush=True)
-    return {"schema": SCHEMA, "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-            "commit": _git_commit(), "command": "python -m benchmarks.layer_versus " + " ".join(args.argv),
+    return {"schema": schema, "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "commit": _git_commit(), "command": f"python -m {module} " + " ".join(argv),
             "machine": {**describe_machine(), "load_average_1min": [round(load_before, 2),
                                                                    round(os.getloadavg()[0], 2)]},
             "cells": cells}
+
+
+def run(args) -> dict:
+    shapes = args.shape or (["quick"] if args.quick else list(DEFAULT_SHAPES[args.device.split(":")[0]]))
+    load_before = os.getloadavg()[0]
+    cells = cell_processes("benchmarks.layer_versus", [(s, d) for s in shapes for d in args.dtype or ["fp32"]],
+                           ["--device", args.device, "--reps", str(args.reps), "--warmup", str(args.warmup),
+                            "--systems", args.systems], cell_lines)
+    return run_record(SCHEMA, "benchmarks.layer_versus", args.argv, load_before, cells)
 
 
 def cell_lines(cell: dict) -> str:
@@ -350,12 +361,18 @@ def main(argv: Optional[List[str]] = None) -> int:
             for s, r in cell["systems"].items():
                 for name, calls, ms in r.get("top_self_ms", [])[:args.top_ops]:
                     print(f"{cell['shape']:14s} {cell['dtype']} {s:24s} {name:40s} {calls:6d} {ms:9.3f} ms")
+    section = markdown_section(results, json.loads(Path(args.before).read_text()) if args.before else None)
+    return publish(args, results, section, MARK_BEGIN, MARK_END, "where the layer benchmark's table goes")
+
+
+def publish(args, results: dict, section: str, begin: str, end: str, where: str) -> int:
+    """A run's outputs: its JSON (``--json``, a new run only), its block of ``--markdown`` (between ``begin`` and
+    ``end``; ``where`` tells where to add the markers if missing), the block printed."""
     if args.json and not args.report_only:
         Path(args.json).write_text(json.dumps(results, indent=1))
-    section = markdown_section(results, json.loads(Path(args.before).read_text()) if args.before else None)
     if args.markdown:
         from benchmarks.markdown import replace_block
-        replace_block(args.markdown, section, MARK_BEGIN, MARK_END, "where the layer benchmark's table goes")
+        replace_block(args.markdown, section, begin, end, where)
     print(section)
     return 0
 

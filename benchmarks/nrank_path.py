@@ -32,15 +32,11 @@ import argparse
 import contextlib
 import dataclasses
 import functools
-import datetime
 import gc
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
-import time
 import types
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional
@@ -49,7 +45,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.layer_versus import SHAPES, _dtype, _git_commit, _init_one_rank, one_call  # noqa: E402
+from benchmarks.layer_versus import (SHAPES, _dtype, _init_one_rank, cell_processes, one_call,  # noqa: E402
+                                     publish, run_record)
 
 SCHEMA = "ds_hecate-nrank-path/1"
 LAYERS = ("plain", "ds_hecate", "ds_hecate-no-shortcuts", "exchanges-as-copies", "copies-in-order")
@@ -164,26 +161,11 @@ def attribution(rows: Dict[str, dict]) -> Dict[str, float]:
 
 
 def run(args) -> dict:
-    from benchmarks.machine import describe_machine
     shapes = args.shape or (["quick"] if args.quick else ["launch-bound", "compute-bound"])
     load_before = os.getloadavg()[0]
-    cells = []
-    for shape in shapes:
-        for dtype in args.dtype or ["fp32"]:
-            with tempfile.TemporaryDirectory(prefix="nrank_path_") as tmp:
-                cell_json = os.path.join(tmp, "cell.json")
-                cmd = [sys.executable, "-m", "benchmarks.nrank_path", "--cell", cell_json, "--shape", shape,
-                       "--dtype", dtype, "--reps", str(args.reps), "--warmup", str(args.warmup)]
-                proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-                if proc.returncode != 0 or not os.path.exists(cell_json):
-                    sys.exit(f"nrank_path: {shape} {dtype} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-                cells.append(json.loads(Path(cell_json).read_text()))
-            print(cell_text(cells[-1]), flush=True)
-    return {"schema": SCHEMA, "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-            "commit": _git_commit(), "command": "python -m benchmarks.nrank_path " + " ".join(args.argv),
-            "machine": {**describe_machine(), "load_average_1min": [round(load_before, 2),
-                                                                   round(os.getloadavg()[0], 2)]},
-            "cells": cells}
+    cells = cell_processes("benchmarks.nrank_path", [(s, d) for s in shapes for d in args.dtype or ["fp32"]],
+                           ["--reps", str(args.reps), "--warmup", str(args.warmup)], cell_text)
+    return run_record(SCHEMA, "benchmarks.nrank_path", args.argv, load_before, cells)
 
 
 def cell_text(cell: dict) -> str:
@@ -240,14 +222,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         Path(args.cell).write_text(json.dumps(measure_cell(args.shape[0], args.dtype[0], args.reps, args.warmup)))
         return 0
     results = json.loads(Path(args.report_only).read_text()) if args.report_only else run(args)
-    if args.json and not args.report_only:
-        Path(args.json).write_text(json.dumps(results, indent=1))
-    section = markdown_section(results)
-    if args.markdown:
-        from benchmarks.markdown import replace_block
-        replace_block(args.markdown, section, MARK_BEGIN, MARK_END, "where the N-rank path's attribution goes")
-    print(section)
-    return 0
+    return publish(args, results, markdown_section(results), MARK_BEGIN, MARK_END,
+                   "where the N-rank path's attribution goes")
 
 
 if __name__ == "__main__":
