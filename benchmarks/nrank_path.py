@@ -113,6 +113,7 @@ def _in_order(forward: Callable) -> Callable:
 
 
 def measure_cell(shape_name: str, dtype_name: str, reps: int, warmup: int) -> dict:
+    """One (shape, dtype) cell in this process: the counterfactuals checked, then ``reps`` interleaved rounds."""
     import torch
     from benchmarks.results import paired_ratio
     from benchmarks.versus_systems import routed_inputs
