@@ -209,19 +209,28 @@ def test_nrank_path_splits_the_no_shortcut_excess(tmp_path):
     assert len(rows) == 1 and rows[0].count("|") == 11 and "\nold\n" not in doc.read_text()
 
 
-def test_nrank_path_refuses_a_counterfactual_that_computes_other_bits_or_never_ran(monkeypatch):
+def _broken_counterfactual(rank: int, world_size: int, broken: str):
+    """In a process of its own (the cell starts a one-rank process group): one counterfactual broken, the cell's
+    refusal (or None)."""
+    from benchmarks import nrank_path
+    if broken == "bits":   # an all-to-all that reverses the rows: other bits
+        def reversing(layer, transport, recv, send, recv_splits, send_splits, async_op):
+            nrank_path.TAKEN[layer] += 1
+            recv.copy_(send.flip(0))
+        nrank_path._copying_all_to_all = reversing
+    else:                  # the permutations not skipped: the change never runs
+        nrank_path._rows_in_order = contextlib.nullcontext
+    try:
+        nrank_path.measure_cell("quick", "fp32", 1, 0)
+    except SystemExit as exc:
+        return str(exc)
+    return None
+
+
+def test_nrank_path_refuses_a_counterfactual_that_computes_other_bits_or_never_ran():
     """The attribution is only a split of the same call's time: a counterfactual that changes the values (here an
     all-to-all that reverses the rows) or whose change never runs (the permutations not skipped) stops the cell."""
-    from benchmarks import nrank_path
-
-    def reversing(layer, transport, recv, send, recv_splits, send_splits, async_op):
-        nrank_path.TAKEN[layer] += 1
-        recv.copy_(send.flip(0))
-    monkeypatch.setattr(nrank_path, "_copying_all_to_all", reversing)
-    with pytest.raises(SystemExit, match="exchanges-as-copies counterfactual computed other bits"):
-        nrank_path.measure_cell("quick", "fp32", 1, 0)
-    monkeypatch.undo()
-    monkeypatch.setattr(nrank_path, "TAKEN", {"exchanges-as-copies": 0, "copies-in-order": 0, "in order": 0})
-    monkeypatch.setattr(nrank_path, "_rows_in_order", contextlib.nullcontext)
-    with pytest.raises(SystemExit, match="copies-in-order counterfactual's change never ran"):
-        nrank_path.measure_cell("quick", "fp32", 1, 0)
+    assert "exchanges-as-copies counterfactual computed other bits" in run_ranks(
+        1, _broken_counterfactual, "bits", timeout=240)[0]
+    assert "copies-in-order counterfactual's change never ran" in run_ranks(
+        1, _broken_counterfactual, "order", timeout=240)[0]
