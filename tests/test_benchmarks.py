@@ -214,7 +214,7 @@ def _broken_counterfactual(rank: int, world_size: int, broken: str):
     refusal (or None)."""
     from benchmarks import nrank_path
     if broken == "bits":   # an all-to-all that reverses the rows: other bits
-        def reversing(layer, transport, recv, send, recv_splits, send_splits, async_op):
+        def reversing(layer, recv, send, recv_splits, send_splits, async_op):
             nrank_path.TAKEN[layer] += 1
             recv.copy_(send.flip(0))
         nrank_path._copying_all_to_all = reversing
