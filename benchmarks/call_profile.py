@@ -12,6 +12,8 @@ benchmarks report (``benchmarks/layer_call.py``, ``benchmarks/layer_versus.py``)
   with a positive size: every block the CPU allocator (and, on CUDA, the caching allocator) handed out during the
   call, freed or not; their count and total bytes. The caching allocator's blocks come from its cache, so on a GPU
   this counts allocator requests, not ``cudaMalloc`` calls.
+- **Collectives** (``collectives``): the ``c10d::`` ops the call issued, by name (``c10d::alltoall_base_`` is
+  ``all_to_all_single``): which path a layer took (its one-rank shortcuts, or the collectives of N ranks).
 - **Top ops by self time** (``top_self``): the profiler's per-op summary of the same call, the ops that took most
   of its host time (on CUDA the kernels' time is not in it): where the time goes, for whoever works on the call.
 """
@@ -43,6 +45,11 @@ def profile_call(fn: Callable[[], Any], top_self: int = 12) -> Dict[str, Any]:
     events = prof.events()
     sizes = [e.nbytes() for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
     table = sorted((a for a in prof.key_averages() if _dispatched(a.key)), key=lambda a: -a.self_cpu_time_total)
+    collectives: Dict[str, int] = {}
+    for e in events:
+        if e.name.startswith("c10d::"):
+            collectives[e.name] = collectives.get(e.name, 0) + 1
     return {"top": len(top_level_ops(events)), "nested": sum(1 for e in events if _dispatched(e.name)),
+            "collectives": collectives,
             "allocations": sum(1 for n in sizes if n > 0), "allocated_bytes": sum(n for n in sizes if n > 0),
             "top_self": [[a.key, a.count, round(a.self_cpu_time_total / 1e3, 4)] for a in table[:top_self]]}

@@ -29,7 +29,14 @@ do), per :data:`DESCRIPTIONS`:
   source, ``autoep_size`` 1, AutoEP's default grouped GEMM), converted by ``deepspeed.initialize`` with no
   optimizer (so no ZeRO hooks), called as a module;
 - ``deepspeed-moe``: DeepSpeed's legacy ``deepspeed.moe.layer.MoE`` (``ep_size`` 1, ``drop_tokens=False``), through
-  ``deepspeed.initialize`` with no optimizer, called as a module.
+  ``deepspeed.initialize`` with no optimizer, called as a module;
+- ``autoep-no-shortcuts``, ``deepspeed-moe-no-shortcuts``: the same two layers taking the branches every rank of an
+  N-rank run takes (:class:`NRankBranches`): both skip their all-to-alls when their expert-parallel size is 1, as
+  ds_hecate's shortcuts skip its collectives; here they go through the 1-rank process group (AutoEP: the count
+  all-to-all with its host read of the splits, the token all-to-all each way; legacy: its two all-to-alls of the
+  capacity-padded ``[E, C, H]`` buffer). The N-rank paths side by side: ds_hecate-no-shortcuts against these.
+  :data:`ONE_RANK_TWIN` pairs each no-shortcut system with its one-rank layer; ``benchmarks.layer_versus`` checks
+  before any timing that the two compute the same bits and that only the no-shortcut one exchanges its rows.
 
 A system whose build fails here (AutoEP without its requirements, say) is reported as not run, with the error.
 """
@@ -57,8 +64,15 @@ DESCRIPTIONS = {
     "ds_hecate-call-no-shortcuts": "the same, the communicator's one-rank shortcuts off",
     "ds_hecate-rank-of-8": "a rank's share of an 8-rank run (E/8 experts owned, the rest as replicas)",
     "autoep": "DeepSpeed AutoEP layer (autoep_size 1, grouped GEMM)",
+    "autoep-no-shortcuts": "the same AutoEP layer on its N-rank branches (count and token all-to-alls through the "
+                           "1-rank process group)",
     "deepspeed-moe": "DeepSpeed legacy deepspeed.moe.layer.MoE (ep_size 1, drop_tokens=False)",
+    "deepspeed-moe-no-shortcuts": "the same legacy layer on its N-rank branches (its two all-to-alls through the "
+                                  "1-rank process group)",
 }
+#: each no-shortcut system's one-rank layer: the same bits, without the collectives (checked before timing)
+ONE_RANK_TWIN = {"ds_hecate-no-shortcuts": "ds_hecate", "ds_hecate-call-no-shortcuts": "ds_hecate-call",
+                 "autoep-no-shortcuts": "autoep", "deepspeed-moe-no-shortcuts": "deepspeed-moe"}
 SYSTEMS = tuple(DESCRIPTIONS)
 
 #: systems the benchmark cannot run in one process on one device, and why (reported with the results)
@@ -274,6 +288,40 @@ def build_deepspeed_moe(shape, inputs: RoutedInputs, dtype: torch.dtype, device:
                        keep=[layer, engine])
 
 
+class NRankBranches(int):
+    """An expert-parallel size of 1 that takes a DeepSpeed layer's N-rank branches: ``== 1`` is False and ``> 1``
+    True, while as a number (views, reshapes, ranges, products) it is 1. AutoEP tests ``ep_size == 1``, the legacy
+    layer ``ep_size > 1``, to skip their all-to-alls on one rank; with this size each runs them through its 1-rank
+    process group, as every rank of an N-rank run does (every other use of the size sees 1, the group's size)."""
+
+    def __new__(cls) -> "NRankBranches":
+        return super().__new__(cls, 1)
+
+    def __eq__(self, other: object) -> bool:
+        return other is self
+
+    def __ne__(self, other: object) -> bool:
+        return other is not self
+
+    def __gt__(self, other: int) -> bool:
+        return int(other) <= 1
+
+    def __ge__(self, other: int) -> bool:
+        return int(other) <= 1
+
+    __hash__ = int.__hash__
+
+
+def _on_n_rank_branches(built: VersusLayer, moe_layer: Callable[[nn.Module], nn.Module]) -> VersusLayer:
+    """A DeepSpeed layer (``built.keep[0]``) whose layer holding ``ep_size`` (``moe_layer`` of it) takes its N-rank
+    branches (:class:`NRankBranches`)."""
+    inner = moe_layer(built.keep[0])
+    if int(inner.ep_size) != 1:
+        raise RuntimeError(f"{type(inner).__name__}.ep_size is {inner.ep_size}, not 1")
+    inner.ep_size = NRankBranches()
+    return built
+
+
 BUILDERS: Dict[str, Callable[..., VersusLayer]] = {
     "plain": build_plain,
     "ds_hecate": build_hecate,
@@ -281,5 +329,8 @@ BUILDERS: Dict[str, Callable[..., VersusLayer]] = {
     "ds_hecate-call": build_hecate_call,
     "ds_hecate-call-no-shortcuts": lambda *a: build_hecate_call(*a, one_rank_shortcuts=False),
     "autoep": build_autoep,
+    "autoep-no-shortcuts": lambda *a: _on_n_rank_branches(build_autoep(*a), lambda layer: layer),
     "deepspeed-moe": build_deepspeed_moe,
+    "deepspeed-moe-no-shortcuts": lambda *a: _on_n_rank_branches(build_deepspeed_moe(*a),
+                                                                 lambda layer: layer.deepspeed_moe),
 }

@@ -161,6 +161,11 @@ def test_layer_versus_quick_runs_and_its_table_is_well_formed(tmp_path):
         # the same function of the same input: a benchmark of different layers would compare nothing
         assert max(r["agreement"].values()) <= lv.AGREEMENT_TOL["fp32"], (name, r["agreement"])
     assert systems["plain"]["ratio_vs_plain"] == [1.0, 1.0, 1.0]
+    from benchmarks.versus_systems import ONE_RANK_TWIN
+    for name, twin in ONE_RANK_TWIN.items():   # the N-rank paths exchange their rows, the one-rank ones do not
+        if systems[name]["status"] == "ok":
+            assert systems[name]["collectives"].get("c10d::alltoall_base_", 0) >= 2, (name, systems[name])
+            assert not systems[twin]["collectives"].get("c10d::alltoall_base_"), (twin, systems[twin])
     assert set(systems["ds_hecate"]["phases_s"]) >= {"counts", "dispatch", "compute", "combine"}
     text = doc.read_text()
     assert text.startswith("# keep\n") and text.endswith("## after\nkeep too\n") and "\nold\n" not in text
@@ -180,6 +185,35 @@ def test_layer_versus_quick_runs_and_its_table_is_well_formed(tmp_path):
     lines = [line for line in doc.read_text().splitlines() if line.startswith("| quick |")][:len(lv.SYSTEMS)]
     assert all(line.count("|") == len(lv.TABLE_HEADER) + 2 for line in lines)
     assert lines[1].split(" | ")[4] == lines[1].split(" | ")[-1].rstrip(" |")   # ds_hecate: its own ratio, twice
+
+
+def _broken_n_rank_row(rank: int, world_size: int, broken: str):
+    """In a process of its own (the cell starts a one-rank process group): AutoEP's no-shortcut row broken, the
+    cell's refusal (or None). Its one-rank twin is not in the cell, so the check builds it."""
+    from benchmarks import layer_versus, versus_systems
+    build = versus_systems.BUILDERS["autoep-no-shortcuts"]
+    if broken == "bits":     # the N-rank branches taken, the output scaled: other bits
+        def other_bits(*args):
+            built = build(*args)
+            forward = built.forward
+            built.forward = lambda x: forward(x) * 1.001
+            return built
+        versus_systems.BUILDERS["autoep-no-shortcuts"] = other_bits
+    else:                    # the size left at 1: the one-rank branches, no collective
+        versus_systems.BUILDERS["autoep-no-shortcuts"] = versus_systems.build_autoep
+    try:
+        layer_versus.measure_cell("quick", "fp32", "cpu", 1, 0, ["plain", "autoep-no-shortcuts"])
+    except SystemExit as exc:
+        return str(exc)
+    return None
+
+
+def test_layer_versus_refuses_a_no_shortcut_row_that_is_not_the_n_rank_path():
+    """A no-shortcut row times the N-rank path of its own one-rank layer: one that computes other bits, or that
+    issues no all-to-all (the N-rank branches not taken), stops the cell before any timing."""
+    assert "autoep-no-shortcuts computed other bits than autoep" in run_ranks(
+        1, _broken_n_rank_row, "bits", timeout=240)[0]
+    assert "autoep-no-shortcuts issued 0 all-to-alls" in run_ranks(1, _broken_n_rank_row, "branches", timeout=240)[0]
 
 
 def test_gate_cost_times_the_three_gates(capsys):
