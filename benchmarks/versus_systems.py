@@ -7,7 +7,11 @@ the gate-weighted sum of each token's k expert outputs. The weights are :func:`b
 dtype). What each system's layer call is (timed from the forward's start to the end of what its backward leaves to
 do), per :data:`DESCRIPTIONS`:
 
-- ``plain``: :class:`PlainGroupedMoE`, written here from torch ops: the floor a user gets without a framework;
+- ``plain``: :class:`~benchmarks.plain_layers.PlainGroupedMoE`, written from torch ops: the floor a user gets
+  without a framework;
+- ``plain-all-to-all``: :class:`~benchmarks.plain_layers.PlainAllToAllMoE`, the plain layer with the count
+  exchange, the token exchange each way and the receive-side permutations every rank of an N-rank all-to-all
+  expert-parallel layer runs, through the 1-rank process group: the floor for the no-shortcut rows;
 - ``ds_hecate``: a ``ds_hecate.MoE`` layer taken over by a 1-rank Hecate runtime built as ``deepspeed.initialize``
   builds it (:func:`ds_hecate.deepspeed_glue.initialize.build_runtime` from the user's config, ``convert_model``,
   the engine's forward pre-hook ``runtime.on_model_forward``), every expert owned; forward, backward and
@@ -52,9 +56,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from benchmarks.plain_layers import PlainAllToAllMoE, PlainGroupedMoE
+
 DESCRIPTIONS = {
     "plain": "plain grouped-GEMM MoE layer from torch ops (router, sort-permute, F.grouped_mm, weighted "
              "un-permute): the floor",
+    "plain-all-to-all": "the plain layer with an all-to-all expert-parallel layer's exchange (count exchange, token "
+                        "all-to-alls, receive-side permutations) through the 1-rank process group: the floor for the "
+                        "no-shortcut rows",
     "ds_hecate": "ds_hecate.MoE on a 1-rank Hecate runtime built as deepspeed.initialize builds it, every expert "
                  "owned",
     "ds_hecate-no-shortcuts": "the same, the communicator's one-rank shortcuts off (collectives through the 1-rank "
@@ -71,7 +80,7 @@ DESCRIPTIONS = {
                                   "1-rank process group)",
 }
 #: each no-shortcut system's one-rank layer: the same bits, without the collectives (checked before timing)
-ONE_RANK_TWIN = {"ds_hecate-no-shortcuts": "ds_hecate", "ds_hecate-call-no-shortcuts": "ds_hecate-call",
+ONE_RANK_TWIN = {"plain-all-to-all": "plain", "ds_hecate-no-shortcuts": "ds_hecate", "ds_hecate-call-no-shortcuts": "ds_hecate-call",
                  "autoep-no-shortcuts": "autoep", "deepspeed-moe-no-shortcuts": "deepspeed-moe"}
 SYSTEMS = tuple(DESCRIPTIONS)
 
@@ -128,40 +137,6 @@ def routed_inputs(hidden: int, experts: int, top_k: int, tokens: int, dtype: tor
     return RoutedInputs(x.to(device, dtype), router.to(device, dtype), grad.to(device, dtype), choices)
 
 
-class PlainGroupedMoE(nn.Module):
-    """The floor: a SwiGLU MoE layer from torch ops, as a user would write it around ``F.grouped_mm``.
-
-    Router (fp32 logits, softmax, top-k, renormalized gates); sort the routes by expert (one stable argsort) and
-    gather their token rows; ``[w1; w3]`` as one grouped GEMM, SiLU-gate, ``w2`` as a second; put the rows back in
-    route order (``index_copy``) and sum each token's k rows weighted by its gates in fp32 (DeepSpeed's combine
-    arithmetic). Autograd does the backward: grouped GEMM's own, deterministic on the CPU."""
-
-    def __init__(self, router: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
-                 top_k: int) -> None:
-        super().__init__()
-        self.top_k = top_k
-        self.router = nn.Parameter(router.clone())
-        self.gate_up = nn.Parameter(torch.cat([w1, w3], dim=1).contiguous())   # [E, 2F, H]
-        self.down = nn.Parameter(w2.clone().contiguous())                    # [E, H, F]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        num_tokens, k, num_experts = x.shape[0], self.top_k, self.router.shape[0]
-        probs = F.linear(x.float(), self.router.float()).softmax(dim=-1)
-        top, expert = probs.topk(k, dim=-1)                                   # [S, k]
-        gates = top / top.sum(dim=-1, keepdim=True)
-        flat = expert.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.zeros(num_experts, dtype=torch.int64, device=x.device).scatter_add_(
-            0, flat, torch.ones_like(flat))
-        offs = counts.cumsum(0).to(torch.int32)
-        rows = x.index_select(0, order // k)
-        gate_up = F.grouped_mm(rows, self.gate_up.transpose(1, 2), offs=offs)
-        g, u = gate_up.chunk(2, dim=-1)
-        y = F.grouped_mm(F.silu(g) * u, self.down.transpose(1, 2), offs=offs)
-        y_routes = torch.index_copy(torch.empty_like(y), 0, order, y)
-        return (y_routes.view(num_tokens, k, -1) * gates.unsqueeze(-1)).sum(dim=1).to(x.dtype)
-
-
 @dataclass
 class VersusLayer:
     """One system's layer, ready to call: ``forward(x)`` gives the output (``x`` shaped ``input_shape``),
@@ -191,10 +166,11 @@ def _model_args(shape) -> argparse.Namespace:
                               layers=1, tokens=shape.tokens)
 
 
-def build_plain(shape, inputs: RoutedInputs, dtype: torch.dtype, device: torch.device) -> VersusLayer:
+def build_plain(shape, inputs: RoutedInputs, dtype: torch.dtype, device: torch.device,
+                layer_class: type = PlainGroupedMoE) -> VersusLayer:
     from benchmarks.systems import canonical_weights
     w = canonical_weights(_model_args(shape))[0]
-    layer = PlainGroupedMoE(inputs.router.float().cpu(), w["w1"], w["w3"], w["w2"], shape.top_k).to(device, dtype)
+    layer = layer_class(inputs.router.float().cpu(), w["w1"], w["w3"], w["w2"], shape.top_k).to(device, dtype)
     return VersusLayer(layer, (shape.tokens, shape.hidden), _clear_grads(layer.parameters()), keep=[layer])
 
 
@@ -324,6 +300,7 @@ def _on_n_rank_branches(built: VersusLayer, moe_layer: Callable[[nn.Module], nn.
 
 BUILDERS: Dict[str, Callable[..., VersusLayer]] = {
     "plain": build_plain,
+    "plain-all-to-all": lambda *a: build_plain(*a, layer_class=PlainAllToAllMoE),
     "ds_hecate": build_hecate,
     "ds_hecate-no-shortcuts": lambda *a: build_hecate(*a, one_rank_shortcuts=False),
     "ds_hecate-call": build_hecate_call,

@@ -240,7 +240,9 @@ def test_nrank_path_splits_the_no_shortcut_excess(tmp_path):
     a = cell["attribution"]
     assert a["excess"] == pytest.approx(a["collectives"] + a["permutations"] + a["rest"])
     rows = [line for line in doc.read_text().splitlines() if line.startswith("| quick | fp32 |")]
-    assert len(rows) == 1 and rows[0].count("|") == 11 and "\nold\n" not in doc.read_text()
+    assert len(rows) == 1 and rows[0].count("|") == len(nrank_path.LAYERS) + 7 and "\nold\n" not in doc.read_text()
+    m, lo, hi = cell["over_all_to_all_floor"]
+    assert 0 < lo <= m <= hi
 
 
 def _broken_counterfactual(rank: int, world_size: int, broken: str):
