@@ -120,12 +120,20 @@ def expert_major(received: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
 
 class PlainAllToAllMoE(PlainGroupedMoE):
     """:class:`PlainGroupedMoE` with the exchange of an N-rank expert-parallel layer (see the module docstring):
-    expert ``e`` lives on rank ``e // (E / N)`` of the default process group; this rank computes its ``E / N``
-    experts."""
+    expert ``e`` lives on rank ``e // (E / N)`` of the default process group (initialized before the layer is
+    built); this rank holds and computes its ``E / N`` experts (parameters of their own: a slice of all experts'
+    would cost autograd a zero-filled gradient of all of them)."""
+
+    def __init__(self, router: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
+                 top_k: int) -> None:
+        ranks, rank = dist.get_world_size(), dist.get_rank()
+        local = router.shape[0] // ranks
+        mine = slice(rank * local, (rank + 1) * local)
+        super().__init__(router, w1[mine], w3[mine], w2[mine], top_k)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         num_tokens, k, num_experts = x.shape[0], self.top_k, self.router.shape[0]
-        ranks, rank = dist.get_world_size(), dist.get_rank()
+        ranks = dist.get_world_size()
         local = num_experts // ranks
         probs = F.linear(x.float(), self.router.float()).softmax(dim=-1)
         top, expert = probs.topk(k, dim=-1)                                   # [S, k]
@@ -144,10 +152,9 @@ class PlainAllToAllMoE(PlainGroupedMoE):
         recv_splits = by_source.sum(axis=1).tolist()
         rows = Exchange.apply(x.index_select(0, order // k), send_splits, recv_splits, None)
         rows = Permute.apply(rows, perm, inverse)
-        mine = slice(rank * local, (rank + 1) * local)
-        gate_up = F.grouped_mm(rows, self.gate_up[mine].transpose(1, 2), offs=offs)
+        gate_up = F.grouped_mm(rows, self.gate_up.transpose(1, 2), offs=offs)
         g, u = gate_up.chunk(2, dim=-1)
-        y = F.grouped_mm(F.silu(g) * u, self.down[mine].transpose(1, 2), offs=offs)
+        y = F.grouped_mm(F.silu(g) * u, self.down.transpose(1, 2), offs=offs)
         y = Exchange.apply(Permute.apply(y, inverse, perm), recv_splits, send_splits, None)
         y_routes = torch.index_copy(torch.empty_like(y), 0, order, y)
         return (y_routes.view(num_tokens, k, -1) * gates.unsqueeze(-1)).sum(dim=1).to(x.dtype)
