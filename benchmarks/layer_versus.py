@@ -232,7 +232,7 @@ def check_n_rank_paths(built: dict, first: dict, xs: dict, grads: dict, device, 
             twin_first = one_call(layers[twin], xs[s], grads[s], device)
             twin_collectives = exchanges(layers[twin], xs[s], grads[s])
         out, x_grad = first[s][1:]
-        if not (torch_equal(out, twin_first[1]) and torch_equal(x_grad, twin_first[2])):
+        if not (torch_equal(out, twin_first[1]) and same_input_grad(x_grad, twin_first[2], device)):
             raise SystemExit(f"layer_versus: {s} computed other bits than {twin}; its row would time another call")
         all_to_alls = [sum(n for name, n in c.items() if "alltoall" in name)
                        for c in (collectives[s], twin_collectives)]
@@ -245,6 +245,24 @@ def check_n_rank_paths(built: dict, first: dict, xs: dict, grads: dict, device, 
 def torch_equal(a, b) -> bool:
     import torch
     return a.shape == b.shape and bool(torch.equal(a, b))
+
+
+#: on CUDA, how far a no-shortcut row's input gradient may be from its one-rank layer's (largest difference over
+#: the largest magnitude): the plain layer's and DeepSpeed's layers' token gathers take their backward with
+#: ``index_add_``, whose CUDA adds run in no fixed order, so two calls of the same layer differ in the last bits
+GRAD_ORDER_TOL = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 1e-2}
+
+
+def same_input_grad(a, b, device) -> bool:
+    """The input gradients of a no-shortcut row and its one-rank layer: the same bits on the CPU (every add in a
+    fixed order), within :data:`GRAD_ORDER_TOL` on CUDA."""
+    if device.type != "cuda":
+        return torch_equal(a, b)
+    if a.shape != b.shape:
+        return False
+    tol = GRAD_ORDER_TOL[str(b.dtype).rpartition(".")[2]]
+    a, b = a.float(), b.float()
+    return float((a - b).abs().max()) / float(b.abs().max().clamp(min=1e-30)) <= tol
 
 
 def _git_commit() -> str:

@@ -216,6 +216,21 @@ def test_layer_versus_refuses_a_no_shortcut_row_that_is_not_the_n_rank_path():
     assert "autoep-no-shortcuts issued 0 all-to-alls" in run_ranks(1, _broken_n_rank_row, "branches", timeout=240)[0]
 
 
+def test_no_shortcut_input_gradient_exact_on_the_cpu_within_add_order_on_cuda():
+    """The twin check's input-gradient rule: bit-equal on the CPU; on CUDA (atomic adds in no fixed order) within
+    the dtype's tolerance, and not beyond it."""
+    from benchmarks.layer_versus import GRAD_ORDER_TOL, same_input_grad
+    a = torch.randn(64, 8)
+    ulp = a.clone()
+    ulp[0, 0] = torch.nextafter(ulp[0, 0], torch.tensor(float("inf")))
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert same_input_grad(a, a.clone(), cpu) and not same_input_grad(ulp, a, cpu)
+    assert same_input_grad(ulp, a, cuda) and not same_input_grad(a * (1 + 10 * GRAD_ORDER_TOL["float32"]), a, cuda)
+    half = a.bfloat16()
+    assert same_input_grad(half, half.clone(), cuda) and not same_input_grad(half * 1.05, half, cuda)
+    assert not same_input_grad(a[:32], a, cuda)
+
+
 def test_gate_cost_times_the_three_gates(capsys):
     """``python -m benchmarks.gate_cost``: DeepSpeed's gate, ds_hecate's computation of it and a plain router, each
     timed forward and backward (the figure docs/benchmarks.md quotes)."""
