@@ -35,4 +35,7 @@ def describe_machine() -> dict:
     return {"cpu": cpu, "vcpus": vcpus, "memory_gib": round(mem_gib, 1) if mem_gib else None,
             "gpu": torch.cuda.is_available(), "python": platform.python_version(), "torch": torch.__version__,
             "deepspeed": deepspeed.__version__, "transformers": tf, "backend": "gloo",
-            "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+            # glibc's allocator settings: whether freed memory is kept (no first-touch page faults, as a GPU's
+            # caching allocator keeps its blocks) moves CPU layer calls by 10-30% (docs/benchmarks.md)
+            "malloc_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_")}}
