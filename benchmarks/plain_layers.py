@@ -5,9 +5,9 @@
 - :class:`PlainAllToAllMoE` (``plain-all-to-all``): the floor of an all-to-all expert-parallel layer, the plain
   layer with the exchange every rank of an N-rank run makes.
 
-The all-to-all floor. On N ranks an expert-parallel layer built on ``all_to_all_single`` (DeepSpeed's AutoEP, Megatron-Core's and
-torchtitan's all-to-all token dispatchers, ds_hecate's per-rank path) does more, whatever it is called, and this is
-the least of it:
+The all-to-all floor. On N ranks an expert-parallel layer built on ``all_to_all_single`` (DeepSpeed's AutoEP,
+Megatron-Core's and torchtitan's all-to-all token dispatchers, ds_hecate's per-rank path) does more, whatever it is
+called, and this is the least of it:
 
 - a **count exchange**: each rank sends each other rank its routes' counts for that rank's experts (one
   ``all_to_all_single`` of ``E`` counts) and reads the counts back to the host: the variable split sizes of the

@@ -80,8 +80,9 @@ DESCRIPTIONS = {
                                   "1-rank process group)",
 }
 #: each no-shortcut system's one-rank layer: the same bits, without the collectives (checked before timing)
-ONE_RANK_TWIN = {"plain-all-to-all": "plain", "ds_hecate-no-shortcuts": "ds_hecate", "ds_hecate-call-no-shortcuts": "ds_hecate-call",
-                 "autoep-no-shortcuts": "autoep", "deepspeed-moe-no-shortcuts": "deepspeed-moe"}
+ONE_RANK_TWIN = {"plain-all-to-all": "plain", "ds_hecate-no-shortcuts": "ds_hecate",
+                 "ds_hecate-call-no-shortcuts": "ds_hecate-call", "autoep-no-shortcuts": "autoep",
+                 "deepspeed-moe-no-shortcuts": "deepspeed-moe"}
 SYSTEMS = tuple(DESCRIPTIONS)
 
 #: systems the benchmark cannot run in one process on one device, and why (reported with the results)
