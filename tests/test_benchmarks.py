@@ -231,6 +231,15 @@ def test_no_shortcut_input_gradient_exact_on_the_cpu_within_add_order_on_cuda():
     assert not same_input_grad(a[:32], a, cuda)
 
 
+def test_grad_epilogue_times_deepspeeds_fp32_accumulation(capsys):
+    """``python -m benchmarks.grad_epilogue``: DeepSpeed's bf16 backward epilogue for a shape's expert weights,
+    timed (the figure docs/benchmarks.md puts beside the weight-bound bf16 rows)."""
+    from benchmarks import grad_epilogue
+    assert grad_epilogue.main(["--shape", "quick", "--reps", "2"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("quick: 49,152 expert weights, bf16 gradients into fp32: median ") and " ms over 2 " in line
+
+
 def test_gate_cost_times_the_three_gates(capsys):
     """``python -m benchmarks.gate_cost``: DeepSpeed's gate, ds_hecate's computation of it and a plain router, each
     timed forward and backward (the figure docs/benchmarks.md quotes)."""
