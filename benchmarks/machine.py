@@ -39,3 +39,9 @@ def describe_machine() -> dict:
             # glibc's allocator settings: whether freed memory is kept (no first-touch page faults, as a GPU's
             # caching allocator keeps its blocks) moves CPU layer calls by 10-30% (docs/benchmarks.md)
             "malloc_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_")}}
+
+
+def allocator_settings(machine: dict) -> str:
+    """The run's glibc allocator settings (``describe_machine``'s ``malloc_env``) for a table's machine line:
+    ``, NAME=value`` each, nothing when none was set (or the record predates them)."""
+    return "".join(f", {k}={v}" for k, v in machine.get("malloc_env", {}).items())

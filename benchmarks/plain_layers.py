@@ -17,7 +17,8 @@ called, and this is the least of it:
 - a **permutation** each way on the receiving rank: the exchange delivers the rows source-major (each source's
   rows in one chunk, by expert inside it), the grouped GEMM needs them expert-major; and back. Built on the host
   from the received counts (the host has them), one gather each way, forward and backward (the backward of a
-  permutation is the gather by its inverse, not autograd's ``index_add_`` scatter).
+  permutation is the gather by its inverse, not autograd's ``index_add_`` scatter: ds_hecate's ``Permute`` and
+  ``segment_rows``, which any careful layer would write alike).
 
 Everything else is the plain layer's, op for op: the router, the sort by expert (which is the send order: experts
 live on ranks in blocks), the gather of the token rows, the two grouped GEMMs, the ``index_copy`` back to route order
@@ -35,6 +36,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from ds_hecate.runtime.expert_compute import Permute, segment_rows
 
 
 class PlainGroupedMoE(nn.Module):
@@ -54,21 +57,31 @@ class PlainGroupedMoE(nn.Module):
         self.down = nn.Parameter(w2.clone().contiguous())                    # [E, H, F]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        num_tokens, k, num_experts = x.shape[0], self.top_k, self.router.shape[0]
+        gates, order, counts = self.route(x)
+        rows = x.index_select(0, order // self.top_k)
+        return self.combine(self.experts(rows, counts.cumsum(0).to(torch.int32)), order, gates, x)
+
+    def route(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(gates ``[S, k]``, the routes sorted by expert, routes per expert ``[E]``)."""
         probs = F.linear(x.float(), self.router.float()).softmax(dim=-1)
-        top, expert = probs.topk(k, dim=-1)                                   # [S, k]
+        top, expert = probs.topk(self.top_k, dim=-1)                          # [S, k]
         gates = top / top.sum(dim=-1, keepdim=True)
         flat = expert.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        counts = torch.zeros(num_experts, dtype=torch.int64, device=x.device).scatter_add_(
+        counts = torch.zeros(self.router.shape[0], dtype=torch.int64, device=x.device).scatter_add_(
             0, flat, torch.ones_like(flat))
-        offs = counts.cumsum(0).to(torch.int32)
-        rows = x.index_select(0, order // k)
+        return gates, order, counts
+
+    def experts(self, rows: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        """The SwiGLU experts on their rows (grouped by expert, ``offs`` their ends)."""
         gate_up = F.grouped_mm(rows, self.gate_up.transpose(1, 2), offs=offs)
         g, u = gate_up.chunk(2, dim=-1)
-        y = F.grouped_mm(F.silu(g) * u, self.down.transpose(1, 2), offs=offs)
+        return F.grouped_mm(F.silu(g) * u, self.down.transpose(1, 2), offs=offs)
+
+    def combine(self, y: torch.Tensor, order: torch.Tensor, gates: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The routes' outputs (in ``order``) back in route order, each token's summed weighted by its gates."""
         y_routes = torch.index_copy(torch.empty_like(y), 0, order, y)
-        return (y_routes.view(num_tokens, k, -1) * gates.unsqueeze(-1)).sum(dim=1).to(x.dtype)
+        return (y_routes.view(x.shape[0], self.top_k, -1) * gates.unsqueeze(-1)).sum(dim=1).to(x.dtype)
 
 
 class Exchange(torch.autograd.Function):
@@ -90,29 +103,13 @@ class Exchange(torch.autograd.Function):
         return out, None, None, None
 
 
-class Permute(torch.autograd.Function):
-    """``rows[perm]``; backward the gather by the known inverse."""
-
-    @staticmethod
-    def forward(ctx, rows: torch.Tensor, perm: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(inverse)
-        return rows.index_select(0, perm)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (inverse,) = ctx.saved_tensors
-        return grad.index_select(0, inverse), None, None
-
-
 def expert_major(received: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
     """(perm, inverse) from ``received`` ``[sources, local experts]`` (rows received per source and expert, in the
     exchange's source-major order): ``perm`` takes the received rows expert-major (by expert, then source),
     ``inverse`` puts them back."""
     lengths = received.reshape(-1)
     starts = (np.cumsum(lengths) - lengths).reshape(received.shape)
-    seg_starts, seg_lengths = starts.T.reshape(-1), received.T.reshape(-1)   # the segments expert-major
-    first_out = np.cumsum(seg_lengths) - seg_lengths
-    perm = np.repeat(seg_starts - first_out, seg_lengths) + np.arange(int(seg_lengths.sum()), dtype=np.int64)
+    perm = segment_rows(starts.T.reshape(-1), received.T.reshape(-1))   # the segments taken expert-major
     inverse = np.empty_like(perm)
     inverse[perm] = np.arange(perm.shape[0], dtype=np.int64)
     return perm, inverse
@@ -132,29 +129,17 @@ class PlainAllToAllMoE(PlainGroupedMoE):
         super().__init__(router, w1[mine], w3[mine], w2[mine], top_k)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        num_tokens, k, num_experts = x.shape[0], self.top_k, self.router.shape[0]
         ranks = dist.get_world_size()
-        local = num_experts // ranks
-        probs = F.linear(x.float(), self.router.float()).softmax(dim=-1)
-        top, expert = probs.topk(k, dim=-1)                                   # [S, k]
-        gates = top / top.sum(dim=-1, keepdim=True)
-        flat = expert.reshape(-1)
-        order = torch.argsort(flat, stable=True)                             # by expert: by destination too
-        counts = torch.zeros(num_experts, dtype=torch.int64, device=x.device).scatter_add_(
-            0, flat, torch.ones_like(flat))
+        gates, order, counts = self.route(x)                                 # by expert: by destination too
         received = torch.empty_like(counts)                                  # [sources * local]
         dist.all_to_all_single(received, counts)
         sent_host, received_host = (np.asarray(c, dtype=np.int64) for c in torch.stack((counts, received)).tolist())
-        send_splits = sent_host.reshape(ranks, local).sum(axis=1).tolist()
-        by_source = received_host.reshape(ranks, local)
+        send_splits = sent_host.reshape(ranks, -1).sum(axis=1).tolist()
+        by_source = received_host.reshape(ranks, -1)
         perm, inverse = (torch.from_numpy(a).to(x.device) for a in expert_major(by_source))
         offs = torch.from_numpy(np.cumsum(by_source.sum(axis=0)).astype(np.int32)).to(x.device)
         recv_splits = by_source.sum(axis=1).tolist()
-        rows = Exchange.apply(x.index_select(0, order // k), send_splits, recv_splits, None)
-        rows = Permute.apply(rows, perm, inverse)
-        gate_up = F.grouped_mm(rows, self.gate_up.transpose(1, 2), offs=offs)
-        g, u = gate_up.chunk(2, dim=-1)
-        y = F.grouped_mm(F.silu(g) * u, self.down.transpose(1, 2), offs=offs)
+        rows = Exchange.apply(x.index_select(0, order // self.top_k), send_splits, recv_splits, None)
+        y = self.experts(Permute.apply(rows, perm, inverse), offs)
         y = Exchange.apply(Permute.apply(y, inverse, perm), recv_splits, send_splits, None)
-        y_routes = torch.index_copy(torch.empty_like(y), 0, order, y)
-        return (y_routes.view(num_tokens, k, -1) * gates.unsqueeze(-1)).sum(dim=1).to(x.dtype)
+        return self.combine(y, order, gates, x)

@@ -310,6 +310,6 @@ def expert_major_order(dispatch: RankDispatch, device: torch.device) -> torch.Te
     return segment_order(dispatch.order_starts, dispatch.order_lengths, device)
 
 
-__all__: List[str] = ["ExpertRows", "CallGrads", "Materialize", "MaterializeWeights", "RematerializedExperts",
+__all__: List[str] = ["ExpertRows", "Permute", "CallGrads", "Materialize", "MaterializeWeights", "RematerializedExperts",
                       "run_parts", "run_loop", "grouped_operands", "GroupedOperands", "segment_rows",
                       "segment_order", "host_index", "expert_major_order"]
