@@ -18,7 +18,7 @@ called, and this is the least of it:
   rows in one chunk, by expert inside it), the grouped GEMM needs them expert-major; and back. Built on the host
   from the received counts (the host has them), one gather each way, forward and backward (the backward of a
   permutation is the gather by its inverse, not autograd's ``index_add_`` scatter: ds_hecate's ``Permute`` and
-  ``segment_rows``, which any careful layer would write alike).
+  ``segment_permutation``, which any careful layer would write alike).
 
 Everything else is the plain layer's, op for op: the router, the sort by expert (which is the send order: experts
 live on ranks in blocks), the gather of the token rows, the two grouped GEMMs, the ``index_copy`` back to route order
@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ds_hecate.runtime.expert_compute import Permute, segment_rows
+from ds_hecate.runtime.expert_compute import Permute, segment_permutation
 
 
 class PlainGroupedMoE(nn.Module):
@@ -106,13 +106,10 @@ class Exchange(torch.autograd.Function):
 def expert_major(received: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
     """(perm, inverse) from ``received`` ``[sources, local experts]`` (rows received per source and expert, in the
     exchange's source-major order): ``perm`` takes the received rows expert-major (by expert, then source),
-    ``inverse`` puts them back."""
+    ``inverse`` puts them back (the runtime's :func:`~ds_hecate.runtime.expert_compute.segment_permutation`)."""
     lengths = received.reshape(-1)
     starts = (np.cumsum(lengths) - lengths).reshape(received.shape)
-    perm = segment_rows(starts.T.reshape(-1), received.T.reshape(-1))   # the segments taken expert-major
-    inverse = np.empty_like(perm)
-    inverse[perm] = np.arange(perm.shape[0], dtype=np.int64)
-    return perm, inverse
+    return segment_permutation(starts.T.reshape(-1), received.T.reshape(-1))   # the segments taken expert-major
 
 
 class PlainAllToAllMoE(PlainGroupedMoE):

@@ -231,6 +231,16 @@ def test_no_shortcut_input_gradient_exact_on_the_cpu_within_add_order_on_cuda():
     assert not same_input_grad(a[:32], a, cuda)
 
 
+def test_all_to_all_floor_permutes_many_sources_expert_major_and_back():
+    """The floor's receive-side permutation on a table of two sources (a 1-rank run only ever sees the identity):
+    the rows expert-major, and the inverse putting them back in the received order."""
+    import numpy as np
+    from benchmarks.plain_layers import expert_major
+    perm, inverse = expert_major(np.array([[3, 0, 2], [1, 2, 0]]))   # rows per (source, local expert)
+    assert perm.tolist() == [0, 1, 2, 5, 6, 7, 3, 4]   # expert 0: 3 + 1 rows, expert 1: 2, expert 2: 2
+    assert perm[inverse].tolist() == list(range(8))
+
+
 def test_grad_epilogue_times_deepspeeds_fp32_accumulation(capsys):
     """``python -m benchmarks.grad_epilogue``: DeepSpeed's bf16 backward epilogue for a shape's expert weights,
     timed (the figure docs/benchmarks.md puts beside the weight-bound bf16 rows)."""

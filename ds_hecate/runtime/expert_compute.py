@@ -76,14 +76,13 @@ class ExpertRows:
         held = [mine[e] for e in experts if e in mine]
         sizes = [int(dispatch.sizes[mine[e]]) if e in mine else 0 for e in experts]
         held_starts, held_lengths = starts[held].reshape(-1), lengths[held].reshape(-1)
-        # where each segment lands in expert-major order, and the segments in received order
-        positions = np.cumsum(held_lengths) - held_lengths
-        received = np.argsort(held_starts, kind="stable")
+        positions = np.cumsum(held_lengths) - held_lengths   # where each segment lands in expert-major order
         nonempty = held_lengths > 0
         in_order = alone and bool(np.array_equal(held_starts[nonempty], positions[nonempty]))
         permutes = not in_order or pad_rows > 0   # (the zero row is appended by the permutation back)
-        return ExpertRows(segment_order(held_starts, held_lengths, device) if permutes else None,
-                          segment_order(positions[received], held_lengths[received], device) if permutes else None,
+        order, inverse = ((host_index(rows, device) for rows in segment_permutation(held_starts, held_lengths))
+                          if permutes else (None, None))
+        return ExpertRows(order, inverse,
                           RowGroups.build(sizes[:owned], device, to_device),
                           RowGroups.build(sizes[owned:], device, to_device), pad_rows, in_order)
 
@@ -294,6 +293,19 @@ def segment_rows(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return np.repeat(starts - first_out, lengths) + np.arange(int(lengths.sum()), dtype=np.int64)
 
 
+def segment_permutation(starts: np.ndarray, lengths: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """(order, inverse) on the host for a buffer cut into segments (segment ``i``: ``lengths[i]`` rows from
+    ``starts[i]``; together they cover the buffer): ``order`` takes the segments' rows one segment after another in
+    the given order (:func:`segment_rows`), ``inverse`` puts them back. The received rows of an all-to-all
+    (source-major) to expert-major and back: both are built from the segment table, not by scattering one index
+    per row."""
+    starts = np.asarray(starts, dtype=np.int64)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    positions = np.cumsum(lengths) - lengths    # where each segment lands in ``order``
+    by_start = np.argsort(starts, kind="stable")   # the segments in the buffer's order
+    return segment_rows(starts, lengths), segment_rows(positions[by_start], lengths[by_start])
+
+
 def host_index(rows: np.ndarray, device: torch.device) -> torch.Tensor:
     """A host-built int64 index on ``device``: pinned and non-blocking on CUDA, the array itself on the CPU."""
     return to_device(torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64)), device)
@@ -312,4 +324,5 @@ def expert_major_order(dispatch: RankDispatch, device: torch.device) -> torch.Te
 
 __all__: List[str] = ["ExpertRows", "Permute", "CallGrads", "Materialize", "MaterializeWeights", "RematerializedExperts",
                       "run_parts", "run_loop", "grouped_operands", "GroupedOperands", "segment_rows",
+                      "segment_permutation",
                       "segment_order", "host_index", "expert_major_order"]
