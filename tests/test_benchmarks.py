@@ -241,6 +241,19 @@ def test_all_to_all_floor_permutes_many_sources_expert_major_and_back():
     assert perm[inverse].tolist() == list(range(8))
 
 
+def _floor_parts(rank: int, world_size: int):
+    from benchmarks import floor_parts
+    return floor_parts.part_seconds("quick", "bf16", 2, warmup=0)
+
+
+def test_floor_parts_times_each_primitive_of_the_all_to_all_floor():
+    """``python -m benchmarks.floor_parts``: every primitive of the floor timed on the shape's routed rows (in a
+    process of its own: it starts a one-rank process group), after the all-to-all delivered the rows it was given."""
+    from benchmarks.floor_parts import PARTS
+    times = run_ranks(1, _floor_parts, timeout=120)[0]
+    assert list(times) == list(PARTS) and all(len(ts) == 2 and all(t > 0 for t in ts) for ts in times.values())
+
+
 def test_grad_epilogue_times_deepspeeds_fp32_accumulation(capsys):
     """``python -m benchmarks.grad_epilogue``: DeepSpeed's bf16 backward epilogue for a shape's expert weights,
     timed (the figure docs/benchmarks.md puts beside the weight-bound bf16 rows)."""
