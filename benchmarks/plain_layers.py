@@ -37,7 +37,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ds_hecate.runtime.expert_compute import Permute, segment_permutation
+from ds_hecate.ops.permute import Permute
+from ds_hecate.planning.segments import segment_permutation
 
 
 class PlainGroupedMoE(nn.Module):
@@ -106,7 +107,7 @@ class Exchange(torch.autograd.Function):
 def expert_major(received: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
     """(perm, inverse) from ``received`` ``[sources, local experts]`` (rows received per source and expert, in the
     exchange's source-major order): ``perm`` takes the received rows expert-major (by expert, then source),
-    ``inverse`` puts them back (the runtime's :func:`~ds_hecate.runtime.expert_compute.segment_permutation`)."""
+    ``inverse`` puts them back (:func:`~ds_hecate.planning.segments.segment_permutation`)."""
     lengths = received.reshape(-1)
     starts = (np.cumsum(lengths) - lengths).reshape(received.shape)
     return segment_permutation(starts.T.reshape(-1), received.T.reshape(-1))   # the segments taken expert-major

@@ -129,6 +129,10 @@ class HecateConfig(BaseModel):
                                             "(tensorboard / csv_monitor / wandb sections), when one is enabled.")
     monitor_interval: int = Field(
         1, ge=1, le=1 << 30, description="Write the metrics every N optimizer steps, as per-step means over them.")
+    profile: bool = Field(
+        False, description="Time every phase of every MoE layer call (stats()['layers'][i]['time_s'], the monitor's "
+                           "time_ms events, torch.profiler ranges; CUDA events on CUDA). Off: phases are timed only "
+                           "until the cost model has measured its steady-state figures (the first 4 optimizer steps).")
     trace_file: Optional[str] = Field(
         None, min_length=1, max_length=4096,
         description="Rank 0 records every layer's gate counts and executed plan here (JSON Lines, ds_hecate.trace); "

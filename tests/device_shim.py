@@ -80,6 +80,8 @@ _HOST_READS = {_aten._local_scalar_dense.default, _aten.nonzero.default, _aten.m
                _aten.bincount.default, _aten.equal.default, _aten.is_nonzero.default, _aten._unique2.default,
                _aten.unique_consecutive.default, _aten.unique_dim.default, _aten.allclose.default}
 _INDEXING = (_aten.index.Tensor, _aten.index_put.default, _aten.index_put_.default)
+#: the stand-in's compute capability (``torch.cuda.get_device_capability``): an H100's unless a test sets another
+CAPABILITY = [(9, 0)]
 #: where host reads are recorded (the active shim's list), None outside a shim
 _READS: List[List[str]] = []
 
@@ -93,6 +95,12 @@ def _host_read(func, args, kwargs) -> str:
         return func.__name__.split(".")[0]
     if func is _aten.repeat_interleave.Tensor and kwargs.get("output_size") is None and len(args) < 3:
         return "repeat_interleave without output_size"
+    if func is _aten._grouped_mm.default and (args[0].dtype != torch.bfloat16 or CAPABILITY[-1][0] not in (9, 10)):
+        # grouped GEMM has a device-side kernel for bf16 on sm90 / sm100 only; elsewhere its fallback copies the
+        # offsets to the host and loops
+        return "grouped_mm fallback (offsets read on the host)"
+    if func is _aten.segment_reduce.default and not kwargs.get("unsafe", False):
+        return "segment_reduce length check"
     if func in _INDEXING and any(isinstance(t, torch.Tensor) and t.dtype == torch.bool for t in flat[1:]):
         return "boolean-mask indexing"
     if func is _aten._to_copy.default and kwargs.get("device") is not None \
@@ -236,8 +244,9 @@ def cuda_shim():
 
     shim = Shim()
     saved = {"_lazy_init": torch.cuda._lazy_init, "Event": torch.cuda.Event,
-             "current_stream": torch.cuda.current_stream}
+             "current_stream": torch.cuda.current_stream, "get_device_capability": torch.cuda.get_device_capability}
     torch.cuda._lazy_init = lambda: None
+    torch.cuda.get_device_capability = lambda device=None: CAPABILITY[-1]
     torch.cuda.Event = FakeEvent
     torch.cuda.current_stream = lambda device=None: None
     originals = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}

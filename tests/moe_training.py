@@ -398,7 +398,7 @@ def train(rank: int, world_size: int, spec: Spec) -> dict:
         if spec.per_step_state:
             state = model_state(engine, masters=spec.master_state)
             if getattr(engine, "hecate", None) is not None:  # replicas each layer's plan of this step moved
-                state["replicas"] = [b.last_plan.num_moved if b.last_plan is not None else 0
+                state["replicas"] = [b.tally.last_plan.num_moved if b.tally.last_plan is not None else 0
                                      for b in engine.hecate.bindings]
             states.append(state)
     final = model_state(engine)

@@ -151,8 +151,8 @@ def _random_routing_worker(rank: int, world: int, seeds: int) -> dict:
                 got = torch.zeros_like(ref[e])
             assert torch.allclose(got, ref[e], atol=1e-4, rtol=1e-5), f"seed {seed}: expert {e} grad differs"
         assert binding.replica_bytes_alive() == 0, f"seed {seed}: materialized experts outlive backward"
-        checked["moved_experts"] += binding.last_plan.num_moved
-        tally["moved"] += int(binding.last_plan.num_moved > 0)
+        checked["moved_experts"] += binding.tally.last_plan.num_moved
+        tally["moved"] += int(binding.tally.last_plan.num_moved > 0)
         runtime.store.zero_grads()
         checked["seeds"] += 1
     return checked

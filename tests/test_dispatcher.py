@@ -70,7 +70,7 @@ def test_the_permutations_are_skipped_only_by_a_rank_alone_whose_rows_arrive_exp
     """``ExpertRows.in_order`` (no gather either way) needs both: rows from one source (expert-major already) and a
     rank alone with its shortcuts; a rank of N keeps both gathers even when they are the identity, and rows from
     two sources are permuted whatever the flag (the outputs go back in the received order)."""
-    from ds_hecate.runtime.expert_compute import ExpertRows
+    from ds_hecate.runtime.sharded_experts import ExpertRows
     one_source = _dispatch([[3, 0, 2]])
     assert ExpertRows.of(one_source, [0, 1, 2], 3, torch.device("cpu"), 0, alone=True).in_order
     assert not ExpertRows.of(one_source, [0, 1, 2], 3, torch.device("cpu"), 0, alone=False).in_order

@@ -1,21 +1,28 @@
-"""``ops/grouped_experts.expert_outputs``: grouped GEMM and the per-expert loop give the same outputs and gradients
-on the CPU (bit for bit for Linear-act-Linear in fp32 and bf16; SwiGLU's fused w1/w3 GEMM sums the input gradient's
-two products inside one GEMM, so that one gradient may differ by a rounding), re-materialization's recomputing
-backward equals autograd through the call, and the device rule picks between them. The training suites run
-on the CPU with few experts per call, where the rule takes the loop; here both paths meet on every FFN form
-(SwiGLU fused, Linear-act-Linear, biased, empty groups, unaligned operands), forced with DS_HECATE_GROUPED_MM."""
+"""The expert compute's ops (``ops/grouped_ffn.py``, ``ops/group_gemm.py``, ``ops/grouped_experts.py``).
+
+- The grouped FFN's written-out backward is autograd's, op for op: bit for bit the gradients autograd computes
+  through the same forward on grouped GEMMs, for every written-out activation, gated or not, fused or not, biased,
+  fp32 and bf16, with empty groups.
+- Grouped GEMMs and the per-expert loop give the same outputs and gradients (bit for bit for Linear-act-Linear;
+  SwiGLU's fused gate/up GEMM sums the input gradient's two products inside one GEMM, so that one gradient may
+  differ by a rounding; the unfused grouped FFN is the loop bit for bit).
+- Where ``F.grouped_mm`` would read its offsets on the host, the GEMMs loop over the host sizes instead, with the
+  same bits; an expert with no rows gets a zero weight gradient whatever the grouped GEMM leaves in its slot.
+"""
 from __future__ import annotations
 
 from typing import List
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ds_hecate.experts import ExpertKernel, SwiGLUExpert
-from ds_hecate.ops import grouped_experts
-from ds_hecate.ops.grouped_experts import (CPU_GROUPED_MIN_EXPERTS, RowGroups, expert_outputs, grouped_available,
-                                          recomputed_expert_grads)
+from ds_hecate.ops import group_gemm, grouped_experts
+from ds_hecate.ops.group_gemm import RowGroups
+from ds_hecate.ops.grouped_experts import expert_outputs, grouped_path
+from ds_hecate.ops.grouped_ffn import GradPart, GroupedFFN
 
 pytestmark = pytest.mark.skipif(not hasattr(torch.nn.functional, "grouped_mm"), reason="torch without grouped_mm")
 
@@ -26,25 +33,87 @@ def _experts(kind: str, n: int, hidden: int = 32, ffn: int = 64) -> List[nn.Modu
         return [SwiGLUExpert(hidden, ffn) for _ in range(n)]
     if kind == "swiglu-bias":
         return [SwiGLUExpert(hidden, ffn, bias=True) for _ in range(n)]
+    act = {"linear": nn.GELU, "linear-bias": nn.GELU, "relu": nn.ReLU, "tanh": nn.Tanh, "silu": nn.SiLU}[kind]
     bias = kind == "linear-bias"
-    return [nn.Sequential(nn.Linear(hidden, ffn, bias=bias), nn.GELU(), nn.Linear(ffn, hidden, bias=bias))
+    return [nn.Sequential(nn.Linear(hidden, ffn, bias=bias), act(), nn.Linear(ffn, hidden, bias=bias))
             for _ in range(n)]
 
 
-def _run(kind: str, sizes: List[int], dtype: torch.dtype, mode: str, monkeypatch):
-    """(grouped GEMM taken, output, row gradient, expert-buffer gradient) of one call in ``mode``."""
-    monkeypatch.setenv(grouped_experts.GROUPED_MM_ENV, "1" if mode == "grouped" else "0")
+def _operands(kind: str, sizes: List[int], dtype: torch.dtype):
     experts = _experts(kind, len(sizes))
     kernel = ExpertKernel(experts[0])
-    buffer = torch.stack([kernel.flatten(e) for e in experts]).to(dtype).requires_grad_(True)
+    buffer = torch.stack([kernel.flatten(e) for e in experts]).to(dtype)
     torch.manual_seed(1)
-    rows = torch.randn(sum(sizes), 32).to(dtype).requires_grad_(True)
-    groups = RowGroups.build(sizes, rows.device)
-    used = grouped_available(kernel, buffer)
+    rows = torch.randn(sum(sizes), 32).to(dtype)
+    grad_out = torch.randn(sum(sizes), 32).to(dtype)
+    return kernel, buffer, rows, grad_out, RowGroups.build(sizes, rows.device)
+
+
+def _run(kind: str, sizes: List[int], dtype: torch.dtype, mode: str, monkeypatch):
+    """(grouped path taken, output, row gradient, expert-buffer gradient) of one call in ``mode``."""
+    monkeypatch.setenv(grouped_experts.GROUPED_MM_ENV, "1" if mode == "grouped" else "0")
+    kernel, buffer, rows, grad_out, groups = _operands(kind, sizes, dtype)
+    buffer.requires_grad_(True)
+    rows.requires_grad_(True)
+    used = grouped_path(kernel, dtype)
     out = expert_outputs(kernel, buffer, rows, groups)
-    grad_out = torch.randn_like(out)
     d_rows, d_buffer = torch.autograd.grad(out, (rows, buffer), grad_out)
     return used, out.detach(), d_rows, d_buffer
+
+
+def _autograd_reference(kernel: ExpertKernel, buffer: torch.Tensor, rows: torch.Tensor, groups: RowGroups,
+                        grad_out: torch.Tensor, fuse: bool):
+    """The same forward through autograd (grouped GEMMs, the row bias), and autograd's gradients."""
+    b, r = buffer.clone().requires_grad_(True), rows.clone().requires_grad_(True)
+    views = kernel.grouped_views(b, fuse)
+    rows_of: List[torch.Tensor] = []
+
+    def proj(h: torch.Tensor, name: str, bias) -> torch.Tensor:
+        out = F.grouped_mm(h.contiguous(), views[name].transpose(1, 2), offs=groups.offs)
+        return out if bias is None else group_gemm.add_row_bias(out, views[bias], groups, rows_of)
+    out = kernel.form.run(proj, r, fuse)
+    d_rows, d_buffer = torch.autograd.grad(out, (r, b), grad_out)
+    return out.detach(), d_rows, d_buffer
+
+
+class _Whole:
+    """A GradTarget over a zero-filled ``[experts, numel]`` gradient, every contribution added."""
+
+    def __init__(self, like: torch.Tensor) -> None:
+        self.tensor = torch.zeros_like(like)
+
+    def rows(self):
+        return self.tensor
+
+    def columns_view(self, lo, hi, shape):
+        return self.tensor[:, lo:hi].view(self.tensor.shape[0], *shape)
+
+    def is_fresh(self, name):
+        return False
+
+    def written(self, names=None):
+        pass
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind,fuse", [("swiglu", True), ("swiglu", False), ("swiglu-bias", False),
+                                       ("linear", False), ("linear-bias", False), ("relu", False),
+                                       ("tanh", False), ("silu", False)])
+def test_written_out_backward_is_autograds_bit_for_bit(kind, fuse, dtype):
+    """Every gradient GroupedFFN computes equals autograd's through the same grouped forward (the activations'
+    own backward ops, ``mul``'s, ``chunk``'s ``cat``, the GEMMs' products), with an expert that has no rows."""
+    kernel, buffer, rows, grad_out, groups = _operands(kind, [5, 0, 17, 1, 9], dtype)
+    ffn = GroupedFFN(kernel, fuse=fuse)
+    assert ffn.fuse == fuse
+    views = kernel.grouped_views(buffer, ffn.fuse)
+    out, saved = ffn.forward(views, rows, groups, native=True)
+    target = _Whole(buffer)
+    d_rows = ffn.backward(views, saved, grad_out, groups, GradPart(target, kernel), native=True, need_input=True)
+    ref_out, ref_rows, ref_buffer = _autograd_reference(kernel, buffer, rows, groups, grad_out, ffn.fuse)
+    assert torch.equal(out, ref_out)
+    assert torch.equal(d_rows, ref_rows), (d_rows - ref_rows).abs().max()
+    assert torch.equal(target.tensor, ref_buffer), (target.tensor.float() - ref_buffer.float()).abs().max()
+    assert not target.tensor[1].any()   # the expert without rows
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -62,6 +131,20 @@ def test_grouped_equals_loop(kind, dtype, monkeypatch):
             assert torch.equal(a, b), f"{kind} {dtype} {what}: max diff {(a.float() - b.float()).abs().max()}"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_unfused_grouped_swiglu_is_the_loop_bit_for_bit(dtype, monkeypatch):
+    """Gate and up apart, the grouped FFN computes what the per-expert loop computes, every gradient included."""
+    sizes = [5, 0, 17, 1, 9]
+    kernel, buffer, rows, grad_out, groups = _operands("swiglu", sizes, dtype)
+    ffn = GroupedFFN(kernel, fuse=False)
+    views = kernel.grouped_views(buffer, False)
+    out, saved = ffn.forward(views, rows, groups, native=True)
+    target = _Whole(buffer)
+    d_rows = ffn.backward(views, saved, grad_out, groups, GradPart(target, kernel), native=True, need_input=True)
+    _, loop_out, loop_rows, loop_buffer = _run("swiglu", sizes, dtype, "loop", monkeypatch)
+    assert torch.equal(out, loop_out) and torch.equal(d_rows, loop_rows) and torch.equal(target.tensor, loop_buffer)
+
+
 @pytest.mark.parametrize("kind", ["swiglu-bias", "linear-bias"])
 def test_grouped_biased_fp32_equals_loop(kind, monkeypatch):
     sizes = [4, 7, 0, 11]
@@ -77,70 +160,53 @@ def test_biased_half_precision_takes_the_loop(monkeypatch):
     assert not used
 
 
-def test_unaligned_rows_fall_back_to_the_loop_with_the_same_result(monkeypatch):
-    """Rows starting 1 element into their storage (not 16-byte aligned) cannot take grouped GEMM: the loop runs,
-    bit for bit the loop's result on the same rows. (Against the loop on aligned rows it is equal only up to
-    rounding where the CPU's GEMM picks its kernel by alignment, as on an avx512_bf16 Xeon without avx512_fp16.)"""
-    sizes = [6, 2, 9]
-    experts = _experts("swiglu", len(sizes))
-    kernel = ExpertKernel(experts[0])
-    buffer = torch.stack([kernel.flatten(e) for e in experts]).requires_grad_(True)
-    torch.manual_seed(1)
-    rows = torch.randn(sum(sizes), 32)
-    storage = torch.empty(rows.numel() + 1)
-    shifted = storage[1:].view(rows.shape)
-    shifted.copy_(rows)
-    shifted.requires_grad_(True)
-    groups = RowGroups.build(sizes, shifted.device)
-    outputs = {}
-    for mode in ("0", "1"):   # the loop itself, then grouped GEMM asked for
-        monkeypatch.setenv(grouped_experts.GROUPED_MM_ENV, mode)
-        outputs[mode] = expert_outputs(kernel, buffer, shifted, groups).detach()
-    assert torch.equal(outputs["1"], outputs["0"])
-    _, aligned, _, _ = _run("swiglu", sizes, torch.float32, "loop", monkeypatch)
-    torch.testing.assert_close(outputs["1"], aligned, rtol=1e-5, atol=1e-6)
+@pytest.mark.parametrize("kind", ["swiglu", "linear-bias"])
+def test_gemms_over_the_host_sizes_equal_grouped_gemms(kind):
+    """Without a native grouped GEMM (fp32 on CUDA, pre-Hopper GPUs, unaligned operands) the products loop over
+    the host sizes: the same bits as the grouped GEMMs, which on the CPU loop over ``mm`` themselves."""
+    kernel, buffer, rows, grad_out, groups = _operands(kind, [6, 0, 2, 9], torch.float32)
+    results = []
+    for native in (True, False):
+        ffn = GroupedFFN(kernel)
+        views = kernel.grouped_views(buffer, ffn.fuse)
+        out, saved = ffn.forward(views, rows, groups, native)
+        target = _Whole(buffer)
+        d_rows = ffn.backward(views, saved, grad_out, groups, GradPart(target, kernel), native, need_input=True)
+        results.append((out, d_rows, target.tensor))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("mode", ["grouped", "loop"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("kind", ["swiglu", "linear-bias", "generic"])
-def test_recomputed_gradients_equal_autograd_through_the_call(kind, dtype, mode, monkeypatch):
-    """Re-materialization's backward (:func:`recomputed_expert_grads`: the loop one expert's gradient at a time,
-    written into one buffer) gives exactly what autograd through :func:`expert_outputs` gives, in either mode, for
-    the fast path and for a generic module; an expert without rows gets a zero gradient row."""
-    monkeypatch.setenv(grouped_experts.GROUPED_MM_ENV, "1" if mode == "grouped" else "0")
-    sizes = [3, 0, 8, 5]
-    if kind == "generic":
-        torch.manual_seed(0)
-        experts = [nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.LayerNorm(64), nn.Linear(64, 32))
-                   for _ in sizes]
-    else:
-        experts = _experts(kind, len(sizes))
-    kernel = ExpertKernel(experts[0])
-    assert (kernel.form is None) == (kind == "generic")
-    buffer = torch.stack([kernel.flatten(e) for e in experts]).to(dtype)
-    torch.manual_seed(1)
-    rows = torch.randn(sum(sizes), 32).to(dtype)
-    grad_out = torch.randn(sum(sizes), 32).to(dtype)
-    groups = RowGroups.build(sizes, rows.device)
-    b, r = buffer.clone().requires_grad_(True), rows.clone().requires_grad_(True)
-    expected = torch.autograd.grad(expert_outputs(kernel, b, r, groups), (b, r), grad_out)
-    for want_rows in (True, False):
-        d_buffer, d_rows = recomputed_expert_grads(kernel, buffer, rows, groups, grad_out, want_rows)
-        assert torch.equal(d_buffer, expected[0]), f"{kind} {dtype} {mode} expert gradient"
-        assert (d_rows is None) != want_rows
-        assert not want_rows or torch.equal(d_rows, expected[1]), f"{kind} {dtype} {mode} row gradient"
-    assert not d_buffer[1].any()
+def test_unaligned_rows_take_the_host_sized_gemms():
+    """Rows starting 1 element into their storage (not 16-byte aligned) cannot take grouped GEMM."""
+    from ds_hecate.ops.grouped_experts import native_for
+    rows = torch.randn(33)[1:].view(4, 8)
+    assert not native_for([rows]) and native_for([torch.randn(4, 8)])
 
 
-def test_cpu_rule_takes_grouped_gemm_only_with_many_experts(monkeypatch):
-    monkeypatch.delenv(grouped_experts.GROUPED_MM_ENV, raising=False)
-    kernel = ExpertKernel(SwiGLUExpert(32, 48))
-    few = torch.zeros(CPU_GROUPED_MIN_EXPERTS - 1, kernel.numel)
-    many = torch.zeros(CPU_GROUPED_MIN_EXPERTS, kernel.numel)
-    assert not grouped_available(kernel, few)
-    assert grouped_available(kernel, many)
-    monkeypatch.setenv(grouped_experts.GROUPED_MM_ENV, "1")
-    assert grouped_available(kernel, few)
-    monkeypatch.setenv(grouped_experts.GROUPED_MM_ENV, "0")
-    assert not grouped_available(kernel, many)
+def test_an_expert_without_rows_gets_a_zero_weight_gradient_whatever_grouped_mm_leaves(monkeypatch):
+    """``F.grouped_mm`` leaves the product of a group without rows undefined on some GPUs (sm100 returns garbage,
+    pytorch/pytorch#172439): the weight gradient of an expert this call routed nothing to must be zero when written
+    and unchanged when added, whatever the GEMM put in its slot. A stand-in fills empty groups' products with NaN."""
+    real = F.grouped_mm
+
+    def garbage_for_empty_groups(a, b, offs=None, **kwargs):
+        out = real(a, b, offs=offs, **kwargs)
+        if out.dim() == 3:   # the weight-gradient form: one [out, in] product per group
+            ends = offs.tolist()
+            starts = [0] + ends[:-1]
+            for e, (lo, hi) in enumerate(zip(starts, ends)):
+                if hi == lo:
+                    out[e] = float("nan")
+        return out
+    monkeypatch.setattr(F, "grouped_mm", garbage_for_empty_groups)
+    sizes = [3, 0, 5]
+    groups = RowGroups.build(sizes, torch.device("cpu"))
+    grad, rows = torch.randn(8, 8), torch.randn(8, 4)
+    written = torch.full((3, 8, 4), 7.0)
+    group_gemm.weight_grads(grad, rows, groups, written, accumulate=False, native=True)
+    assert torch.equal(written[1], torch.zeros(8, 4))
+    added = torch.full((3, 8, 4), 7.0)
+    group_gemm.weight_grads(grad, rows, groups, added, accumulate=True, native=True)
+    assert torch.equal(added[1], torch.full((8, 4), 7.0))
+    assert torch.isfinite(written).all() and torch.isfinite(added).all()

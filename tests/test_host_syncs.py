@@ -5,9 +5,11 @@ depends on the data, ``repeat_interleave`` without ``output_size``, ``bincount``
 has run everything queued before it; a layer call that reads more than its counts serialises the host's planning
 and launches with the GPU's work. Only the counts must cross: the planner runs on them.
 
-Under the CUDA stand-in (tests/device_shim.py), which records every such read, two real gloo ranks train a model
+Under the CUDA stand-in (tests/device_shim.py), which records every such read (a grouped GEMM whose kernel would
+read its offsets on the host among them: everything but bf16 on sm90/sm100), two real gloo ranks train a model
 with two ``ds_hecate.MoE`` layers (top-2, token dropping, biased and bias-free experts) for a few steps, plain, with
-re-materialization, with activation checkpointing (the recompute is a layer call too) and with both. Counted:
+re-materialization, with activation checkpointing (the recompute is a layer call too) and with both, in fp32, and
+in bf16 on an H100's and an A100's capability. Counted:
 reads inside each layer call, reads elsewhere in the forward (prefetch, hooks; DeepSpeed's gate is left out: its
 own ``exp_counts`` copy is DeepSpeed's), and every read in backward outside the recomputed calls, including
 the flush of the SparseReduceScatters.
@@ -62,9 +64,11 @@ class Net(nn.Module):
         return x.float().pow(2).mean() + 0.01 * aux
 
 
-def _count_reads(rank: int, world: int, rematerialize: bool, checkpointed: bool) -> Dict[str, List]:
+def _count_reads(rank: int, world: int, rematerialize: bool, checkpointed: bool, dtype: torch.dtype = torch.float32,
+                 capability=(9, 0)) -> Dict[str, List]:
     import torch.distributed as dist
 
+    import device_shim
     from device_shim import cuda_shim
     from ds_hecate.comm.backend import build_communicator
     from ds_hecate.config import parse_hecate_section
@@ -73,6 +77,7 @@ def _count_reads(rank: int, world: int, rematerialize: bool, checkpointed: bool)
     from ds_hecate.runtime.layer import LayerBinding
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    device_shim.CAPABILITY.append(capability)
     torch.manual_seed(0)
     model = Net(checkpointed)
     out: Dict[str, List] = {"call_reads": [], "forward_other": [], "backward_other": []}
@@ -81,10 +86,9 @@ def _count_reads(rank: int, world: int, rematerialize: bool, checkpointed: bool)
         dev = torch.device("cuda", 0)
         cfg = parse_hecate_section({"enabled": True, "reshard_interval": 0, "compute_s_per_pair": 1e-6,
                                     "link_gbps": 1.0, "non_moe_time_s": 1e-3, "rematerialize": rematerialize})
-        rt = HecateRuntime(cfg, build_communicator("torch", dist.group.WORLD, rank, world, dev), torch.float32,
-                           world)
+        rt = HecateRuntime(cfg, build_communicator("torch", dist.group.WORLD, rank, world, dev), dtype, world)
         convert_model(model, rt)
-        model.to(dev)
+        model.to(dev, dtype)
         model.register_forward_pre_hook(lambda module, args: rt.on_model_forward())
         inside: List[int] = []   # reads made inside layer calls and gates, per phase
 
@@ -104,7 +108,7 @@ def _count_reads(rank: int, world: int, rematerialize: bool, checkpointed: bool)
             block.moe.gate.forward = counted(block.moe.gate.forward, False)
         gen = torch.Generator().manual_seed(100 + rank)
         for _ in range(STEPS):
-            x = torch.randn(TOKENS, HIDDEN, generator=gen).to(dev)
+            x = torch.randn(TOKENS, HIDDEN, generator=gen).to(dev, dtype)
             inside.clear()
             start = len(reads)
             loss = model(x)
@@ -133,5 +137,18 @@ def test_one_host_read_per_layer_call_and_none_in_backward(rematerialize, checkp
             f"rank {rank}: host reads inside layer calls: {out['call_reads']}"
         assert [n for n, _ in out["forward_other"]] == [0] * STEPS, \
             f"rank {rank}: forward reads outside the calls (all the forward's reads: {out['forward_other']})"
+        assert [n for n, _ in out["backward_other"]] == [0] * STEPS, \
+            f"rank {rank}: backward reads outside recomputed calls (all: {out['backward_other']})"
+
+
+@pytest.mark.parametrize("capability", [(9, 0), (8, 0)], ids=["sm90", "sm80"])
+def test_bf16_layer_calls_read_only_their_counts(capability):
+    """bf16: grouped GEMMs where their kernel takes the offsets on the device (sm90), the GEMMs over the host sizes
+    where it would copy them to the host (sm80); the biased experts take the per-expert loop. One read per call
+    either way (fp32, above, always loops over the host sizes on CUDA)."""
+    for rank, out in enumerate(run_ranks(2, _count_reads, False, False, torch.bfloat16, capability)):
+        assert out["calls"] == STEPS * 2, out["calls"]
+        assert all(r == ["device-to-host copy"] for r in out["call_reads"]), \
+            f"rank {rank}: host reads inside layer calls: {out['call_reads']}"
         assert [n for n, _ in out["backward_other"]] == [0] * STEPS, \
             f"rank {rank}: backward reads outside recomputed calls (all: {out['backward_other']})"

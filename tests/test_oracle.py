@@ -63,19 +63,23 @@ def poison_replica_grad(rank: int, step: int, engine, at_step: int, rank_with_re
         return
     runtime = getattr(engine, "hecate", None)
     if runtime is not None:
-        binding = runtime.bindings[layer]
+        from ds_hecate.comm.requests import ReduceScatterRequest
+        shard = runtime.bindings[layer].shard
         if step == at_step:
-            original = binding.reduce_scatter  # the class method, bound
+            original = ReduceScatterRequest.start
 
-            def poisoned(plan, experts, own_grads, replica_grads):   # the replica rows' gradients, experts' order
-                if expert in experts and plan.placement.owners[expert] != rank:
+            def poisoned(request, own_grads, replica_grads):   # the replica rows' gradients, in experts' order
+                experts = request.experts
+                if request.accumulator.shard is shard and expert in experts and \
+                        request.placement.owners[expert] != rank:
                     owned = len(experts) - replica_grads.shape[0]
                     replica_grads = replica_grads.clone()
                     replica_grads[list(experts).index(expert) - owned] = float("inf")
-                return original(plan, experts, own_grads, replica_grads)
-            binding.reduce_scatter = poisoned
+                return original(request, own_grads, replica_grads)
+            ReduceScatterRequest.start = poisoned
+            engine._oracle_patch = original
         elif step == at_step + 1:
-            del binding.reduce_scatter  # back to the class method
+            ReduceScatterRequest.start = engine._oracle_patch   # back to the class's own
         return
     if step == at_step:
         moe = engine.module.blocks[layer].moe

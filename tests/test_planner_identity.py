@@ -61,15 +61,15 @@ def _runtime_plans(rank: int, world: int, experts: int, sequence: list):
             local = torch.repeat_interleave(torch.arange(experts), torch.as_tensor(counts[rank]))
             x = torch.randn(local.numel(), HIDDEN)
             runtime.on_model_forward()   # prefetches this layer's predicted placement once the call order is known
-            prefetched = None if binding.pending is None else binding.pending.placement.materialized
+            prefetched = None if binding.gathers.pending is None else binding.gathers.pending.placement.materialized
             binding.run(x, local.reshape(1, -1), torch.ones(1, local.numel()))
-            plan = binding.last_plan
+            plan = binding.tally.last_plan
             mine = plan.for_rank(rank)
             out["calls"].append({"prefetched": prefetched, "executed": plan.placement.materialized,
                                  "send": list(mine.send_splits), "recv": list(mine.recv_splits)})
     inputs = binding.plan_inputs()
     out["inputs"] = (tuple(inputs.owners), inputs.costs, inputs.replica_budget)
-    out["calibrations"] = binding.schedule.searches
+    out["calibrations"] = binding.planner.schedule.searches
     return out
 
 

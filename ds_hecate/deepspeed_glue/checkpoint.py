@@ -44,14 +44,14 @@ def expert_file(layer_id: int, expert: int) -> str:
 def _layer_meta(rt) -> List[Dict[str, Any]]:
     return [{"name": name, "num_experts": b.shard.num_experts, "numel": b.shard.kernel.numel,
              "param_names": b.shard.kernel.names, "param_shapes": [list(s) for s in b.shard.kernel.shapes],
-             "owners": list(b.shard.owners), "load_history": b.predictor.state_dict()["history"],
-             "schedule": b.schedule.state_dict()}
+             "owners": list(b.shard.owners), "load_history": b.planner.predictor.state_dict()["history"],
+             "schedule": b.planner.schedule.state_dict()}
             for name, b in zip(rt.layer_names, rt.bindings)]
 
 
 def _planner_state(rt) -> List[Dict[str, Any]]:
     """Per layer, this group's load window and schedule (each group plans on its own counts)."""
-    return [{"load_history": b.predictor.state_dict()["history"], "schedule": b.schedule.state_dict()}
+    return [{"load_history": b.planner.predictor.state_dict()["history"], "schedule": b.planner.schedule.state_dict()}
             for b in rt.bindings]
 
 
@@ -233,7 +233,7 @@ def prepare_load(rt, checkpoint_dir: str, load_optimizer_states: bool = True) ->
             owners = tuple(layer["owners"]) if same_group else even_sharding(shard.num_experts, rt.ep_size)
             owners_per_layer.append(owners)
             if same_group:
-                binding.check_saved_schedule(layer.get("schedule", {}))
+                binding.planner.check_saved_schedule(layer.get("schedule", {}), rt.ep_size, binding.shard.num_experts)
             for e, owner in enumerate(owners):
                 if owner == rt.rank:
                     loaded.setdefault(shard.layer_id, {})[e] = _read_expert(directory, checkpoint_dir, shard, e,
@@ -269,7 +269,7 @@ def prepare_load(rt, checkpoint_dir: str, load_optimizer_states: bool = True) ->
                 if rt.optimizer is not None:
                     rt.optimizer.add(rt.layer_group[shard.layer_id], shard.masters[e], state)
             history = _group_history(meta, layer, rt, binding)
-            binding.predictor.load_state_dict({"history": history})
+            binding.planner.predictor.load_state_dict({"history": history})
         rt.steps_applied = meta["steps_applied"]
         rt.steps_skipped = meta["steps_skipped"]
         rt.reshards = meta["reshards"]
@@ -278,7 +278,8 @@ def prepare_load(rt, checkpoint_dir: str, load_optimizer_states: bool = True) ->
         for i, (layer, binding) in enumerate(zip(meta["layers"], rt.bindings)):   # after owners and costs
             group = _group_state(meta, rt)
             saved = (group[i]["schedule"] if group is not None else layer.get("schedule", {})) if same else {}
-            binding.restore_schedule(saved)   # same reuse decisions as the run that did not stop
+            # the reuse decisions of the run that did not stop
+            binding.planner.restore_schedule(saved, binding.plan_inputs())
     return install
 
 

@@ -99,7 +99,7 @@ class StepMetrics:
 
     def _cumulative(self, binding: "LayerBinding") -> Tuple[float, ...]:
         c = binding.counters
-        return (c.allgather_bytes, c.reducescatter_bytes, c.dispatch_bytes, binding.cross_node_rows,
+        return (c.allgather_bytes, c.reducescatter_bytes, c.dispatch_bytes, binding.tally.cross_node_rows,
                 *binding.phase_seconds().values())   # device time per phase, in PHASES order
 
     def events(self, x: int, global_step: int, steps: int = 1) -> List[Event]:
@@ -136,8 +136,8 @@ class StepMetrics:
                 and engine.global_rank == 0):
             self.active = False
             self._steps.clear()
-            if self.observe in self.runtime.observers:
-                self.runtime.observers.remove(self.observe)
+            if self.observe in self.runtime.monitor.observers:
+                self.runtime.monitor.observers.remove(self.observe)
             return
         self._pending_steps += 1
         if self._pending_steps >= self.runtime.config.monitor_interval:
@@ -173,7 +173,7 @@ class TraceRecorder:
         rt = self.runtime
         layers = [TraceLayer(name, b.shard.num_experts, b.hidden_size, b.shard.kernel.numel)
                   for name, b in zip(rt.layer_names, rt.bindings)]
-        top_k = max([b.top_k for b in rt.bindings] + [1])
+        top_k = max([b.tally.top_k for b in rt.bindings] + [1])
         meta = {"source": "ds_hecate runtime", "placement": rt.config.placement,
                 "ranks_per_node": rt.ranks_per_node, "owners": [list(b.shard.owners) for b in rt.bindings],
                 "compute_dtype": str(rt.compute_dtype).replace("torch.", ""),
@@ -196,7 +196,7 @@ class TraceRecorder:
 def install_recorders(runtime: "HecateRuntime") -> None:
     """Hook the step metrics (every rank, until the first step decides) and the trace (rank 0, if configured)."""
     runtime.metrics = StepMetrics(runtime)
-    runtime.observers.append(runtime.metrics.observe)
+    runtime.monitor.observers.append(runtime.metrics.observe)
     runtime.trace = None
     if not runtime.config.trace_file:
         return
@@ -205,7 +205,7 @@ def install_recorders(runtime: "HecateRuntime") -> None:
     if world.rank == 0:   # rank 0 of the world (with groups it records its group's calls)
         try:
             runtime.trace = TraceRecorder(runtime, runtime.config.trace_file)
-            runtime.observers.append(runtime.trace.observe)
+            runtime.monitor.observers.append(runtime.trace.observe)
         except HecateConfigError as exc:
             problem = str(exc)
     # Only rank 0 writes, but every rank must stop if it cannot (the others would wait in the next collective).

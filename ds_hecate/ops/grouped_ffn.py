@@ -1,76 +1,48 @@
-"""FFN experts as grouped GEMMs whose weight gradients go straight where they belong, never into a buffer-sized
-gradient.
+"""FFN experts over grouped GEMMs, forward and backward written out, weight gradients straight to where they belong.
 
-A layer call computes its materialized experts in two parts (:class:`~ds_hecate.comm.buffers.GatheredExperts`): the
-rank's own experts from its resident compute-dtype weights, and the replicas from the rows SparseAllGather received.
-Autograd through views of those weights would hand back one ``[experts, numel]`` gradient per part (every
-projection's gradient concatenated: a full-size intermediate), which SparseReduceScatter then added into the
-owner's fp32 accumulator (which had been zero-filled first). Here each projection is a :class:`SinkProjection`:
-forward ``grouped_mm`` as before; backward the input gradient as autograd computes it, and the weight gradient of
-every expert handed to a :class:`GradPart`, which writes it into its destination:
+A layer call computes its materialized experts in two parts (the rank's own experts from its resident weights, the
+replicas from the rows SparseAllGather received). :class:`GroupedFFN` runs one part: forward the projections of the
+expert's :class:`~ds_hecate.experts.FFNForm` as grouped GEMMs (:mod:`.group_gemm`) and its elementwise activation;
+backward the same formulas autograd would apply, op for op (so the same bits), with every projection's weight (and
+bias) gradient handed to a :class:`GradPart`, which writes it into its destination:
 
 - the owned part into the owner's fp32 accumulator rows (the first contribution of the accumulation window
   written, later ones added: the values of zeros-then-add, without the zero fill);
-- the replica part into the rows SparseReduceScatter sends, in the wire dtype.
+- the replica part into the rows SparseReduceScatter sends, in the wire dtype (:class:`SendRows`).
 
-The gradient is rounded exactly as autograd's: each expert's ``grad^T @ rows`` in the compute dtype, then converted
-(fp32 accumulation, or the wire dtype). Where it is computed depends on the device (:func:`per_expert_products`):
-on the CPU, with experts of at least :data:`CPU_DIRECT_MIN_BYTES` per projection, one ``mm`` per expert straight
-into the destination rows (``out=``), so the weight gradient is written once, as a plain layer's is; otherwise one
-``grouped_mm`` for every expert and one strided copy (or add) into the destination.
+No autograd graph is recorded inside: the caller (``runtime/sharded_experts.py``) wraps a whole call in one autograd
+node. The activations written out are SiLU, exact GELU, ReLU and tanh (:data:`ACTIVATIONS`); a form with another
+activation, or with fields this module does not know, runs its own arithmetic on a small graph of its own
+(:class:`FormGraph`), its projections still grouped GEMMs whose weight gradients go to the same destinations.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Protocol, Sequence, Tuple
+import dataclasses
+from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 
-from ..experts import ExpertKernel
-from .grouped_experts import RowGroups
+from ..experts import ExpertKernel, FFNForm
+from . import group_gemm
+from .group_gemm import RowGroups
 
-#: On the CPU an expert projection's weight gradient of at least this many bytes is computed into its destination
-#: with one ``mm`` per expert (no gradient-sized intermediate, no second pass); smaller ones take one grouped GEMM
-#: and a copy, where the per-expert loop's Python cost (about 10 us an expert and projection) would exceed the
-#: copy it saves. Measured (``python -m benchmarks.layer_versus``, 2-vCPU EPYC, fp32): 256x256 (256 KiB) experts
-#: gain from the direct path, 64x64 (16 KiB) ones lose.
-CPU_DIRECT_MIN_BYTES = 64 * 1024
+#: The fields of :class:`~ds_hecate.experts.FFNForm` whose arithmetic :class:`GroupedFFN` writes out; a form with
+#: any other field set runs through :class:`FormGraph`.
+KNOWN_FIELDS = frozenset({"act", "down", "down_bias", "up", "up_bias", "gate", "gate_bias", "gate_up"})
 
 
-def per_expert_products(device: torch.device, out_features: int, in_features: int, dtype: torch.dtype) -> bool:
-    """Whether a projection's weight gradients are computed one ``mm`` per expert into their destination (see the
-    module docstring): on the CPU, for experts of at least :data:`CPU_DIRECT_MIN_BYTES`."""
-    return device.type == "cpu" and out_features * in_features * dtype.itemsize >= CPU_DIRECT_MIN_BYTES
+def _gelu_backward(grad: torch.Tensor, pre: torch.Tensor, post: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten.gelu_backward(grad, pre, approximate="none")
 
 
-@torch.library.custom_op("ds_hecate::expert_weight_grads", mutates_args=("dest",))
-def expert_weight_grads(grad: torch.Tensor, rows: torch.Tensor, offs: torch.Tensor, sizes: List[int],
-                        dest: torch.Tensor, accumulate: bool) -> None:
-    """``dest[e] (+)= grad_e^T @ rows_e`` for every expert ``e`` (``sizes``: its rows, on the host; ``offs``: their
-    ends on the device; ``dest``: ``[experts, out, in]``, any dtype, rows may be strided): each product rounded in
-    ``grad``'s dtype, then written (``accumulate`` False) or added. One op at the dispatcher, as a grouped GEMM is:
-    on the CPU with large experts (:func:`per_expert_products`) one ``mm`` per expert straight into ``dest`` (a
-    loop of BLAS calls, as the CPU's grouped GEMM is inside); otherwise one grouped GEMM and one strided copy or
-    add."""
-    shape = tuple(dest.shape[1:])
-    if per_expert_products(grad.device, shape[0], shape[1], grad.dtype):
-        # the experts' rows and destinations cut once each (not two slices and a select per expert)
-        total = sum(sizes)
-        if grad.shape[0] != total:   # (rows past the experts' carry no weight gradient)
-            grad, rows = grad[:total], rows[:total]
-        for g, h, d in zip(grad.split(sizes), rows.split(sizes), dest.unbind(0)):
-            if not accumulate and dest.dtype == grad.dtype:
-                torch.mm(g.t(), h, out=d)
-            elif not accumulate:
-                d.copy_(torch.mm(g.t(), h))
-            else:
-                d.add_(torch.mm(g.t(), h))
-        return
-    products = F.grouped_mm(grad.t(), rows, offs=offs)   # [experts, out, in]
-    if accumulate:
-        dest.add_(products)
-    else:
-        dest.copy_(products)
+#: activation -> its gradient as autograd computes it, from (gradient, input, output)
+ACTIVATIONS: Dict[Callable, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    F.silu: lambda grad, pre, post: torch.ops.aten.silu_backward(grad, pre),
+    F.gelu: _gelu_backward,
+    F.relu: lambda grad, pre, post: torch.ops.aten.threshold_backward(grad, post, 0),
+    torch.tanh: lambda grad, pre, post: torch.ops.aten.tanh_backward(grad, post),
+}
 
 
 class GradTarget(Protocol):
@@ -138,23 +110,21 @@ class GradPart:
         return all(fresh)
 
     def weight_grad(self, name: str, rows: torch.Tensor, grad: torch.Tensor, groups: RowGroups,
-                    shape: Tuple[int, int]) -> None:
+                    shape: Tuple[int, int], native: bool) -> None:
         """The weight gradient ``grad_e^T @ rows_e`` (``shape`` = (out, in)) of every expert ``e`` of the part."""
-        experts = len(groups.sizes)
-        if experts == 0:
-            return
-        lo, hi = self.columns(name)
-        dest = self.target.columns_view(lo, hi, tuple(shape))
-        expert_weight_grads(grad, rows, groups.offs, list(groups.sizes), dest, not self._write(name))
-        self._done(name)
-
-    def bias_grad(self, name: str, grad: torch.Tensor, groups: RowGroups, dtype: torch.dtype) -> None:
-        """The bias gradient of every expert: its rows' gradients summed in fp32, segment by segment (as autograd
-        through the row bias computes it), in ``dtype``."""
         if not groups.sizes:
             return
         lo, hi = self.columns(name)
-        summed = torch.segment_reduce(grad.float(), "sum", lengths=groups.lengths, axis=0).to(dtype)
+        dest = self.target.columns_view(lo, hi, tuple(shape))
+        group_gemm.weight_grads(grad, rows, groups, dest, not self._write(name), native)
+        self._done(name)
+
+    def bias_grad(self, name: str, grad: torch.Tensor, groups: RowGroups, dtype: torch.dtype) -> None:
+        """The bias gradient of every expert of the part, in ``dtype``."""
+        if not groups.sizes:
+            return
+        lo, hi = self.columns(name)
+        summed = group_gemm.bias_grads(grad, groups, dtype)
         target = self.target.rows()[:, lo:hi]
         if self._write(name):
             target.copy_(summed)
@@ -179,21 +149,115 @@ class GradPart:
                 self.target.written([name])
 
 
+def written_out(form: FFNForm) -> bool:
+    """Whether :class:`GroupedFFN` writes ``form``'s arithmetic out (else :class:`FormGraph` runs it)."""
+    extra = {f.name for f in dataclasses.fields(form)} - KNOWN_FIELDS
+    if any(getattr(form, name) not in (None, False) for name in extra):
+        return False
+    return form.act in ACTIVATIONS
+
+
+class GroupedFFN:
+    """One part of a call's FFN experts: ``forward`` on the part's rows (grouped by expert) gives the outputs and
+    what ``backward`` needs; ``backward`` gives the rows' gradient and hands every weight and bias gradient to a
+    :class:`GradPart`. Built once per layer (``kernel``); ``native`` (per call, device and dtype) picks grouped
+    GEMMs or the loop over the host sizes (:func:`~.group_gemm.native_grouped_mm`)."""
+
+    def __init__(self, kernel: ExpertKernel, fuse: bool = True) -> None:
+        form = kernel.form
+        if form is None or not written_out(form):
+            raise ValueError("GroupedFFN runs FFN forms with a written-out activation only")
+        self.form: FFNForm = form
+        self.grad_of_act = ACTIVATIONS[form.act]
+        #: whether separate gate and up weights (adjacent, bias-free) run as one ``[2F, H]`` operand
+        self.fuse = fuse and form.gate_up is None and form.fusable(kernel.names)
+        #: the one operand computing gate and up together (HF's fused experts, or the fused pair)
+        self.gate_up = form.gate_up if form.gate_up is not None else (f"{form.gate}+{form.up}" if self.fuse else None)
+
+    def _project(self, x: torch.Tensor, views: Dict[str, torch.Tensor], name: str, bias: Optional[str],
+                 groups: RowGroups, native: bool, rows_of: List[torch.Tensor]) -> torch.Tensor:
+        out = group_gemm.linear(x, views[name], groups, native)
+        return out if bias is None else group_gemm.add_row_bias(out, views[bias], groups, rows_of)
+
+    def forward(self, views: Dict[str, torch.Tensor], x: torch.Tensor, groups: RowGroups,
+                native: bool) -> Tuple[torch.Tensor, tuple]:
+        """The part's outputs ``[rows, hidden]`` and what :meth:`backward` reads."""
+        form, rows_of = self.form, []   # type: List[torch.Tensor]
+        x = x.contiguous()
+        if self.gate_up is not None:
+            gate, up = self._project(x, views, self.gate_up, None, groups, native, rows_of).chunk(2, dim=-1)
+        elif form.gate is not None:
+            gate = self._project(x, views, form.gate, form.gate_bias, groups, native, rows_of)
+            up = self._project(x, views, form.up, form.up_bias, groups, native, rows_of)
+        else:
+            gate, up = None, self._project(x, views, form.up, form.up_bias, groups, native, rows_of)
+        if gate is not None:
+            act = form.act(gate)
+            hidden = act * up
+        else:
+            act = hidden = form.act(up)
+        out = self._project(hidden, views, form.down, form.down_bias, groups, native, rows_of)
+        return out, (x, gate, up, act, hidden)
+
+    def backward(self, views: Dict[str, torch.Tensor], saved: tuple, grad: torch.Tensor, groups: RowGroups,
+                 part: GradPart, native: bool, need_input: bool) -> Optional[torch.Tensor]:
+        """The rows' gradient (None unless ``need_input``); every projection's weight and bias gradient to
+        ``part``. The formulas are autograd's for the forward above (``mul``, the activation, ``chunk``'s ``cat``,
+        the GEMMs), in the same dtypes."""
+        form = self.form
+        x, gate, up, act, hidden = saved
+        grad = grad.contiguous()
+        down = views[form.down]
+        d_hidden = group_gemm.input_grad(grad, down, groups, native)
+        part.weight_grad(form.down, hidden, grad, groups, tuple(down.shape[1:]), native)
+        if form.down_bias is not None:
+            part.bias_grad(form.down_bias, grad, groups, views[form.down_bias].dtype)
+        if gate is None:
+            d_up = self.grad_of_act(d_hidden, up, act)
+            return self._first_backward(views, x, None, d_up, groups, part, native, need_input)
+        d_gate = self.grad_of_act(d_hidden * up, gate, act)
+        d_up = d_hidden * act
+        return self._first_backward(views, x, d_gate, d_up, groups, part, native, need_input)
+
+    def _first_backward(self, views: Dict[str, torch.Tensor], x: torch.Tensor, d_gate: Optional[torch.Tensor],
+                        d_up: torch.Tensor, groups: RowGroups, part: GradPart, native: bool,
+                        need_input: bool) -> Optional[torch.Tensor]:
+        """The projections that read the rows: the fused gate/up operand, or gate and up apart, or up alone."""
+        form = self.form
+        if self.gate_up is not None:
+            assert d_gate is not None
+            d_both = torch.cat([d_gate, d_up], dim=-1)
+            weight = views[self.gate_up]
+            part.weight_grad(self.gate_up, x, d_both, groups, tuple(weight.shape[1:]), native)
+            return group_gemm.input_grad(d_both, weight, groups, native) if need_input else None
+        out: Optional[torch.Tensor] = None
+        for name, bias, d in ((form.gate, form.gate_bias, d_gate), (form.up, form.up_bias, d_up)):
+            if name is None or d is None:
+                continue
+            weight = views[name]
+            part.weight_grad(name, x, d, groups, tuple(weight.shape[1:]), native)
+            if bias is not None:
+                part.bias_grad(bias, d, groups, views[bias].dtype)
+            if need_input:
+                d_x = group_gemm.input_grad(d, weight, groups, native)
+                out = d_x if out is None else out + d_x
+        return out
+
+
 class SinkProjection(torch.autograd.Function):
-    """``rows @ weight_e^T (+ bias_e)`` for each expert ``e``'s rows (``weight``: ``[experts, out, in]``, ``bias``:
-    ``[experts, out]`` or None, views of the part's weights, not differentiated); backward hands the weight (and
-    bias) gradient to ``part`` and returns the rows' gradient."""
+    """``rows @ weight_e^T (+ bias_e)`` for each expert ``e``'s rows, on :class:`FormGraph`'s own graph; backward
+    hands the weight (and bias) gradient to ``part`` and returns the rows' gradient."""
 
     @staticmethod
     def forward(ctx, rows: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], groups: RowGroups,
-                part: GradPart, weight_name: str, bias_name: Optional[str]) -> torch.Tensor:
+                part: GradPart, names: Tuple[str, Optional[str]], native: bool) -> torch.Tensor:
         rows = rows.contiguous()
         ctx.save_for_backward(rows, weight)
-        ctx.groups, ctx.part, ctx.names = groups, part, (weight_name, bias_name)
+        ctx.groups, ctx.part, ctx.names, ctx.native = groups, part, names, native
         ctx.bias_dtype = bias.dtype if bias is not None else None
-        out = F.grouped_mm(rows, weight.transpose(1, 2), offs=groups.offs)
+        out = group_gemm.linear(rows, weight, groups, native)
         if bias is not None:
-            out = out + bias.index_select(0, groups.group_of_row())
+            out = group_gemm.add_row_bias(out, bias, groups, [])
         return out
 
     @staticmethod
@@ -201,22 +265,43 @@ class SinkProjection(torch.autograd.Function):
         rows, weight = ctx.saved_tensors
         grad = grad.contiguous()
         weight_name, bias_name = ctx.names
-        grad_rows = F.grouped_mm(grad, weight, offs=ctx.groups.offs) if ctx.needs_input_grad[0] else None
-        ctx.part.weight_grad(weight_name, rows, grad, ctx.groups, tuple(weight.shape[1:]))
+        grad_rows = group_gemm.input_grad(grad, weight, ctx.groups, ctx.native) if ctx.needs_input_grad[0] else None
+        ctx.part.weight_grad(weight_name, rows, grad, ctx.groups, tuple(weight.shape[1:]), ctx.native)
         if bias_name is not None:
             ctx.part.bias_grad(bias_name, grad, ctx.groups, ctx.bias_dtype)
         return grad_rows, None, None, None, None, None, None
 
 
-def grouped_ffn(kernel: ExpertKernel, views: Dict[str, torch.Tensor], rows: torch.Tensor, groups: RowGroups,
-                part: GradPart) -> torch.Tensor:
-    """The FFN experts whose weights are ``views`` (``kernel.grouped_views`` of an ``[experts, numel]`` buffer, with
-    the kernel's gate/up fusion) on their rows (grouped by expert, ``groups``), one grouped GEMM per projection;
-    the weight gradients go to ``part`` in backward."""
-    form = kernel.form
-    fuse = form.fusable(kernel.names)
+class FormGraph:
+    """A part of FFN experts whose activation :class:`GroupedFFN` does not write out: the form's own arithmetic
+    (:meth:`~ds_hecate.experts.FFNForm.run`) on a graph of its own, from the rows (a leaf) to the outputs, each
+    projection a :class:`SinkProjection`; backward runs that graph once."""
 
-    def proj(h: torch.Tensor, name: str, bias: Optional[str]) -> torch.Tensor:
-        return SinkProjection.apply(h, views[name], views[bias] if bias is not None else None, groups, part, name,
-                                    bias)
-    return form.run(proj, rows, fuse)
+    def __init__(self, kernel: ExpertKernel) -> None:
+        if kernel.form is None:
+            raise ValueError("FormGraph runs FFN forms only")
+        self.form = kernel.form
+        self.fuse = kernel.form.fusable(kernel.names)
+
+    def forward(self, views: Dict[str, torch.Tensor], x: torch.Tensor, groups: RowGroups, native: bool,
+                part: GradPart) -> Tuple[torch.Tensor, tuple]:
+        leaf = x.detach().requires_grad_(True)
+
+        def proj(h: torch.Tensor, name: str, bias: Optional[str]) -> torch.Tensor:
+            return SinkProjection.apply(h, views[name], views[bias] if bias is not None else None, groups, part,
+                                        (name, bias), native)
+        with torch.enable_grad():
+            out = self.form.run(proj, leaf, self.fuse)
+        return out.detach(), (leaf, out)
+
+    @staticmethod
+    def backward(saved: tuple, grad: torch.Tensor, need_input: bool) -> Optional[torch.Tensor]:
+        leaf, out = saved
+        (d_x,) = torch.autograd.grad(out, (leaf,), grad, allow_unused=True)
+        if d_x is None and need_input:
+            d_x = torch.zeros_like(leaf)
+        return d_x if need_input else None
+
+
+__all__ = ["ACTIVATIONS", "FormGraph", "GradPart", "GradTarget", "GroupedFFN", "SendRows", "SinkProjection",
+           "written_out"]

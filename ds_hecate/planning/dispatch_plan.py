@@ -138,6 +138,12 @@ class RankDispatch:
 def rank_dispatch(tables: RankTables, counts: np.ndarray) -> RankDispatch:
     """The per-call work of one rank: O(experts + sources x experts it holds), vectorised."""
     world = tables.world
+    if world == 1:   # the rank alone: it keeps every pair of the experts it holds (all of them), in expert order
+        kept = counts[0, list(tables.mine)]
+        total = int(kept.sum())
+        return RankDispatch(rank=tables.rank, mine=tables.mine, send_dst=tables.send_dst, send_rows=kept,
+                            send_splits=[total], recv_splits=[total], order_starts=np.cumsum(kept) - kept,
+                            order_lengths=kept, sizes=kept.tolist())
     sent, received = tables.amounts(counts)                 # received: [sources, K]
     send_splits = np.bincount(tables.send_dst, weights=sent, minlength=world).astype(np.int64)
     by_expert = received.T                                  # the expert-major order of the segments

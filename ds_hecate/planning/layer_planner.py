@@ -145,10 +145,12 @@ class LayerPlanner:
         more ranks than experts. Why: replicas gathered for loads that do not come cost transfers and leave
         calibration less room."""
         s = self.settings
-        predicted = self.prediction = self.predictor.predict_array()
-        start = self.start_layout(inputs)
         self.speculative = False
         self.last_search_us = 0.0
+        if self.world == 1:   # one rank owns every expert: there is nothing to place
+            return self._unscheduled_placement(tuple(inputs.owners), None)
+        predicted = self.prediction = self.predictor.predict_array()
+        start = self.start_layout(inputs)
         if predicted is None or (s.calibration and not self.predictor.newest_agrees):
             # what is prefetched now is no schedule (calibration is told so: ``speculative`` False); the schedule
             # itself stays, so that routing back where it was after a burst reuses it without a search
@@ -190,6 +192,9 @@ class LayerPlanner:
             return AfterGate(plan, plan.for_rank(rank), None, False)
         if prefetched is None:
             raise ValueError("plan_call: the 'hecate' policy plans over the prefetched placement; pass it")
+        if self.world == 1:   # nothing to calibrate: every expert is the rank's own
+            plan = DispatchPlan.build(counts, prefetched, s.ranks_per_node)
+            return AfterGate(plan, plan.for_rank(rank), None)
         return plan_after_gate(counts, prefetched, self.schedule, inputs.calibration_settings(s), rank, s.calibration,
                                self.speculative, self._start_holders(inputs))
 

@@ -22,7 +22,8 @@ from ..comm.buffers import CommCounters
 from ..comm.collectives import AllToAllTokens, Communicator
 from ..ops.combine import weighted_unpermute
 from ..planning.dispatch_plan import RankDispatch
-from .expert_compute import host_index, segment_rows
+from ..comm.device import host_index
+from ..planning.segments import segment_rows
 
 
 def slot_histogram(flat: torch.Tensor, gates: torch.Tensor, num_experts: int) -> torch.Tensor:

@@ -1,7 +1,9 @@
 """The Hecate runtime of one rank: its layers, the call order and prefetch, the expert update and statistics.
 
-A layer call is :class:`~ds_hecate.runtime.layer.LayerBinding`'s; this module holds what spans layers and steps:
-prefetch order, gradient norm and the expert optimizer step, cost profiling and re-shard triggers, consolidation.
+A layer call is :class:`~ds_hecate.runtime.layer.LayerBinding`'s, which reads of the runtime only what
+:class:`~.host.LayerHost` names; this module holds what spans layers and steps: the setup every layer shares, the
+call sequence and its prefetch, the queue of SparseReduceScatters, the gradient norm and the expert optimizer step,
+cost profiling and re-shard triggers, consolidation.
 With groups (``hecate.ep_size``) ``comm`` and ``rank`` are the rank's group's and ``ep_size`` its size (what its
 layers plan and gather over) and :attr:`HecateRuntime.layout` holds the world and expert-data-parallel side (:mod:`.edp`).
 Observers (step metrics, routing trace) are registered by whoever builds the runtime
@@ -18,19 +20,21 @@ import torch
 from ..comm.collectives import CommCounters, Communicator
 from ..config import HecateConfig, wire_dtype
 from ..logging_utils import logger
-from ..planning import CommCostModel, Placement
+from ..planning import Placement
 from ..planning.cost_model import StepCostModel, scheduler_costs
 from ..planning.replica_pool import LayerGrant, ReplicaPool
-from ..planning.dispatch_plan import DispatchPlan
 from ..planning.groups import data_parallel_ranks_per_node
+from .call_monitor import CallMonitor
+from .call_sequence import CallSequence
 from .edp import GroupLayout, reduce_gradients, reduce_layer, refresh_weights, whole_masters
+from .host import LayerSetup
 from .interfaces import ExpertStepper
 from .layer import LayerBinding, in_backward_pass
 from .phases import PHASES
 from .profiling import WARM_PROFILE_STEP, expert_work, measure_costs
+from .reductions import ReductionQueue
 from .shard_store import ExpertShardStore, LayerShard
 from .stops import Stops
-from .timing import BackwardPhases, DeviceClock
 
 
 __all__ = ["HecateRuntime", "LayerBinding", "PHASES"]
@@ -72,10 +76,7 @@ class HecateRuntime:
         #: the backward in progress ends an accumulation window (set by the engine; reductions may go early)
         self.at_boundary = False
         self.device = comm.device   # the rank's working device: every tensor Hecate creates lives there
-        self.clock = DeviceClock(self.device)
-        self.backward_phases = BackwardPhases()   # the layer calls' backward, timed in phases
         self.store = ExpertShardStore(self.device)
-        self.autograd_anchor = torch.empty(0, requires_grad=True, device=self.device)
         self.bindings: List[LayerBinding] = []
         self.layer_names: List[str] = []
         self.optimizer: Optional[ExpertStepper] = None
@@ -88,25 +89,30 @@ class HecateRuntime:
         self.norm_from_optimizer = False  # set by the norm hook when DeepSpeed's optimizer computes the joint norm
         self.last_nonfinite_grads: Optional[dict] = None
         self.reshards = 0
-        self.call_order: List[int] = []
-        self._order_fixed = False
         self.measured: Dict[str, float] = {}
         self._work_at_profile: Optional[Tuple[int, float]] = None   # expert_work() when costs were last measured
         self.overlaps_compute = torch.cuda.is_available()
-        self.last_layer_end: Optional[object] = None   # a DeviceClock mark
-        self.peak_replica_bytes = 0
-        self.pending_reductions: List[Tuple[LayerBinding, object]] = []
         self.global_steps = 0  # optimizer steps done (engine.global_steps), for the trace's step numbers
-        # Called as observe(binding, plan, counts) after each forward call's plan (not recomputes).
-        self.observers: List[Callable[[LayerBinding, DispatchPlan, np.ndarray], None]] = []
         self.metrics = None   # ds_hecate.deepspeed_glue.monitor.StepMetrics, when the builder installs it
         self.trace = None     # ds_hecate.deepspeed_glue.monitor.TraceRecorder (rank 0, hecate.trace_file)
         self._pool: Optional[Tuple[tuple, ReplicaPool]] = None   # (its inputs, the pool)
+        self._costs: Dict[int, Tuple[object, bool, StepCostModel]] = {}   # layer -> (measured, regather, costs)
+        # What every layer reads of the runtime (runtime/host.py): the group's fixed setup, the call sequence, the
+        # queue of SparseReduceScatters, the instruments (phases are timed until the cost model has its steady-state
+        # figures, and throughout with hecate.profile).
+        self.setup = LayerSetup(comm, self.rank, self.ep_size, self.ranks_per_node, self.device, compute_dtype,
+                                self.reduce_dtype, config, self.layout.tensor_parallel, self.stops,
+                                self.relays_stream_ordered)
+        self.sequence: CallSequence[LayerBinding] = CallSequence(self.bindings)
+        self.monitor = CallMonitor(self.device, profiling=True)
+        self.reductions = ReductionQueue(eager=lambda: self.at_boundary and self.layout.partitioned,
+                                         on_complete=lambda layer: reduce_layer(self, layer.shard),
+                                         timed=lambda layer: layer.phases("reduce_wait"))
 
     # -- setup --------------------------------------------------------------------------------------------------
     def add_layer(self, name: str, shard: LayerShard, hidden_size: int) -> LayerBinding:
         self.store.add(shard)
-        binding = LayerBinding(self, shard, hidden_size)
+        binding = LayerBinding(self, len(self.bindings), shard, hidden_size)
         self.bindings.append(binding)
         self.layer_names.append(name)
         return binding
@@ -141,19 +147,20 @@ class HecateRuntime:
         masters = self.layout.world.move_experts(sources, owners, local, shard.kernel.numel)
         shard.set_masters(masters, self.layout.partition_for(shard.kernel.numel), self.compute_dtype)
 
-    def comm_cost_model(self, shard: LayerShard, hidden_size: int) -> CommCostModel:
-        act = torch.empty((), dtype=self.compute_dtype).element_size()
-        grad = torch.empty((), dtype=self.reduce_dtype).element_size()
-        return CommCostModel(hidden_size=hidden_size, expert_numel=shard.kernel.numel, activation_bytes=act,
-                             param_bytes=act, grad_bytes=grad)
-
     def step_costs(self, binding: LayerBinding) -> StepCostModel:
-        """Cost model for the scheduler: configured values, else measured ones (identical on all ranks)."""
+        """Cost model for the scheduler: configured values, else measured ones (identical on all ranks); one
+        object per layer until the measured figures change."""
         # One formula for the runtime, ``ds-hecate plan`` and the simulator (ds_hecate.planning.cost_model).
-        return scheduler_costs(self.config, self.measured, self.ep_size, self.ranks_per_node,
-                               binding.cost.expert_bytes, binding.cost.token_bytes(1), self.overlaps_compute,
-                               relays_stream_ordered=self.relays_stream_ordered,
-                               reduce_bytes=binding.cost.reduce_bytes, regather=binding.rematerializes)
+        regather = binding.rematerializes
+        cached = self._costs.get(binding.index)
+        if cached is not None and cached[0] is self.measured and cached[1] == regather:
+            return cached[2]
+        costs = scheduler_costs(self.config, self.measured, self.ep_size, self.ranks_per_node,
+                                binding.cost.expert_bytes, binding.cost.token_bytes(1), self.overlaps_compute,
+                                relays_stream_ordered=self.relays_stream_ordered,
+                                reduce_bytes=binding.cost.reduce_bytes, regather=regather)
+        self._costs[binding.index] = (self.measured, regather, costs)
+        return costs
 
     @property
     def relays_stream_ordered(self) -> bool:
@@ -162,65 +169,33 @@ class HecateRuntime:
         return bool(getattr(self.comm.weights, "stream_ordered", False))
 
     # -- call sequence and prefetch ---------------------------------------------------------------------------
-    def note_layer_call(self, binding: LayerBinding, recompute: bool) -> None:
-        if recompute or self._order_fixed:
-            return
-        index = binding.index
-        if index in self.call_order:
-            self._order_fixed = True  # a layer called twice: the order of one pass is known
-        else:
-            self.call_order.append(index)
-
     def on_model_forward(self) -> None:
-        """Start of a model forward (a micro-step): forget stale caches, prefetch the first layer."""
+        """Start of a model forward (a micro-step): forget the previous forward's plans, prefetch the first
+        layer."""
         if in_backward_pass():
             return
-        self.last_layer_end = self.clock.mark()
+        self.monitor.model_forward()
         for b in self.bindings:
-            b.forward_cache.clear()
-        if self.call_order:
-            self._order_fixed = True
-            if self.config.prefetch:
-                self.bindings[self.call_order[0]].start_prefetch()
-
-    def prefetch_after(self, binding: LayerBinding) -> None:
-        index = binding.index
-        if index in self.call_order:
-            pos = self.call_order.index(index)
-            if pos + 1 < len(self.call_order):
-                self.bindings[self.call_order[pos + 1]].start_prefetch()
+            b.planner.model_forward()
+        first = self.sequence.first()
+        if first is not None and self.config.prefetch:
+            first.start_prefetch()
 
     def drop_pending(self) -> None:
         """Complete and discard prefetches (before weights change); every rank holds the same pending set."""
         for b in self.bindings:
-            if b.pending is not None:
-                b.pending.wait()
-                b.pending = None
+            b.gathers.drop_pending()
 
-    def note_replica_bytes(self) -> None:
-        live = sum(b.replica_bytes_alive() for b in self.bindings)
-        self.peak_replica_bytes = max(self.peak_replica_bytes, live)
+    @property
+    def peak_replica_bytes(self) -> int:
+        return self.monitor.memory.total.peak
 
     # -- gradient norm and step -------------------------------------------------------------------------------
     def flush_reductions(self, keep: int = 0) -> None:
         """Wait for the SparseReduceScatters issued in backward (in issue order, all but the ``keep`` newest) and
-        accumulate the results. At the accumulation boundary with partitioned expert state each completed layer
-        goes on to its EDP reduction at once (:func:`.edp.reduce_layer`), so its whole fp32 gradient rows live only
-        until then, as ZeRO-2 reduces gradients during backward instead of keeping them whole."""
-        count = max(0, len(self.pending_reductions) - keep)
-        done, self.pending_reductions = self.pending_reductions[:count], self.pending_reductions[count:]
-        eager = self.at_boundary and self.layout.partitioned
-        for binding, finish in done:
-            with binding.timed("reduce_wait"):
-                finish()
-            if eager:
-                reduce_layer(self, binding.shard)
-
-    def issued_reduction(self) -> None:
-        """A layer's SparseReduceScatter was just issued: with partitioned state at the boundary, complete the ones
-        issued before it (the newest stays in flight beside the rest of backward). Collective, in backward order."""
-        if self.at_boundary and self.layout.partitioned:
-            self.flush_reductions(keep=1)
+        accumulate the results (:class:`~.reductions.ReductionQueue`: at the accumulation boundary with partitioned
+        expert state each completed layer goes on to its EDP reduction at once)."""
+        self.reductions.flush(keep)
 
     def reduce_across_groups(self) -> None:
         """At the accumulation boundary, once: the group's reductions flushed, then the EDP reduction (sum over the
@@ -329,6 +304,8 @@ class HecateRuntime:
         elif (global_steps == WARM_PROFILE_STEP and self._work_at_profile is not None
               and self.measured.get("profiled_at_step", 0.0) < WARM_PROFILE_STEP):
             self.measure_costs(since=self._work_at_profile)   # steady-state figures replace the cold first step's
+        # phases are timed until the steady-state profile (the cost model's figures), then only with hecate.profile
+        self.monitor.profiling = bool(self.config.profile) or global_steps < WARM_PROFILE_STEP
         interval = self.config.reshard_interval
         if interval and global_steps % interval == 0 and self.config.placement == "hecate":
             from .resharding import reshard
@@ -362,7 +339,7 @@ class HecateRuntime:
 
     # -- introspection ----------------------------------------------------------------------------------------
     def materialized_bytes(self) -> int:
-        return sum(b.replica_bytes_alive() for b in self.bindings)
+        return self.monitor.memory.total.live
 
     def memory_bytes(self) -> Dict[str, int]:
         return {"expert_master": self.store.master_bytes(), "expert_weights": self.store.weight_bytes(),

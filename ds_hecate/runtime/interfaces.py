@@ -1,16 +1,16 @@
-"""What the runtime's parts see of each other, as interfaces below them all.
+"""What the runtime's parts that span layers see of the runtime, as interfaces below them all.
 
-:class:`~ds_hecate.runtime.hecate.HecateRuntime` owns the layer bindings (:mod:`.layer`), calls the expert-data-
-parallel work (:mod:`.edp`) and re-sharding (:mod:`.resharding`), and the glue installs its expert optimizer. Those
-parts need a few things back from the runtime that owns them (its group's communicator, its layout, its device and
-dtypes, its clocks); typed as the :class:`RuntimeView` protocol here, they depend on this module, not on
-``hecate.py``, so the files form no circle (``tests/test_layout.py``): the shared piece below, the callers above.
+:class:`~ds_hecate.runtime.hecate.HecateRuntime` calls the expert-data-parallel work (:mod:`.edp`), re-sharding
+(:mod:`.resharding`) and cost profiling (:mod:`.profiling`), and the glue installs its expert optimizer. Those parts
+need a few things back from the runtime that owns them (its group's communicator, its layout, its device and dtypes,
+its layers); typed as the :class:`RuntimeView` protocol here, they depend on this module, not on ``hecate.py``, so
+the files form no circle (``tests/test_layout.py``): the shared piece below, the callers above.
 Likewise :class:`ExpertStepper` is what the runtime calls of the optimizer the glue builds
 (``deepspeed_glue.expert_optimizer.ExpertOptimizer``), without importing the glue.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence
+from typing import Any, Dict, List, Optional, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -35,11 +35,11 @@ class ExpertStepper(Protocol):
 
 
 class RuntimeView(Protocol):
-    """The runtime as its layers, the expert-data-parallel work and re-sharding read it (one rank's
-    :class:`~ds_hecate.runtime.hecate.HecateRuntime`; ``rank`` is the index in its group, ``ep_size`` the group's size;
-    the whole world is ``layout.world``)."""
+    """The runtime as the parts that span its layers read it (the expert-data-parallel work, re-sharding, cost
+    profiling): one rank's :class:`~ds_hecate.runtime.hecate.HecateRuntime`; ``rank`` is the index in its group,
+    ``ep_size`` the group's size, the whole world is ``layout.world``. A layer reads less
+    (:class:`~ds_hecate.runtime.host.LayerHost`)."""
 
-    config: Any
     comm: Any                      # the group's Communicator
     layout: Any                    # edp.GroupLayout: the world, the expert-data-parallel peers, tensor parallelism
     rank: int
@@ -47,31 +47,11 @@ class RuntimeView(Protocol):
     ranks_per_node: int
     device: torch.device
     compute_dtype: torch.dtype
-    reduce_dtype: torch.dtype
     edp_reduce_dtype: torch.dtype
     optimizer: Optional[ExpertStepper]
     layer_group: Dict[int, int]
     bindings: List[Any]
     store: Any
-    stops: Any
-    clock: Any
-    backward_phases: Any
-    autograd_anchor: torch.Tensor
-    last_layer_end: Optional[object]
-    pending_reductions: List[Any]
-    observers: List[Callable[..., None]]
-    relays_stream_ordered: bool
+    global_steps: int
 
     def step_costs(self, binding: Any) -> Any: ...
-
-    def grant(self, binding: Any) -> Any: ...
-
-    def comm_cost_model(self, shard: Any, hidden_size: int) -> Any: ...
-
-    def note_layer_call(self, binding: Any, recompute: bool) -> None: ...
-
-    def note_replica_bytes(self) -> None: ...
-
-    def prefetch_after(self, binding: Any) -> None: ...
-
-    def issued_reduction(self) -> None: ...

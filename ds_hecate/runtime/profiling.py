@@ -26,7 +26,8 @@ REPLICA_PROBE_REPS = 5
 
 def expert_work(rt) -> Tuple[int, float]:
     """Token-expert pairs processed and forward expert-compute seconds so far, over all layers of this rank."""
-    return (sum(b.pairs_processed for b in rt.bindings), sum(b.device_time["compute"].total() for b in rt.bindings))
+    return (sum(b.tally.pairs_processed for b in rt.bindings),
+            sum(b.times.device["compute"].total() for b in rt.bindings))
 
 
 def _probe_link_gbps(rt) -> float:
@@ -95,7 +96,7 @@ def measure_costs(rt, since: Optional[Tuple[int, float]] = None) -> Dict[str, fl
         pairs, compute = pairs - since[0], compute - since[1]
     # Forward compute is timed; backward costs about twice the forward.
     per_pair = 3.0 * compute / pairs if pairs else 0.0
-    gaps = [g for b in rt.bindings for g in b.gap_time.values()]
+    gaps = [g for b in rt.bindings for g in b.times.gap.values()]
     non_moe = sum(gaps) / len(gaps) if gaps else 0.0
     link = _probe_link_gbps(rt)
     replica = _probe_replica_overhead_s(rt) if rt.bindings else 0.0

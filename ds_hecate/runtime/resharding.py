@@ -71,7 +71,7 @@ def _unpack(chunk: torch.Tensor, numel: int, layout: StateLayout) -> Tuple[nn.Pa
 
 def reshard(rt) -> bool:
     """Re-shard every layer if the heterogeneous plan changed; returns whether anything moved. Collective."""
-    loads = [b.predictor.expert_loads() or [0.0] * b.shard.num_experts for b in rt.bindings]
+    loads = [b.planner.predictor.expert_loads() or [0.0] * b.shard.num_experts for b in rt.bindings]
     if rt.layout.edp is not None:   # every group decides from the same loads: the sum over the groups
         summed = to_device(torch.tensor([x for layer in loads for x in layer], dtype=torch.float64), rt.device)
         rt.layout.edp.all_reduce(summed, collective="re-sharding load all-reduce")
@@ -125,6 +125,6 @@ def reshard(rt) -> bool:
                 state = rt.optimizer.state_of(old_param)
                 rt.optimizer.remove(old_param)
                 rt.optimizer.add(rt.layer_group[shard.layer_id], new_param, state)
-        binding.pending = None
+        binding.gathers.pending = None
     refresh_weights(rt, [rt.bindings[i].shard for i in changed])
     return True

@@ -6,11 +6,15 @@ call is therefore timed with a CUDA event pair on the current stream, resolved l
 cost model read them (one host synchronisation then, at a step boundary), and, to bound memory, pairs whose events
 have already completed are folded in as calls go on (``query()``, which never waits). Elsewhere the host clock is
 the device clock. Host times are kept beside (``host_time_s``: launches and planning, what the host spent).
+
+Phases are timed only while profiling (:class:`~ds_hecate.runtime.call_monitor.CallMonitor`): a timer, a CUDA event
+pair and an autograd boundary per phase are host work in every layer call, which a call that is not measured must
+not pay.
 """
 from __future__ import annotations
 
 import time
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -87,11 +91,26 @@ class Intervals:
         return self._total
 
 
-def record(binding: Any, phase: str, mark: Any, host_start: float) -> None:
-    """An interval of ``phase`` from ``mark`` / ``host_start`` to now: device time into
-    ``binding.device_time[phase]`` (statistics and the cost model), host time into ``binding.host_phase_s``."""
-    binding.host_phase_s[phase] += time.perf_counter() - host_start
-    binding.device_time[phase].add(mark, binding.runtime.clock.mark())
+class PhaseTimes:
+    """One layer's timed phases: device time per phase (CUDA events, resolved when read: statistics and the cost
+    model), host time per phase (launches and planning), and the device time between the previous MoE layer and
+    this one (the cost model's T_nonMoE)."""
+
+    def __init__(self, phases: Iterable[str]) -> None:
+        names = tuple(phases)
+        self.device = {p: Intervals(keep=0) for p in names}
+        self.host = {p: 0.0 for p in names}
+        self.gap = Intervals(keep=16)
+
+    def record(self, phase: str, mark: Any, host_start: float, clock: "DeviceClock") -> None:
+        """An interval of ``phase`` from ``mark`` / ``host_start`` to now."""
+        self.host[phase] += time.perf_counter() - host_start
+        self.device[phase].add(mark, clock.mark())
+
+    def seconds(self) -> Dict[str, float]:
+        """Device seconds per phase so far (resolving CUDA events is a host synchronisation: step boundaries and
+        statistics only)."""
+        return {p: v.total() for p, v in self.device.items()}
 
 
 class BackwardPhases:
@@ -101,73 +120,67 @@ class BackwardPhases:
     backward runs its nodes in a row); a :class:`PhaseTimer` inside it (the SparseReduceScatter's issue, a re-gather,
     another layer's reduce-scatter wait) pauses it, so no time is counted twice and the phases add up to the call."""
 
-    def __init__(self) -> None:
-        self.open: Optional[Tuple[Any, str, Any, float]] = None   # (binding, phase, device mark, host start)
+    def __init__(self, clock: "DeviceClock") -> None:
+        self.clock = clock
+        self.open: Optional[Tuple[PhaseTimes, str, Any, float]] = None   # (times, phase, device mark, host start)
 
-    def cross(self, binding: Any, ends: Optional[str], starts: Optional[str]) -> None:
-        """At a boundary in backward: close ``ends`` (if it is the interval open for ``binding``; a stale one, of a
-        boundary autograd did not reach, is dropped) and open ``starts``."""
+    def cross(self, times: PhaseTimes, ends: Optional[str], starts: Optional[str]) -> None:
+        """At a boundary in backward: close ``ends`` (if it is the interval open for ``times``' layer; a stale one,
+        of a boundary autograd did not reach, is dropped) and open ``starts``."""
         if self.open is not None:
             owner, phase, mark, host_start = self.open
-            if owner is binding and phase == ends:
-                record(binding, phase, mark, host_start)
+            if owner is times and phase == ends:
+                owner.record(phase, mark, host_start, self.clock)
         self.open = None
         if starts is not None:
-            self.open = (binding, starts, binding.runtime.clock.mark(), time.perf_counter())
+            self.open = (times, starts, self.clock.mark(), time.perf_counter())
 
-    def pause(self) -> Optional[Tuple[Any, str]]:
+    def pause(self) -> Optional[Tuple[PhaseTimes, str]]:
         """Close the open interval (recorded) for a nested timer; returns what to :meth:`resume`."""
         if self.open is None:
             return None
         owner, phase, mark, host_start = self.open
-        record(owner, phase, mark, host_start)
+        owner.record(phase, mark, host_start, self.clock)
         self.open = None
         return owner, phase
 
-    def resume(self, paused: Optional[Tuple[Any, str]]) -> None:
+    def resume(self, paused: Optional[Tuple[PhaseTimes, str]]) -> None:
         if paused is not None:
             owner, phase = paused
-            self.open = (owner, phase, owner.runtime.clock.mark(), time.perf_counter())
+            self.open = (owner, phase, self.clock.mark(), time.perf_counter())
 
 
 class PhaseBoundary(torch.autograd.Function):
     """Identity; in backward, the boundary between two backward phases of a layer call (:class:`BackwardPhases`)."""
 
     @staticmethod
-    def forward(ctx, tensor: torch.Tensor, binding: Any, ends: Optional[str], starts: Optional[str]) -> torch.Tensor:
-        ctx.binding, ctx.ends, ctx.starts = binding, ends, starts
+    def forward(ctx, tensor: torch.Tensor, phases: BackwardPhases, times: PhaseTimes, ends: Optional[str],
+                starts: Optional[str]) -> torch.Tensor:
+        ctx.phases, ctx.times, ctx.ends, ctx.starts = phases, times, ends, starts
         return tensor.view_as(tensor)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        ctx.binding.runtime.backward_phases.cross(ctx.binding, ctx.ends, ctx.starts)
-        return grad, None, None, None
-
-
-def boundary(tensor: torch.Tensor, binding: Any, ends: Optional[str], starts: Optional[str]) -> torch.Tensor:
-    """``tensor`` with a :class:`PhaseBoundary` on it (as it is where it needs no gradient)."""
-    if not tensor.requires_grad:
-        return tensor
-    return PhaseBoundary.apply(tensor, binding, ends, starts)
+        ctx.phases.cross(ctx.times, ctx.ends, ctx.starts)
+        return grad, None, None, None, None
 
 
 class PhaseTimer:
-    """One phase of an MoE layer call (:func:`record`); names the phase as the communicator's activity (shown if a
-    collective fails inside it); pauses a backward phase it runs inside (:class:`BackwardPhases`)."""
+    """One timed phase of an MoE layer call (:meth:`PhaseTimes.record`), inside a
+    ``torch.profiler.record_function`` range of the same name; pauses a backward phase it runs inside
+    (:class:`BackwardPhases`)."""
 
-    def __init__(self, binding: Any, phase: str) -> None:
-        self.binding, self.phase = binding, phase
+    def __init__(self, times: PhaseTimes, phase: str, phases: BackwardPhases, label: str) -> None:
+        self.times, self.phase, self.phases, self.label = times, phase, phases, label
 
     def __enter__(self) -> None:
-        runtime = self.binding.runtime
-        comm = runtime.comm
-        self.previous, comm.activity = comm.activity, f"{self.phase} of MoE layer '{self.binding.shard.name}'"
-        self.paused = runtime.backward_phases.pause()
-        self.mark = runtime.clock.mark()
+        self.range = torch.profiler.record_function(self.label)
+        self.range.__enter__()
+        self.paused = self.phases.pause()
+        self.mark = self.phases.clock.mark()
         self.start = time.perf_counter()
 
     def __exit__(self, *exc: Any) -> None:
-        record(self.binding, self.phase, self.mark, self.start)
-        runtime = self.binding.runtime
-        runtime.comm.activity = self.previous
-        runtime.backward_phases.resume(self.paused)
+        self.times.record(self.phase, self.mark, self.start, self.phases.clock)
+        self.phases.resume(self.paused)
+        self.range.__exit__(*exc)

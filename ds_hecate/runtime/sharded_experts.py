@@ -1,0 +1,406 @@
+"""The experts of one layer call as one autograd node: received rows in, expert outputs out, and in backward the
+rows' gradient out and the experts' weight gradients handed to the SparseReduceScatter queue.
+
+A call's materialized experts come in two parts (:class:`~ds_hecate.comm.buffers.GatheredExperts`): the rank's own,
+computed from the shard's resident compute-dtype weights as they are, and the replicas SparseAllGather received.
+The received token rows (source-major, then expert) are taken expert-major, own experts first
+(:class:`ExpertRows`), each part runs on its rows, and the outputs go back to the received order. How the parts run
+is chosen per layer when it is built (:class:`ExpertCompute`):
+
+- ``grouped``: FFN experts with a written-out activation, on grouped GEMMs with their backward written out
+  (:class:`~ds_hecate.ops.grouped_ffn.GroupedFFN`); the owned experts' weight gradients land in the owner's fp32
+  accumulator, the replicas' in the rows SparseReduceScatter sends;
+- ``graph``: other FFN forms, their own arithmetic on a small graph whose projections are grouped GEMMs delivering
+  their weight gradients likewise (:class:`~ds_hecate.ops.grouped_ffn.FormGraph`);
+- ``loop``: generic ``nn.Module`` experts and biased experts in half precision, one expert at a time through
+  autograd, whose gradients for the two parts' weights SparseReduceScatter adds where they belong.
+
+With re-materialization (Hecate-RM) forward keeps only the received rows; backward gathers the replicas again and
+recomputes before differentiating. Either way the node is on every rank's backward path (``anchor`` always
+requires grad, so a rank with no token, or whose tokens need no gradient, records it too) and its backward issues
+the layer's SparseReduceScatter on every rank (:class:`~ds_hecate.runtime.reductions.ReductionQueue`): the
+compute never calls back into the layer or the runtime.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from ..comm.buffers import GatheredExperts
+from ..comm.device import host_index, to_device
+from ..comm.requests import GatherRequest, ReduceScatterRequest
+from ..experts import ExpertKernel
+from ..ops.grouped_experts import GROUPED_MM_ENV, grouped_path, loop, native_for
+from ..ops.grouped_ffn import FormGraph, GradPart, GroupedFFN, SendRows, written_out
+from ..ops.group_gemm import RowGroups
+from ..ops.permute import Permute, permute_rows
+from ..planning.dispatch_plan import RankDispatch
+from ..planning.segments import segment_permutation
+from .call_monitor import LayerPhases
+from .reductions import ReductionQueue
+from .shard_store import ShardAccumulator
+
+
+@dataclass(frozen=True)
+class ExpertRows:
+    """How the received token rows (source-major, then expert) meet a call's experts: ``order`` takes them
+    expert-major in the gathered experts' order (own experts first), ``inverse`` puts expert-major rows back in the
+    received order (both built from the plan's host tables: gathers both ways, never a scatter; None when no
+    permutation runs); ``own`` and ``replicas`` cut the expert-major rows into one group per expert of each part
+    (0 rows for an expert this call routes nothing to). ``pad_rows`` zero rows follow the outputs
+    (:attr:`~ds_hecate.runtime.dispatcher.Routes.pad_rows`). ``in_order``: the rank is alone in its group with the
+    one-rank shortcuts on, so its rows come from itself, expert-major already, and both permutations are skipped
+    (on N ranks they run even when they happen to be the identity, so a 1-rank measurement without the shortcuts
+    times the N-rank path)."""
+
+    order: Optional[torch.Tensor]
+    inverse: Optional[torch.Tensor]
+    own: RowGroups
+    replicas: RowGroups
+    pad_rows: int = 1
+    in_order: bool = False
+
+    @property
+    def own_rows(self) -> int:
+        return self.own.total
+
+    @property
+    def rows(self) -> int:
+        return self.own.total + self.replicas.total
+
+    @property
+    def sizes(self) -> Tuple[int, ...]:
+        return self.own.sizes + self.replicas.sizes
+
+    @staticmethod
+    def of(dispatch: RankDispatch, experts: Sequence[int], owned: int, device: torch.device, pad_rows: int = 1,
+           alone: bool = False) -> "ExpertRows":
+        mine = {e: i for i, e in enumerate(dispatch.mine)}
+        missing = set(mine).difference(experts)
+        if missing:
+            raise RuntimeError(f"the gathered experts {list(experts)} lack {sorted(missing)} of this rank's plan")
+        sizes = [int(dispatch.sizes[mine[e]]) if e in mine else 0 for e in experts]
+        sources = len(dispatch.order_lengths) // max(len(dispatch.mine), 1)
+        held = [mine[e] for e in experts if e in mine]
+        # a rank alone receives from itself only, its segments expert-major in its experts' order
+        in_order = alone and sources == 1 and held == sorted(held)
+        order = inverse = None
+        if not in_order or pad_rows:   # (the zero row is appended by the permutation back)
+            starts = np.asarray(dispatch.order_starts, dtype=np.int64).reshape(len(dispatch.mine), sources)
+            lengths = np.asarray(dispatch.order_lengths, dtype=np.int64).reshape(len(dispatch.mine), sources)
+            order, inverse = (host_index(rows, device) for rows in
+                              segment_permutation(starts[held].reshape(-1), lengths[held].reshape(-1)))
+        return ExpertRows(order, inverse, RowGroups.build(sizes[:owned], device, to_device),
+                          RowGroups.build(sizes[owned:], device, to_device), pad_rows, in_order)
+
+    def to_experts(self, recv: torch.Tensor) -> torch.Tensor:
+        """The received rows expert-major (no autograd: the node's backward undoes it)."""
+        return recv if self.in_order else permute_rows(recv, self.order)
+
+    def to_received(self, outputs: torch.Tensor) -> torch.Tensor:
+        """Expert-major outputs back in the received order, :attr:`pad_rows` zero rows after them."""
+        if self.in_order and not self.pad_rows:
+            return outputs
+        return permute_rows(outputs, self.inverse, self.pad_rows)
+
+    def grad_to_experts(self, grad: torch.Tensor) -> torch.Tensor:
+        """The gradient of :meth:`to_received`'s output, expert-major (the pad rows' dropped)."""
+        if self.in_order:
+            return grad[:self.rows] if self.pad_rows else grad
+        return grad[:self.rows].index_select(0, self.order)
+
+    def grad_to_received(self, grad: torch.Tensor) -> torch.Tensor:
+        """The gradient of :meth:`to_experts`' input: expert-major gradients back in the received order."""
+        return grad if self.in_order else grad.index_select(0, self.inverse)
+
+    # on a graph of their own (the loop): the same permutations, differentiable
+    def graph_to_experts(self, recv: torch.Tensor) -> torch.Tensor:
+        return recv if self.in_order else Permute.apply(recv, self.order, self.inverse)
+
+    def graph_to_received(self, outputs: torch.Tensor) -> torch.Tensor:
+        if self.in_order and not self.pad_rows:
+            return outputs
+        return Permute.apply(outputs, self.inverse, self.order, self.pad_rows)
+
+
+class ExpertCompute:
+    """How a layer's experts run (see the module docstring), chosen once per layer from its kernel and the compute
+    dtype: ``kind`` is ``"grouped"``, ``"graph"`` or ``"loop"``."""
+
+    def __init__(self, kernel: ExpertKernel, dtype: torch.dtype) -> None:
+        self.kernel = kernel
+        self.fused: Optional[GroupedFFN] = None
+        self.split: Optional[GroupedFFN] = None
+        self.graph: Optional[FormGraph] = None
+        if grouped_path(kernel, dtype) and kernel.form is not None:
+            if written_out(kernel.form):
+                self.kind = "grouped"
+                self.fused, self.split = GroupedFFN(kernel, fuse=True), GroupedFFN(kernel, fuse=False)
+            else:
+                self.kind, self.graph = "graph", FormGraph(kernel)
+        else:
+            self.kind = "loop"
+
+    def ffn(self, device: torch.device, experts: int) -> Optional[GroupedFFN]:
+        """The grouped FFN a call runs: gate and up as one GEMM, or apart."""
+        if self.fused is None:
+            return None
+        return self.split if os.environ.get("DS_HECATE_FUSE") == "0" else self.fused
+
+    def views(self, weights: torch.Tensor, ffn: Optional[GroupedFFN]) -> Dict[str, torch.Tensor]:
+        fuse = ffn.fuse if ffn is not None else (self.graph is not None and self.graph.fuse)
+        return self.kernel.grouped_views(weights, fuse)
+
+    def loops(self, device: torch.device, experts: int) -> bool:
+        """Whether a call with ``experts`` experts on ``device`` runs the per-expert loop."""
+        if self.kind == "loop":
+            return True
+        forced = os.environ.get(GROUPED_MM_ENV)
+        return forced != "1" and device.type == "cpu" and experts < CPU_GROUPED_MIN_EXPERTS
+
+
+CPU_GROUPED_MIN_EXPERTS = 16
+
+
+#: the slots a part fills in the saved tensors: rows, gate, up, activation, hidden (GroupedFFN's saved tuple)
+PART_SLOTS = 5
+
+
+@dataclass
+class ExpertCall:
+    """One call's experts and where their gradients go, made by the layer in forward: the gathered experts (None
+    after a re-materializing forward), the rows' layout, this rank's dispatch (for a re-gather's layout), the owner's
+    accumulator, the SparseReduceScatter to issue and the queue it goes to (``owner`` names the layer there), the
+    re-gather (re-materialization), the layer's phases."""
+
+    compute: ExpertCompute
+    gathered: Optional[GatheredExperts]
+    rows: ExpertRows
+    mine: RankDispatch
+    accumulator: ShardAccumulator
+    reduce: ReduceScatterRequest
+    queue: ReductionQueue
+    owner: Any
+    phases: LayerPhases
+    regather: Optional[GatherRequest] = None
+    alone: bool = False
+    #: the loop's and the form graph's own graphs (the grouped path keeps its tensors in the node's saved tensors)
+    graphs: List[Any] = dataclasses.field(default_factory=list)
+    native: bool = False
+    looped: bool = False
+    ffn: Optional[GroupedFFN] = None
+
+    @property
+    def kernel(self) -> ExpertKernel:
+        return self.compute.kernel
+
+    # -- forward ---------------------------------------------------------------------------------------------------
+    def forward(self, recv: torch.Tensor, need_input: bool) -> Tuple[torch.Tensor, List[Optional[torch.Tensor]]]:
+        """The outputs in the received order (pad rows after them) and the tensors backward needs."""
+        if self.regather is not None:   # re-materialization: nothing kept but the rows
+            with torch.no_grad():
+                y = self._run(recv, need_input=False, keep=False)
+            self.gathered = None   # the replicas go now; backward gathers them again
+            return y, [recv]
+        y = self._run(recv, need_input, keep=True)
+        self.gathered = None   # backward reads the weights from the node's saved tensors (checkpointing frees them)
+        saved, self._saved = self._saved, []
+        return y, saved
+
+    def _run(self, recv: torch.Tensor, need_input: bool, keep: bool) -> torch.Tensor:
+        assert self.gathered is not None
+        self._saved: List[Optional[torch.Tensor]] = []
+        if self.compute.loops(recv.device, len(self.gathered.experts)):
+            self.looped = True
+            return self._loop_forward(recv, need_input, keep)
+        return self._grouped_forward(recv, keep)
+
+    def _part_inputs(self, x: torch.Tensor) -> List[Tuple[torch.Tensor, torch.Tensor, RowGroups]]:
+        """(weights, rows, groups) of each part that has experts, own first."""
+        g, rows = self.gathered, self.rows
+        assert g is not None
+        has_own, has_replicas = g.owned > 0, g.buffer.shape[0] > 0
+        if has_own and has_replicas:
+            own_in, replica_in = x.split([rows.own_rows, x.shape[0] - rows.own_rows])
+        else:
+            own_in = replica_in = x
+        parts = []
+        if has_own:
+            parts.append((g.owned_rows, own_in, rows.own))
+        if has_replicas:
+            parts.append((g.buffer, replica_in, rows.replicas))
+        return parts
+
+    def _grouped_forward(self, recv: torch.Tensor, keep: bool) -> torch.Tensor:
+        compute, g = self.compute, self.gathered
+        assert g is not None
+        x = self.rows.to_experts(recv)
+        parts = self._part_inputs(x)
+        self.ffn = compute.ffn(x.device, len(g.experts))
+        views = [compute.views(w, self.ffn) for w, _, _ in parts]
+        self.native = native_for([x, *(v for part in views for v in part.values())])
+        outs = []
+        # a block without replica rows (only rows reserved for calibration, unused) is not kept past forward
+        self._saved = [g.owned_rows, g.buffer if g.buffer.shape[0] else None]
+        for (weights, rows, groups), part_views in zip(parts, views):
+            if self.ffn is not None:
+                out, saved = self.ffn.forward(part_views, rows, groups, self.native)
+                self._saved.extend(saved)
+            else:
+                assert compute.graph is not None
+                target = self._grad_part(weights is g.owned_rows, g.buffer.shape[0], g.buffer.device)
+                out, graph = compute.graph.forward(part_views, rows, groups, self.native, target)
+                self.graphs.append((target, graph))
+            outs.append(out)
+        # no expert at all (a rank owning none, with no replica): the empty rows themselves
+        y = x if not outs else outs[0] if len(outs) == 1 else torch.cat(outs)
+        if not keep:
+            self._saved, self.graphs = [], []
+        return self.rows.to_received(y)
+
+    def _loop_forward(self, recv: torch.Tensor, need_input: bool, keep: bool) -> torch.Tensor:
+        g, rows, kernel = self.gathered, self.rows, self.kernel
+        assert g is not None
+        if not keep:
+            grouped = rows.to_experts(recv)
+            out = loop(kernel, torch.cat([g.owned_rows, g.buffer]), grouped, rows.sizes)
+            return rows.to_received(out)
+        with torch.enable_grad():
+            own = g.owned_rows.detach().requires_grad_(True)
+            replicas = g.buffer.detach().requires_grad_(True)
+            x = recv.detach().requires_grad_(need_input)
+            grouped = rows.graph_to_experts(x)
+            flats = list(own.unbind(0)) + list(replicas.unbind(0))
+            outs = [kernel(flat, part) for flat, part in zip(flats, grouped.split(list(rows.sizes)))]
+            y = rows.graph_to_received(torch.cat(outs) if outs else grouped)
+        # the block stays counted until backward, as it lives (not one without replica rows)
+        self.graphs = [(x, own, replicas, y, g.buffer if g.buffer.shape[0] else None)]
+        return y.detach()
+
+    # -- backward --------------------------------------------------------------------------------------------------
+    def backward(self, grad: torch.Tensor, saved: Sequence[Optional[torch.Tensor]],
+                 need_input: bool) -> Optional[torch.Tensor]:
+        """The received rows' gradient (None unless ``need_input``); the SparseReduceScatter issued."""
+        if self.regather is not None:
+            return self._rematerialized_backward(grad, saved[0], need_input)
+        if self.looped:
+            return self._loop_backward(grad, need_input)
+        return self._grouped_backward(grad, list(saved), need_input)
+
+    def _grad_part(self, own: bool, replicas: int, device: torch.device) -> GradPart:
+        """Where a part's weight gradients go: the owner's accumulator, or the ``replicas`` rows to send."""
+        if own:
+            return GradPart(self.accumulator, self.kernel)
+        target = getattr(self, "_sends", None)
+        if target is None:
+            target = self._sends = SendRows(replicas, self.kernel, self.reduce.wire_dtype, device)
+        return GradPart(target, self.kernel)
+
+    def _grouped_backward(self, grad: torch.Tensor, saved: List[Optional[torch.Tensor]],
+                          need_input: bool) -> Optional[torch.Tensor]:
+        compute, rows = self.compute, self.rows
+        owned_rows, buffer = saved[0], saved[1]
+        assert owned_rows is not None
+        replicas = buffer.shape[0] if buffer is not None else 0
+        grad_y = rows.grad_to_experts(grad)
+        parts = ([(owned_rows, rows.own)] if owned_rows.shape[0] else []) + ([(buffer, rows.replicas)] if replicas
+                                                                           else [])
+        if len(parts) == 2:
+            grads = list(grad_y.split([rows.own_rows, grad_y.shape[0] - rows.own_rows]))
+        else:
+            grads = [grad_y] * len(parts)
+        d_parts = []
+        if self.ffn is not None:
+            for i, ((weights, groups), part_grad) in enumerate(zip(parts, grads)):
+                part = self._grad_part(weights is owned_rows, replicas, grad.device)
+                acts = tuple(saved[2 + i * PART_SLOTS:2 + (i + 1) * PART_SLOTS])
+                d_parts.append(self.ffn.backward(compute.views(weights, self.ffn), acts, part_grad, groups, part,
+                                                 self.native, need_input))
+                part.finish(len(groups.sizes))
+        else:
+            for (part, graph), part_grad, (_, groups) in zip(self.graphs, grads, parts):
+                d_parts.append(FormGraph.backward(graph, part_grad, need_input))
+                part.finish(len(groups.sizes))
+            self.graphs = []
+        sends = self._grad_part(False, replicas, grad.device).target.rows()   # (none: an empty set of rows)
+        del saved, parts, owned_rows, buffer
+        self._issue(None, sends)
+        if not need_input:
+            return None
+        d_x = grad_y if not d_parts else d_parts[0] if len(d_parts) == 1 else torch.cat(d_parts)
+        return rows.grad_to_received(d_x)
+
+    def _loop_backward(self, grad: torch.Tensor, need_input: bool) -> Optional[torch.Tensor]:
+        x, own, replicas, y, _block = self.graphs.pop()
+        inputs = [own, replicas] + ([x] if need_input else [])
+        if y.requires_grad:
+            got = torch.autograd.grad(y, inputs, grad, allow_unused=True)
+        else:   # no expert and rows that need no gradient: nothing was computed
+            got = (None,) * len(inputs)
+        d_own = got[0] if got[0] is not None else torch.zeros_like(own)
+        d_replicas = got[1] if got[1] is not None else torch.zeros_like(replicas)
+        del y, own, replicas, _block
+        self._issue(d_own, d_replicas)
+        if not need_input:
+            return None
+        return got[2] if got[2] is not None else torch.zeros_like(x)
+
+    def _rematerialized_backward(self, grad: torch.Tensor, recv: Optional[torch.Tensor],
+                                 need_input: bool) -> Optional[torch.Tensor]:
+        """Gather the replicas again, lay the rows out for their order (the extras of a calibrated call arrive in
+        the whole placement's order now), recompute with what backward keeps, and differentiate."""
+        assert recv is not None and self.regather is not None
+        with self.phases("regather"):
+            gathered = self.regather.start().wait()
+        self.rows = ExpertRows.of(self.mine, gathered.experts, gathered.owned, recv.device, self.rows.pad_rows,
+                                  self.alone)
+        self.reduce = dataclasses.replace(self.reduce, experts=gathered.experts)
+        self.gathered, self.regather = gathered, None
+        del gathered
+        self._run(recv, need_input, keep=True)
+        saved, self._saved = self._saved, []
+        self.gathered = None   # the re-gathered replicas go before the reduce-scatter sends
+        return self.backward(grad, saved, need_input)
+
+    def _issue(self, own_grads: Optional[torch.Tensor], replica_grads: torch.Tensor) -> None:
+        with self.phases("reduce_scatter"):
+            finish = self.reduce.start(own_grads, replica_grads)
+        self.queue.issue(self.owner, finish)
+
+
+class ShardedExperts(torch.autograd.Function):
+    """The node of one call's experts (see the module docstring): ``recv`` the received rows, ``anchor`` a tensor
+    that always requires grad, ``call`` the :class:`ExpertCall`."""
+
+    @staticmethod
+    def forward(ctx, recv: torch.Tensor, anchor: torch.Tensor, call: ExpertCall) -> torch.Tensor:
+        ctx.call = call
+        out, saved = call.forward(recv, recv.requires_grad)
+        ctx.save_for_backward(*saved)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        call: ExpertCall = ctx.call
+        return call.backward(grad, ctx.saved_tensors, ctx.needs_input_grad[0]), None, None
+
+
+@functools.lru_cache(maxsize=None)
+def autograd_anchor(device: torch.device) -> torch.Tensor:
+    """A tensor on ``device`` that requires grad, so every call records its experts' node (see the module
+    docstring)."""
+    return torch.empty(0, requires_grad=True, device=device)
+
+
+def sharded_experts(recv: torch.Tensor, call: ExpertCall) -> torch.Tensor:
+    """The call's expert outputs in the received order, ``call.rows.pad_rows`` zero rows after them."""
+    return ShardedExperts.apply(recv, autograd_anchor(recv.device), call)
+
+
+__all__ = ["ExpertCall", "ExpertCompute", "ExpertRows", "ShardedExperts", "autograd_anchor", "sharded_experts"]
