@@ -182,8 +182,8 @@ def expert_compute_seconds(binding, shape: LayerShape, device: str, dtype_name: 
         from ds_hecate.ops.grouped_experts import RowGroups, expert_outputs
     except ImportError:
         return None
-    rt = binding.runtime
-    placement = binding.planner.prefetch_placement(binding.plan_inputs()) if binding.planner.prefetches else None
+    rt = binding.host
+    placement = binding.planner.prefetch(binding.plan_inputs(), 0) if binding.planner.prefetches else None
     if placement is None:
         from ds_hecate.planning import Placement
         placement = Placement(binding.shard.owners, (tuple(range(shape.experts)),))

@@ -176,7 +176,7 @@ def build_plain(shape, inputs: RoutedInputs, dtype: torch.dtype, device: torch.d
 
 
 def build_hecate(shape, inputs: RoutedInputs, dtype: torch.dtype, device: torch.device,
-                 one_rank_shortcuts: bool = True) -> VersusLayer:
+                 one_rank_shortcuts: bool = True, profile: bool = False) -> VersusLayer:
     """ds_hecate as a user gets it: the config a user writes (ZeRO-2, ``hecate.enabled``, bf16 when asked), every
     other key at its default."""
     from benchmarks.systems import build_model
@@ -196,6 +196,8 @@ def build_hecate(shape, inputs: RoutedInputs, dtype: torch.dtype, device: torch.
     # A run without a monitor: the step-metrics observer unhooks itself at the first optimizer step
     # (StepMetrics.end_step, from HecateEngine.step); no step is taken here, so end that one as the engine would.
     runtime.metrics.end_step(SimpleNamespace(monitor=None, global_rank=0))
+    # and the call as it runs once the cost model has its steady-state figures: phases not timed (hecate.profile)
+    runtime.monitor.profiling = bool(profile)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         runtime.on_model_forward()   # the engine's forward pre-hook (attach_engine)

@@ -18,14 +18,14 @@ KNOWN_KEYS = ("enabled", "placement", "load_window", "load_predictor", "material
               "replan_tolerance", "plan_budget_us", "search_budget_us", "search_slice_us", "rematerialize", "fanout", "relay_chunks", "prefetch", "reshard_interval", "compute_s_per_pair", "replica_overhead_s", "link_gbps",
               "inter_node_gbps",
               "non_moe_time_s", "ranks_per_node", "ep_size", "reduce_dtype", "collective_timeout_s", "log_conversion", "monitor",
-              "monitor_interval", "trace_file", "comm_backend", "device_kernels")
+              "monitor_interval", "profile", "trace_file", "comm_backend", "device_kernels")
 DEFAULTS = dict(enabled=False, placement="hecate", load_window=5, load_predictor="robust", fanout=4, relay_chunks=4,
                 materialize_budget_mb=1024.0, overlap_degree=None,
                 calibration=True, replan_tolerance=0.05, plan_budget_us=None, search_budget_us=200000.0, search_slice_us=None,
                 rematerialize=None, prefetch=True, reshard_interval=100,
                 compute_s_per_pair=None, replica_overhead_s=None, link_gbps=None, inter_node_gbps=None, non_moe_time_s=None,
                 ranks_per_node=None, ep_size=None, reduce_dtype="auto", collective_timeout_s=600.0, log_conversion=True,
-                monitor=True, monitor_interval=1, trace_file=None, comm_backend="auto", device_kernels="auto")
+                monitor=True, monitor_interval=1, profile=False, trace_file=None, comm_backend="auto", device_kernels="auto")
 PLACEMENTS = ["hecate", "cost", "owner", "local", "shadow", "all"]
 
 
@@ -53,7 +53,7 @@ def test_full_valid_section():
                compute_s_per_pair=1e-6, replica_overhead_s=2e-4,
                link_gbps=100.0, inter_node_gbps=12.5, non_moe_time_s=0.01, ranks_per_node=8, ep_size=64,
                reduce_dtype="bf16",
-               collective_timeout_s=30.5, log_conversion=False, monitor=False, monitor_interval=5,
+               collective_timeout_s=30.5, log_conversion=False, monitor=False, monitor_interval=5, profile=True,
                trace_file="run/trace.jsonl", comm_backend="torch", device_kernels="cupy")
     assert _fields(parse_hecate_section(raw)) == raw
 
@@ -364,7 +364,7 @@ _VALID = {
     "ranks_per_node": st.one_of(st.none(), st.integers(1, 10 ** 30)),
     "ep_size": st.one_of(st.none(), st.integers(1, 1 << 30)),
     "collective_timeout_s": st.one_of(st.integers(1, 86400), st.floats(min_value=1e-9, max_value=86400.0)),
-    "monitor": st.booleans(), "monitor_interval": st.integers(1, 1 << 30),
+    "monitor": st.booleans(), "monitor_interval": st.integers(1, 1 << 30), "profile": st.booleans(),
     "trace_file": st.one_of(st.none(), st.text(min_size=1, max_size=40)),
     "comm_backend": st.sampled_from(["auto", "torch", "cupy"]),
     "device_kernels": st.sampled_from(["auto", "torch", "cupy"]),

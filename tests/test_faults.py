@@ -88,7 +88,8 @@ def _arm_kill(phase: str, stamp: str, ckpt: str, kill_step: int, rank: int, step
             run = LayerBinding.run
             LayerBinding.run = lambda self, *a: _die(stamp) if self.shard.layer_id == 1 else run(self, *a)
         elif phase == "backward":  # while returning the second layer's gradients (first MoE backward)
-            LayerBinding.reduce_scatter = lambda self, *a: _die(stamp)
+            from ds_hecate.comm.requests import ReduceScatterRequest
+            ReduceScatterRequest.start = lambda self, *a: _die(stamp)
         elif phase in ("sparse-collective", "reshard"):  # about to send experts (a re-sharding moves them with
             label = "SparseAllGather" if phase == "sparse-collective" else "re-sharding expert move"  # their state)
             exchange = Communicator.exchange_rows

@@ -238,7 +238,7 @@ def measure(rank: int, world_size: int, spec: Spec, cuda: bool = False) -> Measu
     for s in range(WARM_STEPS):
         step(s)
     gc.collect()
-    extended_before = sum(b.extensions for b in engine.hecate.bindings)
+    extended_before = sum(b.gathers.extensions for b in engine.hecate.bindings)
     cuda_start = None
     if cuda:
         torch.cuda.synchronize()
@@ -258,7 +258,7 @@ def measure(rank: int, world_size: int, spec: Spec, cuda: bool = False) -> Measu
                     expert_peak=peaks["expert"], process_peak=peaks["all"], odd_expert_shaped=peaks["odd"][:5],
                     cuda_peak=cuda_peak, reported_peak=stats["memory"]["peak_materialized"],
                     unrecorded_frees=peaks["unrecorded"],
-                    extensions=sum(b.extensions for b in engine.hecate.bindings) - extended_before,
+                    extensions=sum(b.gathers.extensions for b in engine.hecate.bindings) - extended_before,
                     budget=stats["memory"]["materialize_budget"],
                     replica_budget=[layer["replica_budget"] for layer in stats["layers"]])
 

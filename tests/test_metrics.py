@@ -44,7 +44,7 @@ def _train_capturing_gate(rank: int, world_size: int, specs, unwritable) -> list
     def run(self, x, indices, gates, *args):
         if not rt.in_backward_pass():
             flat = indices.reshape(-1)
-            seen.append((self.runtime.bindings.index(self),
+            seen.append((self.index,
                          torch.bincount(flat[flat >= 0].long(), minlength=self.shard.num_experts).tolist()))
         return original(self, x, indices, gates, *args)
 

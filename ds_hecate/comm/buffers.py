@@ -197,8 +197,11 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 def owned_experts_of(placement: Placement, rank: int) -> List[int]:
     """The experts ``rank`` owns in ``placement``, ascending: the first rows of its gathered buffer and the rows of
-    its gradient accumulator."""
-    return [e for e, owner in enumerate(placement.owners) if owner == rank]
+    its gradient accumulator (listed once per placement and rank: a placement lives across many calls)."""
+    cache = placement.__dict__.setdefault("_owned_experts", {})
+    if rank not in cache:
+        cache[rank] = [e for e, owner in enumerate(placement.owners) if owner == rank]
+    return list(cache[rank])
 
 
 def _source_major(lists: Dict[int, List[int]]) -> List[int]:

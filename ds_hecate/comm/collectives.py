@@ -132,7 +132,8 @@ class Communicator:
             local = local.to(device=self.device, dtype=torch.int64)
         local = local.contiguous()
         if self.alone:
-            return local.cpu().numpy().reshape(1, -1)
+            host = local if local.device.type == "cpu" else local.cpu()
+            return host.numpy().reshape(1, -1)
         out = torch.empty(self.world_size * local.numel(), dtype=torch.int64, device=self.device)
         with self._guard("token-count exchange"):
             self.transport.all_gather(out, local)

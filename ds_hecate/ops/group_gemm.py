@@ -69,9 +69,8 @@ class RowGroups:
         copy). No sizes (a part without experts): an empty table made once per device."""
         if not len(sizes):
             return RowGroups((), _no_offsets(device), to_device)
-        host = np.asarray(sizes, dtype=np.int64)
-        offs = to_device(torch.from_numpy(np.cumsum(host).astype(np.int32)), device)
-        return RowGroups(tuple(int(s) for s in host), offs, to_device)
+        ends = np.cumsum(np.asarray(sizes, dtype=np.int64)).astype(np.int32)
+        return RowGroups(tuple(map(int, sizes)), to_device(torch.from_numpy(ends), device), to_device)
 
     def group_of_row(self) -> torch.Tensor:
         """The expert of every token row, on the device (no host read: the total is known)."""

@@ -20,8 +20,8 @@ from ..experts import ExpertKernel
 from .group_gemm import RowGroups, aligned, native_grouped_mm
 from .grouped_ffn import FormGraph, GradPart, GroupedFFN, written_out
 
-#: "0": run experts in a per-expert loop even where the grouped path runs; unset or "1": the rule of
-#: :func:`grouped_path`.
+#: "0" when a layer is built: its experts run in the per-expert loop even where the grouped path runs; otherwise
+#: the rule of :func:`grouped_path`.
 GROUPED_MM_ENV = "DS_HECATE_GROUPED_MM"
 
 
@@ -80,7 +80,7 @@ class _GroupedExperts(torch.autograd.Function):
             out, saved = compute.forward(views, rows, groups, native)
         else:
             compute = FormGraph(kernel)
-            out, saved = compute.forward(views, rows, groups, native, part)
+            out, saved = compute.forward(views, rows, groups, native), rows
         ctx.state = (compute, views, saved, groups, part, target, native)
         return out
 
@@ -91,7 +91,7 @@ class _GroupedExperts(torch.autograd.Function):
         if isinstance(compute, GroupedFFN):
             d_rows = compute.backward(views, saved, grad, groups, part, native, need)
         else:
-            d_rows = compute.backward(saved, grad, need)
+            d_rows = compute.backward(views, saved, groups, native, part, grad, need)
         return d_rows, target.tensor, None, None
 
 

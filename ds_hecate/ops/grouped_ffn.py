@@ -18,6 +18,7 @@ activation, or with fields this module does not know, runs its own arithmetic on
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
@@ -60,6 +61,12 @@ class GradTarget(Protocol):
     def written(self, names: Optional[Sequence[str]] = None) -> None: ...
 
 
+@functools.lru_cache(maxsize=64)
+def no_rows(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An empty ``[0, numel]`` block (never written): a call without replicas sends these rows."""
+    return torch.empty(0, numel, dtype=dtype, device=device)
+
+
 class SendRows:
     """A :class:`GradTarget` of one call's own: the replica rows' gradients SparseReduceScatter sends, ``[replicas,
     numel]`` in the wire dtype, allocated at the first delivery, every column fresh until written."""
@@ -72,7 +79,8 @@ class SendRows:
 
     def rows(self) -> torch.Tensor:
         if self.tensor is None:
-            self.tensor = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+            self.tensor = (torch.empty(self.shape, dtype=self.dtype, device=self.device) if self.shape[0] else
+                           no_rows(self.shape[1], self.dtype, self.device))
         return self.tensor
 
     def columns_view(self, lo: int, hi: int, shape: Tuple[int, ...]) -> torch.Tensor:
@@ -86,24 +94,40 @@ class SendRows:
         self.fresh.difference_update(self.fresh if names is None else names)
 
 
+@functools.lru_cache(maxsize=None)
+def _columns(names: Tuple[str, ...], numels: Tuple[int, ...]) -> Dict[str, Tuple[int, int]]:
+    """Each parameter's flat columns, and each adjacent pair's (a fused ``"a+b"`` operand)."""
+    starts = [sum(numels[:i]) for i in range(len(names))]
+    out = {n: (lo, lo + size) for n, lo, size in zip(names, starts, numels)}
+    for i in range(len(names) - 1):
+        out[f"{names[i]}+{names[i + 1]}"] = (starts[i], starts[i + 1] + numels[i + 1])
+    return out
+
+
 class GradPart:
     """One part's weight gradients into a :class:`GradTarget` (the owner's accumulator, or a call's
-    :class:`SendRows`), a parameter's columns written where fresh and added otherwise, asked at delivery (another
-    call of the same layer may have written them in the meantime). A fused name ``"a+b"`` spans ``a`` and ``b``."""
+    :class:`SendRows`), a parameter's columns written where fresh and added otherwise. Which are fresh is asked at
+    the part's first delivery (another call of the same layer may have written them since the part was made; a
+    part's deliveries all come in one backward node). A fused name ``"a+b"`` spans ``a`` and ``b``."""
 
     def __init__(self, target: GradTarget, kernel: ExpertKernel) -> None:
         self.target = target
         self.kernel = kernel
         self.delivered: set = set()
+        self._columns = _columns(tuple(kernel.names), tuple(kernel.numels))
+        self._fresh: Optional[set] = None
 
     def columns(self, name: str) -> Tuple[int, int]:
-        names = name.split("+")
-        i, j = self.kernel.names.index(names[0]), self.kernel.names.index(names[-1])
-        return sum(self.kernel.numels[:i]), sum(self.kernel.numels[:j + 1])
+        """The flat columns ``[lo, hi)`` of parameter ``name`` (``"a+b"``: from ``a``'s first to ``b``'s last)."""
+        return self._columns[name]
 
     def _write(self, name: str) -> bool:
-        names = name.split("+")
-        fresh = [self.target.is_fresh(n) for n in names]
+        """Whether ``name``'s columns are written (fresh) rather than added to."""
+        if self._fresh is None:
+            self._fresh = {n for n in self.kernel.names if self.target.is_fresh(n)}
+        if "+" not in name:
+            return name in self._fresh
+        fresh = [n in self._fresh for n in name.split("+")]
         if any(fresh) and not all(fresh):
             raise RuntimeError(f"gradient columns of '{name}' partly written: a fused projection's parameters "
                                "were delivered apart")
@@ -114,7 +138,7 @@ class GradPart:
         """The weight gradient ``grad_e^T @ rows_e`` (``shape`` = (out, in)) of every expert ``e`` of the part."""
         if not groups.sizes:
             return
-        lo, hi = self.columns(name)
+        lo, hi = self._columns[name]
         dest = self.target.columns_view(lo, hi, tuple(shape))
         group_gemm.weight_grads(grad, rows, groups, dest, not self._write(name), native)
         self._done(name)
@@ -123,7 +147,7 @@ class GradPart:
         """The bias gradient of every expert of the part, in ``dtype``."""
         if not groups.sizes:
             return
-        lo, hi = self.columns(name)
+        lo, hi = self._columns[name]
         summed = group_gemm.bias_grads(grad, groups, dtype)
         target = self.target.rows()[:, lo:hi]
         if self._write(name):
@@ -133,8 +157,10 @@ class GradPart:
         self._done(name)
 
     def _done(self, name: str) -> None:
-        names = name.split("+")
+        names = name.split("+") if "+" in name else (name,)
         self.delivered.update(names)
+        if self._fresh is not None:
+            self._fresh.difference_update(names)
         self.target.written(names)
 
     def finish(self, experts: int) -> None:
@@ -144,7 +170,7 @@ class GradPart:
             return
         for name in self.kernel.names:
             if name not in self.delivered and self.target.is_fresh(name):
-                lo, hi = self.columns(name)
+                lo, hi = self._columns[name]
                 self.target.rows()[:, lo:hi].zero_()
                 self.target.written([name])
 
@@ -165,8 +191,7 @@ class GroupedFFN:
 
     def __init__(self, kernel: ExpertKernel, fuse: bool = True) -> None:
         form = kernel.form
-        if form is None or not written_out(form):
-            raise ValueError("GroupedFFN runs FFN forms with a written-out activation only")
+        assert form is not None and written_out(form), "GroupedFFN runs FFN forms with a written-out activation"
         self.form: FFNForm = form
         self.grad_of_act = ACTIVATIONS[form.act]
         #: whether separate gate and up weights (adjacent, bias-free) run as one ``[2F, H]`` operand
@@ -274,17 +299,28 @@ class SinkProjection(torch.autograd.Function):
 
 class FormGraph:
     """A part of FFN experts whose activation :class:`GroupedFFN` does not write out: the form's own arithmetic
-    (:meth:`~ds_hecate.experts.FFNForm.run`) on a graph of its own, from the rows (a leaf) to the outputs, each
-    projection a :class:`SinkProjection`; backward runs that graph once."""
+    (:meth:`~ds_hecate.experts.FFNForm.run`) on grouped GEMMs. Forward without a graph; backward runs it again on a
+    graph of its own from the rows (a leaf), each projection a :class:`SinkProjection` that delivers its weight
+    gradients, and differentiates it."""
 
     def __init__(self, kernel: ExpertKernel) -> None:
-        if kernel.form is None:
-            raise ValueError("FormGraph runs FFN forms only")
+        assert kernel.form is not None, "FormGraph runs FFN forms"
         self.form = kernel.form
         self.fuse = kernel.form.fusable(kernel.names)
 
-    def forward(self, views: Dict[str, torch.Tensor], x: torch.Tensor, groups: RowGroups, native: bool,
-                part: GradPart) -> Tuple[torch.Tensor, tuple]:
+    def forward(self, views: Dict[str, torch.Tensor], x: torch.Tensor, groups: RowGroups,
+                native: bool) -> torch.Tensor:
+        rows_of: List[torch.Tensor] = []
+
+        def proj(h: torch.Tensor, name: str, bias: Optional[str]) -> torch.Tensor:
+            out = group_gemm.linear(h.contiguous(), views[name], groups, native)
+            return out if bias is None else group_gemm.add_row_bias(out, views[bias], groups, rows_of)
+        with torch.no_grad():
+            return self.form.run(proj, x, self.fuse)
+
+    def backward(self, views: Dict[str, torch.Tensor], x: torch.Tensor, groups: RowGroups, native: bool,
+                 part: GradPart, grad: torch.Tensor, need_input: bool) -> Optional[torch.Tensor]:
+        """The rows' gradient (None unless ``need_input``); the weight gradients to ``part``."""
         leaf = x.detach().requires_grad_(True)
 
         def proj(h: torch.Tensor, name: str, bias: Optional[str]) -> torch.Tensor:
@@ -292,16 +328,11 @@ class FormGraph:
                                         (name, bias), native)
         with torch.enable_grad():
             out = self.form.run(proj, leaf, self.fuse)
-        return out.detach(), (leaf, out)
-
-    @staticmethod
-    def backward(saved: tuple, grad: torch.Tensor, need_input: bool) -> Optional[torch.Tensor]:
-        leaf, out = saved
         (d_x,) = torch.autograd.grad(out, (leaf,), grad, allow_unused=True)
-        if d_x is None and need_input:
-            d_x = torch.zeros_like(leaf)
-        return d_x if need_input else None
+        if not need_input:
+            return None
+        return d_x if d_x is not None else torch.zeros_like(leaf)
 
 
 __all__ = ["ACTIVATIONS", "FormGraph", "GradPart", "GradTarget", "GroupedFFN", "SendRows", "SinkProjection",
-           "written_out"]
+           "no_rows", "written_out"]

@@ -12,6 +12,7 @@ points at it), with none when every slot is routed.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, List, Optional
 
@@ -26,17 +27,37 @@ from ..comm.device import host_index
 from ..planning.segments import segment_rows
 
 
+@functools.lru_cache(maxsize=8)
+def _ones(length: int, device: torch.device) -> torch.Tensor:
+    return torch.ones(length, dtype=torch.int64, device=device)
+
+
+@functools.lru_cache(maxsize=8)
+def _arange(length: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(length, device=device)
+
+
+def positions(length: int, device: torch.device) -> torch.Tensor:
+    """``arange(length)`` on ``device``: a view of one kept per device, grown as calls need (never written)."""
+    size = 1 << max(10, (length - 1).bit_length())
+    return _arange(size, device)[:length]
+
+
 def slot_histogram(flat: torch.Tensor, gates: torch.Tensor, num_experts: int) -> torch.Tensor:
     """This rank's row of the count exchange, built on the device without reading it: token-expert pairs per
-    expert, then the health flags: routes to an expert id outside ``[0, E)``, any non-finite gate value. One scatter
-    into ``E + 2`` bins (the experts, out of range, and the dropped slots, whose bin the non-finite flag then
-    overwrites), not ``bincount``, which reads the maximum."""
+    expert, then the health flags: routes to an expert id outside ``[0, E)``, any non-finite gate value. The slots
+    counted into ``E + 2`` bins (the experts, out of range, and the dropped slots, whose bin the non-finite flag
+    then overwrites): on CUDA one scatter, since ``bincount`` reads the maximum on the host; on the CPU, where that
+    read costs nothing, ``bincount``."""
     bins = flat.clamp(min=-1, max=num_experts).remainder(num_experts + 2)   # < 0 (dropped) -> E + 1, >= E -> E
-    hist = torch.zeros(num_experts + 2, dtype=torch.int64, device=flat.device).scatter_add_(
-        0, bins, torch.ones_like(bins))
-    # x - x is +0 for every finite x and NaN for inf or NaN, so the sum is non-zero exactly when a value is not
-    # finite (three ops; isfinite().all() decomposes into more)
-    hist[num_experts + 1:].copy_((gates - gates).sum().ne(0))
+    if flat.device.type == "cpu":
+        hist = torch.bincount(bins, minlength=num_experts + 2)
+    else:
+        ones = _ones(1 << max(10, (bins.numel() - 1).bit_length()), flat.device)[:bins.numel()]
+        hist = torch.zeros(num_experts + 2, dtype=torch.int64, device=flat.device).scatter_add_(0, bins, ones)
+    # x - x is +0 for every finite x and NaN for inf or NaN, so the sum is NaN exactly when a value is not finite
+    # (three ops; isfinite().all() decomposes into more)
+    hist[num_experts + 1] = torch.isnan((gates - gates).sum())
     return hist
 
 
@@ -70,6 +91,14 @@ class SlotRows(torch.autograd.Function):
 
 #: run :class:`SlotRows`' CUDA backward (one reduction over the slot-ordered rows) on any device: tests check it on the CPU
 DETERMINISTIC_SLOT_SUM = False
+
+
+def slot_rows(x: torch.Tensor, slots: torch.Tensor, top_k: int) -> torch.Tensor:
+    """``x[slots % S]``: :class:`SlotRows` on CUDA; on the CPU autograd's own ``index_select``, whose sequential
+    ``index_add_`` backward is what SlotRows would run there (one autograd node of Python less)."""
+    if x.device.type == "cuda" or DETERMINISTIC_SLOT_SUM:
+        return SlotRows.apply(x, slots, top_k)
+    return x.index_select(0, slots % max(x.shape[0], 1))
 
 
 @dataclass(frozen=True)
@@ -130,7 +159,9 @@ class TokenDispatcher:
 
     def dispatch(self, x: torch.Tensor, routes: Routes) -> torch.Tensor:
         """The rows this rank computes, (source, expert) segments in the plan's order."""
-        send_rows = SlotRows.apply(x, routes.send_slots, routes.top_k)   # on the graph even when empty
+        send_rows = slot_rows(x, routes.send_slots, routes.top_k)   # on the graph even when empty
+        if self.comm.alone:   # a rank alone keeps its rows: no exchange to issue or to differentiate
+            return send_rows
         return AllToAllTokens.apply(send_rows, self.comm, routes.send_splits, routes.recv_splits, self.counters,
                                     self.where)
 
@@ -138,10 +169,10 @@ class TokenDispatcher:
         """``[S, H]``: each token's routes' outputs (``y_recv``: the received rows' outputs and
         ``routes.pad_rows`` zero rows) sent back and summed weighted by ``gates`` ``[k, S]`` with the caller's
         arithmetic."""
-        y_back = AllToAllTokens.apply(y_recv, self.comm, routes.recv_splits, routes.send_splits, self.counters,
-                                      self.where, routes.pad_rows)
+        y_back = y_recv if self.comm.alone else AllToAllTokens.apply(
+            y_recv, self.comm, routes.recv_splits, routes.send_splits, self.counters, self.where, routes.pad_rows)
         device = y_recv.device
         pos = torch.full((routes.top_k * routes.num_tokens,), routes.routed, dtype=torch.int64, device=device)
-        pos = pos.scatter_(0, routes.send_slots, torch.arange(routes.routed, device=device))
+        pos = pos.scatter_(0, routes.send_slots, positions(routes.routed, device))
         return weighted_unpermute(y_back, gates, pos.view(routes.top_k, routes.num_tokens), arithmetic,
                                   self.combine_kernel, routes.send_slots)

@@ -8,12 +8,15 @@ is counted in the replica memory until it is freed (:class:`~.call_monitor.Repli
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
-from ..comm.buffers import CommCounters, GatheredExperts, PendingGather
+import torch
+
+from ..comm.buffers import CommCounters, GatheredExperts, PendingGather, owned_experts_of
 from ..comm.requests import GatherRequest
 from ..planning import Placement
 from ..planning.fanout import RelayPlan
+from ..ops.grouped_ffn import no_rows
 from ..planning.layer_planner import PlanInputs
 from .call_monitor import ReplicaBytes, ReplicaMemory
 from .host import LayerSetup
@@ -29,6 +32,8 @@ class LayerGathers:
         self.pending: Optional[PendingGather] = None
         self.replica_bytes = ReplicaBytes()   # this layer's replicas alive, and their peak
         self.extensions = 0   # calls whose prefetched placement calibration extended
+        #: the last gather where nothing moved: (placement, resident rows, their GatheredExperts)
+        self._local: Optional[Tuple[Placement, torch.Tensor, GatheredExperts]] = None
 
     def relay(self, placement: Placement) -> Optional[RelayPlan]:
         """How ``placement``'s copies travel (``hecate.fanout``): the relay trees, flat below the threshold; None
@@ -48,8 +53,22 @@ class LayerGathers:
                              self.relay(placement), shard.weight_rows, self._track)
 
     def gather(self, placement: Placement, async_op: bool, spare_rows: int = 0) -> PendingGather:
-        """SparseAllGather of ``placement`` into a block with ``spare_rows`` reserved for calibration's extras."""
-        return self.request(placement).start(async_op, spare_rows)
+        """SparseAllGather of ``placement`` into a block with ``spare_rows`` reserved for calibration's extras.
+        Where nothing moves and nothing is reserved (every rank holds only its own experts) there is nothing to
+        issue: the owned experts' resident rows, one object while the placement and the rows hold."""
+        if placement.num_moved or spare_rows:
+            return self.request(placement).start(async_op, spare_rows)
+        rows = self.shard.weight_rows
+        kept = self._local
+        if kept is None or kept[0] is not placement or kept[1] is not rows:
+            s = self.setup
+            own = tuple(owned_experts_of(placement, s.rank))
+            if rows is None or tuple(rows.shape) != (len(own), self.shard.kernel.numel) or rows.dtype != s.compute_dtype:
+                return self.request(placement).start(async_op, spare_rows)
+            empty = no_rows(self.shard.kernel.numel, s.compute_dtype, s.device)
+            kept = self._local = (placement, rows, GatheredExperts(own, rows, empty, empty))
+        gathered = kept[2]
+        return PendingGather(placement, lambda: gathered)
 
     def prefetch(self, placement: Placement, inputs: PlanInputs, calibration: bool, async_op: bool = True) -> None:
         """Issue the gather of a prefetched placement (:attr:`pending`), reserving rows for calibration's extras:

@@ -14,7 +14,7 @@ Backward mirrors it on every rank. The layer owns its planner, its gathers, its 
 """
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import numpy as np
 import torch
@@ -64,7 +64,10 @@ class LayerBinding:
         self.dispatcher = TokenDispatcher(setup.comm, self.counters, f"MoE layer '{shard.name}'",
                                           setup.comm.transport.device_ops.combine)
         self.compute = ExpertCompute(shard.kernel, setup.compute_dtype)
+        self.accumulator = ShardAccumulator(shard, setup.device)   # the owned experts' gradient rows
+        self._reduce: Optional[ReduceScatterRequest] = None   # the last call's, reused while its inputs hold
         self.tally = CallTally(setup)
+        self._inputs: Optional[PlanInputs] = None
 
     # -- one layer call ---------------------------------------------------------------------------------------
     def run(self, x: torch.Tensor, indices: torch.Tensor, gates: torch.Tensor,
@@ -100,6 +103,7 @@ class LayerBinding:
             step, pending = self._plan(counts, recompute)
         with phases("gather"):
             gathered = self._materialize(step, pending)
+            del pending   # (it holds the gathered block too: the block's only reference must be the call's)
         with phases("dispatch"):
             routes = Routes.of(flat, int(counts[setup.rank].sum()), x.shape[0], indices.shape[0],
                                self.shard.num_experts, step.mine, setup.comm.alone)
@@ -159,12 +163,13 @@ class LayerBinding:
         """Everything the experts' node needs, where their gradients go and the SparseReduceScatter they issue."""
         setup, placement = self.host.setup, step.plan.placement
         rows = ExpertRows.of(step.mine, gathered.experts, gathered.owned, device, pad_rows, setup.comm.alone)
-        accumulator = ShardAccumulator(self.shard, setup.device)
-        reduce = ReduceScatterRequest(setup.comm, placement, gathered.experts, setup.reduce_dtype, self.counters,
-                                      accumulator, self.gathers.relay(placement))
+        reduce = self._reduce
+        if reduce is None or reduce.placement is not placement or reduce.experts is not gathered.experts:
+            reduce = self._reduce = ReduceScatterRequest(setup.comm, placement, gathered.experts, setup.reduce_dtype,
+                                                         self.counters, self.accumulator, self.gathers.relay(placement))
         regather = self.gathers.request(placement) if self.rematerializes else None
-        return ExpertCall(self.compute, gathered, rows, step.mine, accumulator, reduce, self.host.reductions, self,
-                          self.phases, regather, setup.comm.alone)
+        return ExpertCall(self.compute, gathered, rows, step.mine, self.accumulator, reduce, self.host.reductions,
+                          self, self.phases, regather, setup.comm.alone)
 
     # -- prefetch ----------------------------------------------------------------------------------------------
     def _prefetch_next(self) -> None:
@@ -184,8 +189,13 @@ class LayerBinding:
 
     # -- what planning reads -----------------------------------------------------------------------------------
     def plan_inputs(self) -> PlanInputs:
-        """What the planner reads that may change between calls: owners, measured costs, the replica budget."""
-        return PlanInputs(self.shard.owners, self.host.step_costs(self), self.replica_budget(), self.cost)
+        """What the planner reads that may change between calls: owners, measured costs, the replica budget (one
+        object while they hold)."""
+        costs, replicas, owners = self.host.step_costs(self), self.replica_budget(), self.shard.owners
+        kept = self._inputs
+        if kept is None or kept.owners is not owners or kept.costs is not costs or kept.replica_budget != replicas:
+            kept = self._inputs = PlanInputs(owners, costs, replicas, self.cost)
+        return kept
 
     def replica_budget(self) -> int:
         """Replicas this layer may hold per rank: its slots in the replica pool (``materialize_budget_mb``)."""

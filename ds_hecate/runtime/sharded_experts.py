@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -36,9 +35,9 @@ from ..comm.buffers import GatheredExperts
 from ..comm.device import host_index, to_device
 from ..comm.requests import GatherRequest, ReduceScatterRequest
 from ..experts import ExpertKernel
-from ..ops.grouped_experts import GROUPED_MM_ENV, grouped_path, loop, native_for
+from ..ops.grouped_experts import grouped_path, loop
 from ..ops.grouped_ffn import FormGraph, GradPart, GroupedFFN, SendRows, written_out
-from ..ops.group_gemm import RowGroups
+from ..ops.group_gemm import RowGroups, aligned, native_grouped_mm
 from ..ops.permute import Permute, permute_rows
 from ..planning.dispatch_plan import RankDispatch
 from ..planning.segments import segment_permutation
@@ -81,13 +80,17 @@ class ExpertRows:
     @staticmethod
     def of(dispatch: RankDispatch, experts: Sequence[int], owned: int, device: torch.device, pad_rows: int = 1,
            alone: bool = False) -> "ExpertRows":
-        mine = {e: i for i, e in enumerate(dispatch.mine)}
-        missing = set(mine).difference(experts)
-        if missing:
-            raise RuntimeError(f"the gathered experts {list(experts)} lack {sorted(missing)} of this rank's plan")
-        sizes = [int(dispatch.sizes[mine[e]]) if e in mine else 0 for e in experts]
+        if tuple(experts) == dispatch.mine:   # every expert held is in the plan, in its order (a rank alone)
+            sizes, held = list(dispatch.sizes), list(range(len(experts)))
+        else:
+            mine = {e: i for i, e in enumerate(dispatch.mine)}
+            missing = set(mine).difference(experts)
+            if missing:
+                raise RuntimeError(f"the gathered experts {list(experts)} lack {sorted(missing)} of this rank's "
+                                   "plan")
+            sizes = [int(dispatch.sizes[mine[e]]) if e in mine else 0 for e in experts]
+            held = [mine[e] for e in experts if e in mine]
         sources = len(dispatch.order_lengths) // max(len(dispatch.mine), 1)
-        held = [mine[e] for e in experts if e in mine]
         # a rank alone receives from itself only, its segments expert-major in its experts' order
         in_order = alone and sources == 1 and held == sorted(held)
         order = inverse = None
@@ -131,41 +134,45 @@ class ExpertRows:
 
 class ExpertCompute:
     """How a layer's experts run (see the module docstring), chosen once per layer from its kernel and the compute
-    dtype: ``kind`` is ``"grouped"``, ``"graph"`` or ``"loop"``."""
+    dtype: ``kind`` is ``"grouped"``, ``"graph"`` or ``"loop"`` (``DS_HECATE_GROUPED_MM=0`` when the layer is built:
+    the loop). A SwiGLU's adjacent, bias-free gate and up weights run as one GEMM."""
 
     def __init__(self, kernel: ExpertKernel, dtype: torch.dtype) -> None:
         self.kernel = kernel
-        self.fused: Optional[GroupedFFN] = None
-        self.split: Optional[GroupedFFN] = None
+        self.ffn: Optional[GroupedFFN] = None
         self.graph: Optional[FormGraph] = None
+        self.kind = "loop"
         if grouped_path(kernel, dtype) and kernel.form is not None:
             if written_out(kernel.form):
-                self.kind = "grouped"
-                self.fused, self.split = GroupedFFN(kernel, fuse=True), GroupedFFN(kernel, fuse=False)
+                self.kind, self.ffn = "grouped", GroupedFFN(kernel)
             else:
                 self.kind, self.graph = "graph", FormGraph(kernel)
-        else:
-            self.kind = "loop"
+        self.fuse = self.ffn.fuse if self.ffn is not None else (self.graph is not None and self.graph.fuse)
+        self._kept: Optional[Tuple[torch.Tensor, Dict[str, torch.Tensor], bool]] = None
 
-    def ffn(self, device: torch.device, experts: int) -> Optional[GroupedFFN]:
-        """The grouped FFN a call runs: gate and up as one GEMM, or apart."""
-        if self.fused is None:
-            return None
-        return self.split if os.environ.get("DS_HECATE_FUSE") == "0" else self.fused
+    def views(self, weights: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """``weights``' ``[experts, *shape]`` views; those of the owned experts' resident rows, the same tensor call
+        after call until a step or re-shard replaces it, are made once (:meth:`keep_views`)."""
+        kept = self._kept
+        if kept is not None and kept[0] is weights:
+            return kept[1]
+        return self.kernel.grouped_views(weights, self.fuse)
 
-    def views(self, weights: torch.Tensor, ffn: Optional[GroupedFFN]) -> Dict[str, torch.Tensor]:
-        fuse = ffn.fuse if ffn is not None else (self.graph is not None and self.graph.fuse)
-        return self.kernel.grouped_views(weights, fuse)
+    def keep_views(self, weights: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """:meth:`views` of the resident rows, kept for the next calls (with their alignment)."""
+        views = self.views(weights)
+        if self._kept is None or self._kept[1] is not views:
+            self._kept = (weights, views, aligned(list(views.values())))
+        return views
 
-    def loops(self, device: torch.device, experts: int) -> bool:
-        """Whether a call with ``experts`` experts on ``device`` runs the per-expert loop."""
-        if self.kind == "loop":
-            return True
-        forced = os.environ.get(GROUPED_MM_ENV)
-        return forced != "1" and device.type == "cpu" and experts < CPU_GROUPED_MIN_EXPERTS
-
-
-CPU_GROUPED_MIN_EXPERTS = 16
+    def native(self, x: torch.Tensor, views: Sequence[Dict[str, torch.Tensor]]) -> bool:
+        """Whether this call's grouped GEMMs run natively (:func:`~ds_hecate.ops.group_gemm.native_grouped_mm` and
+        the operands' alignment), the kept views' alignment checked once."""
+        if not native_grouped_mm(x.device, x.dtype) or not aligned([x]):
+            return False
+        kept = self._kept
+        return all(kept[2] if kept is not None and part is kept[1] else aligned(list(part.values()))
+                   for part in views)
 
 
 #: the slots a part fills in the saved tensors: rows, gate, up, activation, hidden (GroupedFFN's saved tuple)
@@ -175,9 +182,16 @@ PART_SLOTS = 5
 @dataclass
 class ExpertCall:
     """One call's experts and where their gradients go, made by the layer in forward: the gathered experts (None
-    after a re-materializing forward), the rows' layout, this rank's dispatch (for a re-gather's layout), the owner's
-    accumulator, the SparseReduceScatter to issue and the queue it goes to (``owner`` names the layer there), the
-    re-gather (re-materialization), the layer's phases."""
+    once forward is done: backward reads the weights from the node's saved tensors, or gathers them again), the
+    rows' layout, this rank's dispatch (for a re-gather's layout), the owner's accumulator, the SparseReduceScatter
+    to issue and the queue it goes to (``owner`` names the layer there), the re-gather (re-materialization), the
+    layer's phases.
+
+    What forward keeps for backward: on the grouped path the weights and the activations (:class:`GroupedFFN`'s
+    backward is written out); on the graph and loop paths the received rows and the weights, from which backward
+    runs the forward again on a graph of its own and differentiates it (a graph built in forward would be freed and
+    recomputed by activation checkpointing in a second backward pass: its saved tensors belong to the checkpointed
+    region); with re-materialization only the received rows."""
 
     compute: ExpertCompute
     gathered: Optional[GatheredExperts]
@@ -190,108 +204,100 @@ class ExpertCall:
     phases: LayerPhases
     regather: Optional[GatherRequest] = None
     alone: bool = False
-    #: the loop's and the form graph's own graphs (the grouped path keeps its tensors in the node's saved tensors)
-    graphs: List[Any] = dataclasses.field(default_factory=list)
     native: bool = False
-    looped: bool = False
-    ffn: Optional[GroupedFFN] = None
 
     @property
     def kernel(self) -> ExpertKernel:
         return self.compute.kernel
 
     # -- forward ---------------------------------------------------------------------------------------------------
-    def forward(self, recv: torch.Tensor, need_input: bool) -> Tuple[torch.Tensor, List[Optional[torch.Tensor]]]:
+    def forward(self, recv: torch.Tensor) -> Tuple[torch.Tensor, List[Optional[torch.Tensor]]]:
         """The outputs in the received order (pad rows after them) and the tensors backward needs."""
-        if self.regather is not None:   # re-materialization: nothing kept but the rows
-            with torch.no_grad():
-                y = self._run(recv, need_input=False, keep=False)
-            self.gathered = None   # the replicas go now; backward gathers them again
-            return y, [recv]
-        y = self._run(recv, need_input, keep=True)
-        self.gathered = None   # backward reads the weights from the node's saved tensors (checkpointing frees them)
-        saved, self._saved = self._saved, []
-        return y, saved
-
-    def _run(self, recv: torch.Tensor, need_input: bool, keep: bool) -> torch.Tensor:
-        assert self.gathered is not None
-        self._saved: List[Optional[torch.Tensor]] = []
-        if self.compute.loops(recv.device, len(self.gathered.experts)):
-            self.looped = True
-            return self._loop_forward(recv, need_input, keep)
-        return self._grouped_forward(recv, keep)
-
-    def _part_inputs(self, x: torch.Tensor) -> List[Tuple[torch.Tensor, torch.Tensor, RowGroups]]:
-        """(weights, rows, groups) of each part that has experts, own first."""
-        g, rows = self.gathered, self.rows
+        g = self.gathered
         assert g is not None
+        self.gathered = None   # (nothing of forward outlives it but what the node saves)
+        if self.compute.kind == "grouped" and self.regather is None:
+            return self._grouped(recv, g, keep=True)
+        y, _ = self._grouped(recv, g, keep=False) if self.compute.kind != "loop" else (self._loop(recv, g), [])
+        if self.regather is not None:   # re-materialization: the replicas go now, backward gathers them again
+            return y, [recv]
+        # a block without replica rows (only rows reserved for calibration, unused) is not kept past forward
+        return y, [recv, g.owned_rows, g.buffer if g.buffer.shape[0] else None]
+
+    def _parts(self, x: torch.Tensor, g: GatheredExperts) -> List[Tuple[torch.Tensor, torch.Tensor, RowGroups]]:
+        """(weights, rows, groups) of each part that has experts, own first."""
+        rows = self.rows
         has_own, has_replicas = g.owned > 0, g.buffer.shape[0] > 0
         if has_own and has_replicas:
             own_in, replica_in = x.split([rows.own_rows, x.shape[0] - rows.own_rows])
         else:
             own_in = replica_in = x
-        parts = []
-        if has_own:
-            parts.append((g.owned_rows, own_in, rows.own))
-        if has_replicas:
-            parts.append((g.buffer, replica_in, rows.replicas))
-        return parts
+        return ([(g.owned_rows, own_in, rows.own)] if has_own else []) + (
+            [(g.buffer, replica_in, rows.replicas)] if has_replicas else [])
 
-    def _grouped_forward(self, recv: torch.Tensor, keep: bool) -> torch.Tensor:
-        compute, g = self.compute, self.gathered
-        assert g is not None
+    def _views(self, parts, g: GatheredExperts) -> List[Dict[str, torch.Tensor]]:
+        compute = self.compute
+        return [compute.keep_views(w) if w is g.owned_rows else compute.views(w) for w, _, _ in parts]
+
+    def _grouped(self, recv: torch.Tensor, g: GatheredExperts,
+                 keep: bool) -> Tuple[torch.Tensor, List[Optional[torch.Tensor]]]:
+        """The grouped and graph paths' forward, without a graph; ``keep``: the grouped path's saved tensors."""
+        compute = self.compute
         x = self.rows.to_experts(recv)
-        parts = self._part_inputs(x)
-        self.ffn = compute.ffn(x.device, len(g.experts))
-        views = [compute.views(w, self.ffn) for w, _, _ in parts]
-        self.native = native_for([x, *(v for part in views for v in part.values())])
+        parts = self._parts(x, g)
+        views = self._views(parts, g)
+        self.native = compute.native(x, views)
+        saved: List[Optional[torch.Tensor]] = [g.owned_rows, g.buffer if g.buffer.shape[0] else None]
         outs = []
-        # a block without replica rows (only rows reserved for calibration, unused) is not kept past forward
-        self._saved = [g.owned_rows, g.buffer if g.buffer.shape[0] else None]
-        for (weights, rows, groups), part_views in zip(parts, views):
-            if self.ffn is not None:
-                out, saved = self.ffn.forward(part_views, rows, groups, self.native)
-                self._saved.extend(saved)
+        for (_, rows, groups), part_views in zip(parts, views):
+            if compute.ffn is not None:
+                out, acts = compute.ffn.forward(part_views, rows, groups, self.native)
+                saved.extend(acts if keep else ())
             else:
                 assert compute.graph is not None
-                target = self._grad_part(weights is g.owned_rows, g.buffer.shape[0], g.buffer.device)
-                out, graph = compute.graph.forward(part_views, rows, groups, self.native, target)
-                self.graphs.append((target, graph))
+                out = compute.graph.forward(part_views, rows, groups, self.native)
             outs.append(out)
         # no expert at all (a rank owning none, with no replica): the empty rows themselves
         y = x if not outs else outs[0] if len(outs) == 1 else torch.cat(outs)
-        if not keep:
-            self._saved, self.graphs = [], []
-        return self.rows.to_received(y)
+        return self.rows.to_received(y), saved
 
-    def _loop_forward(self, recv: torch.Tensor, need_input: bool, keep: bool) -> torch.Tensor:
-        g, rows, kernel = self.gathered, self.rows, self.kernel
-        assert g is not None
-        if not keep:
-            grouped = rows.to_experts(recv)
-            out = loop(kernel, torch.cat([g.owned_rows, g.buffer]), grouped, rows.sizes)
-            return rows.to_received(out)
-        with torch.enable_grad():
-            own = g.owned_rows.detach().requires_grad_(True)
-            replicas = g.buffer.detach().requires_grad_(True)
-            x = recv.detach().requires_grad_(need_input)
-            grouped = rows.graph_to_experts(x)
-            flats = list(own.unbind(0)) + list(replicas.unbind(0))
-            outs = [kernel(flat, part) for flat, part in zip(flats, grouped.split(list(rows.sizes)))]
-            y = rows.graph_to_received(torch.cat(outs) if outs else grouped)
-        # the block stays counted until backward, as it lives (not one without replica rows)
-        self.graphs = [(x, own, replicas, y, g.buffer if g.buffer.shape[0] else None)]
-        return y.detach()
+    def _loop(self, recv: torch.Tensor, g: GatheredExperts) -> torch.Tensor:
+        rows = self.rows
+        out = loop(self.kernel, torch.cat([g.owned_rows, g.buffer]), rows.to_experts(recv), rows.sizes)
+        return rows.to_received(out)
 
     # -- backward --------------------------------------------------------------------------------------------------
     def backward(self, grad: torch.Tensor, saved: Sequence[Optional[torch.Tensor]],
                  need_input: bool) -> Optional[torch.Tensor]:
         """The received rows' gradient (None unless ``need_input``); the SparseReduceScatter issued."""
         if self.regather is not None:
-            return self._rematerialized_backward(grad, saved[0], need_input)
-        if self.looped:
-            return self._loop_backward(grad, need_input)
-        return self._grouped_backward(grad, list(saved), need_input)
+            recv = saved[0]
+            assert recv is not None
+            with self.phases("regather"):
+                held = [self.regather.start().wait()]
+            # the extras of a calibrated call arrive in the whole placement's order now: rows laid out anew
+            experts, owned = held[0].experts, held[0].owned
+            self.rows = ExpertRows.of(self.mine, experts, owned, recv.device, self.rows.pad_rows, self.alone)
+            self.reduce = dataclasses.replace(self.reduce, experts=experts)
+            return self._recomputed(grad, recv, held, need_input)
+        if self.compute.kind == "grouped":
+            return self._grouped_backward(grad, list(saved), need_input)
+        recv, owned_rows, buffer = saved
+        assert recv is not None and owned_rows is not None
+        empty = owned_rows.new_empty(0, owned_rows.shape[1]) if buffer is None else buffer
+        return self._recomputed(grad, recv, [GatheredExperts((), owned_rows, empty)], need_input)
+
+    def _recomputed(self, grad: torch.Tensor, recv: torch.Tensor, held: List[GatheredExperts],
+                    need_input: bool) -> Optional[torch.Tensor]:
+        """Backward from the rows and the weights (``held``: the experts, emptied once they are no longer needed,
+        so that re-gathered replicas go before the reduce-scatter sends): the forward run again, kept for backward
+        (the grouped path) or on a graph of its own (the graph and loop paths), then differentiated."""
+        if self.compute.kind == "grouped":
+            saved = self._grouped(recv, held.pop(), keep=True)[1]
+            return self._grouped_backward(grad, saved, need_input)
+        if self.compute.kind == "graph":
+            return self._graph_backward(grad, recv, held, need_input)
+        return self._loop_backward(grad, recv, held, need_input)
 
     def _grad_part(self, own: bool, replicas: int, device: torch.device) -> GradPart:
         """Where a part's weight gradients go: the owner's accumulator, or the ``replicas`` rows to send."""
@@ -302,42 +308,79 @@ class ExpertCall:
             target = self._sends = SendRows(replicas, self.kernel, self.reduce.wire_dtype, device)
         return GradPart(target, self.kernel)
 
+    def _part_grads(self, grad_y: torch.Tensor, parts: Sequence) -> List[torch.Tensor]:
+        if len(parts) == 2:
+            return list(grad_y.split([self.rows.own_rows, grad_y.shape[0] - self.rows.own_rows]))
+        return [grad_y] * len(parts)
+
     def _grouped_backward(self, grad: torch.Tensor, saved: List[Optional[torch.Tensor]],
                           need_input: bool) -> Optional[torch.Tensor]:
         compute, rows = self.compute, self.rows
+        ffn = compute.ffn
+        assert ffn is not None
         owned_rows, buffer = saved[0], saved[1]
         assert owned_rows is not None
         replicas = buffer.shape[0] if buffer is not None else 0
         grad_y = rows.grad_to_experts(grad)
         parts = ([(owned_rows, rows.own)] if owned_rows.shape[0] else []) + ([(buffer, rows.replicas)] if replicas
                                                                            else [])
-        if len(parts) == 2:
-            grads = list(grad_y.split([rows.own_rows, grad_y.shape[0] - rows.own_rows]))
-        else:
-            grads = [grad_y] * len(parts)
         d_parts = []
-        if self.ffn is not None:
-            for i, ((weights, groups), part_grad) in enumerate(zip(parts, grads)):
-                part = self._grad_part(weights is owned_rows, replicas, grad.device)
-                acts = tuple(saved[2 + i * PART_SLOTS:2 + (i + 1) * PART_SLOTS])
-                d_parts.append(self.ffn.backward(compute.views(weights, self.ffn), acts, part_grad, groups, part,
-                                                 self.native, need_input))
-                part.finish(len(groups.sizes))
-        else:
-            for (part, graph), part_grad, (_, groups) in zip(self.graphs, grads, parts):
-                d_parts.append(FormGraph.backward(graph, part_grad, need_input))
-                part.finish(len(groups.sizes))
-            self.graphs = []
+        for i, ((weights, groups), part_grad) in enumerate(zip(parts, self._part_grads(grad_y, parts))):
+            part = self._grad_part(weights is owned_rows, replicas, grad.device)
+            acts = tuple(saved[2 + i * PART_SLOTS:2 + (i + 1) * PART_SLOTS])
+            d_parts.append(ffn.backward(compute.views(weights), acts, part_grad, groups, part, self.native,
+                                        need_input))
+            part.finish(len(groups.sizes))
         sends = self._grad_part(False, replicas, grad.device).target.rows()   # (none: an empty set of rows)
-        del saved, parts, owned_rows, buffer
+        saved.clear()   # (re-materialization: the re-gathered replicas go before the reduce-scatter sends)
+        del parts, owned_rows, buffer
         self._issue(None, sends)
         if not need_input:
             return None
         d_x = grad_y if not d_parts else d_parts[0] if len(d_parts) == 1 else torch.cat(d_parts)
         return rows.grad_to_received(d_x)
 
-    def _loop_backward(self, grad: torch.Tensor, need_input: bool) -> Optional[torch.Tensor]:
-        x, own, replicas, y, _block = self.graphs.pop()
+    def _graph_backward(self, grad: torch.Tensor, recv: torch.Tensor, held: List[GatheredExperts],
+                        need_input: bool) -> Optional[torch.Tensor]:
+        """FFN forms with an activation not written out: each part's own arithmetic on a graph from its rows, each
+        projection delivering its weight gradients (:class:`~ds_hecate.ops.grouped_ffn.FormGraph`)."""
+        compute, rows = self.compute, self.rows
+        graph = compute.graph
+        assert graph is not None
+        g = held.pop()
+        x = rows.to_experts(recv)
+        parts = self._parts(x, g)
+        views = self._views(parts, g)
+        replicas = g.buffer.shape[0]
+        grad_y = rows.grad_to_experts(grad)
+        d_parts = []
+        for (weights, part_rows, groups), part_views, part_grad in zip(parts, views,
+                                                                      self._part_grads(grad_y, parts)):
+            part = self._grad_part(weights is g.owned_rows, replicas, grad.device)
+            d_parts.append(graph.backward(part_views, part_rows, groups, self.native, part, part_grad, need_input))
+            part.finish(len(groups.sizes))
+        sends = self._grad_part(False, replicas, grad.device).target.rows()
+        del g, parts, views
+        self._issue(None, sends)
+        if not need_input:
+            return None
+        d_x = grad_y if not d_parts else d_parts[0] if len(d_parts) == 1 else torch.cat(d_parts)
+        return rows.grad_to_received(d_x)
+
+    def _loop_backward(self, grad: torch.Tensor, recv: torch.Tensor, held: List[GatheredExperts],
+                       need_input: bool) -> Optional[torch.Tensor]:
+        """Generic experts: one expert at a time through autograd, on a graph built here, the weights' gradients
+        handed to SparseReduceScatter whole (it adds the owned ones into the accumulator)."""
+        rows, kernel = self.rows, self.kernel
+        g = held.pop()
+        with torch.enable_grad():
+            own = g.owned_rows.detach().requires_grad_(True)
+            replicas = g.buffer.detach().requires_grad_(True)
+            x = recv.detach().requires_grad_(need_input)
+            grouped = rows.graph_to_experts(x)
+            flats = list(own.unbind(0)) + list(replicas.unbind(0))
+            outs = [kernel(flat, part) for flat, part in zip(flats, grouped.split(list(rows.sizes)))]
+            y = rows.graph_to_received(torch.cat(outs) if outs else grouped)
         inputs = [own, replicas] + ([x] if need_input else [])
         if y.requires_grad:
             got = torch.autograd.grad(y, inputs, grad, allow_unused=True)
@@ -345,28 +388,11 @@ class ExpertCall:
             got = (None,) * len(inputs)
         d_own = got[0] if got[0] is not None else torch.zeros_like(own)
         d_replicas = got[1] if got[1] is not None else torch.zeros_like(replicas)
-        del y, own, replicas, _block
+        del y, own, replicas, g
         self._issue(d_own, d_replicas)
         if not need_input:
             return None
         return got[2] if got[2] is not None else torch.zeros_like(x)
-
-    def _rematerialized_backward(self, grad: torch.Tensor, recv: Optional[torch.Tensor],
-                                 need_input: bool) -> Optional[torch.Tensor]:
-        """Gather the replicas again, lay the rows out for their order (the extras of a calibrated call arrive in
-        the whole placement's order now), recompute with what backward keeps, and differentiate."""
-        assert recv is not None and self.regather is not None
-        with self.phases("regather"):
-            gathered = self.regather.start().wait()
-        self.rows = ExpertRows.of(self.mine, gathered.experts, gathered.owned, recv.device, self.rows.pad_rows,
-                                  self.alone)
-        self.reduce = dataclasses.replace(self.reduce, experts=gathered.experts)
-        self.gathered, self.regather = gathered, None
-        del gathered
-        self._run(recv, need_input, keep=True)
-        saved, self._saved = self._saved, []
-        self.gathered = None   # the re-gathered replicas go before the reduce-scatter sends
-        return self.backward(grad, saved, need_input)
 
     def _issue(self, own_grads: Optional[torch.Tensor], replica_grads: torch.Tensor) -> None:
         with self.phases("reduce_scatter"):
@@ -381,7 +407,7 @@ class ShardedExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, recv: torch.Tensor, anchor: torch.Tensor, call: ExpertCall) -> torch.Tensor:
         ctx.call = call
-        out, saved = call.forward(recv, recv.requires_grad)
+        out, saved = call.forward(recv)
         ctx.save_for_backward(*saved)
         return out
 

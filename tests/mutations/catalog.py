@@ -32,18 +32,19 @@ MUTATIONS: List[Mutation] = [
         "`latest` is written before the expert files (a crash in between leaves `latest` naming a checkpoint "
         "without experts); the ordering lives in engine.py (HecateEngine.save_checkpoint), not checkpoint.py"),
     Mutation(
-        "replica-gradient-dropped", "ds_hecate/runtime/expert_compute.py",
-        (("        ctx.binding.reduce_scatter(ctx.plan, ctx.experts, None, ctx.grads.finish())\n",
-          "        sends = ctx.grads.finish()\n"
+        "replica-gradient-dropped", "ds_hecate/runtime/sharded_experts.py",
+        (("        del parts, owned_rows, buffer\n"
+          "        self._issue(None, sends)\n",
+          "        del parts, owned_rows, buffer\n"
           "        if sends.shape[0]:  # MUTATION: the first replica's gradient never reaches its owner (grouped)\n"
           "            sends = sends.clone()\n"
           "            sends[0] = 0\n"
-          "        ctx.binding.reduce_scatter(ctx.plan, ctx.experts, None, sends)\n"),
-         ("        ctx.binding.reduce_scatter(ctx.plan, ctx.experts, grad_own, grad_replicas)\n",
-          "        if grad_replicas.shape[0]:  # MUTATION: the first replica's gradient never reaches its owner\n"
-          "            grad_replicas = grad_replicas.clone()\n"
-          "            grad_replicas[0] = 0\n"
-          "        ctx.binding.reduce_scatter(ctx.plan, ctx.experts, grad_own, grad_replicas)\n")),
+          "        self._issue(None, sends)\n"),
+         ("        self._issue(d_own, d_replicas)\n",
+          "        if d_replicas.shape[0]:  # MUTATION: the first replica's gradient never reaches its owner\n"
+          "            d_replicas = d_replicas.clone()\n"
+          "            d_replicas[0] = 0\n"
+          "        self._issue(d_own, d_replicas)\n")),
         "a replica's weight gradient is replaced by zeros before SparseReduceScatter"),
     Mutation(
         "token-to-rank-without-expert", "ds_hecate/planning/dispatch_plan.py",
@@ -73,18 +74,18 @@ MUTATIONS: List[Mutation] = [
         "re-sharding moves master weights but not Adam's exp_avg / exp_avg_sq"),
     Mutation(
         "empty-rank-skips-layer", "ds_hecate/runtime/layer.py",
-        (("        x = boundary(x, self, \"dispatch_bwd\", None)\n"
-          "        self.top_k = indices.shape[0]\n",
-          "        x = boundary(x, self, \"dispatch_bwd\", None)\n"
+        (("        x = phases.boundary(x, \"dispatch_bwd\", None)\n"
+          "        self.tally.top_k = indices.shape[0]\n",
+          "        x = phases.boundary(x, \"dispatch_bwd\", None)\n"
           "        if x.shape[0] == 0:  # MUTATION: a rank without tokens returns before the layer's collectives\n"
           "            return x.new_zeros(indices.numel(), x.shape[-1])\n"
-          "        self.top_k = indices.shape[0]\n"),),
+          "        self.tally.top_k = indices.shape[0]\n"),),
         "a rank with no tokens skips the count exchange, gathers and all-to-alls (the others wait: a hang)",
         env=SHORT_WATCHDOG),
     Mutation(
         "calibration-extras-not-gathered", "ds_hecate/runtime/layer.py",
-        (("                gathered = self.gather_extras(extra, gathered)\n",
-          "                pass  # MUTATION: calibration's extra replicas are planned but never gathered\n"),),
+        (("        return gathered if step.extras is None else self.gathers.extend(step.extras, gathered)\n",
+          "        return gathered  # MUTATION: calibration's extra replicas are planned but never gathered\n"),),
         "after the gate, calibration adds replicas to the plan but their SparseAllGather is never issued",
         env=SHORT_WATCHDOG),
     Mutation(
@@ -96,7 +97,7 @@ MUTATIONS: List[Mutation] = [
         "the shard store files an owned expert's master under the wrong expert id"),
     Mutation(
         "budget-ignored", "ds_hecate/runtime/layer.py",
-        (("        return self.runtime.grant(self).replicas\n",
+        (("        return self.host.grant(self).replicas\n",
           "        return 1 << 30  # MUTATION: materialize_budget_mb is ignored\n"),),
         "the runtime's replica budget is huge whatever materialize_budget_mb says"),
     Mutation(
@@ -158,19 +159,16 @@ MUTATIONS: List[Mutation] = [
         "a checkpoint taken while a sliced search is in progress resumes without it (other placements after)"),
     Mutation(
         "every-layer-takes-the-pools-mode", "ds_hecate/runtime/layer.py",
-        (("        return self.runtime.grant(self).rematerialize\n",
-          "        return self.runtime.pool.rematerializes  # MUTATION: one layer re-materializing makes all do\n"),),
+        (("        return self.host.grant(self).rematerialize\n",
+          "        return self.host.pool.rematerializes  # MUTATION: one layer re-materializing makes all do\n"),),
         "a layer follows the pool's mode instead of its own grant (a resident layer re-materializes)"),
     Mutation(
         "budget-ignored-self-report-hidden", "ds_hecate/runtime/layer.py",
-        (("        return PlanInputs(self.shard.owners, self.runtime.step_costs(self), self.replica_budget(), self.cost)\n",
-          "        return PlanInputs(self.shard.owners, self.runtime.step_costs(self), 1 << 30, self.cost)  # MUTATION\n"),
-         ("                alive.append((ref, replica_bytes))\n"
-          "        self._live_buffers = alive\n"
-          "        return total\n",
-          "                alive.append((ref, replica_bytes))\n"
-          "        self._live_buffers = alive\n"
-          "        return 0  # MUTATION: Hecate's own replica-bytes figure sees nothing\n")),
+        (("            kept = self._inputs = PlanInputs(owners, costs, replicas, self.cost)\n",
+          "            kept = self._inputs = PlanInputs(owners, costs, 1 << 30, self.cost)  # MUTATION\n"),
+         ("        self.gathers = LayerGathers(setup, shard, self.counters, host.monitor.memory)\n",
+          "        from .call_monitor import ReplicaMemory   # MUTATION: Hecate's own replica-bytes figure sees nothing\n"
+          "        self.gathers = LayerGathers(setup, shard, self.counters, ReplicaMemory())\n")),
         "the planner ignores the budget while the statistics still report the configured budget and no replica "
         "bytes: only a measurement from outside Hecate can see it"),
     Mutation(
@@ -230,8 +228,8 @@ MUTATIONS: List[Mutation] = [
         "reduction across the groups is skipped"),
     Mutation(
         "edp-reduction-deferred-to-the-step", "ds_hecate/runtime/hecate.py",
-        (("        eager = self.at_boundary and self.layout.partitioned\n",
-          "        eager = False  # MUTATION: whole gradient rows kept until the step\n"),),
+        (("        self.reductions = ReductionQueue(eager=lambda: self.at_boundary and self.layout.partitioned,\n",
+          "        self.reductions = ReductionQueue(eager=lambda: False,  # MUTATION: whole gradient rows kept until the step\n"),),
         "partitioned expert state: the expert-data-parallel reduction waits for the accumulation boundary, so every "
         "layer's whole fp32 gradient rows stay alive through the backward"),
     Mutation(
@@ -315,12 +313,12 @@ MUTATIONS: List[Mutation] = [
         "SparseReduceScatter"),
     Mutation(
         "layer-call-reads-the-device", "ds_hecate/runtime/layer.py",
-        (("            routes = Routes.of(flat, int(counts[rt.rank].sum()), x.shape[0], self.top_k, shard.num_experts,\n",
-          "            routes = Routes.of(flat, int((flat >= 0).sum()), x.shape[0], self.top_k, shard.num_experts,"
+        (("            routes = Routes.of(flat, int(counts[setup.rank].sum()), x.shape[0], indices.shape[0],\n",
+          "            routes = Routes.of(flat, int((flat >= 0).sum()), x.shape[0], indices.shape[0],"
           "  # MUTATION: a second sync\n"),),
         "the layer call reads a device tensor on the host besides the count exchange (a CUDA synchronisation)"),
     Mutation(
-        "grouped-rows-in-plan-order", "ds_hecate/runtime/expert_compute.py",
+        "grouped-rows-in-plan-order", "ds_hecate/runtime/sharded_experts.py",
         (("        held = [mine[e] for e in experts if e in mine]\n",
           "        held = sorted(mine[e] for e in experts if e in mine)  # MUTATION: rows grouped in plan order\n"),),
         "the token rows are grouped in the plan's expert order, not the gathered buffer's row order (owned first, "
@@ -419,8 +417,8 @@ MUTATIONS: List[Mutation] = [
         "of the reduction's window"),
     Mutation(
         "runtime-prices-no-reduction-window", "ds_hecate/runtime/hecate.py",
-        (("                               reduce_bytes=binding.cost.reduce_bytes, regather=binding.rematerializes)",
-          "                               )  # MUTATION: the runtime's cost model without the reduction's bytes"),),
+        (("                                reduce_bytes=binding.cost.reduce_bytes, regather=regather)",
+          "                                )  # MUTATION: the runtime's cost model without the reduction's bytes"),),
         "the runtime builds its scheduler's cost model without the reduction's share, so on GPUs it plans with "
         "another model than the simulator and ds-hecate plan"),
     Mutation(

@@ -35,9 +35,9 @@ LAYER_CALL_MUTATIONS: List[Mutation] = [
         "the expert compute's cached column views of the fp32 accumulator are kept when the accumulator is freed "
         "or replaced: weight gradients land in the old rows, the optimizer reads the new, uninitialized ones"),
     Mutation(
-        "identity-permutation-skipped-on-n-ranks", "ds_hecate/runtime/expert_compute.py",
-        (("        in_order = alone and bool(",
-          "        in_order = True and bool("),),
+        "identity-permutation-skipped-on-n-ranks", "ds_hecate/runtime/sharded_experts.py",
+        (("        in_order = alone and sources == 1",
+          "        in_order = True and sources == 1"),),
         "a rank of N skips the permutations whenever its rows happen to arrive expert-major: the same outputs, but "
         "the 1-rank measurement without the one-rank shortcuts no longer times the N-rank path"),
     Mutation(
@@ -48,8 +48,8 @@ LAYER_CALL_MUTATIONS: List[Mutation] = [
         "rows by destination: on N ranks rows go to ranks that do not hold their expert"),
     Mutation(
         "count-row-keeps-dropped-slots", "ds_hecate/runtime/dispatcher.py",
-        (("    hist[num_experts + 1:].copy_((gates - gates).sum().ne(0))\n",
-          "    hist[num_experts + 1:].add_((gates - gates).sum().ne(0))  # MUTATION: the dropped slots' count stays\n"),),
+        (("    hist[num_experts + 1] = torch.isnan((gates - gates).sum())\n",
+          "    hist[num_experts + 1] += torch.isnan((gates - gates).sum())  # MUTATION: the dropped slots' count stays\n"),),
         "the count row's last bin keeps the dropped slots' count under the non-finite flag: a rank whose gate "
         "drops a route reports non-finite gates and every rank stops"),
     Mutation(
