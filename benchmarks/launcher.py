@@ -3,9 +3,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
-import subprocess
-import sys
 from typing import Optional, Sequence
 
 from benchmarks.systems import ALL_SYSTEMS, HECATE_PLACEMENTS
@@ -47,16 +44,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(argv: Sequence[str], ranks: int) -> int:
-    """Run this file on ``ranks`` CPU processes through ``deepspeed`` (the documented launch)."""
+    """Run benchmarks/run.py on ``ranks`` CPU processes through DeepSpeed's launcher (the documented launch), by
+    ``ds_hecate.tools.launch``: on a free master port, and the job's CPU all-reduce buffers in /dev/shm removed when
+    it ends, a killed rank or Ctrl-C included."""
+    from ds_hecate.tools.launch import run
+
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "--master_port",
-           str(_free_port()), RUN_SCRIPT, *argv]
-    return subprocess.call(cmd, env=env, cwd=REPO)
+    return run(["--num_gpus", str(ranks), RUN_SCRIPT, *argv], env=env, cwd=REPO)

@@ -8,6 +8,10 @@ CIFAR-shaped images otherwise. ``--no-hecate`` runs plain DeepSpeed data paralle
 the trajectory Hecate's run follows::
 
     deepspeed --num_gpus 2 examples/train_cifar_moe.py --deepspeed_config ds_configs/ds_cifar_moe.json
+
+``python -m ds_hecate.tools.launch`` in place of ``deepspeed`` (the same arguments) also removes the job's CPU
+all-reduce buffers from /dev/shm when it ends, which ``deepspeed`` leaves for a ``--no-hecate`` run
+(docs/troubleshooting.md).
 """
 from __future__ import annotations
 

@@ -4,9 +4,12 @@ The model deliberately uses DeepSpeed's own legacy ``deepspeed.moe.layer.MoE`` s
 script serves as the baseline and, with ``import ds_hecate`` and the ``hecate`` ZeRO config,
 as the ds_hecate run: only the DeepSpeed config changes between the two.
 
-Launch (DeepSpeed inserts ``--local_rank=N`` before the user arguments)::
+Launch as ``make demo`` does: DeepSpeed's launcher through ``ds_hecate.tools.launch``, which takes the arguments of
+``deepspeed``, picks a free master port and removes the job's CPU all-reduce buffers from /dev/shm when it ends
+(``deepspeed`` itself leaves them for a run without Hecate: docs/troubleshooting.md). DeepSpeed inserts
+``--local_rank=N`` before the user arguments::
 
-    OMP_NUM_THREADS=1 deepspeed --num_gpus 2 --master_port 29651 examples/train_gpt_moe.py \\
+    OMP_NUM_THREADS=1 python -m ds_hecate.tools.launch --num_gpus 2 examples/train_gpt_moe.py \\
         --deepspeed_config ds_configs/ds_baseline.json --no-hecate-import
 """
 

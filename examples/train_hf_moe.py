@@ -5,6 +5,9 @@ The only Hecate-specific lines are ``import ds_hecate`` and the ``hecate`` secti
     deepspeed --num_gpus 2 examples/train_hf_moe.py --deepspeed ds_configs/ds_hecate_hf.json
     deepspeed --num_gpus 2 examples/train_hf_moe.py --deepspeed ds_configs/ds_hecate_hf_zero3.json --model qwen3_moe
 
+(``python -m ds_hecate.tools.launch`` in place of ``deepspeed``, the same arguments: also removes the job's CPU
+all-reduce buffers from /dev/shm when it ends, a rank killed early included; docs/troubleshooting.md.)
+
 By default it builds a tiny random model (no download); ``--model-name-or-path`` trains a real one.
 """
 from __future__ import annotations

@@ -25,6 +25,7 @@ from ..errors import HecateConfigError, HecateUnsupportedError
 from ..logging_utils import log_rank0, quiet_renamed_all_gather_warning
 from .model_parallel import refuse_unsupported_mpu
 from .setup_errors import same_on_every_rank
+from .shm_buffers import unlink_own_buffer_after_attach
 
 _ORIGINAL_INITIALIZE = None
 
@@ -156,6 +157,7 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
     quiet_renamed_all_gather_warning()  # before DeepSpeed's first ZeRO all-gather
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
                                distributed_port=distributed_port, dist_init_required=dist_init_required)
+    unlink_own_buffer_after_attach()   # DeepSpeed's CPU all-reduce files in /dev/shm: freed when the ranks exit
     runtime = build_runtime(hcfg, stripped, model, mpu)
     from .convert import convert_model, prune_expert_params
     layer_param_ids = convert_model(model, runtime)
