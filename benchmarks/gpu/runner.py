@@ -125,8 +125,8 @@ def run_check(stages: Iterable[Stage], out: Path, markdown: Optional[Path], quic
               "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "stages": {}, "ok": None}
     if dry_run:
-        report["note"] = ("dry run on the CPU: device code under the CUDA stand-in (tests/device_shim.py), CuPy and "
-                          "NCCL through fakes (benchmarks/gpu/fakes.py); no figure is a GPU measurement")
+        report["note"] = ("dry run on the CPU under the GPU stand-in (tests/fake_cupy.py: the CUDA stand-in of "
+                          "tests/device_shim.py, CuPy and NCCL stand-ins); no figure is a GPU measurement")
     write_json(out, report)
     start = time.perf_counter()
     for stage in stages:

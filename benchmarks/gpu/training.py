@@ -9,14 +9,14 @@ the owned experts, the weighted un-permute) are the CUDA kernels, and over the t
 kernels as its device work (``device_kernels: auto``, the default, which must run them on a GPU) and with torch ops
 alone. The per-step token counts per expert are compared too: the first step whose routing differs is named.
 
-Dry run: the CPU against the CUDA stand-in (torch transport, and the CuPy transport over the 1-rank fakes with the
-kernels' torch references), 2 steps.
+Dry run: the CPU against the GPU stand-in (tests/fake_cupy.py: the kernels check their launches and compute their
+contracts, NCCL a loopback), 2 steps.
 """
 from __future__ import annotations
 
 from typing import Callable, List, Tuple
 
-from .common import Context, result
+from .common import Context, result, test_fixtures
 
 TOLERANCE = 1e-4
 
@@ -27,7 +27,8 @@ def _communicator(transport: str, device, kernels: str = "auto"):
     from ds_hecate.comm.collectives import Communicator
     from ds_hecate.comm.backend import build_communicator
     if transport == "cupy-fake":
-        from .fakes import loopback_transport
+        test_fixtures()
+        from gpu_fakes import loopback_transport
         return Communicator(None, 0, 1, transport=loopback_transport(device, timeout_s=60))
     return build_communicator(transport, None, 0, 1, device, timeout_s=60, device_kernels=kernels)
 
@@ -126,7 +127,7 @@ def run(ctx: Context) -> dict:
     # the CuPy transport (its NCCL and the kernels)
     runs: List[Tuple[str, Callable]] = [("cuda_torch", lambda: demo_losses("cuda", steps, "torch")),
                                         ("cuda_torch_ops", lambda: demo_losses("cuda", steps, "torch", "torch"))]
-    runs.append(("cuda_cupy", lambda: demo_losses("cuda", steps, "cupy-fake" if ctx.dry_run else "cupy")))
+    runs.append(("cuda_cupy", lambda: demo_losses("cuda", steps, "cupy")))
     out = {"steps": steps, "tolerance": TOLERANCE, "cpu_losses": cpu[0]}
     for name, fn in runs:
         try:
