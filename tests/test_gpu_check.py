@@ -47,6 +47,25 @@ def test_gpu_check_dry_run(tmp_path):
     assert table in proc.stdout, "the Markdown table is printed at the end"
 
 
+def test_the_stages_plan_without_timing():
+    """Every cost the scheduler reads is configured in the stages' runtime, so a measured figure (the runtime still
+    measures them at steps 1 and 4) changes no placement: the CPU and the CUDA run of a stage place alike. The
+    replica overhead was once left to its measurement."""
+    import torch
+    import torch.distributed as dist
+
+    from benchmarks.gpu.training import build_model, hecate_runtime
+    from ds_hecate.comm.backend import build_communicator
+    comm = build_communicator("torch", None, 0, 1, torch.device("cpu"))
+    rt, _ = hecate_runtime(build_model(), comm, torch.device("cpu"), 1)
+    binding = rt.bindings[0]
+    configured = rt.step_costs(binding)
+    rt.measured = {"compute_s_per_pair": 3e-3, "link_gbps": 0.01, "non_moe_time_s": 2.0, "replica_overhead_s": 5.0,
+                   "inter_node_gbps": 0.5}
+    assert rt.step_costs(binding) == configured
+    assert not dist.is_initialized()
+
+
 def test_training_stage_routes_without_drawing_random_numbers():
     """CPU and CUDA draw different random numbers, so the training comparison's gate must draw none (DeepSpeed's
     top-2 gate samples its second expert with Gumbel noise by default): the same input routes the same under any

@@ -19,6 +19,9 @@ from typing import Callable, List, Tuple
 from .common import Context, result, test_fixtures
 
 TOLERANCE = 1e-4
+#: the costs the scheduler plans with: every figure it reads configured, so the placements (and with them the float
+#: summation order) never depend on how fast a run happened to be (measured figures are still measured, unused)
+FIXED_COSTS = {"compute_s_per_pair": 1e-6, "link_gbps": 1.0, "non_moe_time_s": 0.0, "replica_overhead_s": 0.0}
 
 
 def _communicator(transport: str, device, kernels: str = "auto"):
@@ -53,7 +56,7 @@ def build_model():
 
 def hecate_runtime(model, comm, dev, ranks_per_node: int, **hecate) -> tuple:
     """(runtime, dense AdamW) for ``model`` as the engine sets them up: its MoE layer converted onto a Hecate runtime
-    over ``comm`` (configured costs: the placements must not hang on how fast a run happened to be; ``hecate``
+    over ``comm`` (:data:`FIXED_COSTS`: the placements must not hang on how fast a run happened to be; ``hecate``
     overrides keys), the model moved to ``dev``, the expert optimizer following the dense one's learning rate."""
     import torch
 
@@ -62,8 +65,7 @@ def hecate_runtime(model, comm, dev, ranks_per_node: int, **hecate) -> tuple:
     from ds_hecate.deepspeed_glue.expert_optimizer import ExpertOptimizer, LrSource
     from ds_hecate.runtime.hecate import HecateRuntime
 
-    cfg = parse_hecate_section({"enabled": True, "compute_s_per_pair": 1e-6, "link_gbps": 1.0, "non_moe_time_s": 0.0,
-                                **hecate})
+    cfg = parse_hecate_section({"enabled": True, **FIXED_COSTS, **hecate})
     rt = HecateRuntime(cfg, comm, torch.float32, ranks_per_node)
     convert_model(model, rt)
     model.to(dev)

@@ -41,8 +41,8 @@ def train(rank: int, world: int, device: str, steps: int) -> dict:
     model = build_model()
     dev = torch.device("cuda", 0) if device == "cuda" else torch.device(device)
     comm = build_communicator("torch", dist.group.WORLD, rank, world, dev, timeout_s=60)
-    # configured costs and no re-sharding: the placements (so the summation order) must not hang on how fast
-    # each run happened to be
+    # configured costs (every one the scheduler reads: training.FIXED_COSTS) and no re-sharding: the placements (so
+    # the summation order) must not hang on how fast each run happened to be
     rt, dense = hecate_runtime(model, comm, dev, ranks_per_node=world, reshard_interval=0)
     gen = torch.Generator().manual_seed(1 + rank)   # each rank its own batches
     losses: List[float] = []
