@@ -182,7 +182,8 @@ def render_markdown(report: dict, stages: Sequence[Stage]) -> str:
     """The table docs/benchmarks.md promises: one row per stage (status, seconds, timeout, key figures), then each
     stage's detail tables (micro-benchmarks, layer call)."""
     device = report["stages"].get("device", {}).get("device_name", "unknown device")
-    where = "dry run on the CPU (no GPU measurement)" if report["dry_run"] else f"one {device}"
+    where = (f"dry run on the CPU (no GPU measurement; each stage given {DRY_RUN_STAGE_TIMEOUT_S} s, the timeouts "
+             "below are a GPU's)" if report["dry_run"] else f"one {device}")
     lines = [f"make gpu-check: {where}, {report['started']}{', --quick' if report['quick'] else ''}", "",
              "| stage | status | seconds | timeout s | key figures |", "|---|---|---|---|---|"]
     for stage in stages:
