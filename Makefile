@@ -3,7 +3,8 @@ PYTHON ?= python3
 export OMP_NUM_THREADS ?= 1
 
 .PHONY: install demo test gpu-check gpu-install gpu-wheels
-# A visible NVIDIA GPU: `make test` then installs the `gpu` extra (CuPy, NCCL) so tests/gpu run instead of skipping.
+# A visible NVIDIA GPU: `make test` then installs the `gpu` extra (CuPy, NCCL) so tests/gpu run on the GPU itself
+# (without one they run under the GPU stand-in, tests/fake_cupy.py).
 HAS_GPU := $(shell nvidia-smi -L 2>/dev/null | grep -q GPU && echo 1)
 
 # torch first and pinned: the CPU wheel of 2.13.0 (this machine's; the library itself asks only torch>=2.4); an
@@ -32,9 +33,10 @@ gpu-install: install
 # install of torch, CuPy or the requirements (whatever CUDA torch and CuPy are there stay). What is missing to import
 # DeepSpeed (DeepSpeed itself, pydantic, ...) comes from the wheelhouse .whl/ that `make gpu-wheels` builds where pip
 # has network, installed with --no-index into GPU_SITE only if deepspeed is not importable; ds_hecate runs from the
-# checkout. Every stage in its own process with its own timeout (under 6 minutes in all on one H200); the JSON
-# ($(GPU_OUT).json) is rewritten after each stage, the Markdown table ($(GPU_OUT).md) printed at the end.
-# `make gpu-check ARGS=--dry-run` runs every stage's code path on the CPU (CI); ARGS=--quick shrinks sizes.
+# checkout. Every stage in its own process with its own timeout (they sum to 480 s, a minute under this target's
+# 540: benchmarks/gpu/runner.py); the JSON ($(GPU_OUT).json) is rewritten after each stage, the Markdown table
+# ($(GPU_OUT).md) printed at the end. `make gpu-check ARGS=--dry-run` runs every stage's code on the CPU under the GPU
+# stand-in (CI); ARGS=--quick shrinks sizes.
 ARGS ?=
 GPU_SITE ?= /tmp/ds_hecate_site
 GPU_OUT ?= runs/gpu_check

@@ -2,6 +2,7 @@
 system name to the builder that sets it up, so that adding a system is one function and one entry."""
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -26,17 +27,23 @@ BUCKET_ELEMENTS = 2_000_000
 
 
 def canonical_weights(args, seed: int = 1234) -> List[Dict[str, Any]]:
-    """One set of weights per layer that every system loads, so all of them compute the same function."""
+    """One set of weights per layer that every system loads, so all of them compute the same function. Drawn once
+    per process for the last shape asked (a DeepSeek-V3-like layer's are 1.4e9 numbers, drawn on one core): every
+    system of a benchmark gets the same tensors, which each copies and none changes."""
+    return _canonical_weights(args.hidden, args.ffn, args.experts, args.layers, seed)
+
+
+@functools.lru_cache(maxsize=1)
+def _canonical_weights(H: int, F: int, E: int, layers: int, seed: int) -> List[Dict[str, Any]]:
     import torch
     gen = torch.Generator().manual_seed(seed)
-    H, F, E = args.hidden, args.ffn, args.experts
 
     def normal(*shape, std):
         return torch.randn(*shape, generator=gen) * std
     return [{"dense_w": normal(H, H, std=H ** -0.5), "dense_b": torch.zeros(H),
              "gate": normal(E, H, std=0.02),
              "w1": normal(E, F, H, std=H ** -0.5), "w3": normal(E, F, H, std=H ** -0.5),
-             "w2": normal(E, H, F, std=F ** -0.5)} for _ in range(args.layers)]
+             "w2": normal(E, H, F, std=F ** -0.5)} for _ in range(layers)]
 
 
 def _load_expert(expert, w, e: int) -> None:

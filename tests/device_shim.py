@@ -6,12 +6,19 @@ no CPU-scalar exception), every host-to-device copy is recorded (``shim.copies``
 host read of a device tensor, which on CUDA blocks the host until the device has caught up, is recorded
 (``shim.host_reads``): ``.item()``/``bool()``/``int()``, ``.tolist()``, ``.numpy()``, a device-to-host copy
 (``.cpu()``, ``.to("cpu")``), and the ops whose output shape depends on the data (``nonzero``, boolean-mask
-indexing, ``masked_select``, ``unique``, ``bincount``, ``repeat_interleave`` without ``output_size``).
+indexing, ``masked_select``, ``unique``, ``bincount``, ``repeat_interleave`` without ``output_size``), with the
+line of the project's code that made it (``shim.read_sites``). The device's API answers as one device would
+(``torch.cuda.synchronize``, ``device_count``, ``current_device``, ``set_device``, ``get_device_properties``), and
+streams are stand-ins (``torch.cuda.Stream``, ``torch.cuda.stream``, ``current_stream``, ``Tensor.record_stream``)
+whose work is done when issued, as every event's is: code written for CUDA streams runs as it is.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import List, Tuple
+import os
+import sys
+from types import FrameType, SimpleNamespace
+from typing import Any, List, Optional, Tuple
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -33,7 +40,7 @@ class ShimTensor(torch.Tensor):
         r = torch.Tensor._make_wrapper_subclass(cls, inner.size(), strides=inner.stride(),
                                                 storage_offset=inner.storage_offset(), dtype=inner.dtype,
                                                 device=torch.device("meta"), requires_grad=inner.requires_grad)
-        r.inner = inner
+        r.inner = inner   # type: ignore[method-assign,assignment]  # shadows Tensor.inner, the inner product
         return r
 
     @property
@@ -50,7 +57,7 @@ class ShimTensor(torch.Tensor):
     def data_ptr(self):
         return self.inner.data_ptr()
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = torch._C._disabled_torch_function_impl   # type: ignore[assignment]
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -84,6 +91,25 @@ _INDEXING = (_aten.index.Tensor, _aten.index_put.default, _aten.index_put_.defau
 CAPABILITY = [(9, 0)]
 #: where host reads are recorded (the active shim's list), None outside a shim
 _READS: List[List[str]] = []
+#: the line of code outside torch and this file that made each read (the active shim's list)
+_SITES: List[List[str]] = []
+_TORCH_DIR = os.path.dirname(torch.__file__)
+
+
+def _site() -> str:
+    """``file:line`` of the innermost caller outside torch and this file (what made a host read)."""
+    frame: Optional[FrameType] = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not name.startswith(_TORCH_DIR) and name != __file__ and "<" not in name:
+            return f"{os.path.relpath(name)}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "unknown"
+
+
+def _record_read(kind: str) -> None:
+    _READS[-1].append(kind)
+    _SITES[-1].append(_site())
 
 
 def _host_read(func, args, kwargs) -> str:
@@ -120,10 +146,12 @@ def _dispatch(func, args, kwargs):
         return out
     if func is _aten.is_pinned.default:
         return getattr(args[0], "_shim_pinned", False)
+    if func is _aten.record_stream.default:   # the stand-in's streams: work is done when issued
+        return None
     if _READS:
         read = _host_read(func, args, kwargs)
         if read:
-            _READS[-1].append(read)
+            _record_read(read)
     tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
     devices = {_device(t) for t in tensors}
     if len(devices) > 1 and func.__name__.split(".")[0] not in _STRICT:  # CUDA's CPU-scalar exception
@@ -174,10 +202,10 @@ class _Function(TorchFunctionMode):
                 host = func(*args, **{**kwargs, "device": "cpu"})
             return ShimTensor(host)
         if func is torch.Tensor.tolist and isinstance(args[0], ShimTensor):
-            _READS[-1].append("tolist")
+            _record_read("tolist")
             return args[0].inner.tolist()
         if func is torch.Tensor.numpy and isinstance(args[0], ShimTensor):
-            _READS[-1].append("numpy")
+            _record_read("numpy")
             return args[0].inner.numpy()
         return func(*args, **kwargs)   # pinning is handled at the dispatch level (_dispatch)
 
@@ -189,7 +217,8 @@ class FakeEvent:
 
     def __init__(self, enable_timing: bool = False, **kwargs) -> None:
         FakeEvent.created += 1
-        self.enable_timing, self.t = enable_timing, None
+        self.enable_timing = enable_timing
+        self.t: Optional[float] = None
 
     def record(self, stream=None) -> None:
         import time
@@ -206,18 +235,62 @@ class FakeEvent:
 
     def elapsed_time(self, end: "FakeEvent") -> float:
         assert self.enable_timing and end.enable_timing, "elapsed_time needs enable_timing=True on both events"
+        assert self.t is not None and end.t is not None, "elapsed_time of an event that was never recorded"
         return (end.t - self.t) * 1e3
+
+
+class FakeStream(torch.Stream):
+    """torch.cuda.Stream stand-in: work queued on it is done (the shim runs every kernel when issued). A
+    ``torch.Stream`` (of the CPU) so that ``Tensor.record_stream`` takes it; the shim's dispatch ignores that call."""
+
+    cuda_stream = 0
+
+    def __new__(cls, device=None, priority: int = 0, **kwargs) -> "FakeStream":
+        return super().__new__(cls, device="cpu")
+
+    def __init__(self, device=None, priority: int = 0, **kwargs) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def record_event(self, event=None) -> Any:   # a FakeEvent
+        event = event if event is not None else FakeEvent()
+        event.record(self)
+        return event
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+#: what ``torch.cuda.get_device_properties`` answers for the stand-in device (an H100 SXM's figures)
+DEVICE_PROPERTIES = SimpleNamespace(name="CUDA stand-in (CPU)", multi_processor_count=132,
+                                    total_memory=80 * 2 ** 30, major=9, minor=0, memory_clock_rate=None,
+                                    memory_bus_width=None)
+
+
+def _set_device(device) -> None:
+    index = device.index if isinstance(device, torch.device) else device
+    if index not in (None, 0):
+        raise RuntimeError(f"device shim: the stand-in has one device, cuda:0, not {device}")
 
 
 class Shim:
     """Handle of an active shim: ``copies`` lists (non_blocking, pinned) of every host-to-device copy,
     ``collectives`` the name of every torch.distributed call that moved tensors, ``host_reads`` the kind of every
-    host read of a device tensor."""
+    host read of a device tensor and ``read_sites`` the line of code that made it."""
 
     def __init__(self) -> None:
         self.copies: List[Tuple[bool, bool]] = []
         self.collectives: List[str] = []
         self.host_reads: List[str] = []
+        self.read_sites: List[str] = []
 
 
 _COLLECTIVES = ("all_to_all_single", "all_gather_into_tensor", "all_gather_single", "all_reduce", "broadcast",
@@ -243,12 +316,15 @@ def cuda_shim():
     import torch.distributed as dist
 
     shim = Shim()
-    saved = {"_lazy_init": torch.cuda._lazy_init, "Event": torch.cuda.Event,
-             "current_stream": torch.cuda.current_stream, "get_device_capability": torch.cuda.get_device_capability}
-    torch.cuda._lazy_init = lambda: None
-    torch.cuda.get_device_capability = lambda device=None: CAPABILITY[-1]
-    torch.cuda.Event = FakeEvent
-    torch.cuda.current_stream = lambda device=None: None
+    stream = FakeStream()
+    stand_ins = {"_lazy_init": lambda: None, "Event": FakeEvent, "Stream": FakeStream,
+                 "current_stream": lambda device=None: stream, "stream": lambda s=None: contextlib.nullcontext(),
+                 "synchronize": lambda device=None: None, "device_count": lambda: 1, "current_device": lambda: 0,
+                 "set_device": _set_device, "get_device_properties": lambda device=None: DEVICE_PROPERTIES,
+                 "get_device_capability": lambda device=None: CAPABILITY[-1]}
+    saved = {name: getattr(torch.cuda, name) for name in stand_ins}
+    for name, value in stand_ins.items():
+        setattr(torch.cuda, name, value)
     originals = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
     for name, fn in originals.items():
         setattr(dist, name, _checked_collective(shim, name, fn))
@@ -259,11 +335,13 @@ def cuda_shim():
     saved_status = backend.kernels_status
     backend.kernels_status = lambda device_index: (False, "the CUDA stand-in's tensors are on the CPU")
     _READS.append(shim.host_reads)
+    _SITES.append(shim.read_sites)
     try:
         with _Function(shim.copies), _Dispatch():
             yield shim
     finally:
         _READS.pop()
+        _SITES.pop()
         for name, value in saved.items():
             setattr(torch.cuda, name, value)
         for name, fn in originals.items():

@@ -278,7 +278,7 @@ def test_combine_contract_matches_the_weighted_unpermute(k, dtype):
 
 def _kernel_device_ops():
     sys.path.insert(0, str(ROOT))
-    from benchmarks.gpu.fakes import reference_launchers
+    from gpu_fakes import reference_launchers
     from ds_hecate.comm.gpu.device_ops import KernelDeviceOps
     return KernelDeviceOps(reference_launchers())
 
@@ -324,7 +324,7 @@ def test_cupy_transport_device_ops_are_the_kernels():
     from ds_hecate.comm.gpu.device_ops import KernelDeviceOps
     from ds_hecate.comm.gpu.nccl_comm import CupyTransport
     sys.path.insert(0, str(ROOT))
-    from benchmarks.gpu.fakes import FakeNccl, ImmediateStreams, LoopbackComm
+    from gpu_fakes import FakeNccl, ImmediateStreams, LoopbackComm
     transport = CupyTransport(None, 0, 1, torch.device("cuda", 0), comm=LoopbackComm(), streams=ImmediateStreams(),
                               nccl=FakeNccl())
     assert type(transport.device_ops) is KernelDeviceOps and transport.device_ops.launchers.__name__.endswith(
@@ -338,7 +338,7 @@ def test_one_rank_cupy_transport_needs_no_process_group():
     import torch.distributed as dist
     from ds_hecate.comm.gpu.nccl_comm import CupyTransport
     sys.path.insert(0, str(ROOT))
-    from benchmarks.gpu.fakes import FakeNccl, ImmediateStreams, LoopbackComm
+    from gpu_fakes import FakeNccl, ImmediateStreams, LoopbackComm
     assert not dist.is_initialized()
     transport = CupyTransport(None, 0, 1, torch.device("cuda", 0), comm=LoopbackComm(), streams=ImmediateStreams(),
                               nccl=FakeNccl())
@@ -411,7 +411,7 @@ def test_training_over_torch_distributed_runs_the_kernels_where_chosen(monkeypat
     through the kernels over the torch transport too (their contracts here, under the CUDA stand-in), with the
     losses and routing of torch ops alone (no pack: fp32 masters are the resident weights the call computes from)."""
     sys.path.insert(0, str(ROOT))
-    from benchmarks.gpu.fakes import reference_launchers
+    from gpu_fakes import reference_launchers
     from benchmarks.gpu.training import demo_losses
     from device_shim import cuda_shim
     from ds_hecate.comm import backend

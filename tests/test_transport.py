@@ -118,13 +118,8 @@ class StallingComm:
 
 
 def _fakes():
-    import sys
-    from pathlib import Path
-    root = str(Path(__file__).resolve().parent.parent)
-    if root not in sys.path:
-        sys.path.insert(0, root)
-    from benchmarks.gpu import fakes
-    return fakes
+    import gpu_fakes
+    return gpu_fakes
 
 
 def _stalled(timeout_s, comm=None):

@@ -4,6 +4,7 @@
 - :mod:`.stage`: runs one stage in a process; :mod:`.common`: the run's context, timing, the machine's ceilings.
 - Stages: :mod:`.device`, :mod:`.suite` (pytest), :mod:`.training`, :mod:`.nccl` (round trips, two processes),
   :mod:`.streams`, :mod:`.memcheck`, :mod:`.micro`, :mod:`.layer` (the layer-call benchmark).
-- :mod:`.fakes`: NCCL, CUDA streams and the kernels on the CPU, for the dry run and the CPU tests.
+- The dry run's stand-ins live with the tests that use them (tests/fake_cupy.py, tests/gpu_fakes.py,
+  tests/device_shim.py): :meth:`.common.Context.stand_in`.
 - :mod:`.wheelhouse`: ``make gpu-wheels``, the wheels an offline GPU machine lacks.
 """

@@ -46,14 +46,16 @@ class Context:
             return None
         return max(1.0, self.timeout_s - (time.monotonic() - self.started) - margin)
 
-    def stand_in(self):
-        """The CUDA stand-in (tests/device_shim.py) in a dry run, nothing otherwise."""
+    def stand_in(self, kernels: bool = True):
+        """In a dry run the GPU stand-in (tests/fake_cupy.py: the CUDA stand-in of tests/device_shim.py, a CuPy whose
+        kernels check their launches and compute their contracts, NCCL as a loopback or over gloo; ``kernels``:
+        whether the kernels' probe answers usable); nothing otherwise. Yields its handle (``.shim``, ``.cupy``) or
+        None."""
         if not self.dry_run:
             return contextlib.nullcontext()
-        if str(ROOT / "tests") not in sys.path:
-            sys.path.insert(0, str(ROOT / "tests"))
-        from device_shim import cuda_shim
-        return cuda_shim()
+        test_fixtures()
+        from fake_cupy import gpu_stand_in
+        return gpu_stand_in(kernels)
 
     def sync(self) -> None:
         if not self.dry_run:
@@ -80,6 +82,13 @@ class Context:
         """A figure an earlier stage reported (None if it did not run or did not report it)."""
         value = self.prior.get("stages", {}).get(stage, {}).get(key)
         return float(value) if isinstance(value, (int, float)) else None
+
+
+def test_fixtures() -> None:
+    """Put tests/ on the import path: the dry run's stand-ins (device_shim, fake_cupy, gpu_fakes) live there, with
+    the unit tests that import them."""
+    if str(ROOT / "tests") not in sys.path:
+        sys.path.insert(0, str(ROOT / "tests"))
 
 
 def run_command(cmd: List[str], timeout: Optional[float], env: Optional[Dict[str, str]] = None

@@ -59,32 +59,27 @@ def run(ctx: Context) -> dict:
     import torch
 
     from ds_hecate.comm.gpu import cupy_status
-    figures = {"torch": torch.__version__, "torch_cuda": torch.version.cuda, "cupy": cupy_status()[1],
-               "cupy_usable": cupy_status()[0], "bf16_tflops_measured_here": H200_BF16_TFLOPS_MEASURED_HERE,
+    figures = {"torch": torch.__version__, "torch_cuda": torch.version.cuda,
+               "bf16_tflops_measured_here": H200_BF16_TFLOPS_MEASURED_HERE,
                "bf16_tflops_datasheet": H200_BF16_TFLOPS_DATASHEET, "hbm_gbs_datasheet": H200_HBM_GBS_DATASHEET}
-    if ctx.dry_run:
-        with ctx.stand_in():
-            dev = torch.device("cuda", 0)
-            gbs = copy_gbs(ctx, dev, 1 << 20, 2)
-            tflops = matmul_tflops(ctx, dev, 128, 2)
-        figures.update(device_name="CPU (CUDA stand-in)", copy_gbs=gbs, bf16_matmul_tflops=tflops,
-                       nominal_hbm_gbs=None)
-        return result(True, f"dry run: stand-in copy {gbs:.1f} GB/s, matmul {tflops:.3f} TFLOP/s (CPU)", **figures)
-    if not torch.cuda.is_available():
+    if not ctx.dry_run and not torch.cuda.is_available():
         return result(False, f"torch {torch.__version__} sees no CUDA device", **figures)
-    dev = torch.device("cuda", 0)
-    props = torch.cuda.get_device_properties(0)
-    figures.update(device_name=props.name, gpus=torch.cuda.device_count(), sms=props.multi_processor_count,
-                   memory_gib=round(props.total_memory / 2 ** 30, 1), capability=f"{props.major}.{props.minor}",
-                   nvidia_smi=_nvidia_smi(), nominal_hbm_gbs=nominal_hbm_gbs(0))
-    nbytes = (1 << 28) if ctx.quick else (1 << 30)
-    figures["copy_gbs"] = copy_gbs(ctx, dev, nbytes, 5 if ctx.quick else 10)
-    n = 4096 if ctx.quick else 8192
-    figures["bf16_matmul_n"] = n
-    figures["bf16_matmul_tflops"] = matmul_tflops(ctx, dev, n, 5 if ctx.quick else 10)
+    with ctx.stand_in():   # dry run: the same code on the GPU stand-in (its figures are the CPU's)
+        figures.update(cupy=cupy_status()[1], cupy_usable=cupy_status()[0])
+        dev = torch.device("cuda", 0)
+        props = torch.cuda.get_device_properties(0)
+        figures.update(device_name=props.name, gpus=torch.cuda.device_count(), sms=props.multi_processor_count,
+                       memory_gib=round(props.total_memory / 2 ** 30, 1), capability=f"{props.major}.{props.minor}",
+                       nvidia_smi=_nvidia_smi(), nominal_hbm_gbs=nominal_hbm_gbs(0) or None)
+        nbytes = (1 << 20) if ctx.dry_run else ((1 << 28) if ctx.quick else (1 << 30))
+        repeat = 2 if ctx.dry_run else (5 if ctx.quick else 10)
+        figures["copy_gbs"] = copy_gbs(ctx, dev, nbytes, repeat)
+        n = 128 if ctx.dry_run else (4096 if ctx.quick else 8192)
+        figures["bf16_matmul_n"] = n
+        figures["bf16_matmul_tflops"] = matmul_tflops(ctx, dev, n, repeat)
     nominal = figures["nominal_hbm_gbs"]
     hbm = f"HBM nominal {nominal:,.0f} GB/s" if nominal else "HBM nominal unreadable"
-    summary = (f"{props.name}, {figures['gpus']} GPU(s), torch {torch.__version__} (CUDA {torch.version.cuda}); "
-               f"{hbm}, copy {figures['copy_gbs']:,.0f} GB/s; bf16 matmul {figures['bf16_matmul_tflops']:.0f} "
-               f"TFLOP/s; {figures['cupy']}")
+    summary = (f"{'dry run: ' if ctx.dry_run else ''}{props.name}, {figures['gpus']} GPU(s), torch "
+               f"{torch.__version__} (CUDA {torch.version.cuda}); {hbm}, copy {figures['copy_gbs']:,.1f} GB/s; "
+               f"bf16 matmul {figures['bf16_matmul_tflops']:.3g} TFLOP/s; {figures['cupy']}")
     return result(True, summary, **figures)

@@ -9,14 +9,14 @@ token all-to-all, all-reduce, broadcast, barrier), checked value for value.
 NCCL communicators): SparseAllGather and SparseReduceScatter of 8 experts, checked against the owners' values and
 timed. It needs 2 GPUs (NCCL refuses two ranks on one device); on one GPU it is skipped and says so.
 
-Dry run: the torch transport over gloo and the CuPy transport over the 1-rank fakes, under the CUDA stand-in;
-the 2-process stage over gloo on the CPU.
+Dry run: the same code under the GPU stand-in (tests/fake_cupy.py): the torch transport over gloo, the CuPy
+transport over the stand-in's NCCL (a loopback on one rank; gloo between the two processes of ``two_process``).
 """
 from __future__ import annotations
 
 import tempfile
 import time
-from typing import Dict
+from typing import Any, Dict, cast
 
 from .common import Context, result, skipped, spawn_ranks
 
@@ -91,15 +91,11 @@ def round_trips(ctx: Context) -> dict:
     from ds_hecate.comm.collectives import Communicator
     from ds_hecate.comm.transport import TorchTransport
     _init_single("gloo" if ctx.dry_run else "nccl")
-    out = {}
+    out: Dict[str, Any] = {}
     with ctx.stand_in():
+        from ds_hecate.comm.gpu.nccl_comm import CupyTransport
         dev = torch.device("cuda", 0)
-        if ctx.dry_run:
-            from .fakes import loopback_transport
-            cupy = loopback_transport(dev, timeout_s=60)
-        else:
-            from ds_hecate.comm.gpu.nccl_comm import CupyTransport
-            cupy = CupyTransport(None, 0, 1, dev, timeout_s=60)
+        cupy = CupyTransport(None, 0, 1, dev, timeout_s=60)
         for name, transport in (("torch", TorchTransport(None, 0, 1, dev)), ("cupy", cupy)):
             try:
                 checks = {f"primitive {k}": v for k, v in primitives(transport, dev).items()}
@@ -125,51 +121,60 @@ def _worker(rank: int, world: int, store: str, numel: int, dry_run: bool, q) -> 
         import torch
         import torch.distributed as dist
 
-        from ds_hecate.comm.buffers import TensorAccumulator
-        from ds_hecate.comm.collectives import CommCounters, Communicator
-        from ds_hecate.planning import Placement
+        from ds_hecate.comm.collectives import Communicator
+        from ds_hecate.comm.gpu.nccl_comm import CupyTransport
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-        if dry_run:
-            dev = torch.device("cpu")
-            comm = Communicator(dist.group.WORLD, rank, world, weight_transport=None)
-        else:
-            from ds_hecate.comm.gpu.nccl_comm import CupyTransport
-            torch.cuda.set_device(rank)
-            dev = torch.device("cuda", rank)
+        with Context(dry_run=dry_run).stand_in():   # one device under the stand-in: both ranks' is cuda:0
+            index = 0 if dry_run else rank
+            torch.cuda.set_device(index)
+            dev = torch.device("cuda", index)
             weights_group = dist.new_group(list(range(world)), backend="gloo")
             comm = Communicator(dist.group.WORLD, rank, world,
                                 transport=CupyTransport(dist.group.WORLD, rank, world, dev, timeout_s=60),
                                 weight_transport=CupyTransport(weights_group, rank, world, dev, timeout_s=60))
-        sync = (lambda: None) if dry_run else torch.cuda.synchronize
-        experts = 8
-        owners = tuple(e % world for e in range(experts))
-        placement = Placement(owners, tuple(tuple(range(experts)) for _ in range(world)))  # all everywhere
-        gen = torch.Generator().manual_seed(0)
-        masters = [torch.randn(numel, generator=gen) for _ in range(experts)]
-        owned = {e: masters[e].to(dev) for e in range(experts) if owners[e] == rank}
-        times, gathered = [], None
-        for _ in range(4):
-            sync()
-            dist.barrier()
-            start = time.perf_counter()
-            gathered = comm.start_sparse_all_gather(placement, owned, numel, torch.bfloat16, CommCounters()).wait()
-            sync()
-            times.append(time.perf_counter() - start)
-        rows = gathered.flats()
-        ok_gather = all(torch.equal(rows[e].cpu(), masters[e].to(torch.bfloat16)) for e in range(experts))
-        own = sorted(owned)
-        accumulator = torch.zeros(len(own), numel, device=dev)
-        grads = torch.ones(len(gathered.experts), numel, device=dev)
-        comm.start_sparse_reduce_scatter(placement, gathered.experts, grads[:gathered.owned],
-                                         grads[gathered.owned:], torch.float32, CommCounters(),
-                                         TensorAccumulator(accumulator))()
-        sync()
-        ok_reduce = bool(torch.equal(accumulator.cpu(), torch.full((len(own), numel), float(world))))
-        moved = sum(1 for e in range(experts) if owners[e] != rank) * numel * 2
-        q.put((rank, True, {"median_s": sorted(times[1:])[1], "bytes_received": moved, "gather_ok": ok_gather,
-                            "reduce_ok": ok_reduce}))
+            q.put((rank, True, _gather_and_reduce(comm, rank, world, dev, numel)))
     except BaseException as exc:  # noqa: BLE001 - report, never hang
         q.put((rank, False, f"{type(exc).__name__}: {exc}"))
+
+
+def _gather_and_reduce(comm, rank: int, world: int, dev, numel: int) -> dict:
+    """SparseAllGather of 8 experts (every rank materializes all, owners round robin), timed over 3 of 4 runs,
+    checked against the owners' values; one SparseReduceScatter of ones, checked (each owner receives world)."""
+    import torch
+    import torch.distributed as dist
+
+    from ds_hecate.comm.buffers import TensorAccumulator
+    from ds_hecate.comm.collectives import CommCounters
+    from ds_hecate.planning import Placement
+    sync = torch.cuda.synchronize
+    experts = 8
+    owners = tuple(e % world for e in range(experts))
+    placement = Placement(owners, tuple(tuple(range(experts)) for _ in range(world)))  # all everywhere
+    gen = torch.Generator().manual_seed(0)
+    masters = [torch.randn(numel, generator=gen) for _ in range(experts)]
+    owned = {e: masters[e].to(dev) for e in range(experts) if owners[e] == rank}
+    times, gathered = [], None
+    for _ in range(4):
+        sync()
+        dist.barrier()
+        start = time.perf_counter()
+        gathered = comm.start_sparse_all_gather(placement, owned, numel, torch.bfloat16, CommCounters()).wait()
+        sync()
+        times.append(time.perf_counter() - start)
+    assert gathered is not None
+    rows = gathered.flats()
+    ok_gather = all(torch.equal(rows[e].cpu(), masters[e].to(torch.bfloat16)) for e in range(experts))
+    own = sorted(owned)
+    accumulator = torch.zeros(len(own), numel, device=dev)
+    grads = torch.ones(len(gathered.experts), numel, device=dev)
+    comm.start_sparse_reduce_scatter(placement, gathered.experts, grads[:gathered.owned],
+                                     grads[gathered.owned:], torch.float32, CommCounters(),
+                                     TensorAccumulator(accumulator))()
+    sync()
+    ok_reduce = bool(torch.equal(accumulator.cpu(), torch.full((len(own), numel), float(world))))
+    moved = sum(1 for e in range(experts) if owners[e] != rank) * numel * 2
+    return {"median_s": sorted(times[1:])[1], "bytes_received": moved, "gather_ok": ok_gather,
+            "reduce_ok": ok_reduce}
 
 
 def two_process(ctx: Context, timeout: float = 25.0) -> dict:
@@ -179,12 +184,13 @@ def two_process(ctx: Context, timeout: float = 25.0) -> dict:
         return skipped(f"{gpus} GPU(s): NCCL refuses two ranks on one device; needs 2 GPUs", gpus=gpus)
     numel = (1 << 12) if ctx.dry_run else ((1 << 20) if ctx.quick else (1 << 22))
     results = spawn_ranks(_worker, 2, (numel, ctx.dry_run), timeout)
-    out = {"gpus": gpus, "numel": numel, "transport": "gloo (dry run)" if ctx.dry_run else "CuPy+NCCL"}
+    out: Dict[str, Any] = {"gpus": gpus, "numel": numel,
+           "transport": "the stand-in's NCCL over gloo (dry run)" if ctx.dry_run else "CuPy+NCCL"}
     bad = [f"rank {r}: {p}" for r, (ok, p) in sorted(results.items()) if not ok]
     if len(results) < 2 or bad:
         why = "; ".join(bad) if bad else f"{len(results)}/2 ranks answered within {timeout:g} s"
         return result(False, why, **out)
-    figures = [p for _, p in results.values()]
+    figures = [cast(Dict[str, Any], p) for _, p in results.values()]
     med = max(p["median_s"] for p in figures)
     ok = all(p["gather_ok"] and p["reduce_ok"] for p in figures)
     out.update(spag_median_s=med, bytes_per_rank=figures[0]["bytes_received"],

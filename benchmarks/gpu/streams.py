@@ -10,12 +10,14 @@
    watchdog thread (the host does nothing meanwhile), which aborts the NCCL communicator; the next call raises
    ``TimeoutError`` naming the primitive.
 
-Dry run: the same code over the 1-rank fakes under the CUDA stand-in (work runs at once there, so ordering and
-its ablation are not observable and are reported as such); the watchdog over a stream whose events never fire.
+Dry run: the same code under the GPU stand-in (tests/fake_cupy.py: NCCL a loopback of one rank, work done when
+issued, so ordering and its ablation are not observable and are reported as such); the watchdog over a stream
+whose events never fire.
 """
 from __future__ import annotations
 
 import time
+from typing import Any, Dict, Optional
 
 from .common import Context, host_seconds, result
 
@@ -54,7 +56,7 @@ class Device:
     def __init__(self, ctx: Context) -> None:
         import torch
         self.ctx, self.dev = ctx, torch.device("cuda", 0)
-        self.cycles_per_s = None
+        self.cycles_per_s: Optional[float] = None
 
     def delay(self, seconds: float) -> "Span":
         """Queue ``seconds`` of sleep on the caller's stream (nothing under the stand-in); returns the sleep's
@@ -77,20 +79,21 @@ class Device:
         return span
 
     def transport(self, timeout_s, stalled: bool = False):
-        if self.ctx.dry_run:
-            from .fakes import StalledStreams, loopback_transport
-            t = loopback_transport(self.dev, timeout_s=timeout_s)
-            if stalled:
-                t.streams = StalledStreams()
-            return t
+        """The CuPy transport of one rank (under the GPU stand-in in a dry run). ``stalled``: the watchdog's case,
+        where the delay leaves the primitive unfinished past its deadline; the stand-in's device is never behind,
+        so there its communication stream is one whose events never complete."""
         from ds_hecate.comm.gpu.nccl_comm import CupyTransport
-        return CupyTransport(None, 0, 1, self.dev, timeout_s=timeout_s)
+        t = CupyTransport(None, 0, 1, self.dev, timeout_s=timeout_s)
+        if stalled and self.ctx.dry_run:
+            from gpu_fakes import StalledStreams
+            t.streams = StalledStreams()
+        return t
 
 
 def ordering(d: Device, ablate: bool) -> bool:
     import torch
     transport = d.transport(60)
-    if ablate and not d.ctx.dry_run:
+    if ablate:
         def start(tensors, streams=transport.streams):
             return torch.cuda.stream(streams.stream)   # no wait_event: the bug this check must catch
         transport.streams.start = start
@@ -165,7 +168,7 @@ def watchdog(d: Device) -> dict:
 def run(ctx: Context) -> dict:
     with ctx.stand_in():
         d = Device(ctx)
-        out = {"ordering": ordering(d, False), "ordering_ablated": ordering(d, True),
+        out: Dict[str, Any] = {"ordering": ordering(d, False), "ordering_ablated": ordering(d, True),
                "stream_side_waits": stream_side_waits(d), "watchdog": watchdog(d)}
     out["ordering_observable"] = not ctx.dry_run
     ok_order = out["ordering"] and (ctx.dry_run or not out["ordering_ablated"])

@@ -3,8 +3,8 @@ kernel device ops on the GPU, 2-process NCCL where there are 2 GPUs) and tests/t
 CUDA sources compiling with nvcc).
 
 On a GPU the stage fails if tests/gpu was skipped for want of CUDA or CuPy (its conftest's reasons): a green run
-must have run the kernels. The dry run runs tests/gpu (skipped on the CPU, which exercises the collection and the
-skip reasons) and the CPU contract tests of tests/test_kernels.py.
+must have run the kernels. The dry run runs tests/gpu under the GPU stand-in (their conftest chooses it where no
+GPU is visible; every test runs, none may be skipped) and the CPU contract tests of tests/test_kernels.py.
 """
 from __future__ import annotations
 
@@ -52,4 +52,8 @@ def run(ctx: Context) -> dict:
         return result(False, f"pytest exit {code}: {summary}" + (f" ({named})" if named else ""), **figures)
     if unusable and not ctx.dry_run:
         return result(False, f"tests/gpu skipped ({'; '.join(unusable)}): {summary}", **figures)
+    skipped_here = [line for line in lines if line.startswith("SKIPPED") and "tests/gpu" in line]
+    figures["skipped"] = skipped_here
+    if ctx.dry_run and skipped_here:
+        return result(False, f"tests/gpu skipped under the GPU stand-in: {skipped_here[0]}", **figures)
     return result(True, summary, **figures)

@@ -1,33 +1,46 @@
-"""Stage ``two_rank_training``: the first multi-process CUDA run. Two processes, two ranks on the one GPU
-(``cuda:0`` for both), torch.distributed over gloo with CUDA tensors: gloo stages CUDA collectives through the
-host, where NCCL refuses two ranks on one device. Each rank trains the ``training`` stage's model
-(:func:`benchmarks.gpu.training.build_model`: same initial weights, deterministic routing, fp32, no TF32) for 20
-steps with the Hecate runtime over the 2-rank group (experts placed across the ranks, SparseAllGather, token
-all-to-all, SparseReduceScatter), the dense gradients averaged over the group as DeepSpeed's data parallelism
-does, each rank on batches of its own.
+"""Stage ``two_rank_training``: the first multi-process CUDA run, on the N-rank layer path. Two processes, two ranks
+on the one GPU (``cuda:0`` for both), torch.distributed over gloo with CUDA tensors: gloo stages CUDA collectives
+through the host, where NCCL refuses two ranks on one device. Each rank trains a model of two ``ds_hecate.MoE``
+layers with biased experts (:func:`benchmarks.gpu.syncs.build_model`: same initial weights on every rank,
+deterministic routing, fp32, no TF32) for 20 steps with the Hecate runtime over the 2-rank group as the engine
+builds it: tokens and weights on groups of their own (the next layer's weights prefetched over the second), the
+one-rank shortcuts off (moot on two ranks: every collective goes through the groups), experts placed across the
+ranks, SparseAllGather of the replicas, the token all-to-all, SparseReduceScatter to the owners; the dense
+gradients averaged over the group as DeepSpeed's data parallelism does, each rank on batches of its own.
 
 The CPU run it is held against is the same 2-rank training on the CPU, in the same two processes, over the same
-gloo group, before the CUDA run: per rank and step the losses must agree within the ``training`` stage's tolerance
-(1e-4 relative), and so must the final weights (every expert, gathered by ``full_expert_weights``, and every dense
-parameter: largest difference over the largest magnitude). Reported per rank: the largest relative loss
-difference, the per-step differences, the final weights' difference, the first step whose routing (tokens per
-expert) differs, each run's wall time and the CUDA kernels' use.
+gloo groups, before the CUDA run: per rank and step the losses must agree within the ``training`` stage's
+tolerance (1e-4 relative), and so must the final weights (every expert, gathered by ``full_expert_weights``, and
+every dense parameter: largest difference over the largest magnitude); and the CUDA run must have sent tokens to
+the other rank (the runtime's ``stats()["comm"]``: else the N-rank path was not exercised). Reported per rank: the
+largest relative loss difference, the per-step differences, the final weights' difference, the first step whose
+routing (tokens per expert) differs, the bytes each kind of traffic moved, each run's wall time and the CUDA
+kernels' use.
+
+The placements do not depend on timing: every cost the scheduler reads is configured (``training.FIXED_COSTS``:
+compute per pair, link, T_nonMoE and the replica overhead; the runtime still measures them at steps 1 and 4, and
+configured figures win) and re-sharding is off, so both runs place alike and sum in the same order.
 
 A hang fails fast: gloo's own timeout on every collective, and the stage stops waiting for the ranks (and kills
 them) before its own limit, saying how many answered.
 
-Dry run: the "CUDA" run under the CUDA stand-in (tests/device_shim.py), both ranks on the CPU, 3 steps.
+Dry run: the "CUDA" run under the GPU stand-in (tests/fake_cupy.py), both ranks on the CPU, 3 steps.
 """
 from __future__ import annotations
 
 import datetime
 import time
-from typing import Dict, List
+from typing import Any, Dict, List, cast
 
 from .common import Context, result, spawn_ranks
-from .training import TOLERANCE, build_model, hecate_runtime
+from .syncs import build_model, forward
+from .training import TOLERANCE, hecate_runtime
 
 WORLD = 2
+HIDDEN, EXPERTS, TOKENS = 64, 8, 256
+#: the configured link: fast against the configured compute per pair, so the scheduler places replicas (whose
+#: SparseAllGather and SparseReduceScatter then run) where the routing is uneven
+LINK_GBPS = 100.0
 
 
 def train(rank: int, world: int, device: str, steps: int) -> dict:
@@ -38,20 +51,21 @@ def train(rank: int, world: int, device: str, steps: int) -> dict:
     from ds_hecate.comm.backend import build_communicator
 
     start = time.perf_counter()
-    model = build_model()
+    model = build_model("biased", HIDDEN, 4 * HIDDEN, EXPERTS)
     dev = torch.device("cuda", 0) if device == "cuda" else torch.device(device)
-    comm = build_communicator("torch", dist.group.WORLD, rank, world, dev, timeout_s=60)
-    # configured costs and no re-sharding: the placements (so the summation order) must not hang on how fast
-    # each run happened to be
-    rt, dense = hecate_runtime(model, comm, dev, ranks_per_node=world, reshard_interval=0)
+    # the engine's groups: tokens and weights each on a group of their own (the weights' prefetch on the second)
+    comm = build_communicator("torch", dist.new_group(list(range(world))), rank, world, dev, timeout_s=60,
+                              weight_group=dist.new_group(list(range(world))), one_rank_shortcuts=False)
+    # configured costs (training.FIXED_COSTS, a fast link so that replicas pay) and no re-sharding: the placements,
+    # so the summation order, never depend on how fast each run happened to be
+    rt, dense = hecate_runtime(model, comm, dev, ranks_per_node=world, reshard_interval=0, link_gbps=LINK_GBPS)
     gen = torch.Generator().manual_seed(1 + rank)   # each rank its own batches
     losses: List[float] = []
     counts: List[List[int]] = []
     for step in range(1, steps + 1):
         rt.on_model_forward()
-        x = torch.randn(256, model["inp"].in_features, generator=gen).to(dev)
-        y, l_aux, exp_counts = model["moe"](model["inp"](x))
-        loss = (y - x).pow(2).mean() + 0.01 * l_aux
+        x = torch.randn(TOKENS, HIDDEN, generator=gen).to(dev)
+        loss = forward(model, x)
         loss.backward()
         rt.flush_reductions()
         for p in model.parameters():   # the dense gradients averaged over the ranks, as ZeRO's reduction does
@@ -63,12 +77,12 @@ def train(rank: int, world: int, device: str, steps: int) -> dict:
         rt.apply_step(True, world, 1.0, 0.0, rt.optimizer.current_hyperparameters())
         rt.after_step(step)
         losses.append(float(loss.detach()))
-        counts.append([int(c) for c in exp_counts.reshape(-1).tolist()])
+        counts.append([int(c) for b in model.values() for c in b["moe"].exp_counts.reshape(-1).tolist()])
     weights = {f"expert {k}": v.detach().cpu().clone() for k, v in rt.full_expert_weights().items()}
-    weights.update({f"dense {k}": p.detach().cpu().clone() for k, p in model.named_parameters()
-                    })
+    weights.update({f"dense {k}": p.detach().cpu().clone() for k, p in model.named_parameters()})
+    stats = rt.stats()
     return {"losses": losses, "counts": counts, "weights": weights, "seconds": time.perf_counter() - start,
-            "owned": list(rt.bindings[0].shard.owned),
+            "owned": [list(b.shard.owned) for b in rt.bindings], "comm": stats["comm"],
             "kernel_use": dict(getattr(comm.transport.device_ops, "used", {}))}
 
 
@@ -84,9 +98,11 @@ def compare(cpu: dict, cuda: dict) -> dict:
     worst_weight = max(weights.values(), default=float("inf"))
     worst = max(per_step, default=float("inf"))
     differs = next((i + 1 for i, (p, q) in enumerate(zip(cpu["counts"], cuda["counts"])) if p != q), None)
+    sent_tokens = cuda["comm"]["bytes_dispatch"] > 0
     ok = (len(cpu["losses"]) == len(cuda["losses"]) > 0 and same_names and worst <= TOLERANCE
-          and worst_weight <= TOLERANCE)
-    return {"ok": ok, "max_rel_diff": worst, "rel_diff_per_step": per_step, "weights_max_rel_diff": worst_weight,
+          and worst_weight <= TOLERANCE and sent_tokens)
+    return {"ok": ok, "sent_tokens": sent_tokens, "comm": cuda["comm"], "max_rel_diff": worst,
+            "rel_diff_per_step": per_step, "weights_max_rel_diff": worst_weight,
             "weights_compared": len(weights), "same_weight_names": same_names,
             "first_step_routing_differs": differs, "cpu_losses": cpu["losses"], "cuda_losses": cuda["losses"],
             "cpu_seconds": cpu["seconds"], "cuda_seconds": cuda["seconds"], "owned": cuda["owned"],
@@ -119,8 +135,10 @@ def _summary(steps: int, ranks: Dict[int, dict]) -> str:
         parts.append(f"rank {r}: loss max rel diff {fig['max_rel_diff']:.1e}, weights {fig['weights_max_rel_diff']:.1e}"
                      + (f", routing differs from step {fig['first_step_routing_differs']}"
                         if fig["first_step_routing_differs"] else "")
+                     + f", sent {fig['comm']['bytes_dispatch']:,} B of tokens, "
+                       f"{fig['comm']['bytes_allgather']:,} B of replicas"
                      + f" (CPU {fig['cpu_seconds']:.1f} s, CUDA {fig['cuda_seconds']:.1f} s)")
-    head = f"2 ranks on 1 device over gloo, {steps} steps vs the 2-rank CPU run (tol {TOLERANCE:g}): "
+    head = f"2 ranks on 1 device over gloo, N-rank path, {steps} steps vs the 2-rank CPU run (tol {TOLERANCE:g}): "
     return head + "; ".join(parts)
 
 
@@ -129,14 +147,14 @@ def run(ctx: Context) -> dict:
     limit = ctx.left_s(margin=6.0) or 120.0
     start = time.perf_counter()
     answers = spawn_ranks(_worker, WORLD, (steps, ctx.dry_run, limit - 5.0), limit)
-    out = {"steps": steps, "tolerance": TOLERANCE, "world": WORLD, "backend": "gloo",
-           "device": "cpu (CUDA stand-in, dry run)" if ctx.dry_run else "cuda:0 (both ranks)",
+    out: Dict[str, Any] = {"steps": steps, "tolerance": TOLERANCE, "world": WORLD, "backend": "gloo",
+           "device": "cpu (GPU stand-in, dry run)" if ctx.dry_run else "cuda:0 (both ranks)",
            "wall_s": time.perf_counter() - start}
     bad = [f"rank {r}: {p}" for r, (ok, p) in sorted(answers.items()) if not ok]
     if len(answers) < WORLD or bad:
         why = "; ".join(bad) if bad else f"{len(answers)}/{WORLD} ranks answered within {limit:.0f} s (killed)"
         return result(False, why, **out)
-    ranks = {r: p for r, (_, p) in answers.items()}
+    ranks = {r: cast(dict, p) for r, (_, p) in answers.items()}
     out["ranks"] = {str(r): fig for r, fig in sorted(ranks.items())}
     out["max_rel_diff"] = max(f["max_rel_diff"] for f in ranks.values())
     out["weights_max_rel_diff"] = max(f["weights_max_rel_diff"] for f in ranks.values())

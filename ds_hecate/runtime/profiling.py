@@ -6,8 +6,15 @@ Measured at the first optimizer step, so planning can start, and again at step :
 work of the steps in between: the first step is cold (allocations, first-call kernel set-up) and on a CPU its
 compute per pair reads about twice the steady value, which would make the scheduler over-value replicas. Every rank
 measures (the link inside its group); the mean over the world is broadcast from rank 0 so every rank of every group
-plans with identical floats (identical plans are what keeps the collectives matched). Every figure is device time (CUDA events on CUDA, see :mod:`ds_hecate.runtime.timing`) and
-every tensor handed to a collective is on the communicator's device.
+plans with identical floats (identical plans are what keeps the collectives matched). Every figure is device time
+(CUDA events on CUDA, see :mod:`ds_hecate.runtime.timing`) and every tensor handed to a collective is on the
+communicator's device.
+
+All four figures are taken whatever the config says (``stats()["measured_costs"]`` reports them); where the
+``hecate`` section sets one (``compute_s_per_pair``, ``link_gbps``, ``non_moe_time_s``, ``replica_overhead_s``), the
+scheduler plans with the configured value (:func:`ds_hecate.planning.cost_model.scheduler_costs`). Placements
+therefore depend on how fast a run happened to be unless all four are configured: two runs that must place alike
+(the same training on the CPU and on CUDA, say) configure all four.
 """
 from __future__ import annotations
 

@@ -7,6 +7,11 @@
    host free; the timeout watchdog.
 3. Two processes with real NCCL (needs two GPUs: NCCL refuses two ranks on one device): every collective over the
    CuPy transport against the torch.distributed (gloo) backend on the same inputs.
+
+Without a GPU (conftest.py) all of it runs under the GPU stand-in: the kernels check their launches and compute
+their contracts, NCCL is a loopback on one rank and gloo between the two processes of 3, and the device is never
+behind the host, so 2's waits cannot be seen to leave the host free (the watchdog is held to a stream whose
+events never complete instead).
 """
 import os
 import random
@@ -16,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 
+from ds_hecate.comm.buffers import TensorAccumulator
 from ds_hecate.comm.collectives import CommCounters, Communicator
 from ds_hecate.comm.gpu.device_ops import KernelDeviceOps
 from ds_hecate.comm.gpu.layout import gather_layout, owned_materialized
@@ -140,9 +146,10 @@ def _reduce_scatter(c, p, grads, numel, wire, device):
     owner's accumulator rows (expert -> fp32 row) once done."""
     own = owned_materialized(p, c.rank)
     experts = own + gather_layout(p, c.rank).recv_experts
-    rows = torch.stack([grads[c.rank][e] for e in experts]) if experts else torch.empty(0, numel)
+    rows = (torch.stack([grads[c.rank][e] for e in experts]) if experts else torch.empty(0, numel)).to(device)
     accumulator = torch.zeros(len(own), numel, device=device)
-    finish = c.start_sparse_reduce_scatter(p, experts, rows.to(device), wire, CommCounters(), lambda: accumulator)
+    finish = c.start_sparse_reduce_scatter(p, experts, rows[:len(own)], rows[len(own):], wire, CommCounters(),
+                                           TensorAccumulator(accumulator))
 
     def done():
         finish()
@@ -190,12 +197,12 @@ def test_one_rank_nccl_primitives_and_collectives():
     assert transport.failure is None and not transport.aborted
 
 
-def test_waits_leave_the_host_free_and_the_watchdog_aborts_on_the_gpu():
+def test_waits_leave_the_host_free_and_the_watchdog_aborts_on_the_gpu(gpu):
     """Behind a sleeping caller stream: a synchronous all-reduce and an async wait return to the host at once, the
     count exchange waits; a primitive that cannot finish before its deadline is aborted by the watchdog."""
     from benchmarks.gpu.common import Context
     from benchmarks.gpu.streams import Device, stream_side_waits, watchdog
-    d = Device(Context())
+    d = Device(Context(dry_run=not gpu.real))
     waits = stream_side_waits(d)
     assert waits["ok"], waits
     fired = watchdog(d)
@@ -203,52 +210,64 @@ def test_waits_leave_the_host_free_and_the_watchdog_aborts_on_the_gpu():
 
 
 # -- real NCCL, two processes --------------------------------------------------------------------------------------
-def _nccl_ranks(rank, world):
+def _nccl_ranks(rank, world, stand_in):
+    """Every collective over torch.distributed (gloo, CPU tensors) and over the CuPy transport (CUDA tensors; under
+    the GPU stand-in on a machine without a GPU), on the same inputs; which ones agree."""
+    import contextlib
+
     import torch.distributed as dist
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.cuda.set_device(rank % torch.cuda.device_count())
-    dev = torch.device("cuda", torch.cuda.current_device())
-    weights_group = dist.new_group(list(range(world)), backend="gloo")
-    cupy_comm = Communicator(dist.group.WORLD, rank, world,
-                             transport=CupyTransport(dist.group.WORLD, rank, world, dev, timeout_s=120),
-                             weight_transport=CupyTransport(weights_group, rank, world, dev, timeout_s=120))
     torch_comm = Communicator(dist.group.WORLD, rank, world)
+    want = _collectives(torch_comm, rank, world, torch.device("cpu"))
+    context = contextlib.nullcontext()
+    if stand_in:
+        from fake_cupy import gpu_stand_in
+        context = gpu_stand_in()
+    with context:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        dev = torch.device("cuda", torch.cuda.current_device())
+        weights_group = dist.new_group(list(range(world)), backend="gloo")
+        cupy_comm = Communicator(dist.group.WORLD, rank, world,
+                                 transport=CupyTransport(dist.group.WORLD, rank, world, dev, timeout_s=120),
+                                 weight_transport=CupyTransport(weights_group, rank, world, dev, timeout_s=120))
+        got = _collectives(cupy_comm, rank, world, dev)
+        torch.cuda.synchronize()
+    checks = {}
+    for name, a in want.items():
+        b = got[name]
+        if isinstance(a, dict):
+            checks[name] = sorted(a) == sorted(b) and all(torch.equal(a[e], b[e].cpu()) for e in a)
+        elif isinstance(a, torch.Tensor):
+            checks[name] = torch.equal(a, b.cpu())
+        else:
+            checks[name] = bool(np.array_equal(a, b))
+    return checks
+
+
+def _collectives(comm, rank, world, dev):
+    """What every Hecate collective over ``comm`` returns on this rank, on inputs made on the CPU from seed 0."""
     torch.manual_seed(0)
     num_experts, numel = 8, 20011
     p = placement(3, world, num_experts)
     masters = torch.randn(num_experts, numel)
-    owned = {e: masters[e].clone() for e in range(num_experts) if p.owners[e] == rank}
-    checks = {}
-    a = torch_comm.start_sparse_all_gather(p, owned, numel, torch.bfloat16, CommCounters()).wait().flats()
-    b = cupy_comm.start_sparse_all_gather(p, {e: t.to(dev) for e, t in owned.items()}, numel, torch.bfloat16,
-                                          CommCounters()).wait().flats()
-    checks["all_gather"] = sorted(a) == sorted(b) and all(torch.equal(a[e], b[e].cpu()) for e in a)
+    owned = {e: masters[e].clone().to(dev) for e in range(num_experts) if p.owners[e] == rank}
+    out = {"all_gather": comm.start_sparse_all_gather(p, owned, numel, torch.bfloat16, CommCounters()).wait().flats()}
     grads = [{e: torch.randn(numel) for e in p.materialized[r]} for r in range(world)]
-    a = _reduce_scatter(torch_comm, p, grads, numel, torch.float32, torch.device("cpu"))()
-    b = _reduce_scatter(cupy_comm, p, grads, numel, torch.float32, dev)()
-    checks["reduce_scatter"] = sorted(a) == sorted(b) and all(torch.equal(a[e], b[e].cpu()) for e in a)
-    counts = torch.arange(5) * (rank + 1)
-    checks["counts"] = bool(np.array_equal(torch_comm.exchange_counts(counts),
-                                           cupy_comm.exchange_counts(counts.to(dev))))
-    v = torch.tensor([1.5 * (rank + 1)])
-    checks["all_reduce"] = torch.equal(torch_comm.all_reduce(v.clone()), cupy_comm.all_reduce(v.to(dev)).cpu())
+    out["reduce_scatter"] = _reduce_scatter(comm, p, grads, numel, torch.float32, dev)()
+    out["counts"] = comm.exchange_counts((torch.arange(5) * (rank + 1)).to(dev))
+    out["all_reduce"] = comm.all_reduce(torch.tensor([1.5 * (rank + 1)]).to(dev))
     sends = [3 + rank, 5 - rank]
     recv = [3 + r if rank == 0 else 5 - r for r in range(world)] if world == 2 else None
-    x = torch.randn(sum(sends), 64)
-    checks["all_to_all"] = torch.equal(torch_comm.all_to_all(x, sends, recv),
-                                       cupy_comm.all_to_all(x.to(dev), sends, recv).cpu())
+    out["all_to_all"] = comm.all_to_all(torch.randn(sum(sends), 64).to(dev), sends, recv)
     sources, targets = [0, 0, 1, 1, 0], [1, 0, 0, 1, 1]
-    local = {e: masters[e].clone() for e, s in enumerate(sources) if s == rank}
-    a = torch_comm.move_experts(sources, targets, local, numel)
-    b = cupy_comm.move_experts(sources, targets, {e: t.to(dev) for e, t in local.items()}, numel)
-    checks["move_experts"] = sorted(a) == sorted(b) and all(torch.equal(a[e], b[e].cpu()) for e in a)
-    torch.cuda.synchronize()
-    return {k: bool(v) for k, v in checks.items()}
+    local = {e: masters[e].clone().to(dev) for e, s in enumerate(sources) if s == rank}
+    out["move_experts"] = comm.move_experts(sources, targets, local, numel)
+    return out
 
 
-def test_two_process_nccl_matches_torch_backend():
-    if torch.cuda.device_count() < 2:
+def test_two_process_nccl_matches_torch_backend(gpu):
+    if gpu.real and torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs: NCCL refuses two ranks on one device (benchmarks/gpu_check.py says so)")
     from dist_utils import run_ranks
-    for checks in run_ranks(2, _nccl_ranks, timeout=180):
+    for checks in run_ranks(2, _nccl_ranks, not gpu.real, timeout=180):
         assert all(checks.values()), checks
