@@ -276,3 +276,42 @@ def test_public_face():
     # the folders name the architecture; beside them only the modules every part may read
     top = sorted(p.stem for p in (REPO / "ds_hecate").glob("*.py"))
     assert top == ["__init__", "cli_args", "config", "errors", "experts", "logging_utils", "moe_layer", "trace"]
+
+
+#: One layer call, downhill (docs/design.md): the layer plans and gathers, the dispatcher moves tokens, the experts'
+#: node computes and hands its gradients to the reduction queue. Each file may import only files after it here; the
+#: layer reads the runtime through ``runtime/host.py`` and never imports ``runtime/hecate.py``.
+LAYER_CALL = ("ds_hecate.runtime.layer", "ds_hecate.runtime.call_plan", "ds_hecate.runtime.gathers",
+              "ds_hecate.runtime.dispatcher", "ds_hecate.runtime.sharded_experts", "ds_hecate.runtime.reductions")
+
+
+def _uphill(graph: Dict[str, Set[str]], order: Tuple[str, ...]) -> Set[Tuple[str, str]]:
+    """(importer, imported) pairs of ``order``'s files where the imported one comes first, and any of them importing
+    the runtime that owns the layers."""
+    position = {m: i for i, m in enumerate(order)}
+    return {(m, d) for m in order for d in graph[m]
+            if (d in position and position[d] <= position[m]) or d == "ds_hecate.runtime.hecate"}
+
+
+def test_the_layer_call_goes_downhill():
+    assert _uphill(_graph(), LAYER_CALL) == set()
+
+
+def test_the_downhill_check_sees_the_experts_calling_back_into_the_layer():
+    graph = {m: set() for m in LAYER_CALL}
+    graph["ds_hecate.runtime.sharded_experts"] = {"ds_hecate.runtime.layer"}
+    assert _uphill(graph, LAYER_CALL) == {("ds_hecate.runtime.sharded_experts", "ds_hecate.runtime.layer")}
+
+
+def test_the_layer_reads_a_handful_of_the_runtime():
+    """What ``runtime/layer.py`` reads of the runtime is :class:`~ds_hecate.runtime.host.LayerHost`: at most six
+    members, and the layer reaches nothing else of ``self.host``."""
+    from ds_hecate.runtime.host import LayerHost
+    members = set(LayerHost.__annotations__) | {n for n in vars(LayerHost) if not n.startswith("_")}
+    assert len(members) <= 6, sorted(members)
+    tree = ast.parse((REPO / "ds_hecate" / "runtime" / "layer.py").read_text(encoding="utf-8"))
+    def is_host(value: ast.AST) -> bool:   # ``self.host``, or a local ``host = self.host``
+        return (isinstance(value, ast.Attribute) and value.attr == "host" and isinstance(value.value, ast.Name)
+                and value.value.id == "self") or (isinstance(value, ast.Name) and value.id == "host")
+    read = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute) and is_host(node.value)}
+    assert read <= members, sorted(read - members)

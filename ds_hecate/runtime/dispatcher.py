@@ -56,8 +56,9 @@ def slot_histogram(flat: torch.Tensor, gates: torch.Tensor, num_experts: int) ->
         ones = _ones(1 << max(10, (bins.numel() - 1).bit_length()), flat.device)[:bins.numel()]
         hist = torch.zeros(num_experts + 2, dtype=torch.int64, device=flat.device).scatter_add_(0, bins, ones)
     # x - x is +0 for every finite x and NaN for inf or NaN, so the sum is NaN exactly when a value is not finite
-    # (three ops; isfinite().all() decomposes into more)
-    hist[num_experts + 1] = torch.isnan((gates - gates).sum())
+    # (three ops; isfinite().all() decomposes into more); on the values alone, recording nothing for autograd
+    values = gates.detach()
+    hist[num_experts + 1] = torch.isnan((values - values).sum())
     return hist
 
 

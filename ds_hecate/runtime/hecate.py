@@ -225,7 +225,12 @@ class HecateRuntime:
         ``loss_scale`` is the factor DeepSpeed unscaled the dense gradients by in this step; ``hyperparameters``
         (scheduled lr/betas per expert group) are the values from before
         DeepSpeed's step, the ones that applied to it.
+
+        A prefetch still in flight (a layer the last forward skipped) is completed first: on a stream-ordered
+        transport its relayed SparseAllGather reads the owners' resident rows on a side stream, which the step and
+        the refresh below are about to rewrite (a replica would receive torn weights).
         """
+        self.drop_pending()
         self.reduce_across_groups()
         try:
             self._note_nonfinite_grads(applied)

@@ -48,8 +48,8 @@ LAYER_CALL_MUTATIONS: List[Mutation] = [
         "rows by destination: on N ranks rows go to ranks that do not hold their expert"),
     Mutation(
         "count-row-keeps-dropped-slots", "ds_hecate/runtime/dispatcher.py",
-        (("    hist[num_experts + 1] = torch.isnan((gates - gates).sum())\n",
-          "    hist[num_experts + 1] += torch.isnan((gates - gates).sum())  # MUTATION: the dropped slots' count stays\n"),),
+        (("    hist[num_experts + 1] = torch.isnan((values - values).sum())\n",
+          "    hist[num_experts + 1] += torch.isnan((values - values).sum())  # MUTATION: the dropped slots' count stays\n"),),
         "the count row's last bin keeps the dropped slots' count under the non-finite flag: a rank whose gate "
         "drops a route reports non-finite gates and every rank stops"),
     Mutation(
