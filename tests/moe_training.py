@@ -83,6 +83,10 @@ class Spec:
     master_state: bool = False             # with per_step_state, fp16/bf16: also the fp32 masters (see model_state)
     independent_norm: bool = False         # ZeRO stage 0: record a grad norm the test computes (independent_grad_norm)
     client_optimizer: bool = False         # torch AdamW over split_params_into_different_moe_groups_for_optimizer
+    megatron: Optional[dict] = None        # Megatron-DeepSpeed's optimizer (tests/megatron_recipes.py): weight and
+                                           # bias groups (one group: "biases_apart" False), split for the experts
+                                           # unless "moe_groups" is False, torch Adam; "schedule": {"warmup",
+                                           # "decay", "min_lr"} its scheduler (lr from 0)
     checkpoint: str = ""                   # activation checkpointing of each block: "torch" or "deepspeed"
     reseed_each_step: bool = False         # seed the gate's sampling per step (so a resumed run can match)
     save_after: Optional[int] = None       # engine.save_checkpoint(ckpt_dir) after this many steps
@@ -210,7 +214,7 @@ def ds_config(spec: Spec) -> dict:
         "zero_optimization": {"stage": spec.stage},
         "zero_allow_untested_optimizer": True,
     }
-    if not spec.client_optimizer:
+    if not spec.client_optimizer and spec.megatron is None:
         cfg["optimizer"] = {"type": "AdamW", "params": {"lr": spec.lr, "weight_decay": spec.weight_decay,
                                                         "torch_adam": True}}
     if spec.bf16:
@@ -347,13 +351,25 @@ def train(rank: int, world_size: int, spec: Spec) -> dict:
         model = TinyMoE(spec)
     optimizer = None
     params = model.parameters()
+    lr_scheduler = None
     if spec.client_optimizer:
         groups = [{"params": [p for p in model.parameters()], "name": "dense"}]
         groups = split_params_into_different_moe_groups_for_optimizer(groups)
         optimizer = torch.optim.AdamW(groups, lr=spec.lr, weight_decay=spec.weight_decay)
         params = groups
+    if spec.megatron is not None:   # as Megatron-DeepSpeed calls initialize: optimizer and scheduler, no parameters
+        import megatron_recipes
+        optimizer = megatron_recipes.optimizer(
+            megatron_recipes.param_groups(model, spec.megatron.get("moe_groups", True),
+                                          spec.megatron.get("biases_apart", True)), spec.lr, spec.weight_decay)
+        params = None
+        schedule = spec.megatron.get("schedule")
+        if schedule:
+            lr_scheduler = megatron_recipes.ParamScheduler(optimizer, spec.lr, schedule["min_lr"], schedule["warmup"],
+                                                           schedule["decay"], spec.weight_decay)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, model_parameters=params,
-                                      config=ds_config(spec), mpu=_model_parallel_unit(spec))
+                                      lr_scheduler=lr_scheduler, config=ds_config(spec),
+                                      mpu=_model_parallel_unit(spec))
     data_rank, data_world = rank // spec.tp_size, world_size // spec.tp_size   # a slice's TP ranks: the same data
     dtype = torch.bfloat16 if spec.bf16 else torch.float16 if spec.fp16 else torch.float32
     if spec.resume_from is not None:

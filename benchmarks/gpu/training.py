@@ -58,7 +58,7 @@ def hecate_runtime(model, comm, dev, ranks_per_node: int, **hecate) -> tuple:
 
     from ds_hecate.config import parse_hecate_section
     from ds_hecate.deepspeed_glue.convert import convert_model
-    from ds_hecate.deepspeed_glue.expert_optimizer import ExpertOptimizer, LrSource
+    from ds_hecate.deepspeed_glue.expert_optimizer import attach_expert_optimizer
     from ds_hecate.runtime.hecate import HecateRuntime
 
     cfg = parse_hecate_section({"enabled": True, "compute_s_per_pair": 1e-6, "link_gbps": 1.0, "non_moe_time_s": 0.0,
@@ -67,9 +67,7 @@ def hecate_runtime(model, comm, dev, ranks_per_node: int, **hecate) -> tuple:
     convert_model(model, rt)
     model.to(dev)
     dense = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    rt.optimizer = ExpertOptimizer(torch.optim.AdamW, [{"params": rt.store.parameters(), "lr": 1e-3}],
-                                   [LrSource(dense.param_groups[0])])
-    rt.layer_group = {0: 0}
+    attach_expert_optimizer(rt, torch.optim.AdamW, [dense.param_groups[0]])
     return rt, dense
 
 
