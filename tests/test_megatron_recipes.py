@@ -68,7 +68,7 @@ RESUMED = replace(BASE, megatron=MEGATRON_NO_SCHEDULER, extra_config=WARMUP_DECA
 
 def _tail(runs: List[dict], start: int) -> List[dict]:
     """Every rank's per-step records from optimizer step ``start`` on (what a run resumed there records)."""
-    per_step = ("states", "norms", "scales", "scales_before", "independent_norms", "full_norms")
+    per_step = ("states", "norms", "scales", "scales_before", "independent_norms", "full_norms", "gathered_norms")
     return [{**r, **{k: r[k][start:] for k in per_step}, "losses": r["losses"][start:]} for r in runs]
 
 
