@@ -124,9 +124,9 @@ def _deepspeed_expert_keys(module) -> Dict[int, Tuple[str, int, str]]:
 def gathered_grad_norm(engine) -> Tuple[float, float]:
     """The global gradient norm of this step from every unique gradient, gathered on one rank and summed there
     (every rank gets the same value), unscaled; and the norm of only those gradients some rank of tensor-parallel
-    rank 0 holds (what DeepSpeed's ZeRO 1/2 norm counts of parameters that are not tensor-parallel). Called after the last backward of a step, before ``engine.step``;
-    collective. Works for plain DeepSpeed and for Hecate, with a model-parallel unit and expert parallelism, at ZeRO
-    1/2.
+    rank 0 holds (what DeepSpeed's ZeRO 1/2 norm counts of parameters that are not tensor-parallel). Called after
+    the last backward of a step, before ``engine.step``; collective. Works for plain DeepSpeed and for Hecate, with
+    a model-parallel unit and expert parallelism, at ZeRO 1/2.
 
     Each rank contributes (key, averaged gradient) pairs, the key naming a parameter once however many ranks hold it:
 

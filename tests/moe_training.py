@@ -20,7 +20,8 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from grad_norms import consolidated_expert_grads, full_grad_norm, gathered_grad_norm, independent_grad_norm  # noqa: F401
+from grad_norms import (consolidated_expert_grads, full_grad_norm, gathered_grad_norm,  # noqa: F401
+                        independent_grad_norm)
 
 
 def _workloads():

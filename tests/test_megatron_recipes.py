@@ -31,7 +31,7 @@ from moe_training import Spec, run_specs
 from trajectory_checks import assert_same_steps
 
 STEPS = 12
-HOT = (3.0, 3.0) + (0.0,) * 6   # experts 0 and 1 take most tokens: the scheduler replicates them, re-sharding moves them
+HOT = (3.0, 3.0) + (0.0,) * 6   # experts 0 and 1 take most tokens: replicated, and moved by re-sharding
 # Megatron's optimizer and scheduler: warmup from lr 0 over 3 iterations, cosine decay to min_lr by iteration 12
 MEGATRON = {"schedule": {"warmup": 3, "decay": STEPS, "min_lr": 5e-4}}
 MEGATRON_NO_SCHEDULER = {"schedule": None}

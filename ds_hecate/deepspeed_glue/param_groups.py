@@ -76,7 +76,7 @@ def _sources_of_layer(holders: Mapping[int, Dict[str, Any]], removed: Union[Mapp
     for name, sources in names.items():
         settings = [group_hyperparameters(g) for g in sources]
         if any(s != settings[0] for s in settings[1:]):
-            what = f"parameter '{name}' of the experts" if name is not None else "expert parameters"
+            what = f"'{name}' parameters of the experts" if name is not None else "expert parameters"
             hint = ("each expert parameter name must sit in one group" if name is not None else
                     "Hugging Face experts: one group per layer's experts")
             raise HecateUnsupportedError(
