@@ -277,8 +277,8 @@ def _host_count(value: Any) -> int:
 
 
 def _set_counts(states: Sequence[Dict[str, Any]], count: int) -> None:
-    """Every state's ``step`` set to ``count`` without reading it: plain numbers replaced, tensors filled in place
-    (on the device they live on: launches, no sync)."""
+    """Every state's ``step`` set to ``count`` without reading it: plain numbers replaced, tensors set in place on
+    the device they live on (two fused launches for all of them, no sync)."""
     tensors = []
     for state in states:
         step = state["step"]
@@ -286,8 +286,9 @@ def _set_counts(states: Sequence[Dict[str, Any]], count: int) -> None:
             tensors.append(step)
         else:
             state["step"] = type(step)(count)
-    for t in tensors:
-        t.fill_(count)
+    if tensors:
+        torch._foreach_zero_(tensors)
+        torch._foreach_add_(tensors, count)
 
 
 def whole_segments(numel: int) -> List[Segment]:
