@@ -21,7 +21,7 @@ trap 'rm -f /dev/shm/deepspeed_allreduce_buffer_*_127.0.0.1_${PORT}_*' EXIT
 cd "$MEGATRON"
 export PYTHONPATH="$HERE/stubs${PYTHONPATH:+:$PYTHONPATH}" DS_ACCELERATOR=cpu LOCAL_SIZE=2 OMP_NUM_THREADS=1 \
        CUDA_DEVICE_MAX_CONNECTIONS=1
-python "$(command -v deepspeed)" --num_gpus 2 --master_port "$PORT" pretrain_gpt.py \
+python -m deepspeed.launcher.runner --num_gpus 2 --master_port "$PORT" pretrain_gpt.py \
   --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 \
   --micro-batch-size 1 --global-batch-size 2 --train-iters 20 \
   --num-experts "${EXPERTS:-4}" --moe-expert-parallel-size "${EP:-2}" --moe-loss-coeff 0.01 \
