@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from deepspeed.moe.layer import MoE as DeepSpeedMoE
 
-from ..errors import HecateModelError, HecateUnsupportedError
+from ..errors import HecateModelError
 from .param_groups import RemovedParams
 from ..experts import ExpertKernel
 from ..moe_layer import MoE
