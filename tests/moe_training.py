@@ -20,6 +20,9 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
+from grad_norms import (consolidated_expert_grads, full_grad_norm, gathered_grad_norm,  # noqa: F401
+                        independent_grad_norm)
+
 
 def _workloads():
     """``ds_hecate.testing.workloads`` (biased and forced gates). It needs only torch and DeepSpeed; in a process
@@ -83,6 +86,10 @@ class Spec:
     master_state: bool = False             # with per_step_state, fp16/bf16: also the fp32 masters (see model_state)
     independent_norm: bool = False         # ZeRO stage 0: record a grad norm the test computes (independent_grad_norm)
     client_optimizer: bool = False         # torch AdamW over split_params_into_different_moe_groups_for_optimizer
+    megatron: Optional[dict] = None        # Megatron-DeepSpeed's optimizer (tests/megatron_recipes.py): weight and
+                                           # bias groups (one group: "biases_apart" False), split for the experts
+                                           # unless "moe_groups" is False, torch Adam; "schedule": {"warmup",
+                                           # "decay", "min_lr"} its scheduler (lr from 0)
     checkpoint: str = ""                   # activation checkpointing of each block: "torch" or "deepspeed"
     reseed_each_step: bool = False         # seed the gate's sampling per step (so a resumed run can match)
     save_after: Optional[int] = None       # engine.save_checkpoint(ckpt_dir) after this many steps
@@ -93,6 +100,8 @@ class Spec:
     step_hook: Optional[Callable] = None    # called as step_hook(rank, step, engine) before each step (faults)
     full_norm: bool = False                # plain DeepSpeed, ZeRO 1/2: also record the norm of every parameter's full
                                            # gradient (full_grad_norm), before each step
+    gathered_norm: bool = False            # ZeRO 1/2: also record the norm of every unique gradient gathered on one
+                                           # rank (grad_norms.gathered_grad_norm), before each step
     tp_size: int = 1                       # a model-parallel unit (tests/grid_mpu.py) of this tensor-parallel size:
                                            # each slice of tp_size consecutive ranks trains on the same data
     lr: float = 5e-3
@@ -210,7 +219,7 @@ def ds_config(spec: Spec) -> dict:
         "zero_optimization": {"stage": spec.stage},
         "zero_allow_untested_optimizer": True,
     }
-    if not spec.client_optimizer:
+    if not spec.client_optimizer and spec.megatron is None:
         cfg["optimizer"] = {"type": "AdamW", "params": {"lr": spec.lr, "weight_decay": spec.weight_decay,
                                                         "torch_adam": True}}
     if spec.bf16:
@@ -347,13 +356,25 @@ def train(rank: int, world_size: int, spec: Spec) -> dict:
         model = TinyMoE(spec)
     optimizer = None
     params = model.parameters()
+    lr_scheduler = None
     if spec.client_optimizer:
         groups = [{"params": [p for p in model.parameters()], "name": "dense"}]
         groups = split_params_into_different_moe_groups_for_optimizer(groups)
         optimizer = torch.optim.AdamW(groups, lr=spec.lr, weight_decay=spec.weight_decay)
         params = groups
+    if spec.megatron is not None:   # as Megatron-DeepSpeed calls initialize: optimizer and scheduler, no parameters
+        import megatron_recipes
+        optimizer = megatron_recipes.optimizer(
+            megatron_recipes.param_groups(model, spec.megatron.get("moe_groups", True),
+                                          spec.megatron.get("biases_apart", True)), spec.lr, spec.weight_decay)
+        params = None
+        schedule = spec.megatron.get("schedule")
+        if schedule:
+            lr_scheduler = megatron_recipes.ParamScheduler(optimizer, spec.lr, schedule["min_lr"], schedule["warmup"],
+                                                           schedule["decay"], spec.weight_decay)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, model_parameters=params,
-                                      config=ds_config(spec), mpu=_model_parallel_unit(spec))
+                                      lr_scheduler=lr_scheduler, config=ds_config(spec),
+                                      mpu=_model_parallel_unit(spec))
     data_rank, data_world = rank // spec.tp_size, world_size // spec.tp_size   # a slice's TP ranks: the same data
     dtype = torch.bfloat16 if spec.bf16 else torch.float16 if spec.fp16 else torch.float32
     if spec.resume_from is not None:
@@ -366,6 +387,8 @@ def train(rank: int, world_size: int, spec: Spec) -> dict:
     states: List[dict] = []
     independent: List[float] = []
     full_norms: List[float] = []   # Spec.full_norm
+    gathered: List[float] = []   # Spec.gathered_norm: every gradient's, and those tensor-parallel rank 0 holds
+    gathered_tp0: List[float] = []
     scales_before: List[float] = []
     for step in range(start, spec.steps):
         if spec.step_hook is not None:
@@ -386,6 +409,10 @@ def train(rank: int, world_size: int, spec: Spec) -> dict:
                 independent.append(independent_grad_norm(engine, world_size))
             if spec.full_norm and micro == spec.gas - 1:
                 full_norms.append(full_grad_norm(engine))
+            if spec.gathered_norm and micro == spec.gas - 1:
+                every, on_tp_rank0 = gathered_grad_norm(engine)
+                gathered.append(every)
+                gathered_tp0.append(on_tp_rank0)
             engine.step()
             losses.append(float(loss.detach()))
         scales.append(float(getattr(engine.optimizer, "loss_scale", 1.0)))
@@ -405,97 +432,10 @@ def train(rank: int, world_size: int, spec: Spec) -> dict:
     return {"losses": losses, "norms": norms, "scales": scales, "skipped": engine.skipped_steps,
             "dense": final["dense"], "experts": final["experts"], "local_experts": final["local_experts"],
             "states": states, "independent_norms": independent, "scales_before": scales_before,
-            "full_norms": full_norms, "hecate_imported": "ds_hecate" in sys.modules,
+            "full_norms": full_norms, "gathered_norms": gathered,
+            "gathered_tp0_norms": gathered_tp0, "hecate_imported": "ds_hecate" in sys.modules,
             "hecate_stats": engine.hecate.stats() if getattr(engine, "hecate", None) is not None else None,
             "hecate_memory": engine.hecate.memory_bytes() if getattr(engine, "hecate", None) is not None else None}
-
-
-def independent_grad_norm(engine, world_size: int) -> float:
-    """The global gradient norm of this step, computed by the test, not by DeepSpeed's optimizer nor by Hecate.
-
-    Called (``Spec.independent_norm``) on every rank after the last ``engine.backward`` of a step and before
-    ``engine.step``, under ZeRO stage 0 only: there DeepSpeed has all-reduced (averaged) the dense gradients into
-    ``param.grad`` by the end of ``backward`` and nothing is partitioned (stages 1-3 keep reduced gradients inside
-    the ZeRO optimizer, and report a norm themselves). DeepSpeed's stage 0 reports no norm unless it clips, so the
-    per-step comparison (:func:`trajectory_checks.assert_same_steps`) would otherwise have no norm to compare there.
-
-    - Oracle (plain DeepSpeed): the L2 norm of every parameter's averaged gradient (experts included: with
-      ``ep_size`` 1 DeepSpeed averages expert gradients over all ranks like dense ones; with ``ep_size`` > 1 a rank
-      holds only its expert-parallel share, reduced over its expert-data-parallel group: their squares are summed
-      over the world and divided by the world / ep_size ranks that hold each).
-    - Hecate: dense gradients as above; expert gradients consolidated by the test from the owners' accumulators
-      (each owner holds the sum over its group's ranks of its experts' gradients, what SparseReduceScatter
-      delivered; with groups the expert-data-parallel sum happens in the step, after this). The test all-reduces
-      them into ``[E, numel]`` per layer over the default group, checks every expert has exactly one owner per
-      group, and divides by the world size. It does not call ``hecate.expert_grad_norm`` or read the norm
-      Hecate gives DeepSpeed, so a gradient lost or double-counted on its way to the owner shows here.
-
-    Both are divided by the loss scale in force (fp16), so the value is the unscaled norm. Collective (Hecate).
-    """
-    scale = float(getattr(engine.optimizer, "loss_scale", 1.0) or 1.0)
-    import torch.distributed as dist
-
-    sq = torch.zeros((), dtype=torch.float64)
-    expert_sq = torch.zeros((), dtype=torch.float64)
-    ep_sizes = {int(getattr(m, "ep_size", 1)) for m in engine.module.modules() if type(m).__name__ == "MoE"}
-    ep_size = max(ep_sizes) if ep_sizes else 1
-    for p in engine.module.parameters():
-        if p.grad is not None:
-            part = p.grad.detach().double().pow(2).sum()
-            if ep_size > 1 and getattr(p, "allreduce", True) is False:   # DeepSpeed's expert-parallel share
-                expert_sq += part
-            else:
-                sq += part
-    if ep_size > 1:
-        dist.all_reduce(expert_sq)
-        sq += expert_sq / (world_size // ep_size)
-    runtime = getattr(engine, "hecate", None)
-    if runtime is not None:
-        for full in consolidated_expert_grads(runtime).values():
-            sq += (full.double() / world_size).pow(2).sum()
-    return float(sq.sqrt()) / scale
-
-
-def full_grad_norm(engine) -> float:
-    """The global gradient norm of this step from every parameter's full (averaged) gradient, assembled by
-    DeepSpeed's ``safe_get_full_grad`` (a collective under ZeRO 1/2): each parameter counted once, experts included.
-    Called after the last backward of a step, before ``engine.step``; plain DeepSpeed only (Hecate's experts are not
-    module parameters). Divided by the loss scale in force."""
-    from deepspeed.utils import safe_get_full_grad
-
-    sq = torch.zeros((), dtype=torch.float64)
-    for p in engine.module.parameters():
-        grad = safe_get_full_grad(p)
-        if grad is not None:
-            sq += grad.detach().double().pow(2).sum().cpu()
-    return float(sq.sqrt()) / float(getattr(engine.optimizer, "loss_scale", 1.0) or 1.0)
-
-
-def consolidated_expert_grads(runtime) -> Dict[str, torch.Tensor]:
-    """Every expert's accumulated gradient (the owner's ``.grad``: summed over ranks, loss-scaled, not averaged) as
-    fp32 ``[num_experts, numel]`` per layer, on every rank; zeros for an expert no token reached. Collective over
-    the default process group; raises if an expert has no owner or more than one."""
-    import torch.distributed as dist
-
-    out = {}
-    # with groups (hecate.ep_size) every group's owner holds its group's sum, before the expert-data-parallel
-    # reduction of the step: the world's sum adds them up, and every expert has one owner per group
-    groups = runtime.layout.edp_size
-    for name, binding in zip(runtime.layer_names, runtime.bindings):
-        shard = binding.shard
-        full = torch.zeros(shard.num_experts, shard.kernel.numel, dtype=torch.float32)
-        holders = torch.zeros(shard.num_experts, dtype=torch.float32)
-        for e, master in shard.masters.items():
-            holders[e] += 1
-            if master.grad is not None:
-                full[e] = master.grad.detach().float().reshape(-1).cpu()
-        dist.all_reduce(full)
-        dist.all_reduce(holders)
-        if not torch.equal(holders, torch.full_like(holders, groups)):
-            raise AssertionError(f"layer '{name}': experts held by {holders.tolist()} ranks (each must have one owner "
-                                 f"in each of the {groups} group(s))")
-        out[name] = full
-    return out
 
 
 def model_state(engine, masters: bool = False) -> dict:

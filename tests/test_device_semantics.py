@@ -59,7 +59,7 @@ def _train(rank: int, world: int, device: str, kind: str, dtype_name: str, resha
     from ds_hecate.runtime import resharding
     from ds_hecate.config import parse_hecate_section
     from ds_hecate.deepspeed_glue.convert import convert_model
-    from ds_hecate.deepspeed_glue.expert_optimizer import ExpertOptimizer, LrSource
+    from ds_hecate.deepspeed_glue.expert_optimizer import attach_expert_optimizer
     from ds_hecate.comm.backend import build_communicator
     from ds_hecate.runtime.hecate import HecateRuntime
 
@@ -81,9 +81,7 @@ def _train(rank: int, world: int, device: str, kind: str, dtype_name: str, resha
         out["master_devices"] = sorted({str(p.device) for p in rt.store.parameters()})
         model.to(dtype).to(dev)   # dtype first: the shim cannot follow `.data =` on its tensors
         dense = torch.optim.SGD(model.parameters(), lr=0.05)
-        rt.optimizer = ExpertOptimizer(torch.optim.AdamW, [{"params": rt.store.parameters(), "lr": 0.01}],
-                                       [LrSource(dense.param_groups[0])])
-        rt.layer_group = {0: 0}
+        attach_expert_optimizer(rt, torch.optim.AdamW, [dense.param_groups[0]])
         model.register_forward_pre_hook(lambda module, args: rt.on_model_forward())
         gen = torch.Generator().manual_seed(100 + rank)
         for step in range(1, STEPS + 1):

@@ -89,6 +89,7 @@ def save(rt, checkpoint_dir: str) -> None:
         files = {name: record for _, records in gathered for name, record in records.items()}
         meta = {"format": FORMAT, "world_size": layout.groups.world_size, "ep_size": rt.ep_size,
                 "layers": _layer_meta(rt), "groups": [g for g, _ in gathered if g is not None],
+                "expert_param_groups": _param_group_meta(rt),
                 "steps_applied": rt.steps_applied, "steps_skipped": rt.steps_skipped, "reshards": rt.reshards,
                 "measured_costs": rt.measured, "files": dict(sorted(files.items()))}
         tmp = os.path.join(directory, "meta.json.tmp")
@@ -227,6 +228,8 @@ def prepare_load(rt, checkpoint_dir: str, load_optimizer_states: bool = True) ->
         meta = read_meta(meta_path)
         digests = check_format(meta, checkpoint_dir, warn=rt.layout.global_rank == 0)   # once per job
         _check_meta(rt, meta, checkpoint_dir)
+        if load_optimizer_states:
+            _check_emptied_settings(rt.optimizer, meta, checkpoint_dir)
         same_group = _saved_ep_size(meta) == rt.ep_size
         for layer, binding in zip(meta["layers"], rt.bindings):
             shard = binding.shard
@@ -270,6 +273,8 @@ def prepare_load(rt, checkpoint_dir: str, load_optimizer_states: bool = True) ->
                     rt.optimizer.add(rt.layer_group[shard.layer_id], shard.masters[e], state)
             history = _group_history(meta, layer, rt, binding)
             binding.planner.predictor.load_state_dict({"history": history})
+        if load_optimizer_states and rt.optimizer is not None:
+            _restore_emptied_settings(rt.optimizer, meta, checkpoint_dir)
         rt.steps_applied = meta["steps_applied"]
         rt.steps_skipped = meta["steps_skipped"]
         rt.reshards = meta["reshards"]
@@ -281,6 +286,63 @@ def prepare_load(rt, checkpoint_dir: str, load_optimizer_states: bool = True) ->
             # the reuse decisions of the run that did not stop
             binding.planner.restore_schedule(saved, binding.plan_inputs())
     return install
+
+
+def _jsonable(value: Any) -> Any:
+    """A param-group setting as JSON (tuples as lists, one-element tensors as numbers); None where it has no JSON
+    form (left out of the checkpoint)."""
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    if torch.is_tensor(value) and value.numel() == 1:
+        return value.item()
+    if isinstance(value, (tuple, list)):
+        items = [_jsonable(v) for v in value]
+        return None if any(i is None and v is not None for i, v in zip(items, value)) else items
+    return None
+
+
+def _param_group_meta(rt) -> Dict[str, Any]:
+    """The settings of the expert param groups whose source group pruning emptied: no optimizer of DeepSpeed's holds
+    them, so DeepSpeed's checkpoint does not (the others are in DeepSpeed's optimizer state)."""
+    optimizer = rt.optimizer
+    if optimizer is None:
+        return {"groups": 0, "emptied": {}}
+    emptied = {}
+    for i in getattr(optimizer, "emptied", []):
+        settings = {k: _jsonable(v) for k, v in optimizer.current_hyperparameters()[i].items()}
+        emptied[str(i)] = {k: v for k, v in settings.items() if v is not None}
+    return {"groups": len(optimizer.param_groups), "emptied": emptied}
+
+
+def _check_emptied_settings(optimizer, meta: Dict[str, Any], checkpoint_dir: str) -> None:
+    """Raises if the checkpoint's expert param groups are not this run's (validation, before anything loads)."""
+    saved = meta.get("expert_param_groups")
+    if saved is None or optimizer is None:
+        return
+    mine = sorted(getattr(optimizer, "emptied", []))
+    theirs = sorted(int(i) for i in saved.get("emptied", {}))
+    if saved.get("groups") != len(optimizer.param_groups) or theirs != mine:
+        raise HecateError(f"{checkpoint_dir}: the experts were saved following {saved.get('groups')} param groups "
+                          f"(emptied by the experts' move: {theirs}), this run's follow {len(optimizer.param_groups)} "
+                          f"(emptied: {mine}); build the optimizer's param groups as the saving run did")
+
+
+def _restore_emptied_settings(optimizer, meta: Dict[str, Any], checkpoint_dir: str) -> None:
+    """Give the emptied source groups the settings they had at the save (DeepSpeed restores the other groups from
+    its optimizer state; an LR schedule restored by DeepSpeed may set them again at its next step)."""
+    saved = meta.get("expert_param_groups")
+    mine = sorted(getattr(optimizer, "emptied", []))
+    if saved is None:   # saved before the settings were recorded
+        if mine:
+            logger.warning(f"{checkpoint_dir} records no settings of the expert param groups; the groups the experts "
+                           "follow outside DeepSpeed's optimizer keep their current settings until the LR schedule "
+                           "sets them")
+        return
+    for i in mine:
+        source = optimizer.sources[i]
+        for key, value in saved["emptied"][str(i)].items():
+            current = source.get(key)
+            source[key] = tuple(value) if isinstance(current, tuple) and isinstance(value, list) else value
 
 
 def _saved_ep_size(meta: Dict[str, Any]) -> int:

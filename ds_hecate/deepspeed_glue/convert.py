@@ -1,17 +1,16 @@
-"""Taking MoE layers over: find them in a model, shard their experts, and prune expert parameters from whatever
-optimizer or parameter groups the user passes to DeepSpeed (DeepSpeed would crash on parameters that left the
-model, and must never see expert parameters again)."""
+"""Taking MoE layers over: find them in a model and shard their experts into the runtime (the expert parameters
+leave the model; :mod:`.param_groups` then prunes them from whatever optimizer or param groups the user passes to
+DeepSpeed, which would crash on parameters that left the model and must never see expert parameters again)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 from torch import nn
 from deepspeed.moe.layer import MoE as DeepSpeedMoE
 
-from ..errors import HecateModelError, HecateUnsupportedError
-from .expert_optimizer import group_hyperparameters
+from ..errors import HecateModelError
+from .param_groups import RemovedParams
 from ..experts import ExpertKernel
 from ..moe_layer import MoE
 from ..planning import even_sharding
@@ -72,39 +71,86 @@ def _expert_sources(layer: MoE, world_size: int) -> Tuple[int, ...]:
     return tuple(e // num_local for e in range(layer.num_experts))
 
 
-def take_over_layer(name: str, layer: MoE, runtime: HecateRuntime) -> Set[int]:
-    """Shard one layer's experts into the runtime; return the ids of the expert parameters that left the model.
+def take_over_layer(name: str, layer: MoE, runtime: HecateRuntime) -> Dict[int, str]:
+    """Shard one layer's experts into the runtime; return the expert parameters that left the model (id -> their
+    name inside an expert, ``0.weight``, ``2.bias``, ...).
 
-    Experts built under ``deepspeed.zero.Init`` are partitioned: they are gathered first (one layer at a time).
-    """
+    Experts built under ``deepspeed.zero.Init`` are partitioned: each is gathered on its own and only its owners
+    keep it (:func:`_take_over_partitioned`), so the whole layer is never materialized on one rank."""
     experts = list(layer.experts)
     params = [p for expert in experts for p in expert.parameters()]
+    removed = {id(p): n for expert in experts for n, p in expert.named_parameters()}
     if any(hasattr(p, "ds_id") for p in params):
-        import deepspeed
-        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-            return _take_over_gathered(name, layer, experts, runtime)
-    return _take_over_gathered(name, layer, experts, runtime)
+        _take_over_partitioned(name, layer, experts, runtime)
+    else:
+        if any(p.numel() == 0 for p in params):
+            raise HecateModelError(
+                f"MoE layer '{name}': its experts' parameters are empty (shapes "
+                f"{sorted({tuple(p.shape) for p in params})}), as DeepSpeed's Experts leaves them when it deep-copies "
+                "an expert built under deepspeed.zero.Init; import ds_hecate (or install it, for its automatic "
+                "activation) before building the model, so the copies keep the expert's values")
+        _take_over_gathered(name, layer, experts, runtime)
+    return removed
 
 
-def _take_over_gathered(name: str, layer: MoE, experts: List[nn.Module], runtime: HecateRuntime) -> Set[int]:
-    kernel = ExpertKernel(experts[0])
+def _check_layout(name: str, kernel: ExpertKernel, experts: List[nn.Module]) -> None:
     for i, expert in enumerate(experts[1:], 1):
-        layout = [(n, p.shape) for n, p in expert.named_parameters()]
-        if layout != list(zip(kernel.names, kernel.shapes)):
+        layout = [(n, tuple(getattr(p, "ds_shape", p.shape))) for n, p in expert.named_parameters()]
+        if layout != [(n, tuple(s)) for n, s in zip(kernel.names, kernel.shapes)]:
             raise HecateModelError(f"MoE layer '{name}': expert {i} has a different parameter layout than expert 0; "
                                    "Hecate needs identical experts within a layer")
-    expert_param_ids = {id(p) for expert in experts for p in expert.parameters()}
-    local = {e: kernel.flatten(expert) for e, expert in zip(layer.local_expert_ids, experts)}
-    local = {e: initial_master(flat, runtime.compute_dtype) for e, flat in local.items()}
-    sources = _expert_sources(layer, runtime.layout.groups.world_size)
-    owners = even_sharding(layer.num_experts, runtime.ep_size)   # inside the rank's group
-    shard = LayerShard(layer_id=len(runtime.bindings), name=name, num_experts=layer.num_experts, kernel=kernel,
-                       owners=owners, rank=runtime.rank)
-    runtime.take_experts(shard, sources, local)
+
+
+def _new_shard(name: str, layer: MoE, kernel: ExpertKernel, runtime: HecateRuntime) -> LayerShard:
+    return LayerShard(layer_id=len(runtime.bindings), name=name, num_experts=layer.num_experts, kernel=kernel,
+                      owners=even_sharding(layer.num_experts, runtime.ep_size),   # inside the rank's group
+                      rank=runtime.rank)
+
+
+def _bind(name: str, layer: MoE, kernel: ExpertKernel, shard: LayerShard, runtime: HecateRuntime) -> None:
     layer.binding = runtime.add_layer(name, shard, layer.hidden_size)
     del layer.experts  # expert parameters leave the module: DeepSpeed never sees them
     layer.expert_kernel = kernel
-    return expert_param_ids
+
+
+def _take_over_gathered(name: str, layer: MoE, experts: List[nn.Module], runtime: HecateRuntime) -> None:
+    kernel = ExpertKernel(experts[0])
+    _check_layout(name, kernel, experts)
+    local = {e: kernel.flatten(expert) for e, expert in zip(layer.local_expert_ids, experts)}
+    local = {e: initial_master(flat, runtime.compute_dtype) for e, flat in local.items()}
+    sources = _expert_sources(layer, runtime.layout.groups.world_size)
+    shard = _new_shard(name, layer, kernel, runtime)
+    runtime.take_experts(shard, sources, local)
+    _bind(name, layer, kernel, shard, runtime)
+
+
+def _take_over_partitioned(name: str, layer: MoE, experts: List[nn.Module], runtime: HecateRuntime) -> None:
+    """Experts partitioned by ZeRO-3 (built under ``deepspeed.zero.Init``): every rank gathers one local expert at
+    a time (collective over ZeRO's partition group, the same order everywhere) and keeps the experts it owns.
+
+    ZeRO-3 holds one value per parameter for the whole data-parallel world, so local expert ``i`` is the same on
+    every rank: with DeepSpeed's expert-parallel layout (``ep_size`` > 1, each rank holding ``num_experts /
+    ep_size`` local experts) global expert ``e`` is local expert ``e mod num_local`` of its ranks, whose values these
+    are (DeepSpeed's broadcast at initialize would give the same)."""
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(experts[0].parameters()), modifier_rank=None):
+        kernel = ExpertKernel(experts[0])
+    _check_layout(name, kernel, experts)
+    shard = _new_shard(name, layer, kernel, runtime)
+    num_local = len(experts)
+    if layer.num_experts % num_local:
+        raise HecateModelError(f"MoE layer '{name}': {num_local} local experts do not divide its "
+                               f"{layer.num_experts} experts")
+    owned: Dict[int, torch.Tensor] = {}
+    for i, expert in enumerate(experts):
+        with deepspeed.zero.GatheredParameters(list(expert.parameters()), modifier_rank=None):
+            flat = initial_master(kernel.flatten(expert), runtime.compute_dtype)
+        for e in range(i, layer.num_experts, num_local):
+            if shard.owners[e] == runtime.rank:
+                owned[e] = flat.to(runtime.device).clone()
+    shard.set_masters(owned, runtime.layout.partition_for(kernel.numel), runtime.compute_dtype)
+    _bind(name, layer, kernel, shard, runtime)
 
 
 def _is_transformers_model(model: nn.Module) -> bool:
@@ -140,16 +186,17 @@ def _convert_in_place(ds_moe: nn.Module) -> MoE:
     return ds_moe
 
 
-def convert_model(model: nn.Module, runtime: HecateRuntime) -> Dict[int, Set[int]]:
+def convert_model(model: nn.Module, runtime: HecateRuntime) -> RemovedParams:
     """Replace DeepSpeed MoE layers by ``ds_hecate.MoE`` in place and take every MoE layer over.
 
-    Returns, per Hecate layer id, the ids of the expert parameters removed from the model.
+    Returns, per Hecate layer id, the expert parameters removed from the model (id -> name inside the expert; Hugging
+    Face layers: their ids).
     """
     layers = check_convertible(model)
     if not layers:
         from ..hf.takeover import convert_hf_model  # HF MoE models: routed experts through ExpertsInterface
         return convert_hf_model(model, runtime)
-    removed: Dict[int, Set[int]] = {}
+    removed: Dict[int, Dict[int, str]] = {}
     for name, module in layers:
         if isinstance(module, DeepSpeedMoE):
             if name == "":   # the model is the layer itself
@@ -163,59 +210,3 @@ def convert_model(model: nn.Module, runtime: HecateRuntime) -> Dict[int, Set[int
         removed[layer_id] = take_over_layer(name, module, runtime)
         module.expert_group_name = runtime.expert_group_name   # DeepSpeed's registry name of Hecate's groups
     return removed
-
-
-# ----------------------------------------------------------------------------------------------------------------
-@dataclass
-class ExpertGroups:
-    """Which user param group each layer's expert parameters came from (None: the optimizer's default group)."""
-
-    source_group: Dict[int, Optional[Dict[str, Any]]] = field(default_factory=dict)  # layer_id -> group
-    initial_lrs: Dict[int, Optional[float]] = field(default_factory=dict)  # id(group) -> lr at initialize
-
-
-def _group_of_params(groups: List[Dict[str, Any]], layer_param_ids: Dict[int, Set[int]],
-                     names: Dict[int, str]) -> Dict[int, Optional[Dict[str, Any]]]:
-    result: Dict[int, Optional[Dict[str, Any]]] = {}
-    for layer_id, ids in layer_param_ids.items():
-        holders = [g for g in groups if any(id(p) in ids for p in g["params"])]
-        if len(holders) > 1:
-            settings = [group_hyperparameters(g) for g in holders]
-            if any(s != settings[0] for s in settings[1:]):
-                raise HecateUnsupportedError(
-                    f"the expert parameters of MoE layer '{names[layer_id]}' are spread over optimizer param groups "
-                    "with different settings; Hecate needs one setting per layer's experts (put them in one group)")
-        result[layer_id] = holders[0] if holders else None
-    return result
-
-
-def prune_expert_params(optimizer: Any, model_parameters: Any, layer_param_ids: Dict[int, Set[int]],
-                        names: Dict[int, str]) -> Tuple[Any, ExpertGroups]:
-    """Remove expert parameters from a client optimizer and from ``model_parameters``.
-
-    Returns the pruned ``model_parameters`` (a list, or None) and where each layer's experts came from.
-    """
-    all_ids = set().union(*layer_param_ids.values()) if layer_param_ids else set()
-    info = ExpertGroups()
-    if isinstance(optimizer, torch.optim.Optimizer):
-        groups = optimizer.param_groups
-        info.source_group = _group_of_params(groups, layer_param_ids, names)
-        for group in groups:
-            info.initial_lrs[id(group)] = group.get("lr")
-            kept = [p for p in group["params"] if id(p) not in all_ids]
-            for p in group["params"]:
-                if id(p) in all_ids:
-                    optimizer.state.pop(p, None)
-            group["params"] = kept
-    if model_parameters is not None:
-        items = list(model_parameters)
-        if items and all(isinstance(i, dict) for i in items):
-            if not info.source_group:
-                info.source_group = _group_of_params(items, layer_param_ids, names)
-            for group in items:
-                info.initial_lrs.setdefault(id(group), group.get("lr"))
-                group["params"] = [p for p in group["params"] if id(p) not in all_ids]
-            model_parameters = items
-        else:
-            model_parameters = [p for p in items if id(p) not in all_ids]
-    return model_parameters, info

@@ -159,14 +159,19 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
                                distributed_port=distributed_port, dist_init_required=dist_init_required)
     unlink_own_buffer_after_attach()   # DeepSpeed's CPU all-reduce files in /dev/shm: freed when the ranks exit
     runtime = build_runtime(hcfg, stripped, model, mpu)
-    from .convert import convert_model, prune_expert_params
-    layer_param_ids = convert_model(model, runtime)
+    from .convert import convert_model
+    from .expert_optimizer import group_settings
+    from .param_groups import building_engine, prune_expert_params
+    removed = convert_model(model, runtime)
     names = dict(enumerate(runtime.layer_names))
-    model_parameters, groups = prune_expert_params(optimizer, model_parameters, layer_param_ids, names)
+    model_parameters, sources = prune_expert_params(optimizer, model_parameters, removed, names)
     call.update(model_parameters=model_parameters)
+    emptied = sources.emptied_groups()
+    settings_at_build = {id(g): group_settings(g) for g in emptied.groups()}   # before any DeepSpeed scheduler
 
-    engine, engine_optimizer, dataloader, scheduler = original(**call)
-    attach_engine(engine, runtime, groups)
+    with building_engine(emptied):   # its LR scheduler sees the emptied groups (param_groups.EmptiedGroups)
+        engine, engine_optimizer, dataloader, scheduler = original(**call)
+    attach_engine(engine, runtime, sources, emptied, settings_at_build)
     hf_takeover = model.__dict__.get("_hecate_hf")  # HF model: keep save_model / state_dict / counts whole
     if hf_takeover is not None:
         hf_takeover.attach(engine)
@@ -319,10 +324,15 @@ def working_device(accelerator: Any) -> torch.device:
     return torch.device(accelerator.device_name(local_rank))
 
 
-def attach_engine(engine: Any, runtime: Any, groups: Any) -> None:
-    """Swap in HecateEngine, hook the gradient norm, and build the expert optimizer."""
+def attach_engine(engine: Any, runtime: Any, sources: Any, emptied: Any,
+                  settings_at_build: Optional[Dict[int, Dict[str, Any]]] = None) -> None:
+    """Swap in HecateEngine, hook the gradient norm, and build the expert optimizer: one expert param group per
+    param group the experts' parameters came from (``sources``: :class:`.param_groups.ExpertSources`), following
+    that group, live in DeepSpeed's optimizer or emptied by pruning (``emptied``: :class:`.param_groups.EmptiedGroups`,
+    driven by the LR schedule; ``settings_at_build``: their settings before DeepSpeed's engine was built)."""
     from .engine import HecateEngine, install_norm_hook
-    from .expert_optimizer import ExpertOptimizer, LrSource, group_hyperparameters
+    from .expert_optimizer import attach_expert_optimizer
+    from .param_groups import layer_segments
 
     engine.__class__ = HecateEngine
     engine.hecate = runtime
@@ -333,51 +343,45 @@ def attach_engine(engine: Any, runtime: Any, groups: Any) -> None:
     dense_groups = basic.param_groups
     if not dense_groups:
         raise HecateUnsupportedError("the DeepSpeed optimizer has no dense parameter group to follow")
-    expert_groups, lr_sources = [], []
-    by_group: Dict[int, int] = {}
+    followed: list = []   # the groups the expert groups follow, in expert-group order
+    index: Dict[int, int] = {}   # id of a source (None: DeepSpeed's default group) -> its expert group
+    segments = {}
     for shard in runtime.store.layers:
-        source = groups.source_group.get(shard.layer_id)
-        live = next((g for g in dense_groups if g is source), None)
-        key = id(source) if source is not None else 0
-        if key not in by_group:
-            if live is not None:
-                lr_source = LrSource(live)
-            else:
-                first = dense_groups[0]
-                ratio = 1.0
-                mine, theirs = groups.initial_lrs.get(id(source)), groups.initial_lrs.get(id(first))
-                if source is not None and mine is not None and theirs is not None:
-                    if theirs == 0:
-                        raise HecateUnsupportedError(
-                            f"cannot derive the learning rate of the experts of '{shard.name}': their param group "
-                            "was emptied by pruning and the first dense group has lr 0")
-                    ratio = float(mine) / float(theirs)
-                lr_source = LrSource(first, ratio)
-            hyper = group_hyperparameters(source if source is not None else dense_groups[0])
-            hyper.pop("name", None)
-            hyper.pop("moe", None)
-            by_group[key] = len(expert_groups)
-            expert_groups.append({**hyper, "params": []})
-            lr_sources.append(lr_source)
-        expert_groups[by_group[key]]["params"].extend(shard.masters[e] for e in shard.owned)
-        runtime.layer_group[shard.layer_id] = by_group[key]
-    runtime.optimizer = ExpertOptimizer(type(basic), expert_groups, lr_sources, like=basic, device=runtime.device)
+        layer = sources.layers.get(shard.layer_id) or {None: None}
+        for source in layer.values():
+            if id(source) in index:
+                continue
+            group = _followed_group(source, dense_groups, emptied, shard.name)
+            position = next((i for i, g in enumerate(followed) if g is group), None)
+            if position is None:
+                position = len(followed)
+                followed.append(group)
+            index[id(source)] = position
+        segments[shard.layer_id] = layer_segments(layer, shard.kernel.names, shard.kernel.numels, index)
+    optimizer = attach_expert_optimizer(runtime, type(basic), followed, segments, like=basic)
+    optimizer.emptied = [i for i, g in enumerate(followed) if emptied.is_emptied(g)]
     initial = getattr(engine.optimizer, "_hecate_initial_hyperparameters", None)
     if initial is not None:  # ZeRO stage 0 fp16/bf16: DeepSpeed's wrapper stepped the dense groups once at build
-        runtime.optimizer.add_initial_step(_initial_hyperparameters(lr_sources, dense_groups, initial))
+        at_build = settings_at_build or {}
+        optimizer.add_initial_step([at_build[id(g)] if emptied.is_emptied(g) else
+                                    initial[next(i for i, d in enumerate(dense_groups) if d is g)] for g in followed])
     engine.module.register_forward_pre_hook(lambda module, args: runtime.on_model_forward())
 
 
-def _initial_hyperparameters(lr_sources: Any, dense_groups: Any, initial: Any) -> list:
-    """Per expert group, the hyper-parameters its dense source group had at DeepSpeed's initial step (before
-    any LR scheduler changed them)."""
-    from .expert_optimizer import LrSource
-
-    out = []
-    for source in lr_sources:
-        index = next(i for i, g in enumerate(dense_groups) if g is source.group)
-        out.append(LrSource(initial[index], source.ratio).hyperparameters())
-    return out
+def _followed_group(source: Optional[Dict[str, Any]], dense_groups: list, emptied: Any, layer: str) -> Dict[str, Any]:
+    """The param group an expert group follows: DeepSpeed's own (its default group when the user gave none), or the
+    user's group that pruning emptied."""
+    if source is None:
+        return dense_groups[0]
+    if emptied.is_emptied(source):
+        return source
+    live = next((g for g in dense_groups if g is source), None)
+    if live is None:
+        raise HecateUnsupportedError(
+            f"the param group {source.get('name', '')!r} holding expert parameters of MoE layer '{layer}' is not "
+            "among the groups of DeepSpeed's optimizer (it copied or rebuilt them); Hecate cannot follow its "
+            "settings")
+    return live
 
 
 def _record_initial_optimizer_step() -> None:
@@ -386,7 +390,7 @@ def _record_initial_optimizer_step() -> None:
     from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
     from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 
-    from .expert_optimizer import group_hyperparameters
+    from .expert_optimizer import group_settings
 
     for cls in (FP16_Optimizer, FP16_UnfusedOptimizer):
         original = cls.initialize_optimizer_states
@@ -394,7 +398,7 @@ def _record_initial_optimizer_step() -> None:
             continue
 
         def initialize_optimizer_states(self, _original=original):
-            self._hecate_initial_hyperparameters = [group_hyperparameters(g) for g in self.optimizer.param_groups]
+            self._hecate_initial_hyperparameters = [group_settings(g) for g in self.optimizer.param_groups]
             return _original(self)
         initialize_optimizer_states._hecate_wrapped = True
         cls.initialize_optimizer_states = initialize_optimizer_states
@@ -411,6 +415,10 @@ def patch_deepspeed() -> None:
         _ORIGINAL_INITIALIZE = deepspeed.initialize
         deepspeed.initialize = initialize
     _record_initial_optimizer_step()
+    from .param_groups import patch_lr_scheduler_setup
+    from .zero_init import patch_experts
+    patch_lr_scheduler_setup()
+    patch_experts()   # DeepSpeed MoE layers built under zero.Init keep their experts' values
     if not getattr(zero_config.DeepSpeedZeroConfig, "_hecate_aware", False):
         base = zero_config.DeepSpeedZeroConfig
 

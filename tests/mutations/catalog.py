@@ -9,6 +9,7 @@ from typing import Dict, List
 
 from catalog_layer_call import LAYER_CALL_MUTATIONS, LAYER_CALL_TESTS_FOR
 from catalog_resident import RESIDENT_MUTATIONS, RESIDENT_TESTS_FOR
+from catalog_param_groups import PARAM_GROUP_MUTATIONS, PARAM_GROUP_TESTS_FOR
 from mutation import SHORT_WATCHDOG, Mutation
 
 MUTATIONS: List[Mutation] = [
@@ -562,6 +563,7 @@ TESTS_FOR: Dict[str, List[str]] = {
     "tp-rank-runs-the-whole-slice": ["tests/test_model_parallel.py"],
     "tp-share-gradient-not-gathered": ["tests/test_model_parallel.py"],
 }
-MUTATIONS += RESIDENT_MUTATIONS + LAYER_CALL_MUTATIONS
+MUTATIONS += RESIDENT_MUTATIONS + LAYER_CALL_MUTATIONS + PARAM_GROUP_MUTATIONS
 TESTS_FOR.update(RESIDENT_TESTS_FOR)
 TESTS_FOR.update(LAYER_CALL_TESTS_FOR)
+TESTS_FOR.update(PARAM_GROUP_TESTS_FOR)
