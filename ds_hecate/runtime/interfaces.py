@@ -17,9 +17,12 @@ from torch import nn
 
 
 class ExpertStepper(Protocol):
-    """The expert optimizer as the runtime drives it (``deepspeed_glue.expert_optimizer.ExpertOptimizer``)."""
+    """The expert optimizer as the runtime drives it (``deepspeed_glue.expert_optimizer.ExpertOptimizer``). A
+    parameter is added under its layer's key (``runtime.layer_group[layer_id]``, the layer's own id in the
+    optimizer), which says from which param groups its pieces take their settings."""
 
-    param_groups: List[Dict[str, Any]]
+    @property
+    def param_groups(self) -> List[Dict[str, Any]]: ...
 
     def step(self, grad_scale: float, hyperparameters: Sequence[Dict[str, Any]]) -> None: ...
 
@@ -29,7 +32,7 @@ class ExpertStepper(Protocol):
 
     def remove(self, param: nn.Parameter) -> None: ...
 
-    def add(self, group_index: int, param: nn.Parameter, state: Dict[str, Any]) -> None: ...
+    def add(self, key: int, param: nn.Parameter, state: Dict[str, Any]) -> None: ...
 
     def state_bytes(self) -> int: ...
 
