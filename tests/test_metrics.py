@@ -73,12 +73,13 @@ def monitored_run(tmp_path_factory):
     from dist_utils import run_ranks
 
     root = tmp_path_factory.mktemp("metrics")
-    on = Spec(hecate={"enabled": True, "trace_file": str(root / "on" / "trace.jsonl")}, gate_bias=HOT,
+    on = Spec(hecate={"enabled": True, "profile": True, "trace_file": str(root / "on" / "trace.jsonl")},
+              gate_bias=HOT,
               steps=STEPS, layers=LAYERS, num_experts=EXPERTS, tokens=32, checkpoint="torch",
               extra_config={"csv_monitor": {"enabled": True, "output_path": str(root / "on"), "job_name": "csv"}})
     off = replace(on, steps=2, hecate={"enabled": True, "monitor": False},
                   extra_config={"csv_monitor": {"enabled": True, "output_path": str(root / "off"), "job_name": "csv"}})
-    every2 = replace(on, steps=4, checkpoint="", hecate={"enabled": True, "monitor_interval": 2},
+    every2 = replace(on, steps=6, checkpoint="", hecate={"enabled": True, "monitor_interval": 2},
                      extra_config={"csv_monitor": {"enabled": True, "output_path": str(root / "every2"),
                                                    "job_name": "csv"}})
     unwritable = replace(on, steps=1, hecate={"enabled": True, "trace_file": str(root)}, extra_config={})
@@ -117,13 +118,17 @@ def test_monitor_interval_writes_per_step_means(monitored_run):
 
     def rows(name):
         return _read_csv(root / "every2" / "csv" / f"{name}.csv")
-    assert [s for _, s in rows("Hecate_global_step")] == [2, 4]
+    assert [s for _, s in rows("Hecate_global_step")] == [2, 4, 6]
     for layer in range(LAYERS):
         for metric in ("bytes_allgather", "bytes_reducescatter", "bytes_dispatch"):
             means = [v for _, v in rows(f"Hecate_layer{layer}_{metric}")]
-            assert len(means) == 2 and sum(means) * 2 == stats["layers"][layer][metric], metric
+            assert len(means) == 3 and sum(means) * 2 == stats["layers"][layer][metric], metric
         imbalance = [v for _, v in rows(f"Hecate_layer{layer}_imbalance_before")]
-        assert len(imbalance) == 2 and all(v >= 1.0 for v in imbalance)
+        assert len(imbalance) == 3 and all(v >= 1.0 for v in imbalance)
+        # without hecate.profile the calls are timed up to the cost model's steady-state measurement (step 4):
+        # the window of steps 5 and 6 has no phase times to report
+        assert [x for x, _ in rows(f"Hecate_layer{layer}_time_ms_compute")] == [
+            x for x, _ in rows("Hecate_global_step")][:2]
 
 
 def test_trace_records_exactly_what_the_gates_chose(monitored_run):

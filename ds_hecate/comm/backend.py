@@ -78,7 +78,7 @@ def agree_device_ops(requested: str, device: torch.device, group, world_size: in
 
 
 #: Whether the CuPy+NCCL transport has passed ``make gpu-check`` on 2 or more GPUs (docs/benchmarks.md). It passed on
-#: one H200 (2026-12-04), where NCCL refuses a second rank, so it has never run between processes; until it has,
+#: one GPU, where NCCL refuses a second rank, so it has never run between processes; until it has,
 #: ``auto`` uses torch.distributed on CUDA too and the CuPy transport is opt-in (``comm_backend: "cupy"``).
 CUPY_VERIFIED = False
 

@@ -5,8 +5,8 @@ worker thread that has executed a collective drops its reference to the work *af
 returned (and at any time for a work nobody waits for). The work's tensors have Python objects, so that last
 release takes the GIL. When the worker asks for the GIL only once the interpreter is finalizing, CPython ends the
 thread inside a C++ destructor and the process aborts: "terminate called without an active exception", exit -6,
-on every rank. Core dumps of the Hugging Face Trainer under ``accelerate launch`` (CI, 2026-12-01, about 1 run
-in 12 on 2 cores) show ``~AsyncAllgatherWork`` <- ``ProcessGroupGloo::runLoop`` <- ``PyThread_exit_thread``:
+on every rank. Core dumps of the Hugging Face Trainer under ``accelerate launch`` (about 1 run in 12 on 2 cores)
+show ``~AsyncAllgatherWork`` <- ``ProcessGroupGloo::runLoop`` <- ``PyThread_exit_thread``:
 the Trainer's last collective (``store_flos``'s all-gather on the default group) came within a switch interval
 of the end of the script. torch's discussion: pytorch/pytorch#190489 and #179291.
 
@@ -52,7 +52,7 @@ _on_gloo = False
 def _at_exit() -> None:
     """Destroy Hecate's groups if the script left them, then give gloo's workers the grace: also when the script
     destroyed every group itself (``destroy_process_group()`` before exit), since destroying does not hand them
-    the GIL (CI, 2026-12-05: a DeepSpeed-MoE script ending in barrier + destroy aborted on one rank)."""
+    the GIL (a DeepSpeed-MoE script ending in barrier + destroy aborted on one rank)."""
     if dist.is_initialized():
         for group in _groups:
             try:

@@ -16,7 +16,8 @@ Event names (``L`` = index of the MoE layer in ``engine.hecate.layer_names``), w
 - ``Hecate/layerL/{replicas, lambda}``: expert replicas materialized by SparseAllGather, share of experts moved;
 - ``Hecate/layerL/{bytes_allgather, bytes_reducescatter, bytes_dispatch}``: bytes rank 0 sent this step;
 - ``Hecate/layerL/cross_node_tokens``: token rows sent to another node this step (all ranks);
-- ``Hecate/layerL/time_ms_<phase>``: rank 0's milliseconds per runtime phase this step.
+- ``Hecate/layerL/time_ms_<phase>``: rank 0's milliseconds per runtime phase this step (steps whose calls
+  were timed: every step with ``hecate.profile``, else the first ones, see ``HecateConfig.profile``).
 
 With ``hecate.monitor_interval`` N > 1 the events are written every N steps, as per-step means over them.
 See docs/stats.md for the exact definitions and the measured overhead.
@@ -123,8 +124,9 @@ class StepMetrics:
             self._last[index] = now
             delta = [(a - b) / steps for a, b in zip(now, last)]
             out.extend((event_name(index, k), int(v) if steps == 1 else v, x) for k, v in zip(TRAFFIC_METRICS, delta))
-            out.extend((event_name(index, f"time_ms_{p}"), v * 1e3, x)
-                       for p, v in zip(phases, delta[len(TRAFFIC_METRICS):]))
+            times = delta[len(TRAFFIC_METRICS):]
+            if any(times):   # (steps whose calls were not timed, outside hecate.profile, report no phase times)
+                out.extend((event_name(index, f"time_ms_{p}"), v * 1e3, x) for p, v in zip(phases, times))
         return out
 
     def end_step(self, engine: Any) -> None:

@@ -84,7 +84,7 @@ class StepCostModel:
     replica_overhead_s: what one replica costs the rank that holds it in a layer call besides its rows' compute and
     its transfer (``hecate.replica_overhead_s``, else measured: :mod:`ds_hecate.runtime.profiling`): one more expert
     kernel and its weight gradient, its weights landed in the call's buffer and its gradient sent back. Why: on two
-    CPU ranks (benchmarks/run.py W4, 2026-12-05) two replicas a layer priced 2 ms a step faster than none were
+    CPU ranks (benchmarks/run.py W4) two replicas a layer priced 2 ms a step faster than none were
     2.5-3.2% slower (forward and backward 1.4 and 1.7 ms longer, the timed exchanges alike); replayed with 0.13 ms or
     more a replica the planner keeps the owners there and every other workload's replicas; measured (0.17 ms) the
     next run placed none there and was ahead of AutoEP. 0: not priced (the simulator's presets: a GPU's grouped
@@ -216,7 +216,7 @@ def replica_transfers(replicas, owners, ranks_per_node: int, fanout: int = 0, ch
 
 #: :func:`replica_transfers` of the last placements priced, read-only: a prefetched placement is priced again at
 #: every call it serves (the calibration check, the shadow move's two estimates) and its trees cost the most of an
-#: estimate (a100-4x8 burst calls: 0.25 ms of 0.8 ms on this repository's 2-vCPU host)
+#: estimate (a100-4x8 burst calls: 0.25 ms of 0.8 ms on a CPU)
 _TRANSFERS: dict = {}
 _TRANSFERS_KEPT = 64
 

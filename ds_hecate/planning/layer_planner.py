@@ -167,8 +167,7 @@ class LayerPlanner:
     def _unscheduled_placement(self, owners: Tuple[int, ...], start: Optional[Materialized]) -> Placement:
         """The owners, plus the start layout if any: one Placement object while both hold, so that its dispatch
         tables (``rank_tables``, cached on the Placement) are built once and not on every call that prefetches
-        nothing speculative (on the replayed demo routing, most calls: 170 us a call at 2 x 8 on this repository's
-        2-vCPU host)."""
+        nothing speculative (on the replayed demo routing, most calls: 170 us a call at 2 x 8 on a CPU)."""
         key = (owners, start)
         if self._unscheduled is None or self._unscheduled[0] != key:
             if start is None:

@@ -36,7 +36,7 @@ NOISE_FACTOR = 1.5
 def window_median(margins: np.ndarray) -> np.ndarray:
     """Elementwise median over the first axis, as ``np.median(margins, axis=0)`` computes it (the middle value, or
     the mean of the two middle ones): one sort of a few rows, where ``np.median``'s generic reduction costs ten times
-    as much on these small windows (35 us against 3.5 us for 5 x 10 values on this repository's 2-vCPU host; the
+    as much on these small windows (35 us against 3.5 us for 5 x 10 values on a CPU; the
     prediction runs on every layer call)."""
     ordered = np.sort(margins, axis=0)
     n = ordered.shape[0]

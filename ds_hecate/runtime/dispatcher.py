@@ -66,7 +66,7 @@ class SlotRows(torch.autograd.Function):
     """``x``'s token rows for the routed slots (``x[slots % S]``): a token appears once per route, so the input
     gradient sums up to ``k`` rows per token. autograd's ``index_select`` backward does it with ``index_add_``,
     which on CUDA adds a token's rows atomically in no fixed order (``x.grad`` differed between two runs of the same
-    call on the H200); here on CUDA the rows' gradients go back to slot order (one scatter, no duplicate) and each
+    call on a GPU); here on CUDA the rows' gradients go back to slot order (one scatter, no duplicate) and each
     token's routes are summed by one reduction over that layout, so ``x.grad`` is the same bits every run. On the
     CPU ``index_add_`` is sequential, and kept (bit-equal to autograd's)."""
 

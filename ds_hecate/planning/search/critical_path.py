@@ -80,7 +80,7 @@ def shadow_calibration(counts: np.ndarray, prefetched: Placement, settings: Sear
     Why: a burst (W7) or a hot spot that just moved (W6) is one or two experts everywhere, which the search finds
     in its first step and then spends two more confirming that nothing else pays (its pay window), three steps of
     a few milliseconds each on the critical path (simulated a100-4x8 bert-moe W7, 32 ranks x 64 experts: 8.5 ms
-    of host time per layer call on this repository's 2-vCPU host, uncharged a tie with the FasterMoE-style
+    of host time per layer call on a CPU, uncharged a tie with the FasterMoE-style
     baseline, charged 4% behind it); this costs two estimates. Priced as the search prices calibration: the
     added copies gathered after the gate, exposed."""
     world, num_experts = counts.shape
@@ -175,7 +175,7 @@ def calibration_affordable(world: int, num_experts: int, settings: SearchSetting
 @lru_cache(maxsize=64)
 def _affordable(world: int, num_experts: int, budget, work, candidate_experts: int, candidate_ranks: int) -> bool:
     """:func:`calibration_affordable`, one answer per shape and settings (on every call, recomputed, it cost 15 us
-    of a 64 x 256 call on this repository's 2-vCPU host)."""
+    of a 64 x 256 call on a CPU)."""
     upper_us = budget_upper_us(budget)
     return upper_us is None or work.first_step_us(world, num_experts, candidate_experts, candidate_ranks) <= upper_us
 
@@ -197,7 +197,7 @@ def plan_after_gate(counts: np.ndarray, prefetched: Placement, schedule: Schedul
     bool, which every schedule holds): the prediction's leftovers, remembered, would be prefetched again and pile up
     over the moves of a rotating hot spot (simulated W6, 131 replicas a layer instead of 77), while what it added
     lets the next call, prefetched without the prediction, calibrate without a second search (simulated a100-4x8
-    bert-moe W6: 10 ms of host time per move of the hot spot on this repository's 2-vCPU host). Where the budget
+    bert-moe W6: 10 ms of host time per move of the hot spot on a CPU). Where the budget
     cannot pay the search's setup and a first step (large worlds), calibration is off, as with
     ``calibration: false``: no scoring, no estimate on the critical path.
     """

@@ -178,7 +178,7 @@ class ScheduleReuse:
 
         Why from the remembered calibration: it was placed for these very routings, so the search only refines it
         instead of rebuilding it replica by replica (simulated a100-4x8 bert-moe W6: a fresh search after each move
-        of the hot spot took 9 ms of host time on this repository's 2-vCPU host beyond what the non-MoE compute
+        of the hot spot took 9 ms of host time on a CPU beyond what the non-MoE compute
         hides; from the remembered placement a step or two), and its best is never worse than that placement."""
         steps = search_steps(loads, owners, settings, start=start if begun_from is None else begun_from)
         return SlicedSearch(steps, loads, float(loads.sum()), key, begun_from)
@@ -230,7 +230,7 @@ class ScheduleReuse:
     def _plan_for(self, loads: Optional[np.ndarray]) -> None:
         """Take ``loads`` as what the schedule was planned for, with their sum and sampling noise computed here,
         with the search: computed on the first call that scored against them, the noise cost that call 2x the
-        others' critical path (256 x 256 balanced: 241 against 124 us on this repository's 2-vCPU host), the
+        others' critical path (256 x 256 balanced: 241 against 124 us on a CPU), the
         critical path's p99 at 3x its median."""
         self.planned_for = loads
         self._noise = None if loads is None else sampling_noise(loads)
@@ -266,13 +266,13 @@ class ScheduleReuse:
         millisecond per layer on a CPU). Only the loads the placement was planned for decide: after a search they are
         the window's prediction for this call; while the schedule is reused, older loads, and how far the call moved
         from the newer prediction decides nothing (scoring it too cost a second L1 pass, 20-50 us of a 64 x 256 call
-        on this repository's 2-vCPU host, and an imbalance estimate whose answer was dropped).
+        on a CPU, and an imbalance estimate whose answer was dropped).
 
         ``scheduled`` False: the prefetched placement is not this schedule (only the owners and the start layout
         were prefetched, the window's newest call being an outlier), so it was planned for no loads at all and only
         the imbalance decides; the schedule itself stays for the calls after the outlier."""
         # the counts as they came (int64 from the exchange: load_shift subtracts in float64 without a converted
-        # copy, 15 us of a 64 x 256 call on this repository's 2-vCPU host); a float copy only for the estimate below
+        # copy, 15 us of a 64 x 256 call on a CPU); a float copy only for the estimate below
         actual = counts if isinstance(counts, np.ndarray) else np.asarray(counts, dtype=np.float64)
         off_plan = not scheduled or not self.still_fits(actual)
         imbalanced = False

@@ -57,7 +57,7 @@ class SearchWork:
     Ranks must reach the same placement, so the search cannot stop on a clock: each rank's wall time differs.
     It counts work instead, in estimated microseconds of this module's numpy search: a setup per
     (rank, expert) cell, a fixed cost per step, and a cost per evaluated (move, rank) cell. The constants were
-    fitted on a 2-vCPU Intel Xeon host to the 90th percentile of measured setups and steps (8 to 256 ranks, 8 to 256
+    fitted on a CPU to the 90th percentile of measured setups and steps (8 to 256 ranks, 8 to 256
     experts, fresh and calibration searches, the two-link objective with relay trees of issue 26; ``python -m
     benchmarks.search_work --fit`` re-measures them), so a budget
     holds there on nine searches in ten; a faster host finishes inside it sooner, a slower one overruns it by its
@@ -88,7 +88,7 @@ class SearchWork:
 
     def fill_cost_us(self, replicas: int, world: int, num_experts: int) -> float:
         """The proportional start (:func:`~.proportional.proportional_fill`) of ``replicas`` replicas (26-31 us
-        each from 32 x 64 to 256 x 256 on the 2-vCPU AMD EPYC host, 47 at 1,024 x 256) and the two estimates that
+        each from 32 x 64 to 256 x 256 on a CPU, 47 at 1,024 x 256) and the two estimates that
         judge it (:data:`~.call_work.CALL_WORK`'s)."""
         return (self.fill_us_per_replica * replicas
                 + 2 * CALL_WORK.estimate_cost_us(world, num_experts))
