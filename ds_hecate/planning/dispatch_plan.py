@@ -87,6 +87,8 @@ class RankTables:
         # --- receives: from every source, for the experts this rank holds
         held = np.flatnonzero(t.holders[rank])
         self.mine = tuple(int(e) for e in held)
+        #: the columns of ``mine`` in a count row: the whole row when the rank holds every expert (a rank alone)
+        self.mine_columns = slice(None) if held.size == t.num_experts else held
         src_case, src_ways = t.case[:, held], t.ways[:, held]
         my_index = np.where(src_case == 1, t.index_node[rank, held][None, :], t.index_all[rank, held][None, :])
         recv_eligible = (((src_case == 0) & (ranks == rank)[:, None])
@@ -139,11 +141,13 @@ def rank_dispatch(tables: RankTables, counts: np.ndarray) -> RankDispatch:
     """The per-call work of one rank: O(experts + sources x experts it holds), vectorised."""
     world = tables.world
     if world == 1:   # the rank alone: it keeps every pair of the experts it holds (all of them), in expert order
-        kept = counts[0, list(tables.mine)]
+        kept = counts[0, tables.mine_columns]
         total = int(kept.sum())
+        starts = kept.cumsum()
+        starts -= kept
         return RankDispatch(rank=tables.rank, mine=tables.mine, send_dst=tables.send_dst, send_rows=kept,
-                            send_splits=[total], recv_splits=[total], order_starts=np.cumsum(kept) - kept,
-                            order_lengths=kept, sizes=kept.tolist())
+                            send_splits=[total], recv_splits=[total], order_starts=starts, order_lengths=kept,
+                            sizes=kept.tolist())
     sent, received = tables.amounts(counts)                 # received: [sources, K]
     send_splits = np.bincount(tables.send_dst, weights=sent, minlength=world).astype(np.int64)
     by_expert = received.T                                  # the expert-major order of the segments
@@ -209,12 +213,14 @@ class DispatchPlan:
     _rank_cache: Dict[int, RankDispatch] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def build(cls, counts: np.ndarray, placement: Placement, ranks_per_node: int) -> "DispatchPlan":
+    def build(cls, counts: np.ndarray, placement: Placement, ranks_per_node: int,
+              counted: bool = False) -> "DispatchPlan":
+        """``counted``: ``counts`` are a count exchange's (non-negative by construction: not scanned again)."""
         counts = np.asarray(counts, dtype=np.int64)
         tables = placement_tables(placement, ranks_per_node)
         if counts.shape != tables.holders.shape:
             raise ValueError(f"plan: counts must be [{tables.world}][{tables.num_experts}], got {counts.shape}")
-        if counts.size and counts.min() < 0:
+        if not counted and counts.size and counts.min() < 0:
             raise ValueError("plan: token-expert pair counts must be >= 0")
         return cls(placement, counts, ranks_per_node, tables)
 

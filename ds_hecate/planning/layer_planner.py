@@ -192,7 +192,7 @@ class LayerPlanner:
         if prefetched is None:
             raise ValueError("plan_call: the 'hecate' policy plans over the prefetched placement; pass it")
         if self.world == 1:   # nothing to calibrate: every expert is the rank's own
-            plan = DispatchPlan.build(counts, prefetched, s.ranks_per_node)
+            plan = DispatchPlan.build(counts, prefetched, s.ranks_per_node, counted=True)
             return AfterGate(plan, plan.for_rank(rank), None)
         return plan_after_gate(counts, prefetched, self.schedule, inputs.calibration_settings(s), rank, s.calibration,
                                self.speculative, self._start_holders(inputs))

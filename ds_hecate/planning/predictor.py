@@ -63,7 +63,9 @@ class LoadPredictor:
         self.window = window
         self.statistic = statistic
         self._history: Deque[np.ndarray] = deque(maxlen=window)
-        self._margins: Deque[np.ndarray] = deque(maxlen=window)
+        #: each observation's marginals, computed when agreement is first judged (None until then: the plain mean,
+        #: short windows and a planner that predicts nothing never need them)
+        self._margins: Deque[Optional[np.ndarray]] = deque(maxlen=window)
         #: whether the newest observation agrees with the window (set by :meth:`predict_array`)
         self.newest_agrees = True
 
@@ -75,7 +77,7 @@ class LoadPredictor:
         if matrix.ndim != 2 or (self._history and matrix.shape != self._history[0].shape):
             raise ValueError("LoadPredictor.push: count matrix shape changed within the window")
         self._history.append(matrix)
-        self._margins.append(_marginals(matrix))
+        self._margins.append(None)
 
     def agreeing(self) -> np.ndarray:
         """Bool per observation (oldest first): within the agreement share of the window's median marginals. All
@@ -83,7 +85,8 @@ class LoadPredictor:
         n = len(self._history)
         if self.statistic == "mean" or n <= 2:
             return np.ones(n, dtype=bool)
-        margins = np.stack(self._margins)
+        margins = np.stack([m if m is not None else _marginals(h) for m, h in zip(self._margins, self._history)])
+        self._margins = deque(margins, maxlen=self.window)
         median = window_median(margins)
         total = float(median.sum())
         if total <= 0.0:
@@ -119,4 +122,4 @@ class LoadPredictor:
 
     def load_state_dict(self, state: dict) -> None:
         self._history = deque((np.array(m, dtype=np.float64) for m in state["history"]), maxlen=self.window)
-        self._margins = deque((_marginals(m) for m in self._history), maxlen=self.window)
+        self._margins = deque((None for _ in self._history), maxlen=self.window)

@@ -32,17 +32,6 @@ def _ones(length: int, device: torch.device) -> torch.Tensor:
     return torch.ones(length, dtype=torch.int64, device=device)
 
 
-@functools.lru_cache(maxsize=8)
-def _arange(length: int, device: torch.device) -> torch.Tensor:
-    return torch.arange(length, device=device)
-
-
-def positions(length: int, device: torch.device) -> torch.Tensor:
-    """``arange(length)`` on ``device``: a view of one kept per device, grown as calls need (never written)."""
-    size = 1 << max(10, (length - 1).bit_length())
-    return _arange(size, device)[:length]
-
-
 def slot_histogram(flat: torch.Tensor, gates: torch.Tensor, num_experts: int) -> torch.Tensor:
     """This rank's row of the count exchange, built on the device without reading it: token-expert pairs per
     expert, then the health flags: routes to an expert id outside ``[0, E)``, any non-finite gate value. The slots
@@ -172,8 +161,4 @@ class TokenDispatcher:
         arithmetic."""
         y_back = y_recv if self.comm.alone else AllToAllTokens.apply(
             y_recv, self.comm, routes.recv_splits, routes.send_splits, self.counters, self.where, routes.pad_rows)
-        device = y_recv.device
-        pos = torch.full((routes.top_k * routes.num_tokens,), routes.routed, dtype=torch.int64, device=device)
-        pos = pos.scatter_(0, routes.send_slots, positions(routes.routed, device))
-        return weighted_unpermute(y_back, gates, pos.view(routes.top_k, routes.num_tokens), arithmetic,
-                                  self.combine_kernel, routes.send_slots)
+        return weighted_unpermute(y_back, gates, None, arithmetic, self.combine_kernel, routes.send_slots)

@@ -130,7 +130,9 @@ class LayerBinding:
         out of range), on every rank of the group alike."""
         setup, experts = self.host.setup, self.shard.num_experts
         exchanged = setup.comm.exchange_counts(slot_histogram(flat, gates, experts))
-        setup.stops.check_gate(exchanged[:, [experts + 1, experts]], self.shard.name, experts, setup.comm.rank_name)
+        flags = exchanged[:, experts:]   # out of range, non-finite: one reduction on the healthy path
+        if flags.any():
+            setup.stops.check_gate(flags[:, ::-1], self.shard.name, experts, setup.comm.rank_name)
         return exchanged[:, :experts]
 
     def _plan(self, counts: np.ndarray, recompute: bool) -> Tuple[CallPlan, PendingGather]:

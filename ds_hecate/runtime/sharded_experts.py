@@ -80,8 +80,9 @@ class ExpertRows:
     @staticmethod
     def of(dispatch: RankDispatch, experts: Sequence[int], owned: int, device: torch.device, pad_rows: int = 1,
            alone: bool = False) -> "ExpertRows":
+        held: Optional[List[int]] = None   # the plan's experts in the held order (None: the plan's order)
         if tuple(experts) == dispatch.mine:   # every expert held is in the plan, in its order (a rank alone)
-            sizes, held = list(dispatch.sizes), list(range(len(experts)))
+            sizes = dispatch.sizes
         else:
             mine = {e: i for i, e in enumerate(dispatch.mine)}
             missing = set(mine).difference(experts)
@@ -92,13 +93,15 @@ class ExpertRows:
             held = [mine[e] for e in experts if e in mine]
         sources = len(dispatch.order_lengths) // max(len(dispatch.mine), 1)
         # a rank alone receives from itself only, its segments expert-major in its experts' order
-        in_order = alone and sources == 1 and held == sorted(held)
+        in_order = alone and sources == 1 and (held is None or held == sorted(held))
         order = inverse = None
         if not in_order or pad_rows:   # (the zero row is appended by the permutation back)
             starts = np.asarray(dispatch.order_starts, dtype=np.int64).reshape(len(dispatch.mine), sources)
             lengths = np.asarray(dispatch.order_lengths, dtype=np.int64).reshape(len(dispatch.mine), sources)
+            if held is not None:
+                starts, lengths = starts[held], lengths[held]
             order, inverse = (host_index(rows, device) for rows in
-                              segment_permutation(starts[held].reshape(-1), lengths[held].reshape(-1)))
+                              segment_permutation(starts.reshape(-1), lengths.reshape(-1)))
         return ExpertRows(order, inverse, RowGroups.build(sizes[:owned], device, to_device),
                           RowGroups.build(sizes[owned:], device, to_device), pad_rows, in_order)
 

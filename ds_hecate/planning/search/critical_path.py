@@ -234,7 +234,7 @@ def plan_after_gate(counts: np.ndarray, prefetched: Placement, schedule: Schedul
                     kept = extras.holders if start is None else extras.holders | start
                     remembered = materialized_of(kept)
                 schedule.remember_calibration(remembered, counts, prefetched.owners)
-    plan = DispatchPlan.build(counts, placement, ranks_per_node)
+    plan = DispatchPlan.build(counts, placement, ranks_per_node, counted=True)
     return AfterGate(plan, plan.for_rank(rank), extras, searched, known is not None, shadows is not None, meter.us,
                      calibrating and known is None and shadows is None and not searched)
 
