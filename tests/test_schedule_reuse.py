@@ -81,7 +81,14 @@ def test_reuse_on_a_noisy_workload_saves_most_searches_and_tracks_the_moves():
         placements.append(reuse.schedule(predicted, OWNERS, SETTINGS))
     assert reuse.searches + reuse.reuses == 40
     assert reuse.reuses >= 20, (reuse.searches, reuse.reuses)
-    assert len(set(placements)) >= 2                 # the rotation was followed, not frozen
+    assert reuse.searches >= 4                       # each of the three moves searched again
+    # the rotation was followed: every step's hot expert (rank 0's first, then rank 1's, ...) is on both ranks. The
+    # exchange of one copy a rank (experts 0 and 4 on both) serves either phase; the owners alone, which the search
+    # kept on the calls whose window mixed the phases before every fill level of the proportional start was judged,
+    # left the step 1.43 imbalanced (89 ms against 64 by the estimate)
+    for step, placement in enumerate(placements):
+        hot_expert = 4 * ((step // 10) % 2)
+        assert all(hot_expert in held for held in placement), (step, placement)
 
 
 def test_still_fits_and_state_round_trip():

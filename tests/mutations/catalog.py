@@ -355,6 +355,12 @@ MUTATIONS: List[Mutation] = [
           "    judged = False  # MUTATION: the proportional start is never tried\n"),),
         "a fresh search returns the greedy passes' result alone: ragged sources keep the owners"),
     Mutation(
+        "proportional-start-full-fill-only", "ds_hecate/planning/search/greedy.py",
+        (("    for level in range(1, slots):\n",
+          "    for level in range(1, 1):  # MUTATION: only the full fill is judged\n"),),
+        "the proportional start is judged at its full fill alone: two ranks with a hot pair keep the greedy's 1.21 "
+        "where two copies a rank are cheaper by the estimate and balanced"),
+    Mutation(
         "node-exchange-never-proposed", "ds_hecate/planning/search/moves.py",
         (("    if nodes < 2 or costs.token_transfer_inter_s is None:\n",
           "    if True:  # MUTATION: no node exchange\n"),),
@@ -523,6 +529,9 @@ TESTS_FOR: Dict[str, List[str]] = {
     "proportional-start-without-the-bar": ["tests/test_proportional.py::test_the_start_must_beat_the_owners_by_min_gain"],
     "proportional-start-never-judged": [
         "tests/test_proportional.py::test_ragged_sources_take_the_proportional_start_the_greedy_misses"],
+    "proportional-start-full-fill-only": [
+        "tests/test_proportional.py::test_every_fill_level_is_judged_two_ranks_hot_pair",
+        "tests/test_schedule_reuse.py::test_reuse_on_a_noisy_workload_saves_most_searches_and_tracks_the_moves"],
     "stream-ordered-relay-waits-for-the-wait": [
         "tests/test_fanout.py::test_stream_ordered_relay_issues_every_stage_at_start_bit_equal"],
     "node-tree-counted-at-the-full-fan-out": ["tests/test_fanout.py::test_vectorised_counts_are_the_explicit_trees"],

@@ -125,12 +125,12 @@ def search_steps(counts: Sequence[Sequence[float]], owners: Sequence[int], setti
     during the second the best so far is the first pass's result, the one its estimate is judged against).
 
     A fresh search before the gate (no ``start``, not ``critical_path``) also judges the proportional start
-    (:mod:`.proportional`), first, its work part of the search's setup: the passes' best so far is shown as the
-    proportional start wherever that beats it and the sharded placement by ``min_gain``, and the search returns it on
-    the same terms. Why first: sliced over calls (:mod:`.sliced`), the calls meanwhile prefetch the best so far, and
-    judged last it came in only when the passes ended (simulated a100-4x8 gpt-moe-s W4: the proportional start, 18%
-    off the estimate, prefetched from the seventh call of a search that takes one step a call; with the node
-    exchange's steps, from the fourteenth)."""
+    (:mod:`.proportional`; the best of its fill levels, :func:`_best_fill`), first, its work part of the search's
+    setup: the passes' best so far is shown as the proportional start wherever that beats it and the sharded
+    placement by ``min_gain``, and the search returns it on the same terms. Why first: sliced over calls
+    (:mod:`.sliced`), the calls meanwhile prefetch the best so far, and judged last it came in only when the passes
+    ended (simulated a100-4x8 gpt-moe-s W4: the proportional start, 18% off the estimate, prefetched from the seventh
+    call of a search that takes one step a call; with the node exchange's steps, from the fourteenth)."""
     s = settings
     world, num_experts = len(counts), len(owners)
     slots = fill_slots(num_experts, world, s.replica_budget)
@@ -139,9 +139,7 @@ def search_steps(counts: Sequence[Sequence[float]], owners: Sequence[int], setti
     judged = start is None and not s.critical_path and slots > 0 and (limit is None or fill_us <= limit)
     filled = fill_s = None
     if judged:
-        filled = proportional_fill(counts, owners, slots)
-        fill_s = estimate_layer(counts, owners, materialized_of(filled), s.costs, s.ranks_per_node,
-                                prefetched=prefetched).time_s
+        filled, fill_s, fill_us = _best_fill(counts, owners, slots, s, prefetched, fill_us, limit)
     offset = fill_us if judged else 0.0
     passes = _passes(counts, owners, s, start, prefetched)
     fill_pays: Optional[bool] = None   # whether it beats the sharded placement (the passes' first best) by min_gain
@@ -168,6 +166,45 @@ def search_steps(counts: Sequence[Sequence[float]], owners: Sequence[int], setti
     sharded = int(result_mat.sum()) == num_experts   # the search kept the owners alone
     bar = result_s * (1.0 - s.min_gain) if sharded else result_s   # a kept result beat the owners by min_gain
     return materialized_of(filled) if float(round12(fill_s)) < float(round12(bar)) else result
+
+
+def _best_fill(counts, owners, slots: int, settings: SearchSettings, prefetched, full_us: float,
+               limit: Optional[float]) -> Tuple[np.ndarray, float, float]:
+    """The proportional start: (the holders of its cheapest fill level by the estimate, that estimate, the work of
+    the judgement). The full fill (``slots`` replicas a rank, ``full_us`` of work) first, as before any level was
+    judged, then the levels from one replica a rank up while their work fits within ``limit`` (None: no limit),
+    up to the first level no cheaper than the one below it (past the cheapest level, more copies cost their
+    holders more than they balance); ties to the full fill, then to fewer replicas. Every rank judges the same
+    levels (the same inputs and work model).
+
+    Why the lower levels: where the budget holds a rank's share of the experts again (small worlds) the full fill
+    copies nearly every expert with load everywhere, and each copy costs its holder ``replica_overhead_s``. On two
+    CPU ranks with a hot pair of rank 0's experts (8 experts, top-2) the greedy passes stopped at three copies on
+    rank 1 (compute max/mean 1.21, 6.22 ms a layer by the estimate): a copy of the second hot expert then
+    overloads rank 1 unless rank 0 takes back its own rows of two of rank 1's experts, two moves away, and the
+    greedy never drops the cold copies it took first; the full fill (four copies a rank) was dearer still (6.72 ms).
+    Two copies a rank is that exchange: 6.00 ms, max/mean 1.02."""
+    world, num_experts, work = len(counts), len(owners), settings.work
+
+    def judged(level: int) -> Tuple[np.ndarray, float]:
+        held = proportional_fill(counts, owners, level)
+        return held, estimate_layer(counts, owners, materialized_of(held), settings.costs, settings.ranks_per_node,
+                                    prefetched=prefetched).time_s
+
+    best_held, best_s = judged(slots)
+    spent_us, below_s = full_us, None
+    for level in range(1, slots):
+        level_us = work.fill_level_cost_us(level * world, world, num_experts)
+        if limit is not None and spent_us + level_us > limit:
+            break
+        spent_us += level_us
+        held, time_s = judged(level)
+        if float(round12(time_s)) < float(round12(best_s)):
+            best_held, best_s = held, time_s
+        if below_s is not None and float(round12(time_s)) >= float(round12(below_s)):
+            break
+        below_s = time_s
+    return best_held, best_s, spent_us
 
 
 def _passes(counts, owners, settings: SearchSettings, start,

@@ -88,10 +88,16 @@ class SearchWork:
 
     def fill_cost_us(self, replicas: int, world: int, num_experts: int) -> float:
         """The proportional start (:func:`~.proportional.proportional_fill`) of ``replicas`` replicas (26-31 us
-        each from 32 x 64 to 256 x 256 on a CPU, 47 at 1,024 x 256) and the two estimates that
-        judge it (:data:`~.call_work.CALL_WORK`'s)."""
+        each from 32 x 64 to 256 x 256 on a CPU, 47 at 1,024 x 256) and the two estimates that judge it
+        (:data:`~.call_work.CALL_WORK`'s). Each lower fill level judged beside it (:func:`~.greedy._best_fill`)
+        costs its replicas and one estimate: :meth:`fill_level_cost_us`."""
         return (self.fill_us_per_replica * replicas
                 + 2 * CALL_WORK.estimate_cost_us(world, num_experts))
+
+    def fill_level_cost_us(self, replicas: int, world: int, num_experts: int) -> float:
+        """A lower fill level of the proportional start judged beside the full one: its ``replicas`` and their
+        estimate."""
+        return self.fill_us_per_replica * replicas + CALL_WORK.estimate_cost_us(world, num_experts)
 
 
 SEARCH_WORK = SearchWork()
