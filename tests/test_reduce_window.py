@@ -63,9 +63,9 @@ def test_runtime_prices_its_layers_reduction_and_regather(rematerializes):
     # the runtime's own step_costs on one layer's binding: the reduction's bytes in its reduce dtype, and the
     # layer's re-materialization as the replica pool resolved it
     runtime = SimpleNamespace(config=HecateConfig(enabled=True), measured={"non_moe_time_s": 1e-3}, ep_size=8,
-                              ranks_per_node=8, overlaps_compute=True, relays_stream_ordered=True)
+                              ranks_per_node=8, overlaps_compute=True, relays_stream_ordered=True, _costs={})
     cost = CommCostModel(hidden_size=16, expert_numel=1_000, activation_bytes=2, param_bytes=2, grad_bytes=4)
-    binding = SimpleNamespace(cost=cost, rematerializes=rematerializes)
+    binding = SimpleNamespace(cost=cost, rematerializes=rematerializes, index=0)
     costs = HecateRuntime.step_costs(runtime, binding)
     assert costs.reduce_share == pytest.approx(4 / 6)
     assert costs.reduce_overlap_s == pytest.approx(BACKWARD_FACTOR * 1e-3)
