@@ -147,16 +147,16 @@ def grouped_available(kernel: ExpertKernel, buffer: torch.Tensor, experts: Optio
     (the operands' alignment is checked per call).
 
     Biased experts in fp16/bf16 take the loop: ``F.linear`` rounds ``x W^T + b`` once, a grouped GEMM followed by
-    the bias add would round twice (about half an ulp on every element: the oracle tests see it). The FFN experts
-    of the MoE models that matter on GPUs have no biases. On the CPU, unless ``DS_HECATE_GROUPED_MM`` says
+    the bias add would round twice (about half an ulp on every element: the oracle tests see it), except for
+    experts whose own arithmetic adds the bias to the rounded product (``form.bias_apart``: Hugging Face's
+    experts, e.g. GPT-OSS), which the grouped path computes exactly. On the CPU, unless ``DS_HECATE_GROUPED_MM`` says
     otherwise, only calls with at least :data:`CPU_GROUPED_MIN_EXPERTS` experts take grouped GEMM. ``experts``: the
     call's experts (default: ``buffer``'s rows; a call whose experts are in two parts passes their sum)."""
     form = kernel.form
     experts = buffer.shape[0] if experts is None else experts
     if form is None or experts == 0:
         return False
-    biased = any(b is not None for b in (form.up_bias, form.gate_bias, form.down_bias))
-    if biased and buffer.dtype != torch.float32:
+    if form.has_bias and not form.bias_apart and buffer.dtype != torch.float32:
         return False
     forced = os.environ.get(GROUPED_MM_ENV)   # read per call: the cached feature check below must not hold it
     if forced == "0" or (forced is None and buffer.device.type == "cpu" and experts < CPU_GROUPED_MIN_EXPERTS):
