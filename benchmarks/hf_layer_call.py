@@ -20,6 +20,7 @@ the call copies or transposes a tensor as large as one projection of all experts
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -37,9 +38,10 @@ FAMILIES: Dict[str, Callable[[LayerShape], dict]] = {
     "glm4_moe": lambda s: dict(hidden_size=s.hidden, moe_intermediate_size=s.ffn, n_routed_experts=s.experts),
     "qwen3_moe": lambda s: dict(hidden_size=s.hidden, moe_intermediate_size=s.ffn, num_experts=s.experts),
 }
-#: ops that copy or lay out a tensor anew (a per-call relayout would be one of these on expert-sized inputs)
-COPY_OPS = ("aten::copy_", "aten::clone", "aten::contiguous", "aten::t", "aten::transpose", "aten::permute",
-            "aten::cat", "aten::stack", "aten::index_select", "aten::_to_copy")
+#: ops that write a tensor anew (a per-call relayout of the experts' weights would be one of these on an input
+#: holding every expert: ``[E, ...]`` of at least one projection's size; views such as a transpose copy nothing)
+COPY_OPS = ("aten::copy_", "aten::clone", "aten::contiguous", "aten::_to_copy", "aten::cat", "aten::stack",
+            "aten::index_select", "aten::gather", "aten::_unsafe_view")
 
 
 def experts_module(family: str, shape: LayerShape, device: str):
@@ -60,7 +62,7 @@ def experts_module(family: str, shape: LayerShape, device: str):
 
 
 def build(family: str, shape: LayerShape, device: str, dtype_name: str):
-    """(runtime, binding, relayout threshold) of a 1-rank Hecate runtime that took the family's module over."""
+    """(runtime, binding, model) of a 1-rank Hecate runtime that took the family's experts module over."""
     import torch
     import torch.distributed as dist
 
@@ -79,7 +81,7 @@ def build(family: str, shape: LayerShape, device: str, dtype_name: str):
     runtime = HecateRuntime(config, build_communicator("torch", None, 0, 1, dev), _dtype(dtype_name), 1)
     model = torch.nn.ModuleDict({"experts": experts_module(family, shape, device)})
     convert_hf_model(model, runtime)
-    return runtime, runtime.bindings[0], shape.experts * shape.hidden * shape.ffn
+    return runtime, runtime.bindings[0], model
 
 
 def routing(shape: LayerShape, device: str, dtype_name: str, seed: int = 1):
@@ -102,9 +104,9 @@ def fwd_bwd(runtime, binding, x, indices, weights, grad) -> None:
     runtime.store.zero_grads()
 
 
-def relayout_ops(runtime, binding, inputs, threshold: int) -> List[str]:
-    """Copy-like ops of one call whose input holds at least ``threshold`` elements (one projection of every
-    expert): what a per-call relayout of the experts' weights would run."""
+def relayout_ops(runtime, binding, inputs, shape: LayerShape) -> List[str]:
+    """Copy-like ops of one call whose input is an ``[E, ...]`` tensor of at least one projection of every expert
+    (``E * hidden * ffn`` elements): what a per-call relayout of the experts' weights would run."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -112,40 +114,66 @@ def relayout_ops(runtime, binding, inputs, threshold: int) -> List[str]:
         fwd_bwd(runtime, binding, *inputs)
     found = []
     for event in prof.events():
-        if event.name in COPY_OPS and event.input_shapes:
-            sizes = [int(torch.Size(s).numel()) for s in event.input_shapes if s]
-            if sizes and max(sizes) >= threshold:
+        for s in event.input_shapes or ():
+            if (event.name in COPY_OPS and len(s) >= 3 and s[0] == shape.experts
+                    and int(torch.Size(s).numel()) >= shape.experts * shape.hidden * shape.ffn):
                 found.append(f"{event.name}{event.input_shapes}")
+                break
     return found
 
 
+def transformers_call(family: str, shape: LayerShape, device: str, dtype_name: str) -> Callable[..., None]:
+    """The same experts in plain transformers (``grouped_mm``, the default experts implementation): forward +
+    backward of the module on the same routing, the reference each family's arithmetic sets."""
+    import torch
+    module = experts_module(family, shape, device).to(_dtype(dtype_name))
+    module.config._experts_implementation = "grouped_mm"
+
+    def call(x, indices, weights, grad) -> None:
+        leaf = x.detach().requires_grad_(True)
+        module(leaf, indices.t(), weights.t()).backward(grad)
+        for p in module.parameters():
+            p.grad = None
+    return call
+
+
 def measure(families: List[str], shape_name: str, device: str, dtype_name: str, repeat: int) -> dict:
-    """Paired timings of every family's layer call, in this process."""
+    """Paired timings of every family's layer call, through Hecate and in plain transformers, in this process."""
     os.environ["DS_HECATE_GROUPED_MM"] = "1"
     shape = SHAPES[shape_name]
-    built = {f: build(f, shape, device, dtype_name) for f in families}
     inputs = routing(shape, device, dtype_name)
+    calls: Dict[str, Callable[[], None]] = {}
     relayouts = {}
-    for family, (runtime, binding, threshold) in built.items():
-        fwd_bwd(runtime, binding, *inputs)   # warm-up (and the grouped GEMM feature check)
-        relayouts[family] = relayout_ops(runtime, binding, inputs, threshold)
-    times: Dict[str, List[float]] = {f: [] for f in families}
+    for family in families:
+        runtime, binding, _ = build(family, shape, device, dtype_name)
+        calls[f"{family}/hecate"] = functools.partial(fwd_bwd, runtime, binding, *inputs)
+        calls[f"{family}/transformers"] = functools.partial(transformers_call(family, shape, device, dtype_name),
+                                                            *inputs)
+        calls[f"{family}/hecate"]()   # warm-up (and the grouped GEMM feature check)
+        calls[f"{family}/transformers"]()
+        relayouts[family] = relayout_ops(runtime, binding, inputs, shape)
+    names = list(calls)
+    times: Dict[str, List[float]] = {n: [] for n in names}
     for r in range(repeat):
-        for family in (families if r % 2 == 0 else families[::-1]):
-            runtime, binding, _ = built[family]
+        for name in (names if r % 2 == 0 else names[::-1]):
             _sync(device)
             start = time.perf_counter()
-            fwd_bwd(runtime, binding, *inputs)
+            calls[name]()
             _sync(device)
-            times[family].append(time.perf_counter() - start)
-    base = families[0]
-    ratios = {}
-    for family in families[1:]:
-        per_round = sorted(t / b for t, b in zip(times[family], times[base]))
+            times[name].append(time.perf_counter() - start)
+
+    def ratio(a: str, b: str) -> dict:
+        per_round = sorted(x / y for x, y in zip(times[a], times[b]))
         q = statistics.quantiles(per_round, n=4) if len(per_round) > 1 else per_round * 3
-        ratios[family] = {"median": statistics.median(per_round), "q1": q[0], "q3": q[-1]}
+        return {"median": statistics.median(per_round), "q1": q[0], "q3": q[-1]}
+
+    base = families[0]
     return {"shape": shape_name, "device": device, "dtype": dtype_name, "repeat": repeat, "base": base,
-            "median_s": {f: statistics.median(t) for f, t in times.items()}, "ratio_to_base": ratios,
+            "median_s": {n: statistics.median(t) for n, t in times.items()},
+            # the family's layer call through Hecate against Mixtral's, both through Hecate
+            "hecate_to_base": {f: ratio(f"{f}/hecate", f"{base}/hecate") for f in families[1:]},
+            # Hecate against plain transformers on the family's own arithmetic
+            "hecate_to_transformers": {f: ratio(f"{f}/hecate", f"{f}/transformers") for f in families},
             "relayout_ops": relayouts}
 
 
@@ -165,13 +193,18 @@ def main(argv: Optional[List[str]] = None) -> None:
         parser.error(f"--families: unknown {unknown}; choose from {sorted(FAMILIES)}")
     result = measure(families, args.shape, args.device, args.dtype, args.repeat)
     base = result["base"]
-    print(f"{args.shape} ({args.device}, {args.dtype}, {args.repeat} rounds, grouped GEMM): fwd+bwd median, "
-          f"ratio to {base} (median of per-round ratios, IQR)")
+
+    def text(r) -> str:
+        return f"{r['median']:.3f} [{r['q1']:.3f}, {r['q3']:.3f}]" if r else "1 (base)"
+    print(f"{args.shape} ({args.device}, {args.dtype}, {args.repeat} rounds, grouped GEMM): fwd+bwd medians; ratios "
+          "are medians of per-round ratios [IQR]")
+    print(f"  {'family':12s} {'hecate':>10s} {'transformers':>13s}  {'hecate / ' + base:24s} "
+          f"{'hecate / transformers':24s} relayout ops")
     for family in families:
-        ratio = result["ratio_to_base"].get(family)
-        text = (f"{ratio['median']:.3f} [{ratio['q1']:.3f}, {ratio['q3']:.3f}]" if ratio else "1 (base)")
         relayout = result["relayout_ops"][family]
-        print(f"  {family:12s} {result['median_s'][family] * 1e3:9.2f} ms  {text}  per-call relayout ops: "
+        print(f"  {family:12s} {result['median_s'][family + '/hecate'] * 1e3:8.2f}ms "
+              f"{result['median_s'][family + '/transformers'] * 1e3:11.2f}ms  "
+              f"{text(result['hecate_to_base'].get(family)):24s} {text(result['hecate_to_transformers'][family]):24s} "
               f"{len(relayout)}{' ' + '; '.join(relayout[:3]) if relayout else ''}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))

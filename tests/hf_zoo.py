@@ -9,7 +9,7 @@ cannot be built tiny on a CPU are listed in :data:`UNBUILDABLE` with the reason;
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Set
 
 import torch
 
@@ -114,7 +114,7 @@ def _layer_indices(d: Dict[str, Any], old_layers: int, layers: int) -> List[int]
     """Which of the default depth's layers the tiny model keeps: the first layer of every kind each per-layer
     schedule of kinds names (so a dense-first model keeps a dense and an MoE layer, a hybrid one each layer kind), filled
     up with the first layers to ``layers``."""
-    picked = set()
+    picked: Set[int] = set()
     for value in d.values():
         if isinstance(value, list) and len(value) == old_layers and all(isinstance(v, str) for v in value):
             first: Dict[str, int] = {}

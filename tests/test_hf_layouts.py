@@ -5,7 +5,7 @@ transformers train in tests/test_hf_zoo.py; the classes here are made up to reac
 (interleaved rows with the default gate, a parameter-free post-expert norm) and the refusals."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -59,11 +59,11 @@ def experts_class(*, concatenated=True, transposed=False, bias=False, gate=True,
             raise NotImplementedError
 
     module = MadeUpExperts(transformers.PretrainedConfig())
-    module.has_post_expert_norm = post_norm is not None   # (transformers 5.10's decorator does not record it)
+    setattr(module, "has_post_expert_norm", post_norm is not None)   # (5.10's decorator does not record it)
     return module
 
 
-def reference(module: nn.Module, e: int, x: torch.Tensor) -> torch.Tensor:
+def reference(module: Any, e: int, x: torch.Tensor) -> torch.Tensor:
     """Expert ``e`` of ``module`` on ``x`` as its declared layout says, written without Hecate's code."""
     def proj(h, name):
         w = getattr(module, name)[e]
@@ -73,7 +73,7 @@ def reference(module: nn.Module, e: int, x: torch.Tensor) -> torch.Tensor:
 
     if module.has_gate:
         product = proj(x, "gate_up_proj")
-        if type(module)._apply_gate.__name__ != "_default_apply_gate":
+        if getattr(type(module), "_apply_gate").__name__ != "_default_apply_gate":
             hidden = module._apply_gate(product)
         elif module.is_concatenated:
             hidden = F.silu(product[:, :FF]) * product[:, FF:]

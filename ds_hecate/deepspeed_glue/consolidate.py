@@ -83,8 +83,9 @@ def consolidated_state_dict(checkpoint_dir: str, tag: Optional[str] = None,
     for layer_id, layer in enumerate(meta["layers"]):
         masters = [_expert_master(directory, digests, layer_id, layer, e) for e in range(layer["num_experts"])]
         numels = [int(torch.Size(shape).numel()) for shape in layer["param_shapes"]]
-        if layout == "hf":   # every expert's pieces stacked, as the module stores them
-            params = [(n, tuple(shape), n in hf_layouts[layer_id]["transposed"])
+        hf_layout = hf_layouts[layer_id]
+        if layout == "hf" and hf_layout is not None:   # every expert's pieces stacked, as the module stores them
+            params = [(n, tuple(shape), n in hf_layout["transposed"])
                       for n, shape in zip(layer["param_names"], layer["param_shapes"])]
             stacked = stack_as_stored(list(torch.stack(masters).split(numels, dim=1)), params)
             out.update({f"{layer['name']}.{n}": t for n, t in stacked.items()})

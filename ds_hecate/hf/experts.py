@@ -90,7 +90,7 @@ def experts_form(spec: ExpertsSpec, module: nn.Module, where: str) -> FFNForm:
         raise HecateModelError(f"{where}: it has no act_fn (and no _apply_gate of its own); Hecate needs the "
                                "activation the experts interface calls")
     act = hook_free(act_fn, where) if act_fn is not None else torch.nn.functional.silu
-    post = hook_free(module.post_expert_norm, where) if layout.post_expert_norm else None
+    post = hook_free(getattr(module, "post_expert_norm"), where) if layout.post_expert_norm else None
     first, down = spec.first, spec.down
     if not layout.gate:
         return FFNForm(act=act, up=first, up_bias=spec.bias_of(first), down=down, down_bias=spec.bias_of(down),

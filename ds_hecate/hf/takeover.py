@@ -67,7 +67,7 @@ def no_moe_block_error(model: nn.Module) -> HecateModelError:
 
 def _full_tensors(module: nn.Module, spec: ExpertsSpec) -> Dict[str, torch.Tensor]:
     """The module's expert tensors, whole (gathered once from their ZeRO-3 partitions under ``zero.Init``)."""
-    params = [module._parameters[n] for n in spec.names]
+    params = [getattr(module, n) for n in spec.names]
     if any(hasattr(p, "ds_id") for p in params):
         import deepspeed
         with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
@@ -156,7 +156,7 @@ class HFTakeover:
             if shape is None:
                 return get_parameter(target)
             return nn.Parameter(torch.empty(shape, device="meta"), requires_grad=False)
-        model.get_parameter = get_parameter_or_expert
+        setattr(model, "get_parameter", get_parameter_or_expert)
 
     # -- counts ---------------------------------------------------------------------------------------------
     def expert_parameter_count(self) -> int:
