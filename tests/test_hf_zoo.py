@@ -196,3 +196,26 @@ def test_consolidate_and_export_hf_agree_with_save_pretrained(zoo, name, tmp_pat
     with torch.no_grad():
         logits = _logits(_model_from(out), probe_ids())
     torch.testing.assert_close(logits, result["logits"], rtol=1e-5, atol=1e-5)
+
+
+# -- the models table --------------------------------------------------------------------------------------------
+def test_models_table_in_the_docs_is_the_commands_output():
+    """``ds-hecate models`` (``models_markdown(model_rows())``) says what the zoo shows (every class taken over but
+    the refused types'), and docs/huggingface.md shows its output for the installed transformers verbatim (for the
+    tested versions)."""
+    import re
+
+    from ds_hecate.tools.models import model_rows, models_markdown
+
+    rows = model_rows()
+    assert {r.model_type for r in rows} == set(interface_model_types())
+    for row in rows:
+        assert row.taken_over == (row.model_type not in REFUSED), row
+        if row.model_type in REFUSED:
+            assert REFUSED[row.model_type] in row.status, row
+    docs = open(os.path.join(os.path.dirname(__file__), "..", "docs", "huggingface.md"), encoding="utf-8").read()
+    documented = dict(re.findall(r"<!-- ds-hecate models: transformers (\S+) -->\n(.*?)\n<!-- end -->", docs, re.S))
+    assert len(documented) >= 2
+    if transformers.__version__ not in documented:
+        pytest.skip(f"docs/huggingface.md shows the tables of {sorted(documented)}, not {transformers.__version__}")
+    assert documented[transformers.__version__] == models_markdown(rows)
