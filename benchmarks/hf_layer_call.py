@@ -26,7 +26,8 @@ import os
 import statistics
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from dataclasses import asdict
+from typing import Callable, Dict, List, Optional, Union
 
 from benchmarks.layer_call import SHAPES, LayerShape, _dtype, _free_port, _sync
 
@@ -105,13 +106,16 @@ def fwd_bwd(runtime, binding, x, indices, weights, grad) -> None:
 
 
 def relayout_ops(runtime, binding, inputs, shape: LayerShape) -> List[str]:
-    """Copy-like ops of one call whose input is an ``[E, ...]`` tensor of at least one projection of every expert
-    (``E * hidden * ffn`` elements): what a per-call relayout of the experts' weights would run."""
+    """Copy-like ops of one call's forward whose input is an ``[E, ...]`` tensor of at least one projection of every
+    expert (``E * hidden * ffn`` elements): what a per-call relayout of the experts' weights would run before its
+    GEMMs. (The backward writes the weight gradients into their accumulators, a copy of that size on the CPU's
+    small-expert path, which is no relayout; so only the forward is profiled.)"""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        fwd_bwd(runtime, binding, *inputs)
+    x, indices, weights, _ = inputs
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof, torch.no_grad():
+        binding.run(x, indices, weights, "hf")
     found = []
     for event in prof.events():
         for s in event.input_shapes or ():
@@ -137,10 +141,12 @@ def transformers_call(family: str, shape: LayerShape, device: str, dtype_name: s
     return call
 
 
-def measure(families: List[str], shape_name: str, device: str, dtype_name: str, repeat: int) -> dict:
-    """Paired timings of every family's layer call, through Hecate and in plain transformers, in this process."""
+def measure(families: List[str], shape_name: Union[str, LayerShape], device: str, dtype_name: str,
+            repeat: int) -> dict:
+    """Paired timings of every family's layer call, through Hecate and in plain transformers, in this process
+    (``shape_name``: one of :data:`SHAPES`, or a shape of its own)."""
     os.environ["DS_HECATE_GROUPED_MM"] = "1"
-    shape = SHAPES[shape_name]
+    shape = SHAPES[shape_name] if isinstance(shape_name, str) else shape_name
     inputs = routing(shape, device, dtype_name)
     calls: Dict[str, Callable[[], None]] = {}
     relayouts = {}
@@ -168,7 +174,7 @@ def measure(families: List[str], shape_name: str, device: str, dtype_name: str, 
         return {"median": statistics.median(per_round), "q1": q[0], "q3": q[-1]}
 
     base = families[0]
-    return {"shape": shape_name, "device": device, "dtype": dtype_name, "repeat": repeat, "base": base,
+    return {"shape": shape_name if isinstance(shape_name, str) else asdict(shape), "device": device, "dtype": dtype_name, "repeat": repeat, "base": base,
             "median_s": {n: statistics.median(t) for n, t in times.items()},
             # the family's layer call through Hecate against Mixtral's, both through Hecate
             "hecate_to_base": {f: ratio(f"{f}/hecate", f"{base}/hecate") for f in families[1:]},

@@ -72,8 +72,9 @@ def train(case: Dict[str, Any], workdir: str) -> Dict[str, Any]:
         from ds_hecate.hf import hecate_of
         takeover = hecate_of(engine)
         result["hecate_layers"] = list(takeover.runtime.layer_names) if takeover else []
+        # parameters of a taken-over experts module that DeepSpeed still holds (none may be left)
         result["experts_seen_by_deepspeed"] = [n for n, _ in engine.module.named_parameters()
-                                               if n.rsplit(".", 1)[-1] in ("gate_up_proj", "up_proj", "down_proj")]
+                                               if n.rsplit(".", 1)[0] in result["hecate_layers"]]
     if case.get("save"):
         result.update(_save(case, engine, workdir))
     engine.destroy() if hasattr(engine, "destroy") else None
@@ -109,7 +110,7 @@ def _save(case: Dict[str, Any], engine, workdir: str) -> Dict[str, Any]:
 def _logits(model, ids: torch.Tensor) -> torch.Tensor:
     """The model's output scores on ``ids`` (the logits of a causal LM or token classifier; a block-diffusion
     decoder's on the canvas ``ids``)."""
-    if getattr(getattr(model, "config", None) or model.module.config, "model_type", "") == "diffusion_gemma":
+    if getattr(model, "module", model).config.model_type == "diffusion_gemma":
         return model(input_ids=ids, decoder_input_ids=ids).logits.float()
     return model(input_ids=ids).logits.float()
 
