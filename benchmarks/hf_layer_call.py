@@ -174,7 +174,8 @@ def measure(families: List[str], shape_name: Union[str, LayerShape], device: str
         return {"median": statistics.median(per_round), "q1": q[0], "q3": q[-1]}
 
     base = families[0]
-    return {"shape": shape_name if isinstance(shape_name, str) else asdict(shape), "device": device, "dtype": dtype_name, "repeat": repeat, "base": base,
+    return {"shape": shape_name if isinstance(shape_name, str) else asdict(shape), "device": device,
+            "dtype": dtype_name, "repeat": repeat, "base": base,
             "median_s": {n: statistics.median(t) for n, t in times.items()},
             # the family's layer call through Hecate against Mixtral's, both through Hecate
             "hecate_to_base": {f: ratio(f"{f}/hecate", f"{base}/hecate") for f in families[1:]},

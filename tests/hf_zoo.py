@@ -22,7 +22,8 @@ TINY: Dict[str, Any] = {
     "hidden_size": 32, "d_model": 32, "intermediate_size": 48, "ffn_hidden_size": 48, "moe_intermediate_size": 16,
     "expert_ffn_hidden_size": 16, "shared_expert_intermediate_size": 24, "moe_shared_expert_intermediate_size": 24,
     "first_dense_intermediate_size": 48, "dense_intermediate_size": 48, "shared_intermediate_size": 24,
-    "mlp_dim": 32, "output_channels": 16, "out_hidden_size": 32, "output_dim": 32, "projector_hidden_size": 32, "thinker_hidden_size": 32,
+    "mlp_dim": 32, "output_channels": 16, "out_hidden_size": 32, "output_dim": 32, "projector_hidden_size": 32,
+    "thinker_hidden_size": 32,
     # attention
     "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "num_heads": 2, "encoder_attention_heads": 2,
     "q_lora_rank": 16, "kv_lora_rank": 8, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8,
@@ -30,7 +31,8 @@ TINY: Dict[str, Any] = {
     "sliding_window": 4, "global_head_dim": 16, "attention_chunk_size": 4, "rotary_dim": 8,
     "index_block_size": 4, "index_topk_blocks": 2,
     # linear attention / state space
-    "linear_head_dim": 8, "linear_num_heads": 2, "linear_key_head_dim": 8, "linear_value_head_dim": 8, "linear_num_key_heads": 2, "linear_num_value_heads": 2,
+    "linear_head_dim": 8, "linear_num_heads": 2, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+    "linear_num_key_heads": 2, "linear_num_value_heads": 2,
     "ssm_state_size": 8, "mamba_num_heads": 4, "mamba_head_dim": 8, "n_groups": 1, "chunk_size": 4,
     "mamba_d_state": 4, "mamba_dt_rank": 4, "mamba_expand": 2, "block_size": 4, "conv_L_cache": 3,
     # depth
@@ -112,8 +114,8 @@ def _is_per_layer_dict(value: Any, old_layers: int) -> bool:
 
 def _layer_indices(d: Dict[str, Any], old_layers: int, layers: int) -> List[int]:
     """Which of the default depth's layers the tiny model keeps: the first layer of every kind each per-layer
-    schedule of kinds names (so a dense-first model keeps a dense and an MoE layer, a hybrid one each layer kind), filled
-    up with the first layers to ``layers``."""
+    schedule of kinds names (so a dense-first model keeps a dense and an MoE layer, a hybrid one each layer kind),
+    filled up with the first layers to ``layers``."""
     picked: Set[int] = set()
     for value in d.values():
         if isinstance(value, list) and len(value) == old_layers and all(isinstance(v, str) for v in value):
@@ -210,8 +212,9 @@ def model_class(config):
     raise KeyError(f"no causal-LM class for {config.model_type}")
 
 
-def build(model_type: str, seed: int = 0):
-    """A tiny random model of ``model_type`` (fp32, seeded)."""
+def build(model_type: str, seed: int = 0, check_size: bool = True):
+    """A tiny random model of ``model_type`` (fp32, seeded); ``check_size`` builds it on the meta device first to
+    refuse a size the shrink missed (not under ZeRO-3's ``zero.Init``, which the meta device does not go with)."""
     import transformers as tf
     if model_type == REGISTERED:
         return build_registered(seed)
@@ -221,8 +224,10 @@ def build(model_type: str, seed: int = 0):
     if chosen is not None:
         cls = getattr(tf, chosen[0])
         config = getattr(config, chosen[1]) if chosen[1] else config
-    with torch.device("meta"):   # a size the shrink missed fails here, not by filling the memory
-        numel = sum(p.numel() for p in cls._from_config(config, dtype=torch.float32).parameters())
+    numel = 0
+    if check_size:
+        with torch.device("meta"):   # a size the shrink missed fails here, not by filling the memory
+            numel = sum(p.numel() for p in cls._from_config(config, dtype=torch.float32).parameters())
     if numel > MAX_PARAMETERS:
         raise ValueError(f"{model_type}: the tiny config still has {numel:,} parameters (a size the shrink missed)")
     torch.manual_seed(seed)

@@ -65,6 +65,10 @@ def _cases():
         if variant:   # ZeRO-3 with DeepSpeed's default leaf list (no leaf_module in the config)
             cases.append(dict(name=f"{model_type}_hecate_zero3", model_type=model_type, stage=3, hecate=True,
                               save=model_type == "gpt_oss", checkpoint=model_type == "gpt_oss"))
+        if model_type == "gpt_oss":   # built under zero.Init (partitioned biases and transposed weights gathered)
+            for hecate in (False, True):
+                cases.append(dict(name=f"gpt_oss_{'hecate' if hecate else 'plain'}_zero_init",
+                                  model_type=model_type, stage=3, hecate=hecate, zero_init=True))
     return cases
 
 
@@ -107,6 +111,13 @@ def test_zero2_follows_plain_deepspeed(zoo, model_type):
 @pytest.mark.parametrize("model_type", [t for t in VARIANTS if t in TYPES])
 def test_zero3_default_leaves_follows_plain_deepspeed(zoo, model_type):
     _check_follows_plain(zoo, f"{model_type}_plain", f"{model_type}_hecate_zero3")
+
+
+@pytest.mark.skipif("gpt_oss" not in TYPES, reason="DS_HECATE_ZOO selects types")
+def test_zero_init_built_model_follows_plain_deepspeed(zoo):
+    """GPT-OSS built under ``zero.Init`` (as the Trainer builds a model at ZeRO-3): its partitioned, transposed
+    weights and biases are gathered once at take-over; plain ZeRO-3 from the same construction is the reference."""
+    _check_follows_plain(zoo, "gpt_oss_plain_zero_init", "gpt_oss_hecate_zero_init")
 
 
 @pytest.mark.skipif(bool(os.environ.get("DS_HECATE_ZOO")), reason="DS_HECATE_ZOO selects types")

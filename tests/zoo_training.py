@@ -56,10 +56,16 @@ def train(case: Dict[str, Any], workdir: str) -> Dict[str, Any]:
     t0 = time.perf_counter()
     if case["hecate"] and case["model_type"] == hf_zoo.REGISTERED:
         hf_zoo.register_plain_experts()
-    model = hf_zoo.build(case["model_type"])
+    config = ds_config(case["stage"], case["hecate"], case.get("leaf_classes"))
+    if case.get("zero_init"):   # built partitioned under zero.Init, as the Trainer builds a model at ZeRO-3
+        from transformers.integrations import HfDeepSpeedConfig
+        zero3 = HfDeepSpeedConfig(config)   # noqa: F841 - transformers reads it while the model is built
+        model = hf_zoo.build(case["model_type"], check_size=False)
+        del zero3
+    else:
+        model = hf_zoo.build(case["model_type"])
     t1 = time.perf_counter()
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                           config=ds_config(case["stage"], case["hecate"], case.get("leaf_classes")))
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     t2 = time.perf_counter()
     result: Dict[str, Any] = {"loss": []}
     for ids in batches(dist.get_rank()):

@@ -41,6 +41,9 @@ def find_experts_modules(model: nn.Module) -> List[Tuple[str, nn.Module, Experts
     interface, and registered ones outside it. Raises, naming the module, where one cannot be taken over."""
     found = []
     for name, module in model.named_modules():
+        if "_hecate_binding" in module.__dict__:
+            raise HecateModelError(f"experts module '{name}' is already taken over by Hecate (initialize called "
+                                   "twice?)")
         if module_layout(module) is not None:
             found.append((name, module, plan_experts(name, module)))
             continue
@@ -101,9 +104,6 @@ def convert_hf_model(model: nn.Module, runtime) -> Dict[int, Set[int]]:
     if not found:
         raise no_moe_block_error(model)
     for name, module, _ in found:
-        if "_hecate_binding" in module.__dict__:
-            raise HecateModelError(f"experts module '{name}' is already taken over by Hecate (initialize called "
-                                   "twice?)")
         if module_layout(module) is not None and getattr(module, "config", None) is None:
             raise HecateModelError(f"experts module '{name}' ({type(module).__name__}) has no config; Hecate selects "
                                    "its compute through config._experts_implementation (@use_experts_implementation)")
