@@ -154,7 +154,7 @@ class GradPart:
         if not groups.sizes:
             return
         lo, hi = self.columns(name)
-        summed = torch.segment_reduce(grad.float(), "sum", lengths=groups.lengths, axis=0).to(dtype)
+        summed = groups.row_sums(grad).to(dtype)
         target = self.target.rows()[:, lo:hi]
         if self._write(name):
             target.copy_(summed)
