@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -44,11 +44,18 @@ class SwiGLUExpert(nn.Module):
 @dataclass(frozen=True)
 class FFNForm:
     """An FFN expert as projections of named parameters: ``down(act(up x))`` or, gated,
-    ``down(act(gate x) * up x)``.
+    ``down(act(gate x) * up x)``, optionally followed by a parameter-free ``post`` (a post-expert norm).
 
-    ``gate_up`` names one ``[2F, H]`` operand whose first ``F`` outputs are the gate (Hugging Face's fused
-    experts); for a SwiGLU expert without biases the adjacent ``w1``/``w3`` weights form that operand in the grouped
-    path (:attr:`fusable`), so one GEMM computes both.
+    ``gate_up`` names one ``[2F, H]`` operand holding the gate and up rows (Hugging Face's fused experts): the first
+    ``F`` outputs are the gate, or, ``interleaved``, the even ones (gate0, up0, gate1, ...), taken as strided views
+    of the product (the weights stay as stored). ``glu`` replaces ``act(gate) * up`` on that product by the
+    experts' own function of all ``2F`` outputs (a Hugging Face class's ``_apply_gate``: clamped or scaled
+    SwiGLU variants, which read the layout themselves). For a SwiGLU expert without biases the adjacent
+    ``w1``/``w3`` weights form that operand in the grouped path (:attr:`fusable`), so one GEMM computes both.
+
+    ``bias_apart``: the bias is added to the rounded product (``x W^T`` then ``+ b``, Hugging Face's arithmetic)
+    rather than fused into it (``F.linear``'s one rounding); the same numbers in fp32, one more rounding in 16 bit,
+    which is what lets the grouped path (product, then bias) run such experts in 16 bit too.
     """
 
     act: Callable[[torch.Tensor], torch.Tensor]
@@ -59,13 +66,31 @@ class FFNForm:
     gate: Optional[str] = None
     gate_bias: Optional[str] = None
     gate_up: Optional[str] = None
+    gate_up_bias: Optional[str] = None
+    interleaved: bool = False
+    glu: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+    post: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+    bias_apart: bool = False
+
+    @property
+    def has_bias(self) -> bool:
+        return any(b is not None for b in (self.up_bias, self.gate_bias, self.gate_up_bias, self.down_bias))
+
+    def gated(self, product: torch.Tensor) -> torch.Tensor:
+        """The hidden activation from the fused gate/up product ``[..., 2F]``."""
+        if self.glu is not None:
+            return self.glu(product)
+        if self.interleaved:
+            gate, up = product[..., 0::2], product[..., 1::2]
+        else:
+            gate, up = product.chunk(2, dim=-1)
+        return self.act(gate) * up
 
     def run(self, proj: Projection, x: torch.Tensor, fuse_gate_up: bool = False) -> torch.Tensor:
         """The expert's output through ``proj``; ``fuse_gate_up`` runs gate and up as one operand (grouped path,
         only when :attr:`fusable`): the operand's name is ``gate + '+' + up``."""
         if self.gate_up is not None:
-            gate, up = proj(x, self.gate_up, None).chunk(2, dim=-1)
-            hidden = self.act(gate) * up
+            hidden = self.gated(proj(x, self.gate_up, self.gate_up_bias))
         elif self.gate is not None:
             if fuse_gate_up:
                 gate, up = proj(x, f"{self.gate}+{self.up}", None).chunk(2, dim=-1)
@@ -74,13 +99,38 @@ class FFNForm:
             hidden = self.act(gate) * up
         else:
             hidden = self.act(proj(x, self.up, self.up_bias))
-        return proj(hidden, self.down, self.down_bias)
+        out = proj(hidden, self.down, self.down_bias)
+        return self.post(out) if self.post is not None else out
 
     def fusable(self, names: Sequence[str]) -> bool:
         """Gate and up weights adjacent in the flat layout (gate first) and without biases: one ``[2F, H]`` view."""
         if self.gate is None or self.gate_bias is not None or self.up_bias is not None:
             return False
         return self.gate in names and names.index(self.gate) + 1 == names.index(self.up)
+
+
+def linear(form: FFNForm, params: Dict[str, torch.Tensor]) -> Projection:
+    """``proj`` for one expert's named weights: ``F.linear``, with the bias fused, or added to the product when
+    the form says so (:attr:`FFNForm.bias_apart`)."""
+    if form.bias_apart:
+        def apart(h: torch.Tensor, w: str, b: Optional[str]) -> torch.Tensor:
+            out = F.linear(h, params[w])
+            return out + params[b] if b is not None else out
+        return apart
+    return lambda h, w, b: F.linear(h, params[w], params[b] if b is not None else None)
+
+
+def stack_as_stored(pieces: List[torch.Tensor], params: List[Tuple[str, Tuple[int, ...], bool]],
+                    dtype: Optional[torch.dtype] = None) -> Dict[str, torch.Tensor]:
+    """Per parameter ``(name, per-expert shape, transposed)`` its ``[E, numel]`` columns as the module stores the
+    parameter: ``[E, *shape]``, or ``[E, in, out]`` when transposed (contiguous, own storage)."""
+    out = {}
+    for piece, (name, shape, transposed) in zip(pieces, params):
+        t = piece.reshape((piece.shape[0],) + tuple(shape))
+        if transposed:
+            t = t.transpose(1, 2)
+        out[name] = (t.to(dtype) if dtype is not None else t).clone(memory_format=torch.contiguous_format)
+    return out
 
 
 def _linear_act_linear(module: nn.Module) -> Optional[FFNForm]:
@@ -121,6 +171,9 @@ class ExpertKernel:
         self.numel: int = sum(self.numels)
         #: The FFN shape of the expert, run without module dispatch (per expert or grouped); None: generic.
         self.form: Optional[FFNForm] = form if form is not None else detect_form(expert)
+        #: How the module the experts came from stores them, when that differs from this flat layout (a Hugging
+        #: Face experts module: fused 3-D tensors, possibly transposed); checkpoints record it for consolidation.
+        self.source_layout: Optional[Dict[str, Any]] = None
         # Template for the generic path: same module, parameters replaced by meta tensors (no memory). Buffers
         # stay on the template, shared by all experts of the layer.
         template = copy.deepcopy(expert)
@@ -143,7 +196,7 @@ class ExpertKernel:
         form = self.form
 
         def run(p: Dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-            return form.run(lambda h, w, b: F.linear(h, p[w], p[b] if b is not None else None), x)
+            return form.run(linear(form, p), x)
         return run
 
     def flatten(self, expert: nn.Module) -> torch.Tensor:

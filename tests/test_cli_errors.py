@@ -60,7 +60,7 @@ CASES = {
     # consolidate, report, export-hf
     "consolidate-dir": (["consolidate", MISSING, "-o", "x.pt"], "checkpoint_dir", "no checkpoint directory"),
     "consolidate-output": (["consolidate", ".", "-o", MISSING + "/x.pt"], "--output/-o", "no directory"),
-    "consolidate-layout": (["consolidate", ".", "-o", "x.pt", "--layout", "hf"], "--layout", "invalid choice"),
+    "consolidate-layout": (["consolidate", ".", "-o", "x.pt", "--layout", "megatron"], "--layout", "invalid choice"),
     "report-dir": (["report", MISSING], "run_dir", "no run directory"),
     "report-output": (["report", ".", "-o", MISSING + "/plots"], "--output-dir/-o", "cannot create"),
     "export-hf-dir": (["export-hf", MISSING, "-o", "out"], "checkpoint_dir", "no checkpoint directory"),

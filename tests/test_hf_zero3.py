@@ -83,30 +83,42 @@ def test_skewed_routing_is_skewed(runs):
         assert max(tokens) >= 2 * sum(tokens) / len(tokens), (model, tokens)
 
 
+def _mixtral_experts(act=None):
+    """A MixtralExperts module (8 experts of hidden 3, FFN 4) with ``act`` as its activation."""
+    import transformers as tf
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    config = tf.MixtralConfig(hidden_size=3, intermediate_size=4, num_local_experts=8)
+    module = MixtralExperts(config)
+    if act is not None:
+        module.act_fn = act
+    return module
+
+
 def test_the_activation_runs_without_module_hooks():
     """The unit of the fix: the kernel calls the experts module's activation without its hooks (ZeRO-3's are
     forward hooks), so how often it runs is invisible to ZeRO-3. Fails when the module itself is called."""
     import torch
     from torch import nn
 
-    from ds_hecate.hf.experts import fused_expert_kernel
+    from ds_hecate.hf.experts import experts_kernel
+    from ds_hecate.hf.layouts import plan_experts
 
     calls = []
     act = nn.SiLU()
     act.register_forward_pre_hook(lambda module, args: calls.append(1))
-    kernel = fused_expert_kernel(torch.Size([8, 3]), torch.Size([3, 4]), act)
-    flat = torch.randn(kernel.numel)
-    out = kernel(flat, torch.randn(5, 3))
+    module = _mixtral_experts(act)
+    kernel = experts_kernel(plan_experts("experts", module), module)
+    out = kernel(torch.randn(kernel.numel), torch.randn(5, 3))
     assert out.shape == (5, 3) and calls == []
 
 
 def test_an_activation_with_parameters_is_refused_by_name():
-    import torch
     from torch import nn
 
     from ds_hecate.errors import HecateModelError
-    from ds_hecate.hf.experts import fused_expert_kernel
+    from ds_hecate.hf.layouts import plan_experts
 
-    with pytest.raises(HecateModelError, match="experts module 'model.layers.0.mlp.experts'.*PReLU"):
-        fused_expert_kernel(torch.Size([8, 3]), torch.Size([3, 4]), nn.PReLU(),
-                            "experts module 'model.layers.0.mlp.experts'")
+    with pytest.raises(HecateModelError, match="experts module 'model.layers.0.mlp.experts' \\(MixtralExperts\\).*"
+                                               "act_fn.*PReLU"):
+        plan_experts("model.layers.0.mlp.experts", _mixtral_experts(nn.PReLU()))

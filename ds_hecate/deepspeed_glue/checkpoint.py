@@ -45,7 +45,8 @@ def _layer_meta(rt) -> List[Dict[str, Any]]:
     return [{"name": name, "num_experts": b.shard.num_experts, "numel": b.shard.kernel.numel,
              "param_names": b.shard.kernel.names, "param_shapes": [list(s) for s in b.shard.kernel.shapes],
              "owners": list(b.shard.owners), "load_history": b.planner.predictor.state_dict()["history"],
-             "schedule": b.planner.schedule.state_dict()}
+             "schedule": b.planner.schedule.state_dict(),
+             **({"source_layout": b.shard.kernel.source_layout} if b.shard.kernel.source_layout else {})}
             for name, b in zip(rt.layer_names, rt.bindings)]
 
 

@@ -45,13 +45,8 @@ def moe_layer_shapes(model: nn.Module) -> Tuple[List[int], List[int]]:
     if layers:
         return [int(getattr(m, "ep_size", 1) or 1) for _, m in layers], [int(m.num_experts) for _, m in layers]
     if _is_transformers_model(model):
-        from ..hf.takeover import find_experts_modules
-        counts = []
-        for _, module, arch in find_experts_modules(model):
-            gate_up = getattr(module, arch.gate_up, None)
-            if gate_up is not None:
-                counts.append(int(tuple(getattr(gate_up, "ds_shape", gate_up.shape))[0]))
-        return [], counts
+        from ..hf.takeover import experts_counts
+        return [], experts_counts(model)
     return [], []
 
 

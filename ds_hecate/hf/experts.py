@@ -1,43 +1,43 @@
-"""The ``"hecate"`` experts implementation for transformers' ``ExpertsInterface``, and the per-expert kernel.
+"""The ``"hecate"`` experts implementation for transformers' ``ExpertsInterface``, and the expert kernel of an
+experts module.
 
 HF's MoE block keeps its router and calls ``experts(hidden_states [T, H], top_k_index [T, K],
 top_k_weights [T, K])``; the decorated experts class looks the compute up under
 ``config._experts_implementation``. Registering ``"hecate"`` there lets Hecate replace exactly the routed
 experts' compute (and, having removed their parameters, their storage) and nothing else.
+
+The kernel (:func:`experts_kernel`) does what transformers' own experts kernels do, per expert or grouped:
+``down(gated(gate_up x + b) ) + b`` with the class's gate (its ``_apply_gate``, or ``act_fn(gate) * up`` on
+concatenated or interleaved rows), ``down(act(up x))`` without a gate, then the post-expert norm if the class has a
+parameter-free one. Every module the kernel calls runs without its hooks (:func:`hook_free`).
 """
 from __future__ import annotations
 
-from typing import Callable
+import inspect
+import types
+from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..errors import HecateModelError
 from ..experts import ExpertKernel, FFNForm
+from .layouts import ExpertsSpec
 
 IMPLEMENTATION = "hecate"
 
 
-class FusedExpertSlice(nn.Module):
-    """Expert ``e`` of a fused HF experts module: ``gate_up_proj[e]`` ``[2F, H]`` and ``down_proj[e]`` ``[H, F]``.
+class ExpertTemplate(nn.Module):
+    """One expert's parameters in Hecate's orientation (weights ``[out, in]``, then biases), on the meta device:
+    only the layout is used (the flat vector's order, names and shapes)."""
 
-    Only its layout is used (Hecate's flat per-expert vector is ``gate_up`` then ``down``, row-major); the
-    parameters live on the meta device.
-    """
-
-    def __init__(self, gate_up_shape: torch.Size, down_shape: torch.Size, act_fn: Callable) -> None:
+    def __init__(self, spec: ExpertsSpec) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(gate_up_shape, device="meta"))
-        self.down_proj = nn.Parameter(torch.empty(down_shape, device="meta"))
-        self.act_fn = act_fn
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_proj).chunk(2, dim=-1)
-        return F.linear(self.act_fn(gate) * up, self.down_proj)
+        for param in spec.params:
+            self.register_parameter(param.name, nn.Parameter(torch.empty(param.shape, device="meta")))
 
 
-def hook_free(act_fn: Callable, where: str) -> Callable[[torch.Tensor], torch.Tensor]:
+def hook_free(act_fn: Callable, where: str) -> Callable[..., torch.Tensor]:
     """``act_fn`` as a plain function: a module's own ``forward``, which runs none of the module's hooks.
 
     Why: the experts module's ``act_fn`` is a submodule of the model, and under ZeRO-3 every submodule outside a
@@ -50,18 +50,62 @@ def hook_free(act_fn: Callable, where: str) -> Callable[[torch.Tensor], torch.Te
         return act_fn
     if any(True for _ in act_fn.parameters()) or any(True for _ in act_fn.buffers()):
         raise HecateModelError(f"{where}: the activation {type(act_fn).__name__} has parameters or buffers; Hecate "
-                               "runs parameter-free activations only (see docs/huggingface.md#adding-an-architecture)")
+                               "runs parameter-free activations only (see docs/huggingface.md#supported-models)")
     return act_fn.forward
 
 
-def fused_expert_kernel(gate_up_shape: torch.Size, down_shape: torch.Size, act_fn: Callable,
-                        where: str = "experts module") -> ExpertKernel:
-    """An :class:`ExpertKernel` for one fused HF expert, whose form does HF's eager arithmetic:
-    ``gate, up = linear(x, gate_up).chunk(2)``, ``linear(act(gate) * up, down)`` (per expert or grouped). The
-    activation runs hook-free (:func:`hook_free`)."""
-    act = hook_free(act_fn, where)
-    return ExpertKernel(FusedExpertSlice(gate_up_shape, down_shape, act),
-                        form=FFNForm(act=act, gate_up="gate_up_proj", down="down_proj"))
+class HookFreeView:
+    """The experts module as its own ``_apply_gate`` reads it: the module's attributes, with every submodule
+    replaced by its hook-free forward (:func:`hook_free`), so that ``self.act_fn(gate)`` inside the class's gate
+    runs no ZeRO-3 hook either (the rule above, for the class's code)."""
+
+    def __init__(self, module: nn.Module, where: str) -> None:
+        self._module = module
+        self._where = where
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._module, name)
+        if isinstance(value, nn.Module):
+            value = hook_free(value, self._where)
+            self.__dict__[name] = value   # resolved once
+        return value
+
+
+def own_gate(module: nn.Module, where: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The class's ``_apply_gate`` bound to a :class:`HookFreeView` of ``module``."""
+    gate = inspect.getattr_static(type(module), "_apply_gate")
+    if isinstance(gate, staticmethod):
+        return gate.__func__
+    if not inspect.isfunction(gate):
+        raise HecateModelError(f"{where}: its _apply_gate is a {type(gate).__name__}, not a method Hecate can call")
+    return types.MethodType(gate, HookFreeView(module, where))
+
+
+def experts_form(spec: ExpertsSpec, module: nn.Module, where: str) -> FFNForm:
+    """The :class:`FFNForm` of an experts module of layout ``spec.layout`` (transformers' arithmetic: the bias
+    added to the product, :attr:`FFNForm.bias_apart`)."""
+    layout = spec.layout
+    act_fn = getattr(module, "act_fn", None)
+    if act_fn is None and not layout.own_gate:
+        raise HecateModelError(f"{where}: it has no act_fn (and no _apply_gate of its own); Hecate needs the "
+                               "activation the experts interface calls")
+    act = hook_free(act_fn, where) if act_fn is not None else torch.nn.functional.silu
+    post = hook_free(getattr(module, "post_expert_norm"), where) if layout.post_expert_norm else None
+    first, down = spec.first, spec.down
+    if not layout.gate:
+        return FFNForm(act=act, up=first, up_bias=spec.bias_of(first), down=down, down_bias=spec.bias_of(down),
+                       post=post, bias_apart=True)
+    return FFNForm(act=act, gate_up=first, gate_up_bias=spec.bias_of(first), down=down, down_bias=spec.bias_of(down),
+                   interleaved=not layout.concatenated, glu=own_gate(module, where) if layout.own_gate else None,
+                   post=post, bias_apart=True)
+
+
+def experts_kernel(spec: ExpertsSpec, module: nn.Module, where: str = "experts module") -> ExpertKernel:
+    """The :class:`ExpertKernel` of one expert of ``module`` (its flat layout from ``spec``, its form from the
+    module's layout), carrying the layout a checkpoint records for ``consolidate``."""
+    kernel = ExpertKernel(ExpertTemplate(spec), form=experts_form(spec, module, where))
+    kernel.source_layout = spec.source_layout(type(module).__name__)
+    return kernel
 
 
 def hecate_experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,

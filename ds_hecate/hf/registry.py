@@ -1,37 +1,41 @@
-"""Which Hugging Face MoE architectures Hecate takes over, found by the class of their experts module.
+"""Experts modules outside transformers' experts interface, registered by class name.
 
-transformers (5.x) keeps a model's routed experts in one module per MoE block (``MixtralExperts``,
-``Qwen3MoeExperts``, ...) holding fused 3-D parameters, ``gate_up_proj [E, 2F, H]`` and ``down_proj [E, H, F]``,
-decorated with ``@use_experts_implementation`` so its compute can be swapped through transformers'
-``ExpertsInterface``. Hecate keys on those classes: the router, shared experts and everything else stay HF
-modules under DeepSpeed; only the routed experts' storage and compute move to Hecate.
+Hecate takes over every experts module of transformers' experts interface by itself, reading the layout the
+``@use_experts_implementation`` decorator records (:mod:`ds_hecate.hf.interface`); nothing needs registering for
+those. A registration is for an experts module *outside* the interface: a class of your own (or of a release that
+predates the decorator's attributes) with fused 3-D parameters, ``forward(hidden_states, top_k_index,
+top_k_weights)``, and the layout stated in :class:`~ds_hecate.hf.interface.ExpertsLayout`. Hecate then replaces that
+module's forward with its own at take-over::
 
-Architecture names follow DeepSpeed AutoEP's ``preset_model`` names where both know the model (``mixtral``,
-``qwen3_moe``, ``deepseek_v3``). Another architecture with the same fused layout is one call away::
-
-    from ds_hecate.hf import MoEArchitecture, register_architecture
+    from ds_hecate.hf import ExpertsLayout, MoEArchitecture, register_architecture
     register_architecture(MoEArchitecture(name="my_moe", experts_classes=("MyMoeExperts",)))
+    register_architecture(MoEArchitecture("my_biased_moe", ("MyBiasedExperts",), layout=ExpertsLayout(bias=True)))
+
+The entries below name interface classes for the docs and for DeepSpeed AutoEP's ``preset_model`` names
+(``mixtral``, ``qwen3_moe``, ``deepseek_v3``); the interface finds them without the registry.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
 
 from torch import nn
 
 from ..errors import HecateModelError
+from .interface import ExpertsLayout
 
 DOCS = "docs/huggingface.md#adding-an-architecture"
 
 
 @dataclass(frozen=True)
 class MoEArchitecture:
-    """How to find and read one architecture's routed-experts module.
+    """How to find and read one experts module outside the interface.
 
     ``experts_classes``: class names of the experts module (matched on the class and its bases).
-    ``gate_up`` / ``down``: names of the fused 3-D parameters, ``[E, 2F, H]`` (gate rows first, then up) and
-    ``[E, H, F]``; the expert computes ``down @ (act(gate @ x) * (up @ x))`` with the module's ``act_fn``.
-    ``model_types``: HF ``config.model_type`` values (documentation and AutoEP compatibility only).
+    ``gate_up`` / ``down``: names of the fused 3-D parameters (``up`` when the layout has no gate); biases are
+    ``<name>_bias``. ``layout``: how they are stored and computed (default: gate rows then up rows, ``[E, out,
+    in]``, no bias, ``act_fn(gate) * up``). ``model_types``: HF ``config.model_type`` values (documentation and
+    AutoEP compatibility only).
     """
 
     name: str
@@ -39,13 +43,14 @@ class MoEArchitecture:
     gate_up: str = "gate_up_proj"
     down: str = "down_proj"
     model_types: Tuple[str, ...] = ()
+    layout: ExpertsLayout = field(default_factory=ExpertsLayout)
 
 
 ARCHITECTURES: Dict[str, MoEArchitecture] = {}
 
 
 def register_architecture(arch: MoEArchitecture) -> MoEArchitecture:
-    """Add (or replace, by name) an architecture Hecate can take over."""
+    """Add (or replace, by name) an experts module Hecate can take over."""
     if not arch.experts_classes:
         raise HecateModelError(f"MoE architecture '{arch.name}' names no experts class")
     ARCHITECTURES[arch.name] = arch

@@ -1,16 +1,18 @@
 """Taking over a Hugging Face MoE model's routed experts, and keeping HF's save/count paths whole.
 
-:func:`convert_hf_model` runs inside ``deepspeed.initialize`` (``ds_hecate.deepspeed_glue.convert.convert_model`` calls it for a
-``transformers.PreTrainedModel`` without native MoE layers). For every experts module of a registered
-architecture it shards the experts into Hecate (whole experts: expert ``e`` is ``gate_up_proj[e]`` then
-``down_proj[e]`` as one flat vector), removes the 3-D parameters from the module (DeepSpeed and ZeRO never see
-them) and switches the model's experts implementation to ``"hecate"``; HF's router, its aux loss, shared experts
-and all other modules are untouched.
+:func:`convert_hf_model` runs inside ``deepspeed.initialize`` (``ds_hecate.deepspeed_glue.convert.convert_model``
+calls it for a ``transformers.PreTrainedModel`` without native MoE layers). Every experts module of transformers'
+experts interface (any class decorated with ``@use_experts_implementation``, found by the layout attributes the
+decorator records, whatever its class name) and every registered one outside it (:mod:`ds_hecate.hf.registry`)
+is planned first (:func:`ds_hecate.hf.layouts.plan_experts`: what cannot be taken over is refused before anything
+changes), then sharded into Hecate (whole experts, one flat vector each, transposed layouts converted once), its
+3-D parameters and biases removed from the module (DeepSpeed and ZeRO never see them), and its compute switched to
+``"hecate"``; HF's router, its aux loss, shared experts, dense layers and all other modules are untouched.
 
 :class:`HFTakeover` (``model._hecate_hf``) then keeps the HF paths that read weights complete:
 
-- ``model.state_dict()`` contains the full ``gate_up_proj`` / ``down_proj`` of every experts module again
-  (gathered from their owners; **collective**: call it on every rank, as ``Trainer.save_model`` and
+- ``model.state_dict()`` contains the full expert tensors of every experts module again, in the module's own
+  layout (gathered from their owners; **collective**: call it on every rank, as ``Trainer.save_model`` and
   ``accelerator.get_state_dict`` do). Inside ``engine.save_checkpoint`` the experts are left out (they are saved
   by Hecate as logical experts, and DeepSpeed writes the module state on one rank only).
 - ``engine._zero3_consolidated_16bit_state_dict()`` (ZeRO-3 ``save_model``) adds the experts on rank 0.
@@ -28,94 +30,93 @@ from torch import nn
 from ..errors import HecateModelError
 from ..planning import even_sharding
 from ..runtime.shard_store import LayerShard, initial_master
-from .experts import IMPLEMENTATION, fused_expert_kernel, register_experts_implementation
-from .registry import ARCHITECTURES, DOCS, MoEArchitecture, architecture_of
+from .experts import IMPLEMENTATION, experts_kernel, hecate_experts_forward, register_experts_implementation
+from .interface import module_layout
+from .layouts import ExpertsSpec, plan_experts
+from .registry import ARCHITECTURES, DOCS, architecture_of
 
 
-def find_experts_modules(model: nn.Module) -> List[Tuple[str, nn.Module, MoEArchitecture]]:
-    """(qualified name, experts module, architecture) of every routed-experts module Hecate supports."""
+def find_experts_modules(model: nn.Module) -> List[Tuple[str, nn.Module, ExpertsSpec]]:
+    """(qualified name, experts module, spec) of every routed-experts module of ``model``: those of the experts
+    interface, and registered ones outside it. Raises, naming the module, where one cannot be taken over."""
     found = []
     for name, module in model.named_modules():
+        if "_hecate_binding" in module.__dict__:
+            raise HecateModelError(f"experts module '{name}' is already taken over by Hecate (initialize called "
+                                   "twice?)")
+        if module_layout(module) is not None:
+            found.append((name, module, plan_experts(name, module)))
+            continue
         arch = architecture_of(module)
         if arch is not None:
-            found.append((name, module, arch))
+            # without a gate the first projection is the up projection (``up_proj`` unless named otherwise)
+            first = arch.gate_up if arch.layout.gate or arch.gate_up != "gate_up_proj" else "up_proj"
+            found.append((name, module, plan_experts(name, module, arch.layout, (first, arch.down))))
     return found
+
+
+def experts_counts(model: nn.Module) -> List[int]:
+    """The expert count of every experts module Hecate would take over (before anything is taken over)."""
+    return [spec.num_experts for _, _, spec in find_experts_modules(model)]
 
 
 def no_moe_block_error(model: nn.Module) -> HecateModelError:
     known = ", ".join(f"{a.name} ({'/'.join(a.experts_classes)})" for a in ARCHITECTURES.values())
     return HecateModelError(
-        f"hecate.enabled is true but {type(model).__name__} has no MoE block Hecate supports (known experts "
-        f"classes: {known}); register the model's experts class as shown in {DOCS}, or set hecate.enabled to false")
+        f"hecate.enabled is true but {type(model).__name__} has no MoE block Hecate supports: no module of "
+        f"transformers' experts interface (@use_experts_implementation) and no registered experts class (known: "
+        f"{known}); register the model's experts class as shown in {DOCS}, or set hecate.enabled to false")
 
 
-def _check_layout(name: str, module: nn.Module, arch: MoEArchitecture) -> Tuple[nn.Parameter, nn.Parameter]:
-    for flag, wanted in (("has_bias", False), ("is_transposed", False), ("has_gate", True)):
-        if getattr(module, flag, wanted) != wanted:
-            raise HecateModelError(f"experts module '{name}' ({type(module).__name__}) has {flag}="
-                                   f"{getattr(module, flag)}; Hecate supports fused gate_up/down experts without "
-                                   f"bias or transposition (see {DOCS})")
-    gate_up, down = getattr(module, arch.gate_up, None), getattr(module, arch.down, None)
-    if not isinstance(gate_up, nn.Parameter) or not isinstance(down, nn.Parameter):
-        raise HecateModelError(f"experts module '{name}' ({type(module).__name__}) has no parameters "
-                               f"'{arch.gate_up}' and '{arch.down}' (architecture '{arch.name}'; see {DOCS})")
-    shape_gu = tuple(getattr(gate_up, "ds_shape", gate_up.shape))
-    shape_d = tuple(getattr(down, "ds_shape", down.shape))
-    if (len(shape_gu) != 3 or len(shape_d) != 3 or shape_gu[0] != shape_d[0] or shape_gu[2] != shape_d[1]
-            or shape_gu[1] != 2 * shape_d[2]):
-        raise HecateModelError(f"experts module '{name}': {arch.gate_up} {list(shape_gu)} and {arch.down} "
-                               f"{list(shape_d)} are not [E, 2F, H] and [E, H, F]")
-    if type(module)._apply_gate.__name__ != "_default_apply_gate":
-        raise HecateModelError(f"experts module '{name}' ({type(module).__name__}) has its own gating "
-                               f"(_apply_gate); Hecate supports the default act(gate) * up (see {DOCS})")
-    return gate_up, down
-
-
-def _take_over(name: str, module: nn.Module, arch: MoEArchitecture, runtime) -> Set[int]:
-    gate_up, down = _check_layout(name, module, arch)
-    if hasattr(gate_up, "ds_id") or hasattr(down, "ds_id"):  # built under zero.Init: partitioned
+def _full_tensors(module: nn.Module, spec: ExpertsSpec) -> Dict[str, torch.Tensor]:
+    """The module's expert tensors, whole (gathered once from their ZeRO-3 partitions under ``zero.Init``)."""
+    params = [getattr(module, n) for n in spec.names]
+    if any(hasattr(p, "ds_id") for p in params):
         import deepspeed
-        with deepspeed.zero.GatheredParameters([gate_up, down], modifier_rank=None):
-            full_gu, full_d = gate_up.detach().clone(), down.detach().clone()
-    else:
-        full_gu, full_d = gate_up.detach(), down.detach()
-    num_experts = full_gu.shape[0]
-    kernel = fused_expert_kernel(full_gu.shape[1:], full_d.shape[1:], module.act_fn,
-                                 f"experts module '{name}' ({type(module).__name__})")
-    local = {e: initial_master(torch.cat([full_gu[e].reshape(-1), full_d[e].reshape(-1)]), runtime.compute_dtype)
-             for e in range(num_experts)}
-    owners = even_sharding(num_experts, runtime.ep_size)   # inside the rank's group
-    shard = LayerShard(layer_id=len(runtime.bindings), name=name, num_experts=num_experts, kernel=kernel,
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            return {n: p.detach().clone() for n, p in zip(spec.names, params)}
+    return {n: p.detach() for n, p in zip(spec.names, params)}
+
+
+def _take_over(name: str, module: nn.Module, spec: ExpertsSpec, runtime) -> Set[int]:
+    tensors = _full_tensors(module, spec)
+    kernel = experts_kernel(spec, module, f"experts module '{name}' ({type(module).__name__})")
+    local = {e: initial_master(spec.expert_flat(tensors, e), runtime.compute_dtype) for e in range(spec.num_experts)}
+    owners = even_sharding(spec.num_experts, runtime.ep_size)   # inside the rank's group
+    shard = LayerShard(layer_id=len(runtime.bindings), name=name, num_experts=spec.num_experts, kernel=kernel,
                        owners=owners, rank=runtime.rank)
     # Rank 0's weights, as DeepSpeed's broadcast at initialize gives every dense parameter.
-    runtime.take_experts(shard, (0,) * num_experts, local)
-    binding = runtime.add_layer(name, shard, full_gu.shape[2])
-    removed = {id(gate_up), id(down)}
-    del module._parameters[arch.gate_up]
-    del module._parameters[arch.down]
+    runtime.take_experts(shard, (0,) * spec.num_experts, local)
+    binding = runtime.add_layer(name, shard, spec.hidden)
+    removed = {id(module._parameters[n]) for n in spec.names}
+    for n in spec.names:
+        del module._parameters[n]
     module.__dict__["_hecate_binding"] = binding
-    module.__dict__["_hecate_param_names"] = (arch.gate_up, arch.down)
+    module.__dict__["_hecate_spec"] = spec
     return removed
 
 
 def convert_hf_model(model: nn.Module, runtime) -> Dict[int, Set[int]]:
-    """Take over every supported experts module of ``model``; per Hecate layer id, the ids of removed params."""
+    """Take over every experts module of ``model``; per Hecate layer id, the ids of removed params. Every module
+    is checked before the first is taken over, so a refusal leaves the model as it was."""
     register_experts_implementation()
     found = find_experts_modules(model)
     if not found:
         raise no_moe_block_error(model)
-    removed: Dict[int, Set[int]] = {}
-    for name, module, arch in found:
-        if "_hecate_binding" in module.__dict__:
-            raise HecateModelError(f"experts module '{name}' is already taken over by Hecate (initialize called "
-                                   "twice?)")
-        layer_id = len(runtime.bindings)
-        removed[layer_id] = _take_over(name, module, arch, runtime)
     for name, module, _ in found:
-        if getattr(module, "config", None) is None:
+        if module_layout(module) is not None and getattr(module, "config", None) is None:
             raise HecateModelError(f"experts module '{name}' ({type(module).__name__}) has no config; Hecate selects "
                                    "its compute through config._experts_implementation (@use_experts_implementation)")
-    configs = {id(m.config): m.config for _, m, _ in found}
+    removed: Dict[int, Set[int]] = {}
+    for name, module, spec in found:
+        layer_id = len(runtime.bindings)
+        removed[layer_id] = _take_over(name, module, spec, runtime)
+    configs = {}
+    for _, module, _ in found:
+        if module_layout(module) is not None:
+            configs[id(module.config)] = module.config
+        else:   # outside the interface: the module's own forward becomes Hecate's
+            module.forward = functools.partial(hecate_experts_forward, module)
     for config in configs.values():
         config._experts_implementation = IMPLEMENTATION
     takeover = HFTakeover(model, runtime, [(n, m) for n, m, _ in found])
@@ -141,6 +142,21 @@ class HFTakeover:
                 return original(only_trainable=only_trainable, exclude_embeddings=exclude_embeddings) + \
                     self.expert_parameter_count()
             model.num_parameters = num_parameters
+        self._stored_shapes = {f"{name}.{p.name}" if name else p.name: p.stored_shape(spec.num_experts)
+                               for name, module in modules
+                               for spec in [module.__dict__["_hecate_spec"]] for p in spec.params}
+        get_parameter = model.get_parameter
+
+        @functools.wraps(get_parameter)
+        def get_parameter_or_expert(target: str) -> nn.Parameter:
+            """A taken-over expert tensor's name gives a meta placeholder of its full shape: what transformers'
+            save path reads (``save_pretrained`` reverting a family's weight conversion asks for the shape of
+            ``...experts.down_proj`` to decide whether to transpose it, e.g. Qwen3-VL-MoE)."""
+            shape = self._stored_shapes.get(target)
+            if shape is None:
+                return get_parameter(target)
+            return nn.Parameter(torch.empty(shape, device="meta"), requires_grad=False)
+        setattr(model, "get_parameter", get_parameter_or_expert)
 
     # -- counts ---------------------------------------------------------------------------------------------
     def expert_parameter_count(self) -> int:
@@ -149,16 +165,10 @@ class HFTakeover:
 
     # -- full expert tensors ----------------------------------------------------------------------------------
     def _fused(self, layer_id: int, flats: torch.Tensor, dtype: torch.dtype) -> Dict[str, torch.Tensor]:
-        """``[E, numel]`` flat experts of one layer as HF's fused ``{gate_up_proj: [E,2F,H], down_proj: [E,H,F]}``."""
+        """``[E, numel]`` flat experts of one layer as the module's own tensors (``gate_up_proj`` ``[E, 2F, H]``,
+        or transposed, biases, ...), each with storage of its own."""
         _, module = self.modules[layer_id]
-        kernel = module.__dict__["_hecate_binding"].shard.kernel
-        names = module.__dict__["_hecate_param_names"]
-        out, offset = {}, 0
-        for hf_name, shape, numel in zip(names, kernel.shapes, kernel.numels):
-            piece = flats[:, offset:offset + numel].reshape((flats.shape[0],) + tuple(shape))
-            out[hf_name] = piece.to(dtype).clone(memory_format=torch.contiguous_format)  # own storage each
-            offset += numel
-        return out
+        return module.__dict__["_hecate_spec"].to_module_layout(flats, dtype)
 
     def layer_experts(self, layer_id: int) -> Dict[str, torch.Tensor]:
         """One experts module's fused tensors on every rank (compute dtype): a SparseAllGather to "every rank

@@ -29,13 +29,13 @@ def grouped_path(kernel: ExpertKernel, dtype: torch.dtype) -> bool:
     """Whether ``kernel``'s experts run on the grouped path in ``dtype`` (else the per-expert loop).
 
     Biased experts in fp16/bf16 take the loop: ``F.linear`` rounds ``x W^T + b`` once, a GEMM followed by the bias
-    add rounds twice (about half an ulp on every element: the oracle tests see it). The FFN experts of the MoE
-    models that matter on GPUs have no biases."""
+    add rounds twice (about half an ulp on every element: the oracle tests see it), except experts whose own
+    arithmetic adds the bias to the rounded product (``form.bias_apart``: Hugging Face's experts, e.g. GPT-OSS),
+    which the grouped path computes exactly."""
     form = kernel.form
     if form is None or os.environ.get(GROUPED_MM_ENV) == "0":
         return False
-    biased = any(b is not None for b in (form.up_bias, form.gate_bias, form.down_bias))
-    return not (biased and dtype != torch.float32)
+    return not (form.has_bias and not form.bias_apart and dtype != torch.float32)
 
 
 def native_for(operands: Sequence[torch.Tensor]) -> bool:

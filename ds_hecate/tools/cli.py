@@ -38,6 +38,13 @@ def _export_hf(args: argparse.Namespace) -> int:
     return 0
 
 
+def _models(args: argparse.Namespace) -> int:
+    from .models import model_rows, models_markdown
+
+    print(models_markdown(model_rows()))
+    return 0
+
+
 def _check(args: argparse.Namespace) -> int:
     """One line per tag (complete, legacy, incomplete or damaged, with what is wrong); exit 1 when any checked tag
     cannot be loaded."""
@@ -71,8 +78,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     consolidate.add_argument("checkpoint_dir", type=types.existing_dir("checkpoint"),
                              help="the save_dir given to engine.save_checkpoint")
     consolidate.add_argument("--tag", default=None, help="checkpoint tag (default: the one in 'latest')")
-    consolidate.add_argument("--layout", choices=("hecate", "deepspeed"), default="hecate",
-                             help="parameter names of ds_hecate.MoE (default) or deepspeed.moe.layer.MoE")
+    consolidate.add_argument("--layout", choices=("hecate", "deepspeed", "hf"), default=None,
+                             help="parameter names of ds_hecate.MoE, of deepspeed.moe.layer.MoE, or of a Hugging Face "
+                                  "experts module in its own layout (default: hf for a checkpoint of a Hugging Face "
+                                  "model, else hecate)")
     consolidate.add_argument("--output", "-o", required=True, type=types.writable_path, help="output file (torch.save)")
     consolidate.set_defaults(run=_consolidate, parser=consolidate)
     report = sub.add_parser("report", help="PNG plots (expert load, per-rank compute, replicas, communication) "
@@ -102,6 +111,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     check.add_argument("--tag", default=None, help="check this tag only (default: every tag with Hecate state)")
     check.add_argument("--no-verify", action="store_true", help="skip reading the expert files (marks and sizes only)")
     check.set_defaults(run=_check, parser=check)
+    models = sub.add_parser("models", help="every experts class of the installed transformers' experts interface, "
+                                           "its layout and whether Hecate takes it over (a Markdown table)")
+    models.set_defaults(run=_models, parser=models)
     from ..sim.cli import add_parsers as add_sim_parsers
     add_sim_parsers(sub)   # simulate, plan
     from ..errors import HecateError

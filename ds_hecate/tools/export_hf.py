@@ -1,9 +1,11 @@
 """Export a Hecate checkpoint of a Hugging Face MoE model as a normal HF checkpoint directory (safetensors).
 
-Dense weights come from DeepSpeed's ``zero_to_fp32``, experts from ``<tag>/hecate`` (``ds_hecate.deepspeed_glue.consolidate``);
-each experts module's per-expert vectors are stacked back into HF's fused ``gate_up_proj`` / ``down_proj``. The
-model is rebuilt from its config, loaded strictly (every weight must be present, nothing extra), and written with
-``save_pretrained``, so ``from_pretrained(output_dir)`` gives the trained model, every expert included.
+Dense weights come from DeepSpeed's ``zero_to_fp32``, experts from ``<tag>/hecate``
+(``ds_hecate.deepspeed_glue.consolidate``, layout ``"hf"``): each experts module's per-expert vectors are stacked
+back into the module's own tensors (``gate_up_proj`` or ``up_proj``, ``down_proj``, their biases; transposed where
+the class stores them so). The model is rebuilt from its config, loaded strictly (every weight must be present,
+nothing extra), and written with ``save_pretrained``, so ``from_pretrained(output_dir)`` gives the trained model,
+every expert included.
 """
 from __future__ import annotations
 
@@ -31,25 +33,18 @@ def _model_class(config):
 
 
 def hf_state_dict(checkpoint_dir: str, model, tag: Optional[str] = None) -> Dict[str, torch.Tensor]:
-    """The full fp32 state dict of ``model``'s architecture from a Hecate checkpoint, HF parameter names."""
+    """The full fp32 state dict of ``model``'s architecture from a Hecate checkpoint, HF parameter names and the
+    experts modules' own layouts."""
     from ..hf.takeover import find_experts_modules
 
     tag = resolve_tag(checkpoint_dir, tag)
-    flat = consolidated_state_dict(checkpoint_dir, tag, layout="hecate")
     with open(os.path.join(checkpoint_dir, tag, SUBDIR, "meta.json"), encoding="utf-8") as f:
-        layers = {layer["name"]: layer for layer in json.load(f)["layers"]}
-    modules = {name: arch for name, _, arch in find_experts_modules(model)}
-    if set(modules) != set(layers):
-        raise HecateError(f"{checkpoint_dir}: the checkpoint's MoE layers {sorted(layers)} do not match the experts "
-                          f"modules of {type(model).__name__} built from the model config {sorted(modules)}")
-    out: Dict[str, torch.Tensor] = {k: v for k, v in flat.items()
-                                    if not any(k.startswith(n + ".experts.") for n in layers)}
-    for name, layer in layers.items():
-        arch = modules[name]
-        for pname, hf_name in zip(layer["param_names"], (arch.gate_up, arch.down)):
-            out[f"{name}.{hf_name}"] = torch.stack([flat.pop(f"{name}.experts.{e}.{pname}")
-                                                    for e in range(layer["num_experts"])])
-    return out
+        layers = sorted(layer["name"] for layer in json.load(f)["layers"])
+    modules = sorted(name for name, _, _ in find_experts_modules(model))
+    if modules != layers:
+        raise HecateError(f"{checkpoint_dir}: the checkpoint's MoE layers {layers} do not match the experts "
+                          f"modules of {type(model).__name__} built from the model config {modules}")
+    return consolidated_state_dict(checkpoint_dir, tag, layout="hf")
 
 
 def export_hf(checkpoint_dir: str, output_dir: str, model_config: Optional[str] = None, tag: Optional[str] = None,
@@ -76,8 +71,8 @@ def export_hf(checkpoint_dir: str, output_dir: str, model_config: Optional[str] 
     if result.missing_keys or result.unexpected_keys:
         raise HecateError(f"{checkpoint_dir} does not match {type(model).__name__} from {source}: missing "
                           f"{sorted(result.missing_keys)[:8]}, unexpected {sorted(result.unexpected_keys)[:8]}")
+    expert_keys = {f"{name}.{p}" for name, _, spec in find_experts_modules(model) for p in spec.names}
     model = model.to(DTYPES[dtype])
     model.save_pretrained(output_dir)
-    experts = sum(v.numel() for k, v in state.items()
-                  if any(k == f"{name}.{p}" for name, m, a in find_experts_modules(model) for p in (a.gate_up, a.down)))
+    experts = sum(v.numel() for k, v in state.items() if k in expert_keys)
     return {"tensors": len(state), "parameters": sum(v.numel() for v in state.values()), "expert_parameters": experts}
