@@ -19,7 +19,7 @@ def _relayout_check(rank, world_size):
 
     from benchmarks import hf_layer_call as bench
     from benchmarks.layer_call import LayerShape
-    from ds_hecate.experts import ExpertKernel
+    from ds_hecate.runtime.sharded_experts import ExpertCompute
 
     os.environ["DS_HECATE_GROUPED_MM"] = "1"
     shape = LayerShape(hidden=32, ffn=64, experts=16, top_k=2, tokens=128)   # small: the check, not a timing
@@ -33,16 +33,16 @@ def _relayout_check(rank, world_size):
     clean = found()
     result = bench.measure(["mixtral", "gpt_oss"], shape, "cpu", "fp32", 2)
     result["grouped_against_loop"] = _grouped_against_loop(bench, shape)
-    grouped_views = ExpertKernel.grouped_views
+    keep_views = ExpertCompute.keep_views   # the owned experts' views, asked for by every forward
 
-    def copied(self, buffer, fuse_gate_up=False):
+    def copied(self, weights):
         return {name: view.transpose(1, 2).contiguous().transpose(1, 2) if view.dim() == 3 else view
-                for name, view in grouped_views(self, buffer, fuse_gate_up).items()}
-    ExpertKernel.grouped_views = copied
+                for name, view in keep_views(self, weights).items()}
+    ExpertCompute.keep_views = copied
     try:
         broken = found()
     finally:
-        ExpertKernel.grouped_views = grouped_views
+        ExpertCompute.keep_views = keep_views
     return clean, result, broken
 
 
@@ -54,6 +54,7 @@ def _grouped_against_loop(bench, shape):
 
     import torch
     import torch.nn.functional as F
+    from ds_hecate.runtime.sharded_experts import ExpertCompute
 
     runtime, binding, _ = bench.build("gpt_oss", shape, "cpu", "fp32")
     x, indices, weights, grad = bench.routing(shape, "cpu", "fp32")
@@ -66,7 +67,8 @@ def _grouped_against_loop(bench, shape):
     results = {}
     try:
         for mode in ("1", "0"):
-            os.environ["DS_HECATE_GROUPED_MM"] = mode
+            os.environ["DS_HECATE_GROUPED_MM"] = mode   # read when a layer's experts are built
+            binding.compute = ExpertCompute(binding.shard.kernel, torch.float32)
             calls.clear()
             leaf = x.detach().requires_grad_(True)
             out = binding.run(leaf, indices, weights, "hf")

@@ -201,18 +201,14 @@ def test_a_refusal_leaves_the_model_as_it_was():
     assert [set(dict(m.named_parameters(recurse=False))) for m in model] == before
 
 
-def test_transformers_biased_experts_take_the_grouped_path_in_16_bit(monkeypatch):
+def test_transformers_biased_experts_take_the_grouped_path_in_16_bit():
     """Hugging Face's experts add the bias to the rounded product (``bias_apart``), which the grouped path
     computes exactly in bf16 too; a fused-bias expert (``F.linear``'s one rounding) keeps the loop there."""
     from ds_hecate.experts import ExpertKernel, SwiGLUExpert
-    from ds_hecate.ops.grouped_experts import grouped_available, grouped_mm_supported
+    from ds_hecate.ops.grouped_experts import grouped_path
 
-    if not grouped_mm_supported("cpu", None, torch.bfloat16):
-        pytest.skip("no grouped GEMM in bf16 on this torch")
-    monkeypatch.setenv("DS_HECATE_GROUPED_MM", "1")
     module = experts_class(transposed=True, bias=True, concatenated=False)
     hf = experts_kernel(plan_experts("experts", module), module)
     fused = ExpertKernel(SwiGLUExpert(H, FF, bias=True))
-    buffer = torch.zeros(16, hf.numel, dtype=torch.bfloat16)
-    assert hf.form.bias_apart and grouped_available(hf, buffer)
-    assert not grouped_available(fused, torch.zeros(16, fused.numel, dtype=torch.bfloat16))
+    assert hf.form.bias_apart and grouped_path(hf, torch.bfloat16)
+    assert not grouped_path(fused, torch.bfloat16) and grouped_path(fused, torch.float32)
