@@ -1,18 +1,13 @@
-"""``make gpu-wheels``: the wheels an offline GPU machine lacks to import ds_hecate and DeepSpeed, fetched here
-into ``.whl/`` (git-ignored) for ``make gpu-check`` to install there with ``--no-index``.
+"""``make gpu-wheels`` (``python tools/gpu_wheels.py --dest .whl``): the wheels a GPU machine without network lacks
+to import ds_hecate and DeepSpeed, fetched here into ``.whl/`` (git-ignored) for ``make gpu-check`` to install there
+with ``--no-index``.
 
-The target is this workplace's H200 machine (/work/.library/device/KINDS.md): Python 3.12 on manylinux x86-64,
-torch and CuPy (CUDA 13) already there and never replaced, no network, no DeepSpeed, no pydantic. So the wheelhouse
-holds exactly what is missing, every dependency named (``--no-deps``: pip resolves nothing there):
-
-- ``deepspeed`` 0.19.8: an sdist on PyPI, so built here into a pure-Python wheel (``DS_BUILD_OPS=0``, no build
-  isolation, no op compiled: ds_hecate uses none);
-- pydantic and its dependencies (pydantic-core as a cp312 manylinux binary), hjson, and typing-extensions (pydantic
-  needs a recent one; a newer one serves torch too).
-
-Versions are the ones installed here (what the test suite runs on), else the pins below. Afterwards every wheel's
-requirements are checked against the wheelhouse and the machine's package list, and the listing is printed with
-sizes (tens of MiB at most: the wheelhouse travels with the checkout, 64 MiB in all).
+The target: Python 3.12 on manylinux x86-64 with torch and CuPy already there (never replaced) and no DeepSpeed or
+pydantic. The wheelhouse holds exactly what is missing, every dependency named (``--no-deps``: pip resolves nothing
+there): ``deepspeed`` (an sdist, built here into a pure-Python wheel, ``DS_BUILD_OPS=0``: ds_hecate uses none of its
+ops), pydantic and its dependencies (pydantic-core as a cp312 manylinux binary), hjson and typing-extensions.
+Versions are the ones installed here, else the pins below; every wheel's requirements are checked against the
+wheelhouse and :data:`THERE`, and the listing is printed with sizes.
 """
 from __future__ import annotations
 
@@ -26,7 +21,6 @@ import zipfile
 from pathlib import Path
 from typing import Dict, List
 
-ROOT = Path(__file__).resolve().parents[2]
 PYTHON_VERSION = "3.12"
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
              "manylinux1_x86_64")
@@ -35,10 +29,10 @@ BUILT = {"deepspeed": "0.19.8"}
 #: fetched as wheels for the target; the version installed here wins over the pin
 FETCHED = {"pydantic": "2.13.4", "pydantic-core": "2.46.4", "annotated-types": "0.7.0",
            "typing-inspection": "0.4.2", "typing-extensions": "4.16.0", "hjson": "3.1.0"}
-#: the H200 image's packages that the wheels above require (KINDS.md "Python packages already there")
+#: what the target machine already has of what the wheels above require
 THERE = ("einops", "msgpack", "ninja", "numpy", "packaging", "psutil", "py-cpuinfo", "torch", "tqdm",
          "typing-extensions", "nvidia-ml-py", "pyyaml", "pytest", "hypothesis", "cupy-cuda13x", "setuptools")
-#: what may travel (the device tool's limit on the whole working tree is 64 MiB)
+#: what may travel with a checkout
 LIMIT_MIB = 48
 
 
@@ -96,11 +90,11 @@ def check(wheels: List[Path]) -> List[str]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dest", default=str(ROOT / ".whl"))
-    args = parser.parse_args(argv)
-    wheels = build(Path(args.dest))
+    parser.add_argument("--dest", default=".whl")
+    dest = Path(parser.parse_args(argv).dest)
+    wheels = build(dest)
     total = sum(w.stat().st_size for w in wheels)
-    print(f"\nwheelhouse {args.dest}: {len(wheels)} wheels for Python {PYTHON_VERSION}, manylinux x86-64")
+    print(f"\nwheelhouse {dest}: {len(wheels)} wheels for Python {PYTHON_VERSION}, manylinux x86-64")
     for w in wheels:
         print(f"  {w.stat().st_size / 2 ** 20:7.2f} MiB  {w.name}")
     print(f"  {total / 2 ** 20:7.2f} MiB  total")
@@ -108,7 +102,7 @@ def main(argv=None) -> int:
     for line in missing:
         print(f"  MISSING: {line}")
     if total > LIMIT_MIB * 2 ** 20:
-        print(f"the wheelhouse is over {LIMIT_MIB} MiB: it would not travel with the checkout")
+        print(f"the wheelhouse is over {LIMIT_MIB} MiB")
         return 1
     return 1 if missing else 0
 

@@ -1,25 +1,22 @@
-"""Stage ``streams``: the CuPy transport's stream handling on the GPU.
+"""The CuPy transport's stream handling (``make gpu-check``'s stage ``streams``).
 
 1. **Ordering**: the send buffer is written by a kernel queued behind a long sleep on the caller's stream; the
-   transport must start after it (the received data is right). **Ablation**: the same without the transport's
-   event wait must receive the stale buffer (else the check could not see the bug).
-2. **Stream-side waits**: a synchronous all-reduce and an async all-to-all's wait, both behind the sleep, return
-   to the host long before the sleep ends (the host is not blocked), and their results are right once the device
-   catches up; the count exchange's all-gather, whose result the host reads, does block (its bounded host wait).
+   transport must start after it (the received data is right). **Ablation**: the same without the transport's event
+   wait must receive the stale buffer (else the check could not see the bug).
+2. **Stream-side waits**: a synchronous all-reduce and an async all-to-all's wait, both behind the sleep, return to
+   the host long before the sleep ends, and their results are right once the device catches up; the count
+   exchange's all-gather, whose result the host reads, does block (its bounded host wait).
 3. **Watchdog**: a primitive queued behind a sleep longer than ``timeout_s`` is found overdue by the transport's
-   watchdog thread (the host does nothing meanwhile), which aborts the NCCL communicator; the next call raises
+   watchdog thread (the host idle meanwhile), which aborts the NCCL communicator; the next call raises
    ``TimeoutError`` naming the primitive.
 
-Dry run: the same code under the GPU stand-in (tests/fake_cupy.py: NCCL a loopback of one rank, work done when
-issued, so ordering and its ablation are not observable and are reported as such); the watchdog over a stream
-whose events never fire.
+Under the GPU stand-in NCCL is a loopback and work is done when issued: ordering and its ablation are not observable,
+and the watchdog runs over a stream whose events never fire.
 """
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, Optional
-
-from .common import Context, host_seconds, result
+from typing import Optional
 
 SLEEP_S = 0.2
 
@@ -51,12 +48,17 @@ class Span:
 
 
 class Device:
-    """The GPU (or the stand-in): a delay queued on the caller's stream, and a transport."""
+    """The GPU (or the stand-in, ``real`` False): a delay queued on the caller's stream, and a transport."""
 
-    def __init__(self, ctx: Context) -> None:
+    def __init__(self, real: bool) -> None:
         import torch
-        self.ctx, self.dev = ctx, torch.device("cuda", 0)
+        self.real, self.dev = real, torch.device("cuda", 0)
         self.cycles_per_s: Optional[float] = None
+
+    def sync(self) -> None:
+        if self.real:
+            import torch
+            torch.cuda.synchronize()
 
     def delay(self, seconds: float) -> "Span":
         """Queue ``seconds`` of sleep on the caller's stream (nothing under the stand-in); returns the sleep's
@@ -64,7 +66,7 @@ class Device:
         MHz under load, so a sleep counted in cycles lasts what the clock makes of it, and a check that assumed
         its nominal length would judge against the wrong figure."""
         import torch
-        if self.ctx.dry_run:
+        if not self.real:
             return Span(None, None, seconds)
         if self.cycles_per_s is None:
             torch.cuda._sleep(1_000_000)   # loads the kernel and wakes the clock before it is measured
@@ -84,7 +86,7 @@ class Device:
         so there its communication stream is one whose events never complete."""
         from ds_hecate.comm.gpu.nccl_comm import CupyTransport
         t = CupyTransport(None, 0, 1, self.dev, timeout_s=timeout_s)
-        if stalled and self.ctx.dry_run:
+        if stalled and not self.real:
             from gpu_fakes import StalledStreams
             t.streams = StalledStreams()
         return t
@@ -99,11 +101,11 @@ def ordering(d: Device, ablate: bool) -> bool:
         transport.streams.start = start
     send = torch.zeros(1 << 20, device=d.dev)
     recv = torch.empty_like(send)
-    d.ctx.sync()
+    d.sync()
     d.delay(SLEEP_S)   # delays the producer on the caller's stream
     send.fill_(7.0)
     transport.all_to_all(recv, send, [send.numel()], [send.numel()], False)
-    d.ctx.sync()
+    d.sync()
     return bool((recv == 7.0).all())
 
 
@@ -115,12 +117,12 @@ def stream_side_waits(d: Device) -> dict:
     send = torch.arange(4096, dtype=torch.float32, device=d.dev).reshape(64, 64)
     recv = torch.empty_like(send)
     transport.all_reduce(torch.zeros(1, device=d.dev), dist.ReduceOp.SUM)   # warm-up: NCCL's first call sets up
-    d.ctx.sync()
+    d.sync()
     first = d.delay(SLEEP_S)
     reduce_s = host_seconds(lambda: transport.all_reduce(value, dist.ReduceOp.SUM))
     work = transport.all_to_all(recv, send, [64], [64], True)
     wait_s = host_seconds(work.wait)
-    d.ctx.sync()
+    d.sync()
     right = bool((value == 3.0).all()) and bool(torch.equal(recv, send))
     second = d.delay(SLEEP_S)
     counts = torch.empty(4, dtype=torch.int64, device=d.dev)
@@ -132,7 +134,7 @@ def stream_side_waits(d: Device) -> dict:
     long_enough = min(slept) >= SLEEP_S / 2
     limit = slept[0] / 4
     ok = (right and long_enough and reduce_s < limit and wait_s < limit
-          and (d.ctx.dry_run or gather_s > slept[1] / 2))
+          and (not d.real or gather_s > slept[1] / 2))
     return {"ok": ok, "results_right": right, "all_reduce_host_s": reduce_s, "wait_host_s": wait_s,
             "count_exchange_host_s": gather_s, "sleep_s": SLEEP_S, "slept_s": slept, "sleeps_long_enough":
             long_enough}
@@ -144,7 +146,7 @@ def watchdog(d: Device) -> dict:
     transport = d.transport(timeout_s, stalled=True)
     send = torch.ones(256, device=d.dev)
     recv = torch.empty_like(send)
-    d.ctx.sync()
+    d.sync()
     span = d.delay(5 * timeout_s)   # the primitive cannot complete before its deadline
     start = time.monotonic()
     transport.all_to_all(recv, send, [256], [256], False)
@@ -157,7 +159,7 @@ def watchdog(d: Device) -> dict:
         transport.all_reduce(send)
     except TimeoutError as exc:
         raised = str(exc)
-    d.ctx.sync()
+    d.sync()
     slept = span.seconds()
     ok = (slept > 2 * timeout_s and call_s < timeout_s and transport.aborted and fired_s < 10 * timeout_s
           and "NCCL all-to-all did not complete within 0.2 s" in raised)
@@ -165,19 +167,25 @@ def watchdog(d: Device) -> dict:
             "next_call_raised": raised, "timeout_s": timeout_s, "slept_s": slept}
 
 
-def run(ctx: Context) -> dict:
-    with ctx.stand_in():
-        d = Device(ctx)
-        out: Dict[str, Any] = {"ordering": ordering(d, False), "ordering_ablated": ordering(d, True),
-               "stream_side_waits": stream_side_waits(d), "watchdog": watchdog(d)}
-    out["ordering_observable"] = not ctx.dry_run
-    ok_order = out["ordering"] and (ctx.dry_run or not out["ordering_ablated"])
-    ok = ok_order and out["stream_side_waits"]["ok"] and out["watchdog"]["ok"]
-    w, s = out["watchdog"], out["stream_side_waits"]
-    order = ("ordering not observable under the stand-in" if ctx.dry_run else
-             f"ordering {'right' if out['ordering'] else 'WRONG'}, ablation "
-             f"{'caught' if not out['ordering_ablated'] else 'NOT caught'}")
-    summary = (f"{order}; host blocked {1e3 * max(s['all_reduce_host_s'], s['wait_host_s']):.1f} ms by "
-               f"stream-side waits (count exchange {1e3 * s['count_exchange_host_s']:.0f} ms); watchdog aborted "
-               f"after {w['fired_after_s']:.2f} s (timeout {w['timeout_s']} s)")
-    return result(bool(ok), summary, **out)
+def host_seconds(fn) -> float:
+    """Host time of one call (what a stream-side wait must keep small)."""
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def test_the_transport_starts_after_the_producer_and_the_ablation_is_caught(gpu):
+    d = Device(gpu.real)
+    assert ordering(d, ablate=False)
+    if gpu.real:   # under the stand-in the work is done when issued: the ablation cannot be seen
+        assert not ordering(d, ablate=True), "without the event wait the transport must read the stale buffer"
+
+
+def test_waits_leave_the_host_free_and_the_watchdog_aborts(gpu):
+    """Behind a sleeping caller stream: a synchronous all-reduce and an async wait return to the host at once, the
+    count exchange waits; a primitive that cannot finish before its deadline is aborted by the watchdog."""
+    d = Device(gpu.real)
+    waits = stream_side_waits(d)
+    assert waits["ok"], waits
+    fired = watchdog(d)
+    assert fired["ok"], fired
