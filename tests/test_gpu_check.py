@@ -266,6 +266,18 @@ def test_markdown_names_each_failed_stage_and_why_in_one_line(tmp_path):
     assert report["stages"]["after"]["status"] == "passed"
 
 
+def test_a_file_with_the_checks_block_gets_the_block_replaced(tmp_path):
+    """``--markdown docs/benchmarks.md``: the block between the check's markers is the new table, the rest stays."""
+    from benchmarks import common
+    begin, end = common.markers(runner.MODULE)
+    doc = tmp_path / "report.md"
+    doc.write_text(f"# Benchmarks\n{begin}\nold table\n{end}\nafter\n")
+    _check(tmp_path, [runner.Stage("probe", "fake_stages:probe", 30, "passes")])
+    text = doc.read_text()
+    assert text.startswith(f"# Benchmarks\n{begin}") and text.endswith(f"{end}\nafter\n") and "old table" not in text
+    assert "| probe | passed |" in text
+
+
 def test_markdown_table_marks_stages_not_run():
     stages = [runner.Stage("a", "m", 5, "x"), runner.Stage("b", "m", 7, "y")]
     report = {"dry_run": False, "quick": True, "started": "now", "ok": False, "seconds": 1.0, "budget_s": 360,
