@@ -7,8 +7,8 @@ export OMP_NUM_THREADS ?= 1
 # (without one they run under the GPU stand-in, tests/fake_cupy.py).
 HAS_GPU := $(shell nvidia-smi -L 2>/dev/null | grep -q GPU && echo 1)
 
-# torch first and pinned: the CPU wheel of 2.13.0 (this machine's; the library itself asks only torch>=2.4); an
-# open range would pull a multi-GB CUDA build. deepspeed without build isolation, or pip builds it against a second
+# torch first and pinned: the CPU wheel of 2.13.0 (the library itself asks only torch>=2.4); an open range would
+# pull a multi-GB CUDA build. deepspeed without build isolation, or pip builds it against a second
 # (CUDA) torch. The suite also runs the benchmarks, so their baselines' pins (benchmarks/requirements.txt) are
 # resolved together with the library's requirements.
 install:
@@ -29,14 +29,14 @@ test: install $(if $(HAS_GPU),gpu-install)
 gpu-install: install
 	$(PYTHON) -m pip install -q --no-build-isolation -e '.[gpu]'
 
-# The one-command check of the GPU path, on a GPU machine as it is (docs/benchmarks.md, "GPU path"): no network, no
-# install of torch, CuPy or the requirements (whatever CUDA torch and CuPy are there stay). What is missing to import
-# DeepSpeed (DeepSpeed itself, pydantic, ...) comes from the wheelhouse .whl/ that `make gpu-wheels` builds where pip
-# has network, installed with --no-index into GPU_SITE only if deepspeed is not importable; ds_hecate runs from the
-# checkout. Every stage in its own process with its own timeout (they sum to 480 s, a minute under this target's
-# 540: benchmarks/gpu/runner.py); the JSON ($(GPU_OUT).json) is rewritten after each stage, the Markdown table
-# ($(GPU_OUT).md) printed at the end. `make gpu-check ARGS=--dry-run` runs every stage's code on the CPU under the GPU
-# stand-in (CI); ARGS=--quick shrinks sizes.
+# The one-command check of the GPU path, on a GPU machine as it is (docs/benchmarks.md, "GPU check"): no install of
+# torch, CuPy or the requirements (whatever CUDA torch and CuPy are there stay). What is missing to import DeepSpeed
+# (DeepSpeed itself, pydantic, ...) comes from the wheelhouse .whl/ that `make gpu-wheels` builds where pip has
+# network, installed with --no-index into GPU_SITE only if deepspeed is not importable; ds_hecate runs from the
+# checkout. Every stage in its own process with its own timeout (they sum to at most 480 s, a minute under this
+# target's 540: benchmarks/gpu/runner.py); the JSON ($(GPU_OUT).json) is rewritten after each stage, the Markdown
+# table ($(GPU_OUT).md) printed at the end. `make gpu-check ARGS=--dry-run` runs every stage's code on the CPU under
+# the GPU stand-in (CI); ARGS=--quick shrinks sizes.
 ARGS ?=
 GPU_SITE ?= /tmp/ds_hecate_site
 GPU_OUT ?= runs/gpu_check
@@ -56,7 +56,7 @@ gpu-check:
 	PYTHONPATH="$(GPU_PYTHONPATH)" timeout 540 $(PYTHON) benchmarks/gpu_check.py --out $(GPU_OUT).json \
 		--markdown $(GPU_OUT).md $(ARGS)
 
-# Here, with network: the wheels the GPU machine lacks (Python 3.12, manylinux x86-64, --no-deps with every
-# dependency named; deepspeed built from its sdist), into .whl/, listed with sizes.
+# Where pip has network: the wheels a GPU machine without network lacks (Python 3.12, manylinux x86-64, --no-deps
+# with every dependency named; deepspeed built from its sdist), into .whl/, listed with sizes.
 gpu-wheels:
-	$(PYTHON) -m benchmarks.gpu.wheelhouse --dest .whl
+	$(PYTHON) tools/gpu_wheels.py --dest .whl

@@ -25,8 +25,8 @@ if START_METHOD not in ("forkserver", "spawn"):
     raise ValueError(f"DS_HECATE_TEST_START_METHOD must be 'forkserver' or 'spawn', got {START_METHOD!r}")
 #: What every training rank imports anyway, heaviest last: ``deepspeed.initialize`` builds a torch Adam, whose
 #: constructor imports ``torch._dynamo``, and checks the optimizer against ZeRO's list, which imports DeepSpeed's Muon
-#: (``torch.compile`` decorators, inductor's config): 6.6 s of a 4-step 2-rank training's 8.6 s in each rank on this
-#: 2-vCPU host, on every run, where the server pays it once. A module that fails to import (another DeepSpeed
+#: (``torch.compile`` decorators, inductor's config): most of a short training's time in each rank, on every run,
+#: where the server pays it once. A module that fails to import (another DeepSpeed
 #: release) is skipped by the server.
 SERVER_PRELOAD = ["torch", "deepspeed", "torch._dynamo", "deepspeed.runtime.engine",
                   "deepspeed.runtime.zero.muon.muon_optimizer"]

@@ -1,17 +1,16 @@
-"""benchmarks/calibration.py: the simulator's prediction next to a benchmark run's measurement. No multi-rank run:
-a synthetic results dict with the fields benchmarks/run.py writes, so the checks are on the calibration's logic
-(replayed routing, use of the measured costs, no use of the measured step being predicted, clear errors)."""
+"""ds_hecate/sim/calibration.py: the simulator's prediction next to a step benchmark run's measurement. No multi-rank
+run: a synthetic record with the fields ``python -m benchmarks.step`` writes, so the checks are on the calibration's
+logic (replayed routing, use of the measured costs, no use of the measured step being predicted, clear errors)."""
 from __future__ import annotations
 
 import argparse
-import copy
-import json
 
 import numpy as np
 import pytest
 
-from benchmarks import calibration as cal
-from benchmarks.routes import route_sources
+from benchmarks.step import replayed_counts
+from benchmarks.step_systems import route_sources
+from ds_hecate.sim import calibration as cal
 from ds_hecate.sim.workloads import routing_counts
 from ds_hecate.trace import TraceLayer, TraceWriter
 from ds_hecate.testing.workloads import TraceRoutes
@@ -25,7 +24,7 @@ def _system(median: float, **extra) -> dict:
 
 
 def results(workloads=("W0", "W2"), trace=(), costs=COSTS) -> dict:
-    """What benchmarks/run.py writes (schema ds_hecate-benchmark/1), with plausible figures."""
+    """What ``python -m benchmarks.step`` writes (schema ds_hecate-benchmark/1), with plausible figures."""
     config = {"ranks": 2, "steps": 4, "warmup": 2, "hidden": 32, "ffn": 64, "experts": 4, "layers": 2,
               "tokens": 64, "top_k": 2, "workloads": ",".join(workloads), "trace": list(trace),
               "systems": "ds_hecate,autoep,deepspeed-ep,ideal", "seed": 3, "no_memory": True}
@@ -40,8 +39,13 @@ def results(workloads=("W0", "W2"), trace=(), costs=COSTS) -> dict:
                 for w in names}}
 
 
+def calibrate(res: dict, **kwargs) -> dict:
+    """The calibration of ``res`` with the counts the benchmark forced (rebuilt from its arguments)."""
+    return cal.calibrate(res, replayed_counts(res), **kwargs)
+
+
 def test_structure_errors_and_markdown():
-    out = cal.calibrate(results())
+    out = calibrate(results())
     assert out["schema"] == cal.SCHEMA and set(out["workloads"]) == {"W0", "W2"}
     for w in out["workloads"].values():
         assert w["model"] == "measured-costs"
@@ -65,15 +69,15 @@ def test_structure_errors_and_markdown():
 
 
 def test_prediction_follows_measured_costs_not_the_measured_step():
-    base = cal.calibrate(results())["workloads"]["W2"]["rows"]
-    slower = cal.calibrate(results(costs={**COSTS, "compute_s_per_pair": 4e-5}))["workloads"]["W2"]["rows"]
+    base = calibrate(results())["workloads"]["W2"]["rows"]
+    slower = calibrate(results(costs={**COSTS, "compute_s_per_pair": 4e-5}))["workloads"]["W2"]["rows"]
     for row in ("hecate", "ep", "ideal"):
         assert slower[row]["predicted_s"] > base[row]["predicted_s"] * 1.3, row
     # the measured step being predicted never enters its prediction
     res = results()
     res["workloads"]["W2"]["systems"]["ds_hecate"]["median_step_s"] *= 3
     res["workloads"]["W2"]["systems"]["autoep"]["median_step_s"] *= 3
-    again = cal.calibrate(res)["workloads"]["W2"]["rows"]
+    again = calibrate(res)["workloads"]["W2"]["rows"]
     assert again["hecate"]["predicted_s"] == base["hecate"]["predicted_s"]
     assert again["ep"]["predicted_s"] == base["ep"]["predicted_s"]
     assert again["hecate"]["error"] != base["hecate"]["error"]
@@ -83,19 +87,19 @@ def test_missing_measured_costs_are_named():
     res = results()
     del res["workloads"]["W0"]["systems"]["ds_hecate"]["measured_costs"]["link_gbps"]
     with pytest.raises(cal.CalibrationError, match=r"W0: .*measured_costs'\] lacks \['link_gbps'\]"):
-        cal.calibrate(res)
+        calibrate(res)
     res = results()
     del res["workloads"]["W2"]["systems"]["ds_hecate"]["measured_costs"]
     with pytest.raises(cal.CalibrationError, match="compute_s_per_pair', 'link_gbps', 'non_moe_time_s'"):
-        cal.calibrate(res)
+        calibrate(res)
     res = results()
     res["workloads"]["W0"]["systems"]["ds_hecate"] = {"status": "skipped", "reason": "x"}
     with pytest.raises(cal.CalibrationError, match="no measured ds_hecate"):
-        cal.calibrate(res)
+        calibrate(res)
     res = results()
     del res["config"]["ffn"]
     with pytest.raises(cal.CalibrationError, match="lacks 'ffn'"):
-        cal.calibrate(res)
+        calibrate(res)
 
 
 def test_replayed_counts_are_what_the_benchmark_forces(tmp_path):
@@ -109,49 +113,35 @@ def test_replayed_counts_are_what_the_benchmark_forces(tmp_path):
     res = results(workloads=("W2", "W6"), trace=[str(trace)])
     cfg = res["config"]
     steps = cfg["warmup"] + cfg["steps"]
-    sources = cal._route_sources(res, 2)
-    bench = {n: r for n, _, r in route_sources(argparse.Namespace(**cfg), 2)}   # what benchmarks/run.py builds
-    # plus the forced-uniform runs no W0 stands for (benchmarks/force_balanced.py): one for W2 and W6, one for the
-    # trace's ragged ranks
-    assert set(sources) == set(bench) == {"W2", "W6", "trace:t", "W2-uniform", "trace:t-uniform"}
+    counts = replayed_counts(res)
+    bench = {n for n, _, r in route_sources(argparse.Namespace(**cfg), 2)}   # what the benchmark builds
+    # plus the forced-uniform runs no W0 stands for: one for W2 and W6, one for the trace's ragged ranks
+    assert bench == {"W2", "W6", "trace:t", "W2-uniform", "trace:t-uniform"} and set(counts) == {"W2", "W6", "trace:t"}
     for name in ("W2", "W6"):
-        replayed = cal.replayed_counts(sources[name], steps, cfg["layers"])
         for s in range(steps):
             expected = routing_counts(name, s, 2, cfg["experts"], cfg["tokens"], cfg["top_k"], cfg["seed"])
-            assert replayed[s] == [expected] * cfg["layers"], (name, s)
-    replayed = cal.replayed_counts(sources["trace:t"], steps, cfg["layers"])
+            assert counts[name][s] == [expected] * cfg["layers"], (name, s)
     direct = TraceRoutes(str(trace), 2, 4, 2, 64)
-    assert replayed == [[direct.counts(s, layer) for layer in range(2)] for s in range(steps)]
-    assert replayed[0][0] != replayed[0][1]          # per-layer routing survives
-    out = cal.calibrate(res)
+    assert counts["trace:t"] == [[direct.counts(s, layer) for layer in range(2)] for s in range(steps)]
+    assert counts["trace:t"][0][0] != counts["trace:t"][0][1]          # per-layer routing survives
+    out = calibrate(res)
     assert set(out["workloads"]) == {"W2", "W6", "trace:t"}
     # the trace's hot expert of rank 0 makes expert parallelism slower than on the rotating W6 hotspot's mean
     assert out["workloads"]["trace:t"]["rows"]["ep"]["predicted_s"] > out["workloads"]["trace:t"]["rows"]["ideal"][
         "predicted_s"]
 
 
-def test_alpha_beta_model_with_empty_steps(tmp_path, capsys):
+def test_alpha_beta_model_with_empty_steps():
     empty = {"ds_hecate": 0.003, "autoep": 0.004, "deepspeed-ep": 0.004, "ideal": 0.001}
-    out = cal.calibrate(results(), empty_steps=empty)
+    out = calibrate(results(), empty_steps=empty)
     w = out["workloads"]["W2"]
     assert w["model"] == "alpha-beta" and w["costs"]["fixed_step_s"] == 0.0
     assert w["rows"]["ideal"]["calibration_source"] and w["rows"]["ideal"]["error"] == pytest.approx(0, abs=1e-9)
-    more = cal.calibrate(results(), empty_steps={**empty, "ds_hecate": 0.005})["workloads"]["W2"]["rows"]
+    more = calibrate(results(), empty_steps={**empty, "ds_hecate": 0.005})["workloads"]["W2"]["rows"]
     assert more["hecate"]["predicted_s"] == pytest.approx(w["rows"]["hecate"]["predicted_s"] + 0.002)
     assert more["ep"]["predicted_s"] == pytest.approx(w["rows"]["ep"]["predicted_s"])
     # the planner decides with the run's first-step costs whatever the time model uses
-    assert w["rows"]["hecate"]["replicas_per_layer"] == cal.calibrate(results())["workloads"]["W2"]["rows"][
+    assert w["rows"]["hecate"]["replicas_per_layer"] == calibrate(results())["workloads"]["W2"]["rows"][
         "hecate"]["replicas_per_layer"]
     with pytest.raises(cal.CalibrationError, match="not above its empty step"):
-        cal.calibrate(results(), empty_steps={**empty, "ideal": 0.5})
-    # CLI, with the empty steps from a separate near-empty run's results
-    path, tiny = tmp_path / "r.json", tmp_path / "tiny.json"
-    path.write_text(json.dumps(results()))
-    tiny_res = copy.deepcopy(results(workloads=("W0",)))
-    for s, v in empty.items():
-        tiny_res["workloads"]["W0"]["systems"][s]["median_step_s"] = v
-    tiny.write_text(json.dumps(tiny_res))
-    assert cal.main([str(path), "--empty-steps", str(tiny), "--json", str(tmp_path / "c.json")]) == 0
-    printed = capsys.readouterr().out
-    assert "(alpha-beta model)" in printed and "(calibration source)" in printed
-    assert json.loads((tmp_path / "c.json").read_text())["empty_steps_s"] == empty
+        calibrate(results(), empty_steps={**empty, "ideal": 0.5})

@@ -1,7 +1,7 @@
 """The simulator's per-call overhead model (issue 41, item 6): the committed fit (ds_hecate/sim/call_overhead_fit.json,
-package data) is what ``python -m benchmarks.overhead_fit`` computes from the committed inputs, the presets carry
-exactly its coefficients (the GPU ones scaled to each preset's memory bandwidth, the fixed term kept), a bad term is
-refused by name, and the simulator adds the charge to the step."""
+package data) is what ``python -m ds_hecate.sim.overhead_fit`` computes from its inputs under tests/fixtures/, the
+presets carry exactly its coefficients (the GPU ones scaled to each preset's memory bandwidth, the fixed term kept),
+a bad term is refused by name, and the simulator adds the charge to the step."""
 from __future__ import annotations
 
 import json
@@ -11,17 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import overhead_fit
 from ds_hecate.errors import HecateError
-from ds_hecate.sim import SimSettings, simulate
+from ds_hecate.sim import SimSettings, overhead_fit, simulate
 from ds_hecate.sim.overhead import (FIT_NAME, TERMS, CallOverhead, CallOverheads, device_overheads, fit_path,
                                     load_fit)
 from ds_hecate.sim.presets import CLUSTERS, MEMORY_GBPS, resolve_cluster
 
 REPO = Path(__file__).resolve().parents[1]
 COMMITTED = REPO / "ds_hecate" / "sim" / FIT_NAME
-VERSUS = REPO / "docs" / "layer_versus_after.json"
-GPU_CHECK = REPO / "docs" / "gpu_check_h200.json"
+CPU_INPUT = REPO / "tests" / "fixtures" / "call_overhead_cpu.json"
+GPU_INPUT = REPO / "tests" / "fixtures" / "call_overhead_gpu.json"
 #: vendor memory bandwidths (GB/s) the GPU fit (an H200 at 4,800) is scaled to, as docs/simulator.md lists them
 VENDOR_GBPS = {"v100-4x8": 900.0, "a100-4x8": 1555.0, "h100-128x8": 3350.0}
 
@@ -44,10 +43,10 @@ def _same(a, b, where="fit"):
 
 def test_committed_fit_is_the_refit_of_the_committed_inputs():
     assert fit_path() == COMMITTED.resolve()
-    refit = json.loads(json.dumps(overhead_fit.fit_files(str(VERSUS), str(GPU_CHECK))))
+    refit = json.loads(json.dumps(overhead_fit.fit_files(str(CPU_INPUT), str(GPU_INPUT))))
     _same(refit, json.loads(COMMITTED.read_text(encoding="utf-8")))
-    assert refit["cpu"]["source"]["path"] == "docs/layer_versus_after.json"
-    assert refit["gpu"]["source"]["path"] == "docs/gpu_check_h200.json"
+    assert refit["cpu"]["source"]["path"] == "tests/fixtures/call_overhead_cpu.json"
+    assert refit["gpu"]["source"]["path"] == "tests/fixtures/call_overhead_gpu.json"
 
 
 def test_presets_carry_the_committed_coefficients():

@@ -66,8 +66,8 @@ print("grace given:", slept == [guard.GLOO_WORKER_GRACE_S])
 
 
 def test_the_grace_is_given_when_the_script_destroyed_its_groups():
-    """Scripts end with ``destroy_process_group()``; gloo's workers may still want the GIL afterwards (CI,
-    2026-12-05: one rank of tests/autoload_scripts/probe_first.py aborted at exit). The race cannot be made certain
+    """Scripts end with ``destroy_process_group()``; gloo's workers may still want the GIL afterwards (one rank of
+    tests/autoload_scripts/probe_first.py once aborted at exit). The race cannot be made certain
     there (destroying hands the GIL over when the worker is already waiting), so this checks the handler: it must
     still give the grace when no group is left to ask for the backend."""
     guard = ROOT / "ds_hecate" / "comm" / "exit_guard.py"

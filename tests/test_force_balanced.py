@@ -7,7 +7,6 @@ where no run qualifies; stats() carries the cost-model estimate per layer.
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -17,10 +16,10 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from benchmarks import run as bench  # noqa: E402
-from benchmarks.routes import route_sources  # noqa: E402
-from benchmarks.force_balanced import force_balanced  # noqa: E402
-from benchmarks.uniform_routes import SUFFIX, uniform_counterparts  # noqa: E402
+from benchmarks import step as bench  # noqa: E402
+from benchmarks.step_measure import SCHEMA  # noqa: E402
+from benchmarks.step import force_balanced, markdown  # noqa: E402
+from benchmarks.step_systems import UNIFORM as SUFFIX, route_sources  # noqa: E402
 from ds_hecate.planning.balance import force_uniform, is_uniform  # noqa: E402
 from ds_hecate.sim.workloads import routing_counts  # noqa: E402
 from ds_hecate.sim import SYSTEMS, SimSettings, format_table, simulate  # noqa: E402
@@ -71,16 +70,11 @@ def test_simulator_fraction_is_one_on_w0_and_low_for_skewed_ep():
     assert off.systems["ep"].step_time_s == pytest.approx(ep.step_time_s, rel=1e-12)
 
 
-def test_simulated_report_carries_the_fraction():
-    from benchmarks import simulated as gen
-    results = gen.run_all(["v100-4x8"], ["gpt-moe-s"], ["W2"], steps=4, large=[], command="test")
-    rec = results["grid"][0]["systems"]
+def test_simulated_record_carries_the_fraction():
+    from ds_hecate.sim import grid
+    rec = grid.run_all(["v100-4x8"], ["gpt-moe-s"], ["W2"], steps=4, large=[])["grid"][0]["systems"]
     assert set(rec) == set(SYSTEMS)
-    text = gen.markdown_section(results)
-    row = next(line for line in text.splitlines() if line.startswith("| v100-4x8 | gpt-moe-s | W2 |"))
-    best = gen.best_baseline(results["grid"][0])[0]
-    assert row.rstrip(" |").endswith(" / ".join(f"{rec[s]['force_balanced_fraction'] * 100:.1f}%"
-                                                for s in ("ep", best, "hecate", "hecate-rm")))
+    assert rec["ep"]["force_balanced_fraction"] < 0.5 and rec["ideal"]["force_balanced_fraction"] == pytest.approx(1)
 
 
 # -- benchmark report -----------------------------------------------------------------------------------------------
@@ -95,53 +89,44 @@ def _fixture(workloads) -> dict:
     cfg = {"ranks": 2, "steps": 3, "warmup": 1, "hidden": 16, "ffn": 32, "experts": 4, "layers": 2, "tokens": 32,
            "top_k": 2, "workloads": ",".join(w for w in workloads if not w.endswith(SUFFIX)), "trace": [],
            "systems": "ds_hecate,autoep", "seed": 0, "no_memory": True}
-    return {"schema": bench.SCHEMA, "date": "2026-01-01T00:00:00", "command": "fixture", "world_size": 2,
-            "machine": {"cpu": "cpu", "vcpus": 2, "memory_gib": 1, "gpu": False, "python": "3", "torch": "t",
+    return {"schema": SCHEMA, "date": "2026-01-01T00:00:00", "command": "fixture", "world_size": 2,
+            "machine": {"cpu": "cpu", "vcpus": 2, "memory_gib": 1, "gpu": None, "python": "3", "torch": "t",
                         "deepspeed": "d", "transformers": "x", "backend": "gloo", "omp_num_threads": "1"},
-            "config": cfg, "model": {"layers": 2, "hidden": 16, "expert": "SwiGLU 16x32", "experts": 4, "top_k": 2,
-                                     "tokens_per_rank": 32, "dtype": "fp32", "zero_stage": 2},
-            "systems": {"ds_hecate": {"status": "ok"}, "autoep": {"status": "ok"}},
+            "config": cfg, "systems": {"ds_hecate": {"status": "ok"}, "autoep": {"status": "ok"}},
             "workloads": {w: {"title": w, "systems": {"ds_hecate": _system(medians[w][0]),
                                                       "autoep": _system(medians[w][1])}} for w in workloads}}
 
 
-def _cell(text: str, workload: str, system: str) -> str:
-    row = next(line for line in text.splitlines() if line.startswith(f"| {workload} {workload} | {system} |"))
-    header = next(line for line in text.splitlines() if line.startswith("| workload | system | median step"))
-    return row.split("|")[header.split("|").index(" of force-balanced ")].strip()
+def _cell(text: str, workload: str) -> str:
+    row = next(line for line in text.splitlines() if line.startswith(f"| {workload} {workload} |"))
+    return row.split("|")[-2].strip()
 
 
 def test_benchmark_report_renders_the_column(tmp_path):
-    path = tmp_path / "results.json"
-    path.write_text(json.dumps(_fixture(["W0", "W1", "W4"])))
-    doc = tmp_path / "bench.md"
-    assert bench.main(["--report-only", "--out", str(path), "--markdown", str(doc)]) == 0
-    text = doc.read_text()
-    assert _cell(text, "W0", "ds_hecate") == "1.00"
-    assert _cell(text, "W1", "ds_hecate") == f"{0.100 / 0.125:.2f}"     # W0 is W1's forced-uniform routing
-    assert _cell(text, "W1", "autoep") == f"{0.110 / 0.200:.2f}"
-    assert _cell(text, "W4", "ds_hecate") == "n/a"                     # ragged tokens: W0 is no counterpart
-    assert "Forced-uniform run used: W0 for W0, W1; n/a for W4" in text
-    # with W4's forced-uniform run in the results, W4 gets its fraction from it
-    res = _fixture(["W0", "W1", "W4", "W4" + SUFFIX])
-    fb = force_balanced(res)
-    assert fb["W4"]["counterpart"] == "W4" + SUFFIX and fb["W1"]["counterpart"] == "W0"
-    assert fb["W4"]["systems"]["autoep"]["force_balanced_fraction"] == pytest.approx(0.125 / 0.150)
+    text = markdown(_fixture(["W0", "W1", "W4"]))
+    assert "| workload | ds_hecate ms | autoep | ds_hecate of ideal | ds_hecate of force-balanced |" in text
+    assert _cell(text, "W0") == "1.00"
+    assert _cell(text, "W1") == f"{0.100 / 0.125:.2f}"     # W0 is W1's forced-uniform routing
+    assert _cell(text, "W4") == ""                          # ragged tokens: W0 is no counterpart
+    fb = force_balanced(_fixture(["W0", "W1", "W4"]))
+    assert fb[("W1", "autoep")] == pytest.approx(0.110 / 0.200) and ("W4", "autoep") not in fb
+    # with W4's forced-uniform run in the record, W4 gets its fraction from it
+    fb = force_balanced(_fixture(["W0", "W1", "W4", "W4" + SUFFIX]))
+    assert fb[("W4", "autoep")] == pytest.approx(0.125 / 0.150) and fb[("W1", "autoep")] == pytest.approx(0.55)
 
 
 def test_benchmark_adds_uniform_runs_only_where_w0_does_not_serve():
-    args = bench.parse_args(["--workloads", "W0,W1,W4", "--experts", "4", "--tokens", "32", "--steps", "3",
-                             "--warmup", "1"])
-    names = [n for n, _, _ in route_sources(args, 2)]
-    assert names == ["W0", "W1", "W4", "W4" + SUFFIX]
-    routes = dict((n, r) for n, _, r in route_sources(args, 2))
+    def names(workloads):
+        args = bench.parse_args(["--workloads", workloads, "--experts", "4", "--tokens", "32", "--steps", "3",
+                                 "--warmup", "1"])
+        return [n for n, _, _ in route_sources(args, 2)], dict((n, r) for n, _, r in route_sources(args, 2))
+    found, routes = names("W0,W1,W4")
+    assert found == ["W0", "W1", "W4", "W4" + SUFFIX]
     forced = routes["W4" + SUFFIX]
     for step in range(4):
         assert forced.counts(step, 0) == force_uniform(routes["W4"].counts(step, 0)).tolist()
         assert [forced.tokens(step, r) for r in range(2)] == [routes["W4"].tokens(step, r) for r in range(2)]
-    from ds_hecate.testing.workloads import WorkloadRoutes
-    no_w0 = [(w, w, WorkloadRoutes(w, 2, 4, 2, 32)) for w in ("W1", "W2")]
-    assert [n for n, _, _ in uniform_counterparts(no_w0, 4, 2)] == ["W1" + SUFFIX]   # one run serves both
+    assert names("W1,W2")[0] == ["W1", "W2", "W1" + SUFFIX]   # one forced-uniform run serves both
 
 
 # -- engine.hecate.stats() ------------------------------------------------------------------------------------------

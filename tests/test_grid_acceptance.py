@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks import simulated as gen
+from ds_hecate.sim import grid as gen
 
 BASELINES = ("ep", "fastermoe", "smartmoe", "flexmoe")
 FORCE_BALANCED = {"W1": 0.95, "W2": 0.95, "W3": 0.95, "W5": 0.95, "W6": 0.95, "W7": 0.90}

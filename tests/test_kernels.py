@@ -351,7 +351,7 @@ def test_training_through_the_cupy_transport_runs_its_kernels_and_matches_torch(
     transport's. Nothing is packed: fp32 compute, so the masters are the resident weights the call computes from
     (a bf16 run's refresh after each step packs through the same device op)."""
     sys.path.insert(0, str(ROOT))
-    from benchmarks.gpu.training import demo_losses
+    from gpu_training import demo_losses
     from device_shim import cuda_shim
     with cuda_shim():
         torch_run = demo_losses("cuda", 2, "torch")
@@ -412,7 +412,7 @@ def test_training_over_torch_distributed_runs_the_kernels_where_chosen(monkeypat
     losses and routing of torch ops alone (no pack: fp32 masters are the resident weights the call computes from)."""
     sys.path.insert(0, str(ROOT))
     from gpu_fakes import reference_launchers
-    from benchmarks.gpu.training import demo_losses
+    from gpu_training import demo_losses
     from device_shim import cuda_shim
     from ds_hecate.comm import backend
     from ds_hecate.comm.gpu import device_ops

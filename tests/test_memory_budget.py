@@ -46,8 +46,8 @@ after completing it, sometimes after the Python side let go, and that free goes 
 counts the block until the allocator hands its address out again or, never handed out again, to the end (an upper
 bound; both count as a missed free). :func:`measure_and_check` fails at once on a problem of a run and rank that
 missed no free, and re-measures one that did: it fails only if the problem recurs in every attempt (up to five;
-with re-materialization a block is dropped right after its gather completes, and on a busy 2-vCPU host a third to
-a half of the attempts miss one such free on some rank).
+with re-materialization a block is dropped right after its gather completes, and on a busy host many attempts miss
+one such free on some rank).
 
 On CUDA (needs two GPUs: NCCL refuses two ranks on one device; skipped otherwise) 1 and 3 are the same with the
 caching allocator's events (tolerance: its 512-byte rounding per buffer) and 2 reads ``torch.cuda.max_memory_allocated``
@@ -57,9 +57,9 @@ against the ``zero`` run with :func:`cuda_allowance`.
 on every step, so the load window mispredicts and calibration extends the prefetched placement after the gate
 (asserted: some call of the profiled steps is extended); the extras must land in rows the prefetch reserved.
 
-The fault injections that show the test bites (a budget that is ignored, also with Hecate's own figures hidden; the
-re-materialization overlap fixed on 2026-11-30; the calibration extension that copied the prefetched buffer, fixed
-on 2026-12-01) are mutations in ``tests/mutations/run.py``.
+The fault injections that show the test bites (a budget that is ignored, also with Hecate's own figures hidden; a
+re-materialization overlap; a calibration extension that copied the prefetched buffer) are mutations in
+``tests/mutations/run.py``.
 """
 from __future__ import annotations
 
@@ -169,8 +169,8 @@ def replay(events: List[Event], unit: int) -> Dict[str, object]:
         if size > 0:
             if ptr in live:
                 # The allocator handed this address out again, so its block was freed, on a thread the profiler does
-                # not follow (gloo's worker drops a collective's tensors after completing it, and on a busy 2-vCPU
-                # host it may run only milliseconds later). Counted as live until now: an upper bound.
+                # not follow (gloo's worker drops a collective's tensors after completing it, and on a busy host it
+                # may run only milliseconds later). Counted as live until now: an upper bound.
                 old, old_kinds = live.pop(ptr)
                 for k in old_kinds:
                     totals[k] -= old
@@ -196,9 +196,8 @@ def replay(events: List[Event], unit: int) -> Dict[str, object]:
             peaks[k] = max(peaks[k], totals[k])
     # A block whose free went unrecorded and whose address was not handed out again is still live here (an expert
     # buffer, or any expert-shaped block: a reduction's receive rows, a gradient, dropped on gloo's thread); so may be
-    # a legitimate prefetch for the step after the profiled ones. Either way the peaks may be upper bounds: counted.
-    # (CI, 2026-12-02: such blocks, never handed out again, lifted one rank's expert-shaped peak by 8 experts while
-    # this count said no free was missed, and the excess was taken as certain.)
+    # a legitimate prefetch for the step after the profiled ones. Either way the peaks may be upper bounds: counted
+    # (such blocks, never handed out again, once lifted a rank's expert-shaped peak while no free was counted missed).
     unrecorded += sum(1 for _, kinds in live.values() if "materialized" in kinds or "expert" in kinds)
     return {**peaks, "gathers": gathers, "odd": odd, "unrecorded": unrecorded}
 
@@ -352,7 +351,7 @@ def problems(results: Dict[str, List[Measured]], cuda: bool) -> List[Problem]:
                              f"(allocator), budget {m.budget} (+{slack}); one expert is {eb} bytes"))
             # 4. Hecate's own figure (the whole run, unprofiled warm-up steps included) within the budget too: the
             # blocks it tracks are the allocations, reserved rows counted. A calibration extension that copied the
-            # prefetched buffer held both at once (CI, 2026-12-01: two and three replicas under budgets of one and two).
+            # prefetched buffer held both at once (more replicas than the budget allowed).
             if m.reported_peak > m.budget:
                 found.append(((name, rank), f"{name} rank {rank}: Hecate reports {m.reported_peak} bytes of replicas "
                               f"live at once, budget {m.budget}"))

@@ -1,8 +1,8 @@
 """A replica's fixed cost on its holder (``StepCostModel.replica_overhead_s``, ``hecate.replica_overhead_s``).
 
-Pure planning code plus the profiling probe on a stand-in runtime (no process group). Why it exists: on two CPU
-ranks (benchmarks/run.py W4, 2026-12-05) two replicas a layer that the cost model priced 2 ms a step faster than
-none were 2.5-3.2% slower; the estimate had no term for what one more expert costs the rank that holds it.
+Pure planning code plus the profiling probe on a stand-in runtime (no process group). Why it exists: replicas the
+cost model priced faster than none were slower on two CPU ranks (the step benchmark's W4; docs/perf/training-step-
+2026-12-05.md): the estimate had no term for what one more expert costs the rank that holds it.
 """
 from __future__ import annotations
 

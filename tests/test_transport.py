@@ -393,7 +393,7 @@ def test_torch_transport_is_stream_ordered_only_with_nccl_on_cuda():
     assert not transport.stream_ordered and transport.relay_scope([]) is None
 
 
-# -- one-rank shortcuts: off, a 1-rank group issues its collectives like N ranks (benchmarks/layer_versus.py) -----
+# -- one-rank shortcuts: off, a 1-rank group issues its collectives like N ranks (python -m benchmarks.layer) -------
 def _one_rank_collectives(rank, world):
     import torch.distributed as dist
 

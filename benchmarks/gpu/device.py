@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+from typing import Any, Dict
 
-from .common import (H200_BF16_TFLOPS_DATASHEET, H200_BF16_TFLOPS_MEASURED_HERE, H200_HBM_GBS_DATASHEET, Context,
-                     result)
+from .common import Context, result
 
 # CUDA device attributes (cudaDeviceAttr): the memory clock in kHz and the bus width in bits.
 _ATTR_MEMORY_CLOCK_KHZ, _ATTR_BUS_WIDTH_BITS = 36, 37
@@ -30,22 +30,6 @@ def nominal_hbm_gbs(index: int = 0):
     return 2.0 * clock * 1e3 * width / 8 / 1e9
 
 
-def copy_gbs(ctx: Context, device, nbytes: int, repeat: int) -> float:
-    """Bytes read + written per second of a torch device-to-device copy of ``nbytes``."""
-    import torch
-    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
-    dst = torch.empty_like(src)
-    return 2 * nbytes / ctx.timed(lambda: dst.copy_(src), repeat) / 1e9
-
-
-def matmul_tflops(ctx: Context, device, n: int, repeat: int) -> float:
-    """Dense bf16 matrix rate of an ``n x n x n`` product on random data (TFLOP/s)."""
-    import torch
-    a = torch.randn(n, n, device=device).to(torch.bfloat16)
-    b = torch.randn(n, n, device=device).to(torch.bfloat16)
-    return 2 * n ** 3 / ctx.timed(lambda: a @ b, repeat) / 1e12
-
-
 def _nvidia_smi() -> str:
     tool = shutil.which("nvidia-smi")
     if tool is None:
@@ -59,9 +43,7 @@ def run(ctx: Context) -> dict:
     import torch
 
     from ds_hecate.comm.gpu import cupy_status
-    figures = {"torch": torch.__version__, "torch_cuda": torch.version.cuda,
-               "bf16_tflops_measured_here": H200_BF16_TFLOPS_MEASURED_HERE,
-               "bf16_tflops_datasheet": H200_BF16_TFLOPS_DATASHEET, "hbm_gbs_datasheet": H200_HBM_GBS_DATASHEET}
+    figures: Dict[str, Any] = {"torch": torch.__version__, "torch_cuda": torch.version.cuda}
     if not ctx.dry_run and not torch.cuda.is_available():
         return result(False, f"torch {torch.__version__} sees no CUDA device", **figures)
     with ctx.stand_in():   # dry run: the same code on the GPU stand-in (its figures are the CPU's)
@@ -71,12 +53,14 @@ def run(ctx: Context) -> dict:
         figures.update(device_name=props.name, gpus=torch.cuda.device_count(), sms=props.multi_processor_count,
                        memory_gib=round(props.total_memory / 2 ** 30, 1), capability=f"{props.major}.{props.minor}",
                        nvidia_smi=_nvidia_smi(), nominal_hbm_gbs=nominal_hbm_gbs(0) or None)
-        nbytes = (1 << 20) if ctx.dry_run else ((1 << 28) if ctx.quick else (1 << 30))
         repeat = 2 if ctx.dry_run else (5 if ctx.quick else 10)
-        figures["copy_gbs"] = copy_gbs(ctx, dev, nbytes, repeat)
-        n = 128 if ctx.dry_run else (4096 if ctx.quick else 8192)
-        figures["bf16_matmul_n"] = n
-        figures["bf16_matmul_tflops"] = matmul_tflops(ctx, dev, n, repeat)
+        nbytes = (1 << 20) if ctx.dry_run else ((1 << 28) if ctx.quick else (1 << 30))
+        src = torch.ones(nbytes // 4, device=dev)   # bytes read + written per second of a device-to-device copy
+        dst = torch.empty_like(src)
+        figures["copy_gbs"] = 2 * nbytes / ctx.timed(lambda: dst.copy_(src), repeat) / 1e9
+        n = 128 if ctx.dry_run else (4096 if ctx.quick else 8192)   # a dense bf16 n x n x n product, random data
+        a, b = (torch.randn(n, n, device=dev).to(torch.bfloat16) for _ in range(2))
+        figures.update(bf16_matmul_n=n, bf16_matmul_tflops=2 * n ** 3 / ctx.timed(lambda: a @ b, repeat) / 1e12)
     nominal = figures["nominal_hbm_gbs"]
     hbm = f"HBM nominal {nominal:,.0f} GB/s" if nominal else "HBM nominal unreadable"
     summary = (f"{'dry run: ' if ctx.dry_run else ''}{props.name}, {figures['gpus']} GPU(s), torch "

@@ -1,11 +1,7 @@
-"""Stage ``micro``: each CUDA kernel's effective bandwidth (bytes read + written / median time, CUDA events)
-against the device's HBM bandwidth, nominal (device attributes) and measured (a torch device-to-device copy; both
-from the ``device`` stage, else measured here), and against the torch op it replaces in training.
-
-The pack and the owner-side sum are timed through the transport's device ops (:class:`KernelDeviceOps`, what
-training calls) against the torch statement (:data:`TORCH_DEVICE_OPS`). Target (issue 7): pack/unpack at >= 70%
-of the device's memory bandwidth on large chunks. Dry run: tiny sizes, under the GPU stand-in (tests/fake_cupy.py:
-the same launchers, each launch checked and computed by its contract).
+"""Stage ``micro``: each CUDA kernel's effective bandwidth (bytes read + written / median time, CUDA events) against
+the device's HBM bandwidth, nominal and measured (the ``device`` stage's, else a copy measured here), and against the
+torch op it replaces (the pack and the owner-side sum through the transport's device ops, what training calls).
+Target: pack/unpack at >= 70% of the memory bandwidth on large chunks. Dry run: tiny sizes under the GPU stand-in.
 """
 from __future__ import annotations
 
@@ -14,20 +10,14 @@ from typing import Optional, Tuple
 from .common import Context, result
 
 
-def _launchers(ctx: Context):
-    """The kernels, compiled now (under the GPU stand-in in a dry run: launches checked, contracts computed)."""
-    from ds_hecate.comm.gpu import kernels
-    kernels.compile_all(0)
-    return kernels
-
-
 def measure(ctx: Context, nominal, copy_gbs) -> Tuple[list, dict, Optional[float]]:
     import torch
 
+    from ds_hecate.comm.gpu import kernels as K
     from ds_hecate.comm.gpu import reference as ref
     from ds_hecate.comm.gpu.device_ops import KernelDeviceOps
     from ds_hecate.comm.transport import TORCH_DEVICE_OPS
-    K = _launchers(ctx)
+    K.compile_all(0)   # under the GPU stand-in in a dry run: launches checked, contracts computed
     ops = KernelDeviceOps(K)
     dev = torch.device("cuda", 0)
     repeat = 2 if ctx.dry_run else (5 if ctx.quick else 20)

@@ -1,45 +1,47 @@
-"""The GPU check's runner: every stage in its own process with its own timeout, the JSON rewritten after each, a
-Markdown table at the end.
+"""``make gpu-check``: every stage in its own process (``python benchmarks/gpu_check.py --stage SPEC``) with its own
+timeout, the JSON rewritten after each, a Markdown table at the end; exit status 0 only if every stage passed. The
+stages: the machine and its ceilings; the GPU tests (every kernel against its torch contract, the CuPy transport,
+1-rank NCCL); stream ordering, stream-side waits and the watchdog; training on CUDA against the CPU (fp32, bf16);
+the host syncs of the layer call; two ranks on one GPU on the N-rank path; compute-sanitizer memcheck; the kernels'
+bandwidth; the layer benchmark against its speed targets.
 
-A stage that times out, crashes (no result, or a non-zero exit) or reports a failure fails the check; ``skipped``
-(e.g. the 2-process NCCL stage on one GPU) says why and does not; a failed stage never stops the ones after it.
-The stages' timeouts sum at most :data:`BUDGET_S`, a minute under the Makefile's limit; ``--quick`` shrinks their
-sizes. The Markdown names each failed stage and why in one line under its table. ``--dry-run`` runs every stage's
-code on the CPU under the GPU stand-in (tests/fake_cupy.py: the CUDA stand-in of tests/device_shim.py, a CuPy whose
-kernels check their launches and compute their contracts, NCCL as a loopback or over gloo) and writes the JSON and
-the Markdown as a real run does, marked as a dry run.
+A stage that times out, crashes or reports a failure fails the check, never stopping the ones after it; a skipped
+one (memcheck without the sanitizer) says why and does not. The stages' timeouts sum at most :data:`BUDGET_S`, a
+minute under the Makefile's limit. ``--dry-run`` runs every stage's code on the CPU under the GPU stand-in
+(tests/fake_cupy.py: CUDA tensors computed on the CPU, kernels checked at launch and computed by their contracts,
+NCCL a loopback or gloo) and writes the JSON and the Markdown as a real run does, marked as a dry run.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parents[2]
 
-#: The Makefile's outer limit on the whole check (its ``timeout``); the stages' own timeouts sum at most
-#: :data:`BUDGET_S`, a minute under it (the interpreter's start, the wheelhouse check, writing the files).
+#: The Makefile's limit on the whole check; the stages' timeouts leave a minute of it (start, wheelhouse, files).
 MAKE_TIMEOUT_S = 540
 BUDGET_S = MAKE_TIMEOUT_S - 60
-#: A dry run's limit per stage: its figures are the CPU's, not a budget's (a shared CI machine may be slow), and a
-#: hang still fails within it.
+#: A dry run's limit per stage: its figures are the CPU's (a CI machine may be slow); a hang still fails within it.
 DRY_RUN_STAGE_TIMEOUT_S = 300
 #: Statuses that do not fail the check.
 OK_STATUSES = ("passed", "skipped")
+MODULE = "benchmarks.gpu_check"
 
 
 @dataclass(frozen=True)
 class Stage:
-    """One stage: ``spec`` is ``module[:function]`` (see :mod:`benchmarks.gpu.stage`)."""
+    """One stage: ``spec`` is ``module[:function]`` (called with a :class:`~benchmarks.gpu.common.Context`) or
+    ``pytest PATH...`` (:mod:`benchmarks.gpu.suite`)."""
 
     name: str
     spec: str
@@ -51,31 +53,43 @@ class Stage:
 STAGES: Sequence[Stage] = (
     Stage("device", "benchmarks.gpu.device", 20,
           "GPU, torch, CuPy; HBM bandwidth nominal and measured (copy); bf16 matmul TFLOP/s"),
-    Stage("tests", "benchmarks.gpu.suite", 60, "pytest tests/gpu tests/test_kernels.py"),
-    Stage("syncs", "benchmarks.gpu.syncs", 30,
-          "host syncs of the layer call on CUDA (sync debug mode): fp32, bf16, biased experts; shortcuts on/off"),
-    Stage("training", "benchmarks.gpu.training", 25,
-          "20 fp32 steps on CUDA (torch and CuPy transports, kernels and torch ops) against the CPU"),
-    Stage("training_bf16", "benchmarks.gpu.training:run_bf16", 25,
-          "20 bf16 steps: the resident refresh through the pack kernel; kernel runs against torch ops on CUDA"),
-    Stage("nccl_round_trips", "benchmarks.gpu.nccl:round_trips", 15,
-          "1-rank NCCL: every primitive and every Hecate collective, torch.distributed and CuPy"),
-    Stage("nccl_two_process", "benchmarks.gpu.nccl:two_process", 20,
-          "2 processes, one GPU each: SparseAllGather over NCCL through CuPy (needs 2 GPUs)"),
-    Stage("two_rank_training", "benchmarks.gpu.two_rank_training", 45,
-          "2 processes, 2 ranks on one GPU over gloo with CUDA tensors, the N-rank layer path: 20 fp32 steps "
-          "against the 2-rank CPU run"),
-    Stage("streams", "benchmarks.gpu.streams", 15,
+    Stage("tests", "pytest tests/gpu/test_gpu_kernels.py tests/gpu/test_gpu_comm.py tests/test_kernels.py", 60,
+          "every kernel against its torch contract; the Communicator on the kernels; 1-rank NCCL round trips"),
+    Stage("streams", "pytest tests/gpu/test_gpu_streams.py", 20,
           "stream ordering and its ablation; stream-side waits; the timeout watchdog"),
-    Stage("memcheck", "benchmarks.gpu.memcheck", 40,
+    Stage("training", "pytest tests/gpu/test_gpu_training.py", 50,
+          "20 steps on CUDA (torch and CuPy transports, kernels and torch ops) against the CPU, fp32 and bf16"),
+    Stage("syncs", "pytest tests/gpu/test_gpu_syncs.py", 45,
+          "host syncs of the layer call on CUDA (sync debug mode): fp32, bf16, biased experts; shortcuts on/off"),
+    Stage("two_rank_training", "pytest tests/gpu/test_gpu_two_ranks.py", 60,
+          "2 ranks on one GPU over gloo with CUDA tensors, the N-rank layer path: 20 steps against the CPU run"),
+    Stage("memcheck", "benchmarks.gpu.suite:memcheck", 40,
           "compute-sanitizer memcheck of the kernel tests (PYTORCH_NO_CUDA_MEMORY_CACHING=1)"),
     Stage("micro", "benchmarks.gpu.micro", 20, "kernel micro-benchmarks: GB/s against HBM and the torch ops"),
-    Stage("layer_call", "benchmarks.gpu.layer", 75,
-          "one layer call fwd+bwd, Qwen3-30B-A3B-like and DeepSeek-V3-like, bf16: grouped GEMM vs loop"),
-    Stage("layer_versus", "benchmarks.gpu.versus", 90,
-          "side by side, bf16: plain grouped-GEMM layer vs ds_hecate, Qwen3-like (<= 1.25x) and DeepSeek-V3-like "
-          "(<= 1.10x)"),
+    Stage("layer", "benchmarks.gpu.layer", 120,
+          "the layer benchmark, bf16: plain grouped-GEMM layer vs ds_hecate, Qwen3-30B-A3B-like (<= 1.25x) and "
+          "DeepSeek-V3-like (<= 1.10x)"),
 )
+
+
+def stage_main(args: argparse.Namespace) -> int:
+    """``--stage SPEC --out FILE``: one stage in this process (a pytest stage, or ``module[:function]``, default
+    ``run``), its result (or the exception's) written to FILE."""
+    from benchmarks.gpu import suite
+    from benchmarks.gpu.common import Context
+    prior = json.loads(Path(args.prior).read_text()) if args.prior and Path(args.prior).is_file() else {}
+    ctx = Context(quick=args.quick, dry_run=args.dry_run, prior=prior, timeout_s=args.timeout)
+    module, _, function = args.stage.partition(":")
+    try:
+        out = (suite.run(ctx, args.stage.split()[1:]) if args.stage.startswith("pytest ") else
+               getattr(importlib.import_module(module), function or "run")(ctx))
+        code = 0
+    except BaseException as exc:  # noqa: BLE001 - every failure becomes a result the runner reports
+        lines = traceback.format_exc().strip().splitlines()
+        out = {"status": "failed", "summary": f"{type(exc).__name__}: {str(exc)[:200]}", "traceback": lines[-25:]}
+        code = 1
+    Path(args.out).write_text(json.dumps(out, indent=1, default=str))
+    return code
 
 
 def write_json(path: Path, report: dict) -> None:
@@ -85,47 +99,29 @@ def write_json(path: Path, report: dict) -> None:
     os.replace(tmp, path)
 
 
-def _tail(text: str, lines: int = 30) -> List[str]:
-    return (text or "").strip().splitlines()[-lines:]
-
-
 def run_stage(stage: Stage, report_path: Path, quick: bool, dry_run: bool, env: Optional[Dict[str, str]] = None,
               python: str = sys.executable) -> dict:
     """Run one stage in a fresh process (its own session: a timeout kills its children too)."""
+    from benchmarks.gpu.common import run_command
     limit = max(stage.timeout_s, DRY_RUN_STAGE_TIMEOUT_S) if dry_run else stage.timeout_s
     with tempfile.TemporaryDirectory(prefix=f"gpu_check_{stage.name}_") as tmp:
         out = Path(tmp) / "result.json"
-        cmd = [python, "-m", "benchmarks.gpu.stage", stage.spec, "--out", str(out), "--prior", str(report_path),
-               "--timeout", str(limit)]
-        cmd += (["--quick"] if quick else []) + (["--dry-run"] if dry_run else [])
+        cmd = [python, str(ROOT / "benchmarks" / "gpu_check.py"), "--stage", stage.spec, "--out", str(out),
+               "--prior", str(report_path), "--timeout", str(limit)]
         start = time.perf_counter()
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env=env, start_new_session=True)
-        try:
-            log, _ = proc.communicate(timeout=limit)
-            timed_out = False
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            log, _ = proc.communicate()
-            timed_out = True
-        seconds = round(time.perf_counter() - start, 1)
-        base = {"seconds": seconds, "timeout_s": limit, "returncode": proc.returncode}
-        if timed_out:
-            return {"status": "timeout", "summary": f"timed out after {limit:g} s (killed)",
-                    "log_tail": _tail(log), **base}
+        code, log = run_command(cmd + ["--quick"] * quick + ["--dry-run"] * dry_run, limit, env)
+        base = {"seconds": round(time.perf_counter() - start, 1), "timeout_s": limit, "returncode": code}
+        tail = (log or "").strip().splitlines()[-30:]
+        if code is None:
+            return {"status": "timeout", "summary": f"timed out after {limit:g} s (killed)", "log_tail": tail, **base}
         try:
             res = json.loads(out.read_text())
         except (OSError, ValueError):
-            return {"status": "crashed", "summary": f"exit code {proc.returncode}, no result", "log_tail": _tail(log),
-                    **base}
-    if proc.returncode != 0:
-        # a crash after the result was written (e.g. at interpreter exit) is still a crash
-        res.setdefault("summary", "")
-        if res.get("status") in OK_STATUSES:
-            res["status"] = "crashed"
-            res["summary"] = f"exit code {proc.returncode} after: {res['summary']}"
-    if res.get("status") not in OK_STATUSES or proc.returncode != 0:
-        res["log_tail"] = _tail(log)
+            return {"status": "crashed", "summary": f"exit code {code}, no result", "log_tail": tail, **base}
+    if code != 0 and res.get("status") in OK_STATUSES:   # a crash after the result was written (at exit, say)
+        res.update(status="crashed", summary=f"exit code {code} after: {res.get('summary', '')}")
+    if res.get("status") not in OK_STATUSES:
+        res["log_tail"] = tail
     return {**res, **base}
 
 
@@ -153,9 +149,13 @@ def run_check(stages: Iterable[Stage], out: Path, markdown: Optional[Path], quic
             for line in (res.get("tail") or [])[-12:] + res.get("log_tail", [])[-12:]:
                 log(f"    {line}")
     report["ok"] = all(r["status"] in OK_STATUSES for r in report["stages"].values())
-    if markdown is not None:
-        report["markdown"] = str(markdown)
-        markdown.write_text(render_markdown(report, stages))
+    if markdown is not None:   # a file holding the check's block (docs/benchmarks.md) gets the block replaced
+        from benchmarks import common
+        report["markdown"], text = str(markdown), render_markdown(report, stages)
+        if markdown.is_file() and common.markers(MODULE)[0] in markdown.read_text():
+            common.replace_block(str(markdown), text.rstrip(), MODULE)
+        else:
+            markdown.write_text(text)
     write_json(out, report)
     return report
 
@@ -209,13 +209,18 @@ def render_markdown(report: dict, stages: Sequence[Stage]) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="make gpu-check: the one-command check of the GPU path")
-    parser.add_argument("--out", default="gpu_check.json", help="the JSON report, rewritten after every stage")
+    parser.add_argument("--out", default="runs/gpu_check.json", help="the JSON report, rewritten after every stage")
     parser.add_argument("--markdown", default=None, help="the Markdown table (default: --out with .md)")
     parser.add_argument("--quick", action="store_true", help="smaller sizes and fewer repeats")
     parser.add_argument("--dry-run", action="store_true", help="every stage's code path on the CPU; no GPU needed")
     parser.add_argument("--stages", default=None, help="comma-separated subset of: "
                         + ", ".join(s.name for s in STAGES))
+    parser.add_argument("--stage", help=argparse.SUPPRESS)     # internal: run one stage in this process
+    parser.add_argument("--prior", help=argparse.SUPPRESS)
+    parser.add_argument("--timeout", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.stage:
+        return stage_main(args)
     stages = list(STAGES)
     if args.stages:
         names = args.stages.split(",")
@@ -224,6 +229,7 @@ def main(argv=None) -> int:
             parser.error(f"unknown stage(s) {unknown}")
         stages = [s for s in STAGES if s.name in names]
     out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     markdown = Path(args.markdown) if args.markdown else out.with_suffix(".md")
     env = dict(os.environ)
     if args.dry_run:
@@ -232,7 +238,7 @@ def main(argv=None) -> int:
     env.setdefault("PYTHONUNBUFFERED", "1")
     report = run_check(stages, out, markdown, args.quick, args.dry_run, env)
     print()
-    print(markdown.read_text())
+    print(render_markdown(report, stages))
     print(f"gpu-check {'passed' if report['ok'] else 'FAILED'}{' (dry run)' if args.dry_run else ''} in "
           f"{report.get('seconds', 0)} s; JSON {out}, Markdown {markdown}")
     return 0 if report["ok"] else 1

@@ -56,6 +56,11 @@ def run_simulate(args: argparse.Namespace) -> int:
 
     if args.warmup >= args.steps:
         args.parser.error(f"argument --warmup: must be fewer than --steps ({args.steps}), got {args.warmup}")
+    if args.grid:
+        return run_grid(args)
+    missing = [f"--{name}" for name in ("cluster", "model", "workload") if getattr(args, name) is None]
+    if missing:
+        args.parser.error(f"the following arguments are required: {', '.join(missing)} (or --grid)")
     systems = [s for part in args.systems for s in part.split(",") if s] if args.systems else list(SYSTEMS)
     hecate, ds = _hecate_from_ds_config(args.config)
     stage, precision = _zero_and_precision(ds) if args.config else (1, "bf16")
@@ -79,6 +84,30 @@ def run_simulate(args: argparse.Namespace) -> int:
                        "world_size": result.world_size, "ep_size": result.ep_size, "edp_size": result.edp_size,
                        "steps": result.steps, "wall_s": result.wall_s,
                        "systems": {k: vars(v) for k, v in result.systems.items()}}, handle, indent=1)
+    return 0
+
+
+def run_grid(args: argparse.Namespace) -> int:
+    """``--grid``: the simulator's tables (:mod:`.grid`), printed, and into ``--json`` and ``--markdown``."""
+    import sys
+
+    from . import grid
+    if args.markdown:
+        grid.check_markers(args.markdown)   # before minutes of simulation, not after
+    flags = [("--no-large", args.no_large), ("--no-planning-charge", args.no_planning_charge),
+             ("--no-call-overhead", args.no_call_overhead), (f"--steps {args.steps}", args.steps != 30),
+             (f"--json {args.json}", args.json), (f"--markdown {args.markdown}", args.markdown)]
+    command = " ".join(["ds-hecate simulate --grid"] + [flag for flag, given in flags if given])
+    results = grid.run_all(steps=args.steps, large=() if args.no_large else grid.LARGE_CASES, command=command,
+                           charge_planning=not args.no_planning_charge,
+                           charge_call_overhead=not args.no_call_overhead,
+                           progress=lambda line: print(line, file=sys.stderr, flush=True))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as handle:
+            json.dump(results, handle, indent=1)
+    if args.markdown:
+        grid.write_markdown(args.markdown, results)
+    print(grid.markdown_section(results))
     return 0
 
 
@@ -122,11 +151,11 @@ def add_parsers(sub: Any) -> None:
     from .core import SYSTEMS
 
     sim = sub.add_parser("simulate", help="replay routing on a modelled cluster for Hecate and the baselines")
-    sim.add_argument("--cluster", required=True, type=args.preset_or_file(CLUSTERS, "cluster", "a JSON file"),
+    sim.add_argument("--cluster", default=None, type=args.preset_or_file(CLUSTERS, "cluster", "a JSON file"),
                      help=f"preset ({', '.join(CLUSTERS)}) or a JSON file")
-    sim.add_argument("--model", required=True, type=args.preset_or_file(MODELS, "model", "a JSON file of sizes"),
+    sim.add_argument("--model", default=None, type=args.preset_or_file(MODELS, "model", "a JSON file of sizes"),
                      help=f"preset ({', '.join(MODELS)}) or a JSON file of sizes")
-    sim.add_argument("--workload", required=True, type=args.routing_workload(WORKLOADS),
+    sim.add_argument("--workload", default=None, type=args.routing_workload(WORKLOADS),
                      help=f"{'/'.join(WORKLOADS)} or a routing trace (.jsonl)")
     sim.add_argument("--systems", nargs="*", default=None, type=args.names_from(SYSTEMS, "system"),
                      help=f"any of {', '.join(SYSTEMS)} (default: all), space or comma separated")
@@ -166,6 +195,12 @@ def add_parsers(sub: Any) -> None:
                           "(work: the same figures on every machine), or as this machine's thread CPU time")
     sim.add_argument("--json", default=None, type=args.writable_path,
                      help="also write the results as JSON to this file")
+    sim.add_argument("--grid", action="store_true",
+                     help="the simulator's tables instead of one simulation: the 32-GPU grid and the 1,024-GPU cases "
+                          "(--steps, --json, --markdown, --no-large, --no-planning-charge, --no-call-overhead apply)")
+    sim.add_argument("--markdown", default=None, type=args.writable_path,
+                     help="with --grid: replace the generated block of this Markdown file by the tables")
+    sim.add_argument("--no-large", action="store_true", help="with --grid: leave the 1,024-GPU cases out")
     sim.set_defaults(run=run_simulate, parser=sim)
 
     plan = sub.add_parser("plan", help="memory per rank and the scheduler's budgets, before launching")

@@ -14,8 +14,8 @@ Every system's call is charged, per rank ``r``, one formula of the same form:
 (``routed_rows_r``: token-expert pairs the rank computes; ``row_bytes``: one token row in the compute dtype;
 ``owned_bytes_r``: the rank's owned experts in the compute dtype), and a layer waits for its slowest rank. The
 coefficients are fitted per device class from side-by-side measurements against the plain layer
-(``python -m benchmarks.overhead_fit``, which writes ``ds_hecate/sim/call_overhead_fit.json``, package data): the CPU's from
-``benchmarks/layer_versus.py`` on this kind of machine, the GPU presets' from the GPU check's layer-call figures.
+(:mod:`.overhead_fit`, which writes ``ds_hecate/sim/call_overhead_fit.json``, package data): the CPU's from the layer
+benchmark (``python -m benchmarks.layer``), the GPU presets' from the GPU check's layer-call figures.
 ``docs/simulator.md`` says what was fitted where, and from which runtime.
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ from ..errors import HecateError
 HECATE_SYSTEMS = ("hecate", "hecate-rm")
 #: the formula's terms (seconds; seconds per byte)
 TERMS = ("fixed_s", "per_row_byte_s", "per_owned_byte_s")
-#: the committed fit (``python -m benchmarks.overhead_fit``), next to this module: package data (setup.py's
+#: the committed fit (``python -m ds_hecate.sim.overhead_fit``), next to this module: package data (setup.py's
 #: ``package_data``), so a checkout and an installed copy read the same file
 FIT_NAME = "call_overhead_fit.json"
 
@@ -126,7 +126,7 @@ def fit_path() -> Path:
     path = Path(__file__).resolve().parent / FIT_NAME
     if not path.is_file():
         raise HecateError(f"the simulator's call overhead fit {FIT_NAME} is missing from {path.parent}; reinstall "
-                          "ds_hecate or refit it with python -m benchmarks.overhead_fit (docs/simulator.md, "
+                          "ds_hecate or refit it with python -m ds_hecate.sim.overhead_fit (docs/simulator.md, "
                           "\"Call overhead\")")
     return path
 

@@ -215,7 +215,7 @@ MODELS: Dict[str, ModelShape] = {m.name: m for m in (
 )}
 
 #: the committed fit of the per-call overhead model (ds_hecate/sim/call_overhead_fit.json, written by
-#: ``python -m benchmarks.overhead_fit``):
+#: ``python -m ds_hecate.sim.overhead_fit``):
 #: the presets' ``call_overhead`` follow from it, so a refit changes them without an edit here
 CALL_OVERHEAD_FIT = load_fit()
 #: each GPU preset's device memory bandwidth (GB/s, vendor figures: V100-32GB HBM2, A100-40GB HBM2, H100-80GB SXM

@@ -9,6 +9,7 @@ What needs the real device is marked ``real_gpu`` with its reason and skipped un
 """
 import os
 import sys
+import tempfile
 from types import SimpleNamespace
 from typing import Optional
 
@@ -60,3 +61,18 @@ def gpu(request):
     from fake_cupy import gpu_stand_in
     with gpu_stand_in() as stand_in:
         yield SimpleNamespace(real=False, stand_in=stand_in)
+
+
+@pytest.fixture(scope="module")
+def one_rank_group():
+    """A one-process world (module-wide): NCCL on a GPU, gloo under the stand-in; destroyed after the module."""
+    import torch.distributed as dist
+    store = tempfile.mktemp(prefix="gpu_group_store_")
+    real = MODE == "cuda"
+    if real:
+        torch.cuda.set_device(0)
+    dist.init_process_group("nccl" if real else "gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+    if os.path.exists(store):
+        os.remove(store)

@@ -3,19 +3,19 @@
 1. One GPU, several simulated ranks: the one Communicator with CUDA tensors, the CUDA kernels as its device ops
    (:class:`KernelDeviceOps`: pack, the owners' in-place sum) and an in-process loopback in place of NCCL, must give
    bit-for-bit the CPU Communicator's results (simulated the same way on the same inputs).
-2. One GPU, one rank, real NCCL through CuPy: every primitive and every Hecate collective; waits that leave the
-   host free; the timeout watchdog.
+2. One GPU, one rank, real NCCL (through CuPy, and torch.distributed's): every primitive and every Hecate
+   collective (the stream handling: test_gpu_streams.py).
 3. Two processes with real NCCL (needs two GPUs: NCCL refuses two ranks on one device): every collective over the
    CuPy transport against the torch.distributed (gloo) backend on the same inputs.
 
 Without a GPU (conftest.py) all of it runs under the GPU stand-in: the kernels check their launches and compute
 their contracts, NCCL is a loopback on one rank and gloo between the two processes of 3, and the device is never
-behind the host, so 2's waits cannot be seen to leave the host free (the watchdog is held to a stream whose
-events never complete instead).
+behind the host.
 """
 import os
 import random
 import sys
+from typing import Dict
 
 import numpy as np
 import pytest
@@ -186,27 +186,75 @@ def test_token_all_to_all_matches_torch_backend():
 
 
 # -- real NCCL, one rank ---------------------------------------------------------------------------------------------
-def test_one_rank_nccl_primitives_and_collectives():
-    """Every primitive of the CuPy transport and every Hecate collective over it, with real NCCL on one rank."""
-    from benchmarks.gpu import nccl
-    transport = CupyTransport(None, 0, 1, DEV, timeout_s=60)
-    checks = nccl.primitives(transport, DEV)
-    checks.update(nccl.collectives(Communicator(None, 0, 1, transport=transport), DEV))
+def primitives(transport, dev) -> Dict[str, bool]:
+    """Every primitive of ``transport`` on 1 rank, checked."""
+    import torch
+    import torch.distributed as dist
+    checks = {}
+    x = torch.arange(12, dtype=torch.float32, device=dev).reshape(6, 2)
+    recv = torch.empty_like(x)
+    work = transport.all_to_all(recv, x, [6], [6], True)
+    if work is not None:
+        work.wait()
+    checks["all_to_all"] = bool(torch.equal(recv, x))
+    gathered = torch.empty(3, dtype=torch.int64, device=dev)
+    transport.all_gather(gathered, torch.tensor([1, 2, 3], device=dev))
+    checks["all_gather"] = gathered.tolist() == [1, 2, 3]
+    v = torch.tensor([2.5, -1.0], device=dev)
+    transport.all_reduce(v, dist.ReduceOp.SUM)
+    transport.all_reduce(v, dist.ReduceOp.MAX)
+    checks["all_reduce"] = v.tolist() == [2.5, -1.0]
+    transport.broadcast(v, 0)
+    checks["broadcast"] = v.tolist() == [2.5, -1.0]
+    checks["all_gather_object"] = transport.all_gather_object({"rank": 0}) == [{"rank": 0}]
+    return checks
+
+
+def collectives(comm, dev) -> Dict[str, bool]:
+    """Every Hecate collective over ``comm`` on 1 rank, checked (the owned experts go through the device ops)."""
+    import torch
+
+    from ds_hecate.comm.buffers import TensorAccumulator
+    from ds_hecate.comm.collectives import CommCounters
+    from ds_hecate.planning import Placement
+    checks = {}
+    counts = torch.tensor([3, 0, 5, 1], device=dev)
+    checks["count_exchange"] = comm.exchange_counts(counts).tolist() == [[3, 0, 5, 1]]
+    numel, experts = 1000, 4
+    placement = Placement((0,) * experts, (tuple(range(experts)),))
+    masters = {e: torch.randn(numel).to(dev) for e in range(experts)}
+    gathered = comm.start_sparse_all_gather(placement, masters, numel, torch.bfloat16, CommCounters()).wait()
+    checks["sparse_all_gather"] = (gathered.experts == tuple(range(experts)) and all(
+        torch.equal(gathered.flats()[e], masters[e].to(torch.bfloat16)) for e in range(experts)))
+    grads = torch.randn(experts, numel).to(dev)
+    accumulator = torch.ones(experts, numel, device=dev)
+    comm.start_sparse_reduce_scatter(placement, gathered.experts, grads[:gathered.owned], grads[gathered.owned:],
+                                     torch.float32, CommCounters(), TensorAccumulator(accumulator))()
+    checks["sparse_reduce_scatter"] = bool(torch.equal(accumulator, grads + 1))
+    moved = comm.move_experts([0] * experts, [0] * experts, masters, numel)
+    checks["expert_move"] = all(torch.equal(moved[e], masters[e]) for e in range(experts))
+    tokens = torch.randn(9, 16, device=dev)
+    checks["token_all_to_all"] = bool(torch.equal(comm.all_to_all(tokens, [9], [9]), tokens))
+    value = torch.tensor([4.0], device=dev)
+    checks["all_reduce"] = comm.all_reduce(value).tolist() == [4.0]
+    checks["broadcast"] = comm.broadcast(value).tolist() == [4.0]
+    comm.barrier()
+    checks["barrier"] = True
+    return checks
+
+
+@pytest.mark.parametrize("transport_name", ["cupy", "torch"])
+def test_one_rank_primitives_and_collectives(one_rank_group, transport_name):
+    """Every primitive of the transport and every Hecate collective over it, on one rank with real NCCL (the CuPy
+    transport's own communicator; torch.distributed's NCCL group); under the stand-in a loopback and gloo."""
+    from ds_hecate.comm.transport import TorchTransport
+    transport = (CupyTransport(None, 0, 1, DEV, timeout_s=60) if transport_name == "cupy"
+                 else TorchTransport(None, 0, 1, DEV))
+    checks = primitives(transport, DEV)
+    checks.update(collectives(Communicator(None, 0, 1, transport=transport), DEV))
     torch.cuda.synchronize()
     assert all(checks.values()), checks
-    assert transport.failure is None and not transport.aborted
-
-
-def test_waits_leave_the_host_free_and_the_watchdog_aborts_on_the_gpu(gpu):
-    """Behind a sleeping caller stream: a synchronous all-reduce and an async wait return to the host at once, the
-    count exchange waits; a primitive that cannot finish before its deadline is aborted by the watchdog."""
-    from benchmarks.gpu.common import Context
-    from benchmarks.gpu.streams import Device, stream_side_waits, watchdog
-    d = Device(Context(dry_run=not gpu.real))
-    waits = stream_side_waits(d)
-    assert waits["ok"], waits
-    fired = watchdog(d)
-    assert fired["ok"], fired
+    assert getattr(transport, "failure", None) is None and not getattr(transport, "aborted", False)
 
 
 # -- real NCCL, two processes --------------------------------------------------------------------------------------
@@ -267,7 +315,7 @@ def _collectives(comm, rank, world, dev):
 
 def test_two_process_nccl_matches_torch_backend(gpu):
     if gpu.real and torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs: NCCL refuses two ranks on one device (benchmarks/gpu_check.py says so)")
+        pytest.skip("needs 2 GPUs: NCCL refuses two ranks on one device")
     from dist_utils import run_ranks
     for checks in run_ranks(2, _nccl_ranks, not gpu.real, timeout=180):
         assert all(checks.values()), checks
