@@ -33,8 +33,9 @@ setup(
     long_description=open("README.md", encoding="utf-8").read() if __import__("os").path.exists("README.md") else "",
     long_description_content_type="text/markdown",
     packages=find_packages(include=["ds_hecate", "ds_hecate.*"]),
-    # The simulator's fitted per-call overhead coefficients (python -m ds_hecate.sim.overhead_fit), read by its presets.
-    package_data={"ds_hecate.sim": ["call_overhead_fit.json"]},
+    # py.typed: the package's type hints are for its users' type checkers too (PEP 561; mypy.ini checks them). The
+    # simulator's fitted per-call overhead coefficients (python -m ds_hecate.sim.overhead_fit), read by its presets.
+    package_data={"ds_hecate": ["py.typed"], "ds_hecate.sim": ["call_overhead_fit.json"]},
     py_modules=["ds_hecate_autoload"],
     python_requires=">=3.9",
     entry_points={"console_scripts": ["ds-hecate=ds_hecate.tools.cli:main"]},

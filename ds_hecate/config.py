@@ -8,7 +8,7 @@ name the key.
 from __future__ import annotations
 
 import copy
-from typing import Any, Literal, Mapping, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Literal, Mapping, Optional, Tuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -16,8 +16,17 @@ from .comm.backend import COMM_BACKENDS, DEVICE_KERNELS
 from .errors import HecateConfigError
 from .planning.placement import PLACEMENT_POLICIES
 
-#: Placement policies the planner knows, as it defines them (:data:`ds_hecate.planning.placement.PLACEMENT_POLICIES`).
-PlacementName = Literal[PLACEMENT_POLICIES]
+if TYPE_CHECKING:   # a Literal built from a tuple at run time is beyond a static checker: plain strings there
+    PlacementName = str
+    CommBackendName = str
+    DeviceKernelsName = str
+else:
+    #: Placement policies the planner knows, as it defines them
+    #: (:data:`ds_hecate.planning.placement.PLACEMENT_POLICIES`).
+    PlacementName = Literal[PLACEMENT_POLICIES]
+    #: ``hecate.comm_backend`` and ``hecate.device_kernels`` values, as :mod:`ds_hecate.comm.backend` defines them
+    CommBackendName = Literal[COMM_BACKENDS]
+    DeviceKernelsName = Literal[DEVICE_KERNELS]
 
 
 class HecateConfig(BaseModel):
@@ -137,11 +146,11 @@ class HecateConfig(BaseModel):
         None, min_length=1, max_length=4096,
         description="Rank 0 records every layer's gate counts and executed plan here (JSON Lines, ds_hecate.trace); "
                     "null: no trace.")
-    comm_backend: Literal[COMM_BACKENDS] = Field(
+    comm_backend: CommBackendName = Field(
         "auto", description="Transport of Hecate's collectives: 'cupy' (NCCL through CuPy on its own CUDA stream), "
                             "'torch' (torch.distributed), 'auto' (torch until the CuPy transport has passed the GPU "
                             "check on 2 or more GPUs, then cupy where every rank can use it; logs why not).")
-    device_kernels: Literal[DEVICE_KERNELS] = Field(
+    device_kernels: DeviceKernelsName = Field(
         "auto", description="Device work around the collectives and in the layer call (expert pack, the owners' "
                             "gradient sum, the weighted un-permute): 'cupy' (ds_hecate's CUDA kernels through CuPy; "
                             "every rank raises if one cannot run them), 'torch' (torch ops), 'auto' (the kernels "
@@ -181,7 +190,7 @@ def _short_repr(value: Any, limit: int = 80) -> str:
 
 def _find_section(ds_config: Mapping[str, Any]) -> Tuple[Optional[Any], Optional[str]]:
     """Return (raw section, where it was found) from a DeepSpeed config dict; a null section counts as ``{}``."""
-    zero = ds_config.get("zero_optimization")
+    zero: Any = ds_config.get("zero_optimization")   # the user's JSON, checked below
     has_nested = isinstance(zero, Mapping) and HECATE_KEY in zero
     has_top = HECATE_KEY in ds_config
     nested = (zero[HECATE_KEY] if zero[HECATE_KEY] is not None else {}) if has_nested else None

@@ -13,7 +13,7 @@ paths (``has_moe_layers``), which must stay off once Hecate owns the experts.
 from __future__ import annotations
 
 import copy
-from typing import Optional, Tuple
+from typing import TYPE_CHECKING, Optional, Protocol, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +22,32 @@ from deepspeed.moe.sharded_moe import TopKGate
 
 from .errors import HecateModelError
 from .ops.topk_gate import gate_routes
+
+if TYPE_CHECKING:
+    from deepspeed.moe.layer import MoE as DeepSpeedMoE
+
+    from .experts import ExpertKernel
+
+
+class _BoundShard(Protocol):
+    """The part of the runtime's ``LayerShard`` the layer reads (:func:`num_parameters`)."""
+
+    @property
+    def num_experts(self) -> int: ...
+
+    @property
+    def kernel(self) -> ExpertKernel: ...
+
+
+class ExpertsBinding(Protocol):
+    """What the Hecate runtime attaches to a layer it takes over (``ds_hecate.runtime.layer.LayerBinding``): the
+    layer sits below the runtime and names only what it calls."""
+
+    @property
+    def shard(self) -> _BoundShard: ...
+
+    def run(self, x: torch.Tensor, indices: torch.Tensor, gates: torch.Tensor,
+            arithmetic: str = "deepspeed") -> torch.Tensor: ...
 
 
 def _expert_copies(expert: nn.Module, count: int):
@@ -101,12 +127,13 @@ class MoE(nn.Module):
         if use_residual:
             self.mlp = expert
             self.coefficient = nn.Linear(hidden_size, 2)
-        self.binding = None  # set by Hecate when it takes the layer over (ds_hecate.runtime.hecate.LayerBinding)
+        # set by Hecate when it takes the layer over (ds_hecate.runtime.layer.LayerBinding)
+        self.binding: Optional[ExpertsBinding] = None
         self.l_aux: Optional[torch.Tensor] = None
         self.exp_counts: Optional[torch.Tensor] = None
 
     @classmethod
-    def from_deepspeed(cls, ds_moe: nn.Module) -> "MoE":
+    def from_deepspeed(cls, ds_moe: DeepSpeedMoE) -> "MoE":
         """Wrap an existing ``deepspeed.moe.layer.MoE`` in place: same gate module, same expert modules.
 
         With ``ep_size > 1`` the module holds only this rank's ``num_local_experts``; the Hecate runtime gathers

@@ -19,13 +19,15 @@ and the config can read the names.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Tuple
+from typing import TYPE_CHECKING, Any, List, Optional, Tuple
 
 from ..errors import HecateConfigError
 from ..logging_utils import log_rank0
 
 if TYPE_CHECKING:
     import torch
+
+    from .transport import DeviceOps, Transport
 
 #: the transports Hecate's collectives run on: torch.distributed, NCCL through CuPy
 TRANSPORTS = ("torch", "cupy")
@@ -45,11 +47,12 @@ def _gpu():
 def _unusable_ranks(status: Tuple[bool, str], group, world_size: int) -> Optional[str]:
     """Every rank's ``status`` exchanged in one collective over ``group`` (none on one rank): the ranks that cannot
     use the candidate, with their reasons ("rank r: why; ..."), or None when all can. The same on every rank."""
-    statuses = [status]
+    statuses: List[Tuple[bool, str]] = [status]
     if world_size > 1:
         import torch.distributed as dist
-        statuses = [None] * world_size
-        dist.all_gather_object(statuses, status, group=group)
+        gathered: List[Any] = [None] * world_size
+        dist.all_gather_object(gathered, status, group=group)
+        statuses = gathered
     bad = [(r, why) for r, (ok, why) in enumerate(statuses) if not ok]
     if not bad:
         return None
@@ -121,6 +124,9 @@ def build_communicator(requested: str, group, rank: int, world_size: int, device
 
     backend, why = agree_backend(requested, device, group, world_size)
     ops_name, ops_why = agree_device_ops(device_kernels, device, group, world_size)
+    ops: DeviceOps
+    transport: Transport
+    weights: Optional[Transport]
     if ops_name == "cupy":
         from .gpu.device_ops import KernelDeviceOps
         ops = KernelDeviceOps()

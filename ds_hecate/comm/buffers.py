@@ -85,6 +85,7 @@ class GatheredExperts:
         if rows > self.spare_rows:
             raise HecateError(f"calibration's extras need {rows} replica row(s) and {self.spare_rows} are reserved: "
                               "the calibrated placement exceeds the replica budget the prefetch reserved for it")
+        assert self.block is not None   # spare_rows is 0 without a block
         start = self.buffer.shape[0]
         return self.block[start:start + rows]
 
@@ -96,6 +97,7 @@ class GatheredExperts:
         if extra.owned or extra.buffer.data_ptr() != self.spare(added).data_ptr():
             raise HecateError("calibration's extras were not received into the rows reserved for them")
         rows = self.buffer.shape[0] + added
+        assert self.block is not None   # spare() found the extras' rows in it
         return GatheredExperts(self.experts + extra.experts, self.owned_rows, self.block[:rows], self.block)
 
 
@@ -157,13 +159,14 @@ class PendingGather:
 
     def __init__(self, placement: Placement, finish: Callable[[], GatheredExperts]) -> None:
         self.placement = placement
-        self._finish = finish
+        self._finish: Optional[Callable[[], GatheredExperts]] = finish   # dropped once it has given its result
         self._result: Optional[GatheredExperts] = None
 
     def wait(self) -> GatheredExperts:
         if self._result is None:
+            assert self._finish is not None
             self._result = self._finish()
-            self._finish = None  # type: ignore[assignment]
+            self._finish = None
         return self._result
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -223,7 +223,7 @@ class Communicator:
         self.weights.device_ops.pack(srcs, rows)
         return rows
 
-    def start_sparse_all_gather(self, placement: Placement, owned: Dict[int, torch.Tensor], numel: int,
+    def start_sparse_all_gather(self, placement: Placement, owned: Mapping[int, torch.Tensor], numel: int,
                                 dtype: torch.dtype, counters: CommCounters, async_op: bool = True,
                                 include_owned: bool = True, spare_rows: int = 0,
                                 into: Optional[GatheredExperts] = None,
@@ -273,7 +273,7 @@ class Communicator:
             return gathered
         return PendingGather(placement, finish)
 
-    def owned_rows(self, own: List[int], owned: Dict[int, torch.Tensor], numel: int, dtype: torch.dtype,
+    def owned_rows(self, own: List[int], owned: Mapping[int, torch.Tensor], numel: int, dtype: torch.dtype,
                    resident: Optional[torch.Tensor]) -> torch.Tensor:
         """A gather's owned rows: ``resident`` as it is, or ``owned``'s experts ``own`` packed into new rows."""
         if resident is not None and own:

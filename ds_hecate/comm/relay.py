@@ -17,7 +17,7 @@ the same :class:`~ds_hecate.planning.fanout.RelayPlan`, so every rank issues the
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple
 
 import torch
 
@@ -31,7 +31,7 @@ from .transport import Transport
 
 class Communicator(Protocol):
     """What the relayed collectives use of the :class:`~ds_hecate.comm.collectives.Communicator` that calls them:
-    its rank and device, its weight transport, and three of its primitives. Declared here, not imported, so that
+    its rank and device, its weight transport, and four of its primitives. Declared here, not imported, so that
     the names go one way (collectives.py imports this module, never the reverse)."""
 
     rank: int
@@ -46,11 +46,14 @@ class Communicator(Protocol):
     def pack(self, srcs: Sequence[torch.Tensor], numel: int, dtype: torch.dtype,
              out: Optional[torch.Tensor] = None) -> torch.Tensor: ...
 
+    def owned_rows(self, own: List[int], owned: Mapping[int, torch.Tensor], numel: int, dtype: torch.dtype,
+                   resident: Optional[torch.Tensor]) -> torch.Tensor: ...
+
     def gather_block(self, own: List[int], received: List[int], numel: int, dtype: torch.dtype, spare_rows: int,
                      into: Optional[GatheredExperts]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]: ...
 
 
-def relayed_all_gather(comm: "Communicator", placement: Placement, owned: Dict[int, torch.Tensor], numel: int,
+def relayed_all_gather(comm: "Communicator", placement: Placement, owned: Mapping[int, torch.Tensor], numel: int,
                         dtype: torch.dtype, counters: CommCounters, async_op: bool, include_owned: bool,
                         spare_rows: int, into: Optional[GatheredExperts], relay: RelayPlan,
                         resident: Optional[torch.Tensor] = None) -> PendingGather:
@@ -143,9 +146,10 @@ def relayed_reduce_scatter(comm: "Communicator", placement: Placement, experts: 
         (owned experts) or the partial sums (relayed ones), in arrival order."""
         mine = [i for i, e in enumerate(arrived) if e in owned_row]
         if mine:
-            if target[0] is None:
-                target[0] = add_own()
-            _add_rows(comm, target[0][:, lo:hi], received, mine, [owned_row[arrived[i]] for i in mine])
+            own_rows = target[0]
+            if own_rows is None:
+                own_rows = target[0] = add_own()
+            _add_rows(comm, own_rows[:, lo:hi], received, mine, [owned_row[arrived[i]] for i in mine])
         passed = [i for i, e in enumerate(arrived) if e in partial_row]
         _add_rows(comm, partial[:, lo:hi], received, passed, [partial_row[arrived[i]] for i in passed])
 

@@ -43,7 +43,7 @@ class DeviceOps:
     #: ``combine(y, pos, gates) -> out``: ``out[t] = sum_j gates[j, t] * y[pos[j*S + t]]`` with fp32 products and
     #: sum (``pos < 0``: a dropped slot), cast to ``y.dtype`` (``ds_hecate.comm.gpu.reference.unpermute_combine``);
     #: forward only, None when the transport has no kernel for it.
-    combine = None
+    combine: Optional[Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = None
 
     def pack(self, srcs: Sequence[torch.Tensor], out: torch.Tensor) -> None:
         """``out[i] = srcs[i]`` flattened and cast to ``out.dtype`` (``out``: ``[len(srcs), numel]``)."""

@@ -60,7 +60,8 @@ def tag_status(save_dir: str, tag: str, verify: bool = True) -> TagStatus:
     problems = integrity.completeness_problems(tag_dir, SUBDIR)
     if problems:
         return TagStatus(tag, "incomplete", problems=problems, leftovers=leftovers)
-    files = meta.get("files") if isinstance(meta.get("files"), dict) else {}
+    listed = meta.get("files")
+    files = listed if isinstance(listed, dict) else {}
     status = TagStatus(tag, "complete", leftovers=leftovers)
     if verify:
         for name, record in sorted(files.items()):
@@ -75,7 +76,7 @@ def tag_status(save_dir: str, tag: str, verify: bool = True) -> TagStatus:
 
 
 def _all_files(tag_dir: str) -> List[str]:
-    out = []
+    out: List[str] = []
     for root, _dirs, files in os.walk(tag_dir):
         out.extend(os.path.relpath(os.path.join(root, name), tag_dir) for name in files)
     return sorted(out)

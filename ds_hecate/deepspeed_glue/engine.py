@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from deepspeed.runtime.engine import DeepSpeedEngine
@@ -28,6 +28,9 @@ from . import checkpoint
 from . import monitor
 from ..errors import HecateUnsupportedError
 from ..runtime.hecate import HecateRuntime
+
+if TYPE_CHECKING:   # the expert optimizer this glue installs (initialize.py): the runtime types it as an ExpertStepper
+    from .expert_optimizer import ExpertOptimizer
 
 
 class HecateEngine(DeepSpeedEngine):
@@ -86,11 +89,13 @@ class HecateEngine(DeepSpeedEngine):
         result = super().load_checkpoint(load_dir, tag, load_module_strict, load_optimizer_states,
                                          load_lr_scheduler_states, load_module_only, custom_load_fn)
         if self.hecate.optimizer is not None:  # the LR schedule now drives the loaded groups: experts follow them
-            self.hecate.optimizer.follow_replaced_groups(dense_groups, self.basic_optimizer.param_groups)
+            cast("ExpertOptimizer", self.hecate.optimizer).follow_replaced_groups(dense_groups,
+                                                                                  self.basic_optimizer.param_groups)
         if result[0] is not None:
             install()
             if load_optimizer_states and not load_module_only and self.hecate.optimizer is not None:
-                self.hecate.optimizer.add_initial_step(None)  # the loaded state already holds DeepSpeed's
+                # the loaded state already holds DeepSpeed's
+                cast("ExpertOptimizer", self.hecate.optimizer).add_initial_step(None)
             self.hecate.global_steps = self.global_steps  # trace step numbers continue from the checkpoint
         return result
 
@@ -186,7 +191,7 @@ def _wrap_global_norm(module: Any) -> None:
             total = original(list(norm_list) + [expert])
         runtime.last_total_norm = torch.as_tensor(float(total))
         return total
-    get_global_norm._hecate_wrapped = True
+    setattr(get_global_norm, "_hecate_wrapped", True)
     module.get_global_norm = get_global_norm
 
 

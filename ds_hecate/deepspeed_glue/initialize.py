@@ -153,6 +153,7 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
     hcfg, stripped, call = prepared
     if not hcfg.enabled:
         return original(**call)
+    assert model is not None   # _prepare refuses an enabled section without a model
 
     quiet_renamed_all_gather_warning()  # before DeepSpeed's first ZeRO all-gather
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
@@ -400,7 +401,7 @@ def _record_initial_optimizer_step() -> None:
         def initialize_optimizer_states(self, _original=original):
             self._hecate_initial_hyperparameters = [group_settings(g) for g in self.optimizer.param_groups]
             return _original(self)
-        initialize_optimizer_states._hecate_wrapped = True
+        setattr(initialize_optimizer_states, "_hecate_wrapped", True)
         cls.initialize_optimizer_states = initialize_optimizer_states
 
 
@@ -422,7 +423,7 @@ def patch_deepspeed() -> None:
     if not getattr(zero_config.DeepSpeedZeroConfig, "_hecate_aware", False):
         base = zero_config.DeepSpeedZeroConfig
 
-        class HecateAwareZeroConfig(base):  # type: ignore[misc, valid-type]
+        class HecateAwareZeroConfig(base):  # type: ignore[misc, valid-type]  # a base class found at run time
             """DeepSpeed's ZeRO config plus a ``hecate`` section, validated by ds_hecate's own schema wherever DeepSpeed
             parses a config (``deepspeed.zero.Init`` under a Hugging Face ZeRO-3 ``from_pretrained``, a
             ``DeepSpeedConfig`` built by hand): a bad key fails there, before the model is built."""

@@ -115,9 +115,9 @@ def read_mpu(mpu: Any, world_size: int) -> ModelParallelLayout:
     tp = tensor_parallel_size(mpu)
     dp = int(mpu.get_data_parallel_world_size())
     mine = (int(bwc_tensor_model_parallel_rank(mpu)), int(mpu.get_data_parallel_rank()))
-    pairs: List[Tuple[int, int]] = [None] * world_size  # type: ignore[list-item]
-    dist.all_gather_object(pairs, mine)
-    pairs = [tuple(p) for p in pairs]
+    gathered: List[Any] = [None] * world_size
+    dist.all_gather_object(gathered, mine)
+    pairs: List[Tuple[int, int]] = [(t, d) for t, d in gathered]
     expected = {(t, d) for t in range(tp) for d in range(dp)}
     if tp * dp != world_size or set(pairs) != expected or len(set(pairs)) != world_size:
         raise HecateUnsupportedError(

@@ -197,8 +197,8 @@ class TraceRecorder:
 
 def install_recorders(runtime: "HecateRuntime") -> None:
     """Hook the step metrics (every rank, until the first step decides) and the trace (rank 0, if configured)."""
-    runtime.metrics = StepMetrics(runtime)
-    runtime.monitor.observers.append(runtime.metrics.observe)
+    metrics = runtime.metrics = StepMetrics(runtime)
+    runtime.monitor.observers.append(metrics.observe)
     runtime.trace = None
     if not runtime.config.trace_file:
         return
@@ -206,8 +206,8 @@ def install_recorders(runtime: "HecateRuntime") -> None:
     world = runtime.layout.world
     if world.rank == 0:   # rank 0 of the world (with groups it records its group's calls)
         try:
-            runtime.trace = TraceRecorder(runtime, runtime.config.trace_file)
-            runtime.monitor.observers.append(runtime.trace.observe)
+            recorder = runtime.trace = TraceRecorder(runtime, runtime.config.trace_file)
+            runtime.monitor.observers.append(recorder.observe)
         except HecateConfigError as exc:
             problem = str(exc)
     # Only rank 0 writes, but every rank must stop if it cannot (the others would wait in the next collective).

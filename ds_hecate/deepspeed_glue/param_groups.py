@@ -245,5 +245,5 @@ def patch_lr_scheduler_setup() -> None:
         emptied.drive_with(self.lr_scheduler)
         return result
 
-    _configure_lr_scheduler._hecate_wrapped = True  # type: ignore[attr-defined]
-    DeepSpeedEngine._configure_lr_scheduler = _configure_lr_scheduler  # type: ignore[method-assign]
+    setattr(_configure_lr_scheduler, "_hecate_wrapped", True)
+    DeepSpeedEngine._configure_lr_scheduler = _configure_lr_scheduler

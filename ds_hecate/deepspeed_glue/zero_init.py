@@ -49,8 +49,8 @@ def patch_experts() -> None:
         self.deepspeed_experts = nn.ModuleList(copies)
         self.num_local_experts = num_local_experts
 
-    __init__._hecate_wrapped = True  # type: ignore[attr-defined]
-    ds_experts.Experts.__init__ = __init__  # type: ignore[method-assign]
+    setattr(__init__, "_hecate_wrapped", True)
+    ds_experts.Experts.__init__ = __init__
 
 
 def _active_zero_init(expert: nn.Module) -> Any:

@@ -47,6 +47,7 @@ class WeightedUnpermute(torch.autograd.Function):
         ctx.y_shape = y.shape
         if kernel is not None and arithmetic == "deepspeed":
             if pos is None:
+                assert slots is not None   # the caller gives pos or slots
                 pos = slot_positions(slots, k * num_tokens)
             ctx.save_for_backward(y.index_select(0, pos.reshape(-1)).view(k, num_tokens, y.shape[1]), weights, pos)
             dump = slots.shape[0] if slots is not None else y.shape[0] - 1   # the zero row, if any

@@ -134,7 +134,7 @@ class GradPart:
         return all(fresh)
 
     def weight_grad(self, name: str, rows: torch.Tensor, grad: torch.Tensor, groups: RowGroups,
-                    shape: Tuple[int, int], native: bool) -> None:
+                    shape: Tuple[int, ...], native: bool) -> None:
         """The weight gradient ``grad_e^T @ rows_e`` (``shape`` = (out, in)) of every expert ``e`` of the part."""
         if not groups.sizes:
             return
@@ -207,14 +207,17 @@ class GroupedFFN:
     def forward(self, views: Dict[str, torch.Tensor], x: torch.Tensor, groups: RowGroups,
                 native: bool) -> Tuple[torch.Tensor, tuple]:
         """The part's outputs ``[rows, hidden]`` and what :meth:`backward` reads."""
-        form, rows_of = self.form, []   # type: List[torch.Tensor]
+        form = self.form
+        rows_of: List[torch.Tensor] = []
         x = x.contiguous()
         if self.gate_up is not None:
             gate, up = self._project(x, views, self.gate_up, None, groups, native, rows_of).chunk(2, dim=-1)
         elif form.gate is not None:
+            assert form.up is not None   # a form without gate_up names up
             gate = self._project(x, views, form.gate, form.gate_bias, groups, native, rows_of)
             up = self._project(x, views, form.up, form.up_bias, groups, native, rows_of)
         else:
+            assert form.up is not None   # a form without gate_up names up
             gate, up = None, self._project(x, views, form.up, form.up_bias, groups, native, rows_of)
         if gate is not None:
             act = form.act(gate)

@@ -93,7 +93,7 @@ def supports(gate: nn.Module) -> bool:
             and gate.ep_group is None and not gate.wall_clock_breakdown)
 
 
-def _logits(gate: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _logits(gate: TopKGate, x: torch.Tensor) -> torch.Tensor:
     """``TopKGate.forward``'s fp32 logits (with its input jitter when asked)."""
     x_fp32 = cast(x, torch.float32)
     if gate.noisy_gate_policy == "Jitter" and gate.training:
@@ -101,7 +101,7 @@ def _logits(gate: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x_fp32, weight=cast(gate.wg.weight, torch.float32), bias=None)
 
 
-def sparse_top2_gate(gate: nn.Module, x: torch.Tensor) -> GateRoutes:
+def sparse_top2_gate(gate: TopKGate, x: torch.Tensor) -> GateRoutes:
     """``top2gating`` with sparse routes for a ``TopKGate`` with ``k == 2``, bit for bit (module docstring): the
     second expert by the same Gumbel draw, the two routes' weights as gathers of the gates where DeepSpeed takes
     one-hot dot products (``einsum("se,se->s")``: one non-zero term, the same value; backward, the route's gradient
@@ -135,7 +135,7 @@ def sparse_top2_gate(gate: nn.Module, x: torch.Tensor) -> GateRoutes:
     return l_aux, routes, weights / denom, exp_counts   # (each route's weight over its token's denominator)
 
 
-def sparse_topk_gate(gate: nn.Module, x: torch.Tensor) -> GateRoutes:
+def sparse_topk_gate(gate: TopKGate, x: torch.Tensor) -> GateRoutes:
     """``gate`` (a ``TopKGate`` that :func:`supports`) on the tokens ``x`` ``[S, H]``: what its forward returns with
     ``sparse_routes=True``, less the capacity and the slots."""
     logits = _logits(gate, x)

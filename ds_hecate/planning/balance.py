@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 
 from .cost_model import StepCostModel, estimate_layer
-from .plan import owned_experts
+from .plan import IntMatrix, owned_experts
 
 
 def force_uniform(counts: Any) -> np.ndarray:
@@ -65,10 +65,10 @@ def force_uniform_steps(counts: Sequence[Sequence[Any]]) -> List[List[np.ndarray
     return out
 
 
-def estimated_force_balanced_fraction(counts: Sequence[Sequence[int]], owners: Sequence[int],
-                                      materialized: Sequence[Sequence[int]], costs: StepCostModel,
+def estimated_force_balanced_fraction(counts: IntMatrix, owners: Sequence[int],
+                                      materialized: IntMatrix, costs: StepCostModel,
                                       ranks_per_node: int,
-                                      prefetched: Optional[Sequence[Sequence[int]]] = None) -> float:
+                                      prefetched: Optional[IntMatrix] = None) -> float:
     """Cost-model estimate of one layer call's force-balanced fraction (``engine.hecate.stats()``).
 
     :func:`estimate_layer` of :func:`force_uniform` ``(counts)`` under the owner placement (plain expert

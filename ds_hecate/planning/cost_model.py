@@ -15,7 +15,7 @@ import numpy as np
 
 from .dispatch import dispatch_flows
 from .fanout import relay_transfers
-from .plan import holders_matrix
+from .plan import FloatMatrix, IntMatrix, holders_matrix
 
 
 @dataclass(frozen=True)
@@ -238,9 +238,9 @@ class LayerEstimate:
         return imbalance(self.compute_pairs)
 
 
-def estimate_layer(counts: Sequence[Sequence[float]], owners: Sequence[int], materialized: Sequence[Sequence[int]],
+def estimate_layer(counts: FloatMatrix, owners: Sequence[int], materialized: IntMatrix,
                    costs: StepCostModel, ranks_per_node: int,
-                   prefetched: Optional[Sequence[Sequence[int]]] = None) -> LayerEstimate:
+                   prefetched: Optional[IntMatrix] = None) -> LayerEstimate:
     """Estimated time of one layer under a placement: its slowest rank (:func:`rank_seconds`).
 
     Replicas listed in ``prefetched`` were gathered ahead of time (hidden up to ``overlap_s``); others are gathered
@@ -269,7 +269,7 @@ def estimate_layer(counts: Sequence[Sequence[float]], owners: Sequence[int], mat
     return LayerEstimate(float(times.max()), tuple(processed.tolist()), tuple(times.tolist()))
 
 
-def owner_loads(counts: Sequence[Sequence[int]], owners: Sequence[int], world_size: int) -> List[int]:
+def owner_loads(counts: IntMatrix, owners: Sequence[int], world_size: int) -> List[int]:
     """Token-expert pairs per rank when every expert runs only on its owner (plain expert parallelism)."""
     per_expert = np.asarray(counts).reshape(-1, len(owners)).sum(axis=0)
     loads = np.zeros(world_size, dtype=per_expert.dtype)

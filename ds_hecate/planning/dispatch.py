@@ -12,7 +12,7 @@ from typing import List, Sequence, Tuple
 
 import numpy as np
 
-from .plan import Routes, holders_matrix
+from .plan import IntMatrix, Routes, holders_matrix
 
 
 def node_of(rank: int, ranks_per_node: int) -> int:
@@ -51,7 +51,7 @@ def eligible_ranks(src: int, holders: Sequence[int], ranks_per_node: int) -> Lis
     return [r for r in holders if node_of(r, ranks_per_node) == node] or list(holders)
 
 
-def topology_aware_routes(counts: Sequence[Sequence[int]], materialized: Sequence[Sequence[int]],
+def topology_aware_routes(counts: IntMatrix, materialized: Sequence[Sequence[int]],
                           ranks_per_node: int) -> Routes:
     """Routes for every (src, expert) given the per-rank counts and the materialized placement."""
     world = len(counts)
@@ -59,7 +59,7 @@ def topology_aware_routes(counts: Sequence[Sequence[int]], materialized: Sequenc
     holders = expert_holders(materialized, num_experts)
     routes = []
     for src in range(world):
-        per_expert = []
+        per_expert: List[Tuple[Tuple[int, int], ...]] = []
         for e in range(num_experts):
             n = int(counts[src][e])
             if n == 0:

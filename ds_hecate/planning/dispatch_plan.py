@@ -25,7 +25,7 @@ from typing import Dict, List, Tuple
 
 import numpy as np
 
-from .plan import LayerPlan, Placement
+from .plan import IntMatrix, LayerPlan, Placement
 
 
 class HolderTables:
@@ -213,7 +213,7 @@ class DispatchPlan:
     _rank_cache: Dict[int, RankDispatch] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def build(cls, counts: np.ndarray, placement: Placement, ranks_per_node: int,
+    def build(cls, counts: IntMatrix, placement: Placement, ranks_per_node: int,
               counted: bool = False) -> "DispatchPlan":
         """``counted``: ``counts`` are a count exchange's (non-negative by construction: not scanned again)."""
         counts = np.asarray(counts, dtype=np.int64)

@@ -25,10 +25,13 @@ import numpy as np
 
 from .cost_model import CommCostModel, StepCostModel, estimate_layer
 from .dispatch import topology_aware_routes
-from .plan import LayerPlan, Materialized, check_routes_cover, holders_matrix, materialized_of, owned_experts
+from .plan import (IntMatrix, LayerPlan, Materialized, check_routes_cover, holders_matrix, materialized_of,
+                   owned_experts)
 
-PlacementPolicy = Callable[[Sequence[Sequence[int]], Sequence[int], Optional[Union[CommCostModel, StepCostModel]]],
-                           Materialized]
+#: (counts, owners, cost model) -> P'. Which cost model a policy needs depends on the policy (the byte-only
+#: CommCostModel, or the StepCostModel for :data:`STEP_COST_POLICIES`); each checks what it got.
+CostModel = Optional[Union[CommCostModel, StepCostModel]]
+PlacementPolicy = Callable[[IntMatrix, Sequence[int], CostModel], Materialized]
 
 
 def _owned(owners: Sequence[int], world: int):
@@ -47,8 +50,8 @@ def local_placement(counts, owners, cost=None) -> Materialized:
     return tuple(tuple(sorted(s)) for s in sets)
 
 
-def cost_placement(counts, owners, cost: Optional[CommCostModel] = None) -> Materialized:
-    if cost is None:
+def cost_placement(counts, owners, cost: CostModel = None) -> Materialized:
+    if not isinstance(cost, CommCostModel):
         raise ValueError("placement 'cost' needs a CommCostModel")
     sets = _owned(owners, len(counts))
     for r, row in enumerate(counts):
@@ -62,7 +65,7 @@ def all_placement(counts, owners, cost=None) -> Materialized:
     return tuple(everything for _ in range(len(counts)))
 
 
-def shadow_placement(counts, owners, cost: Optional[StepCostModel] = None) -> Materialized:
+def shadow_placement(counts, owners, cost: CostModel = None) -> Materialized:
     """FasterMoE's shadowing policy: shadow the top-n experts by load on every rank, owners keep the rest.
 
     FasterMoE grows n one expert at a time, hottest first, while its latency model falls, and stops at the first
@@ -136,7 +139,7 @@ STEP_COST_POLICIES = frozenset({"shadow"})
 PLACEMENT_POLICIES = ("hecate",) + tuple(POLICIES)
 
 
-def plan_layer(counts: Sequence[Sequence[int]], owners: Sequence[int], policy: str,
+def plan_layer(counts: IntMatrix, owners: Sequence[int], policy: str,
                cost: Optional[CommCostModel] = None, ranks_per_node: Optional[int] = None) -> LayerPlan:
     """Compute the plan for one layer call from all ranks' per-expert token-expert pair counts.
 

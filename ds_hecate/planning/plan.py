@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Sequence, Set, Tuple, Union
 
 import numpy as np
 
@@ -17,6 +17,11 @@ import numpy as np
 Routes = Tuple[Tuple[Tuple[Tuple[int, int], ...], ...], ...]
 #: materialized[rank] = experts that rank holds for the call (owned or replicated): a :class:`Placement`'s P'.
 Materialized = Tuple[Tuple[int, ...], ...]
+#: A ``[rank][expert]`` table as the planner takes it: nested sequences, or the 2-D numpy array it computes with.
+#: ``IntMatrix``: counts of token-expert pairs, or a placement as per-rank expert lists or a bool holders matrix;
+#: ``FloatMatrix``: loads (predicted counts).
+IntMatrix = Union[Sequence[Sequence[int]], np.ndarray]
+FloatMatrix = Union[Sequence[Sequence[float]], np.ndarray]
 
 
 def holders_matrix(placement, world: int, num_experts: int) -> np.ndarray:
@@ -39,8 +44,8 @@ def materialized_of(holders: np.ndarray) -> Materialized:
     calibrated call)."""
     rows, cols = np.nonzero(holders)
     cut = np.searchsorted(rows, np.arange(holders.shape[0] + 1)).tolist()
-    cols = cols.tolist()
-    return tuple(tuple(cols[cut[r]:cut[r + 1]]) for r in range(holders.shape[0]))
+    experts = cols.tolist()
+    return tuple(tuple(experts[cut[r]:cut[r + 1]]) for r in range(holders.shape[0]))
 
 
 def owned_experts(owners: Sequence[int], world: int) -> Materialized:
@@ -175,7 +180,7 @@ class LayerPlan:
 
     def node_traffic(self, ranks_per_node: int) -> Tuple[int, int]:
         """(token rows crossing nodes, of which avoidable: a rank on the source's node had the expert)."""
-        nodes_holding = [set() for _ in range(self.num_experts)]
+        nodes_holding: List[Set[int]] = [set() for _ in range(self.num_experts)]
         for r, experts in enumerate(self.materialized):
             for e in experts:
                 nodes_holding[e].add(r // ranks_per_node)
@@ -226,7 +231,7 @@ def route_counts(routes: Routes, src: int, expert: int) -> int:
     return sum(cnt for _, cnt in routes[src][expert])
 
 
-def check_routes_cover(plan: LayerPlan, counts: Sequence[Sequence[int]]) -> None:
+def check_routes_cover(plan: LayerPlan, counts: IntMatrix) -> None:
     """Every counted token-expert pair must be routed exactly once."""
     for src in range(plan.world_size):
         for e in range(plan.num_experts):

@@ -18,9 +18,11 @@ counts, so every rank holds the same window and predicts the same loads.
 from __future__ import annotations
 
 from collections import deque
-from typing import Deque, List, Optional, Sequence
+from typing import Deque, List, Optional
 
 import numpy as np
+
+from .plan import FloatMatrix
 
 Matrix = List[List[float]]
 
@@ -72,7 +74,7 @@ class LoadPredictor:
     def __len__(self) -> int:
         return len(self._history)
 
-    def push(self, counts: Sequence[Sequence[float]]) -> None:
+    def push(self, counts: FloatMatrix) -> None:
         matrix = np.array(counts, dtype=np.float64)
         if matrix.ndim != 2 or (self._history and matrix.shape != self._history[0].shape):
             raise ValueError("LoadPredictor.push: count matrix shape changed within the window")

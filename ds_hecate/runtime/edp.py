@@ -139,6 +139,7 @@ def refresh_weights(rt: RuntimeView, shards: Optional[List[LayerShard]] = None) 
             continue
         if not shard.owned:
             continue
+        assert shard.weight_rows is not None   # laid out with the masters
         local = torch.stack([shard.masters[e].detach() for e in shard.owned]).to(shard.weight_rows.dtype)
         gathered = torch.empty((part.peers,) + tuple(local.shape), dtype=local.dtype, device=local.device)
         with layout.edp.during(f"the expert-data-parallel weight all-gather of MoE layer '{shard.name}'"):

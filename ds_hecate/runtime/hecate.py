@@ -93,8 +93,9 @@ class HecateRuntime:
         self._work_at_profile: Optional[Tuple[int, float]] = None   # expert_work() when costs were last measured
         self.overlaps_compute = torch.cuda.is_available()
         self.global_steps = 0  # optimizer steps done (engine.global_steps), for the trace's step numbers
-        self.metrics = None   # ds_hecate.deepspeed_glue.monitor.StepMetrics, when the builder installs it
-        self.trace = None     # ds_hecate.deepspeed_glue.monitor.TraceRecorder (rank 0, hecate.trace_file)
+        # held for whoever reads them, never called here (the builder installs them as observers):
+        self.metrics: Optional[object] = None   # ds_hecate.deepspeed_glue.monitor.StepMetrics
+        self.trace: Optional[object] = None     # ds_hecate.deepspeed_glue.monitor.TraceRecorder (rank 0, trace_file)
         self._pool: Optional[Tuple[tuple, ReplicaPool]] = None   # (its inputs, the pool)
         self._costs: Dict[int, Tuple[object, bool, StepCostModel]] = {}   # layer -> (measured, regather, costs)
         # What every layer reads of the runtime (runtime/host.py): the group's fixed setup, the call sequence, the
@@ -264,7 +265,7 @@ class HecateRuntime:
         no collective to agree on."""
         total = self.last_total_norm
         known = total is not None
-        if known and 0 <= float(total) < float("inf"):
+        if total is not None and 0 <= float(total) < float("inf"):
             return
         bad = self._nonfinite_experts()
         step = self.steps_applied + self.steps_skipped + 1

@@ -37,7 +37,7 @@ def _local_layout(rt) -> StateLayout:
 
 def agree_state_layout(rt) -> StateLayout:
     gathered = rt.layout.world.all_gather_object(_local_layout(rt), "re-sharding layout exchange")
-    layouts = [tuple(map(tuple, layout)) for layout in gathered]
+    layouts = [(tuple(vectors), tuple(scalars)) for vectors, scalars in gathered]
     known = {layout for layout in layouts if layout != ((), ())}
     if len(known) > 1:
         raise HecateError(f"expert optimizer states differ across ranks ({sorted(known)}); cannot re-shard")
@@ -63,9 +63,10 @@ def _unpack(chunk: torch.Tensor, numel: int, layout: StateLayout) -> Tuple[nn.Pa
     for key in vectors:
         state[key] = chunk[offset:offset + numel].clone()
         offset += numel
-    host = chunk[offset:offset + len(scalars)].cpu() if scalars else None
-    for i, key in enumerate(scalars):
-        state[key] = host[i].clone()  # 0-d float32 on the CPU, as torch.optim keeps 'step'
+    if scalars:
+        host = chunk[offset:offset + len(scalars)].cpu()
+        for i, key in enumerate(scalars):
+            state[key] = host[i].clone()  # 0-d float32 on the CPU, as torch.optim keeps 'step'
     return param, state
 
 

@@ -161,6 +161,7 @@ class LayerShard:
         """expert -> its whole flat weights in the compute dtype (rows of :attr:`weight_rows`), what
         SparseAllGather sends from (the rows are taken apart only when a row is asked for: a call that sends
         nothing issues no op for them)."""
+        assert self.weight_rows is not None   # laid out with the masters (set_masters), before any layer call
         return _RowsByExpert(self.owned, self.weight_rows)
 
     def set_masters(self, flats: Dict[int, torch.Tensor], partition: Optional[Partition] = None,
@@ -220,6 +221,7 @@ class LayerShard:
         if self.shares_weights or self.partition is not None or not self.masters:
             return
         masters = [self.masters[e].detach() for e in self.owned]
+        assert self.weight_rows is not None   # laid out with the masters
         if pack is None:
             torch.stack(masters, out=self.weight_rows)
         else:
@@ -247,6 +249,7 @@ class LayerShard:
         first = self.fresh_params == frozenset(self.kernel.names)
         self.fresh_params = frozenset() if names is None else self.fresh_params - set(names)
         if first and self.partition is None:
+            assert self.grads is not None   # the contributions were written into it
             # fresh views each window (a view handed out as .grad could have been re-pointed by its holder)
             for e, row in zip(self.owned, self.grads.unbind(0)):
                 self.masters[e].grad = row
@@ -339,8 +342,8 @@ class ExpertShardStore:
         total = torch.zeros((), dtype=torch.float32, device=self.device)  # also on a rank that owns nothing
         for shard in self.layers:
             rows = shard.optimizer_grads
-            if rows is not None and all(shard.masters[e].grad is not None and
-                                        shard.masters[e].grad.data_ptr() == row.data_ptr()
+            if rows is not None and all((grad := shard.masters[e].grad) is not None and
+                                        grad.data_ptr() == row.data_ptr()
                                         for e, row in zip(shard.owned, rows.unbind(0))):
                 total = total + rows.pow(2).sum()
                 continue

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
 
 import numpy as np
 import torch
@@ -107,23 +107,31 @@ class ExpertRows:
 
     def to_experts(self, recv: torch.Tensor) -> torch.Tensor:
         """The received rows expert-major (no autograd: the node's backward undoes it)."""
-        return recv if self.in_order else permute_rows(recv, self.order)
+        if self.in_order:
+            return recv
+        assert self.order is not None   # built unless the rows are in order
+        return permute_rows(recv, self.order)
 
     def to_received(self, outputs: torch.Tensor) -> torch.Tensor:
         """Expert-major outputs back in the received order, :attr:`pad_rows` zero rows after them."""
         if self.in_order and not self.pad_rows:
             return outputs
+        assert self.inverse is not None   # built unless the rows are in order with no pad rows
         return permute_rows(outputs, self.inverse, self.pad_rows)
 
     def grad_to_experts(self, grad: torch.Tensor) -> torch.Tensor:
         """The gradient of :meth:`to_received`'s output, expert-major (the pad rows' dropped)."""
         if self.in_order:
             return grad[:self.rows] if self.pad_rows else grad
+        assert self.order is not None   # built unless the rows are in order
         return grad[:self.rows].index_select(0, self.order)
 
     def grad_to_received(self, grad: torch.Tensor) -> torch.Tensor:
         """The gradient of :meth:`to_experts`' input: expert-major gradients back in the received order."""
-        return grad if self.in_order else grad.index_select(0, self.inverse)
+        if self.in_order:
+            return grad
+        assert self.inverse is not None   # built unless the rows are in order
+        return grad.index_select(0, self.inverse)
 
     # on a graph of their own (the loop): the same permutations, differentiable
     def graph_to_experts(self, recv: torch.Tensor) -> torch.Tensor:
@@ -180,6 +188,13 @@ class ExpertCompute:
 
 #: the slots a part fills in the saved tensors: rows, gate, up, activation, hidden (GroupedFFN's saved tuple)
 PART_SLOTS = 5
+
+
+def _input_grad(grad_y: torch.Tensor, d_parts: List[Optional[torch.Tensor]]) -> torch.Tensor:
+    """The expert-major rows' gradient from the parts' (each part gives its rows' where the input needs one), or
+    ``grad_y`` itself with no part."""
+    parts = cast(List[torch.Tensor], d_parts)
+    return grad_y if not parts else parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 @dataclass
@@ -325,8 +340,8 @@ class ExpertCall:
         assert owned_rows is not None
         replicas = buffer.shape[0] if buffer is not None else 0
         grad_y = rows.grad_to_experts(grad)
-        parts = ([(owned_rows, rows.own)] if owned_rows.shape[0] else []) + ([(buffer, rows.replicas)] if replicas
-                                                                           else [])
+        parts = ([(owned_rows, rows.own)] if owned_rows.shape[0] else []) + (
+            [(buffer, rows.replicas)] if buffer is not None and replicas else [])
         d_parts = []
         for i, ((weights, groups), part_grad) in enumerate(zip(parts, self._part_grads(grad_y, parts))):
             part = self._grad_part(weights is owned_rows, replicas, grad.device)
@@ -340,8 +355,7 @@ class ExpertCall:
         self._issue(None, sends)
         if not need_input:
             return None
-        d_x = grad_y if not d_parts else d_parts[0] if len(d_parts) == 1 else torch.cat(d_parts)
-        return rows.grad_to_received(d_x)
+        return rows.grad_to_received(_input_grad(grad_y, d_parts))
 
     def _graph_backward(self, grad: torch.Tensor, recv: torch.Tensor, held: List[GatheredExperts],
                         need_input: bool) -> Optional[torch.Tensor]:
@@ -367,8 +381,7 @@ class ExpertCall:
         self._issue(None, sends)
         if not need_input:
             return None
-        d_x = grad_y if not d_parts else d_parts[0] if len(d_parts) == 1 else torch.cat(d_parts)
-        return rows.grad_to_received(d_x)
+        return rows.grad_to_received(_input_grad(grad_y, d_parts))
 
     def _loop_backward(self, grad: torch.Tensor, recv: torch.Tensor, held: List[GatheredExperts],
                        need_input: bool) -> Optional[torch.Tensor]:
@@ -385,6 +398,7 @@ class ExpertCall:
             outs = [kernel(flat, part) for flat, part in zip(flats, grouped.split(list(rows.sizes)))]
             y = rows.graph_to_received(torch.cat(outs) if outs else grouped)
         inputs = [own, replicas] + ([x] if need_input else [])
+        got: Tuple[Optional[torch.Tensor], ...]
         if y.requires_grad:
             got = torch.autograd.grad(y, inputs, grad, allow_unused=True)
         else:   # no expert and rows that need no gradient: nothing was computed

@@ -40,7 +40,7 @@ class BiasedTopKGate(TopKGate):
 
 def bias_gate(moe: nn.Module, bias: Sequence[float]) -> None:
     """Replace the gate of a ``deepspeed.moe.layer.MoE`` or ``ds_hecate.MoE`` by a biased copy, in place."""
-    inner = moe.deepspeed_moe if hasattr(moe, "deepspeed_moe") else moe
+    inner: nn.Module = getattr(moe, "deepspeed_moe", moe)
     inner.gate = BiasedTopKGate(inner.gate, bias)
 
 
@@ -216,9 +216,10 @@ class RoutedTopKGate(TopKGate):
 
 def route_gate(moe: nn.Module) -> RoutedTopKGate:
     """Give a ``deepspeed.moe.layer.MoE`` or ``ds_hecate.MoE`` a :class:`RoutedTopKGate` (same weights), in place."""
-    inner = moe.deepspeed_moe if hasattr(moe, "deepspeed_moe") else moe
-    inner.gate = RoutedTopKGate(inner.gate)
-    return inner.gate
+    inner: nn.Module = getattr(moe, "deepspeed_moe", moe)
+    gate = RoutedTopKGate(inner.gate)
+    inner.gate = gate
+    return gate
 
 
 class LinearRouteForcer:

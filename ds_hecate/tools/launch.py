@@ -25,7 +25,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from ..deepspeed_glue.shm_buffers import remove_job_buffers
 
@@ -111,7 +111,7 @@ def run(argv: Sequence[str], env: Optional[Mapping[str, str]] = None, cwd: Optio
         except ProcessLookupError:
             pass
 
-    previous: Dict[int, object] = {}
+    previous: Dict[int, Any] = {}   # the handlers signal.signal returned, given back to it as they are
     if threading.current_thread() is threading.main_thread():
         previous = {signum: signal.signal(signum, forward) for signum in FORWARDED_SIGNALS}
     try:
@@ -122,7 +122,7 @@ def run(argv: Sequence[str], env: Optional[Mapping[str, str]] = None, cwd: Optio
                   "(ranks that have started keep theirs mapped)", file=sys.stderr)
     finally:
         for signum, handler in previous.items():
-            signal.signal(signum, handler)  # type: ignore[arg-type]
+            signal.signal(signum, handler)
         if addr is not None:
             remove_job_buffers(addr, args.master_port)
         else:

@@ -101,7 +101,8 @@ def find_inputs(run_dir: str) -> Tuple[List[str], List[str]]:
     if not os.path.isdir(run_dir):
         raise ReportError(f"report: {run_dir!r} is not a directory (give the run directory, e.g. the example's "
                           "--monitor-dir)")
-    traces, monitors = [], []
+    traces: List[str] = []
+    monitors: List[str] = []
     for root, _dirs, files in os.walk(run_dir):
         if any(_CSV_NAME.match(f) for f in files):
             monitors.append(root)
@@ -261,6 +262,7 @@ def plot_rank_compute(histories: List[LayerHistory], path: str, world_size: int)
     for ax, index in zip(axes[:, 0], shown):
         h = histories[index]
         before, after = h.compute_before, h.compute_after
+        assert before is not None and after is not None   # a usable layer's
         mean = [sum(row) / world_size for row in before]
         if world_size <= 8:
             ax.fill_between(h.x, [min(row) for row in before], [max(row) for row in before], color="tab:red",
@@ -296,25 +298,26 @@ def plot_rank_compute(histories: List[LayerHistory], path: str, world_size: int)
 
 def plot_replicas(histories: List[LayerHistory], path: str, world_size: int) -> Optional[str]:
     """Heatmap per layer: how many ranks besides its owner hold each expert, over iterations."""
-    usable = [i for i, h in enumerate(histories) if h.replicas is not None]
+    replicas = {i: h.replicas for i, h in enumerate(histories) if h.replicas is not None}
+    usable = list(replicas)
     if not usable:
         return None
     plt = _pyplot()
     from matplotlib.colors import BoundaryNorm
     shown = _shown(usable)
-    top = max(1, max(max(max(row) for row in histories[i].replicas) for i in shown))
+    top = max(1, max(max(max(row) for row in replicas[i]) for i in shown))
     cmap = plt.get_cmap("Blues", top + 1)
     norm = BoundaryNorm([v - 0.5 for v in range(top + 2)], cmap.N)
     fig, axes = plt.subplots(len(shown), 1, figsize=(10, 1.2 + 2.6 * len(shown)), squeeze=False,
                              constrained_layout=True)
     for ax, index in zip(axes[:, 0], shown):
-        h = histories[index]
-        experts = len(h.replicas[0])
-        grid = [[h.replicas[c][e] for c in range(len(h.x))] for e in range(experts)]
+        h, rows = histories[index], replicas[index]
+        experts = len(rows[0])
+        grid = [[rows[c][e] for c in range(len(h.x))] for e in range(experts)]
         mesh = ax.pcolormesh(_edges(h.x), [e - 0.5 for e in range(experts + 1)], grid, cmap=cmap, norm=norm,
                              shading="flat", edgecolors="white", linewidth=0.3 if len(h.x) <= 100 else 0)
         ax.set_ylim(experts - 0.5, -0.5)
-        total = sum(sum(row) for row in h.replicas)
+        total = sum(sum(row) for row in rows)
         ax.set_title(f"layer {index} ({h.name}): {total / max(len(h.x), 1):.1f} replicas per iteration on average")
         ax.set_ylabel("expert")
         ax.set_xlabel(h.x_label)

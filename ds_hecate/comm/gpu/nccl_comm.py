@@ -189,7 +189,8 @@ class CupyTransport:
         self.streams = streams if streams is not None else CudaStreams(device)
         self.comm = comm if comm is not None else self._nccl_communicator()
         if nccl is None:
-            from cupy.cuda import nccl
+            from cupy.cuda import nccl as cupy_nccl
+            nccl = cupy_nccl
         self.nccl = nccl  # the module (a stand-in in the CPU tests)
         if device_ops is None:
             from .device_ops import KernelDeviceOps
@@ -289,6 +290,7 @@ class CupyTransport:
             raise
         event = self.streams.done()
         if entry is not None:
+            assert self.watchdog is not None   # the entry is the watchdog's
             self.watchdog.enqueued(entry, event)
         if host_wait:
             self.host_wait(event, what)

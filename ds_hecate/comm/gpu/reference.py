@@ -37,7 +37,8 @@ def unpack_chunks(buf: torch.Tensor, dsts: Sequence[torch.Tensor], numel: int) -
 
 def chunk_segments(chunks_per_output: Sequence[Sequence[int]]) -> Tuple[List[int], List[int]]:
     """CSR form of the reduce lists: (seg_ptr, chunk_idx), output j sums chunks chunk_idx[seg_ptr[j]:seg_ptr[j+1]]."""
-    seg_ptr, idx = [0], []
+    seg_ptr: List[int] = [0]
+    idx: List[int] = []
     for chunks in chunks_per_output:
         idx.extend(int(c) for c in chunks)
         seg_ptr.append(len(idx))
@@ -134,4 +135,5 @@ def unpermute_combine(y: torch.Tensor, pos: torch.Tensor, gates: torch.Tensor) -
     for j in range(k):
         term = rows.index_select(0, pos[j]).to(torch.float32) * gates[j].to(torch.float32).unsqueeze(-1)
         out = term if out is None else out.add_(term)
+    assert out is not None   # k > 0 routes were added
     return out.to(y.dtype)

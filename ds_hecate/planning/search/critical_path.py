@@ -206,7 +206,7 @@ def plan_after_gate(counts: np.ndarray, prefetched: Placement, schedule: Schedul
     meter.add(CALL_WORK.call_cost_us(*counts.shape))
     schedule.scored = False
     ranks_per_node = settings.ranks_per_node
-    calibrating = (calibration and calibration_affordable(*counts.shape, settings)
+    calibrating = (calibration and calibration_affordable(counts.shape[0], counts.shape[1], settings)
                    and schedule.after_gate(counts, prefetched.holders, ranks_per_node, speculative))
     if schedule.scored:
         meter.add(CALL_WORK.score_cost_us(*counts.shape))

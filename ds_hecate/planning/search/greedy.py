@@ -25,7 +25,7 @@ import numpy as np
 import numpy.ma  # noqa: F401  np.unique imports it on its first call (10 ms), which would land on a layer call
 
 from ..cost_model import estimate_layer
-from ..plan import Materialized, holders_matrix, materialized_of
+from ..plan import FloatMatrix, IntMatrix, Materialized, holders_matrix, materialized_of
 from .call_work import WorkMeter
 from .moves import candidate_moves, node_exchange_moves, quota_move, round12
 from .proportional import fill_slots, proportional_fill
@@ -74,9 +74,9 @@ PAY_WINDOW = 2
 FLOW_PASS_IMBALANCE = 1.25
 
 
-def schedule_materialization(counts: Sequence[Sequence[float]], owners: Sequence[int], settings: SearchSettings,
-                             start: Optional[Sequence[Sequence[int]]] = None,
-                             prefetched: Optional[Sequence[Sequence[int]]] = None,
+def schedule_materialization(counts: FloatMatrix, owners: Sequence[int], settings: SearchSettings,
+                             start: Optional[IntMatrix] = None,
+                             prefetched: Optional[IntMatrix] = None,
                              meter: Optional[WorkMeter] = None) -> Materialized:
     """Replica placement minimising :func:`estimate_layer` under ``settings.replica_budget`` extra experts/rank: the
     greedy search :func:`greedy_steps` (its docstring has the moves, the acceptance rule and the anytime budget).
@@ -118,9 +118,9 @@ def _affords_a_step(settings: SearchSettings, world: int, num_experts: int) -> b
                                                            settings.candidate_ranks) <= upper_us
 
 
-def search_steps(counts: Sequence[Sequence[float]], owners: Sequence[int], settings: SearchSettings,
-                 start: Optional[Sequence[Sequence[int]]] = None,
-                 prefetched: Optional[Sequence[Sequence[int]]] = None) -> Generator[Progress, None, Materialized]:
+def search_steps(counts: FloatMatrix, owners: Sequence[int], settings: SearchSettings,
+                 start: Optional[IntMatrix] = None,
+                 prefetched: Optional[IntMatrix] = None) -> Generator[Progress, None, Materialized]:
     """:func:`schedule_materialization` as a generator of :class:`Progress` before each search step (both passes;
     during the second the best so far is the first pass's result, the one its estimate is judged against).
 
@@ -154,6 +154,7 @@ def search_steps(counts: Sequence[Sequence[float]], owners: Sequence[int], setti
         if filled is not None and fill_pays is None:
             fill_pays = float(round12(fill_s)) < float(round12(progress.best_time_s * (1.0 - s.min_gain)))
         if fill_pays and float(round12(fill_s)) < float(round12(progress.best_time_s)):
+            assert filled is not None and fill_s is not None   # fill_pays is set only where there is a fill
             progress = replace(progress, best_time_s=fill_s, best=filled)
         yield replace(progress, spent_us=progress.spent_us + offset)
     if filled is None:
@@ -262,9 +263,9 @@ def _next_stage(stage: int, last_stage: int, moved_since_stage0: bool) -> Tuple[
     return -1, moved_since_stage0
 
 
-def greedy_pass(counts: Sequence[Sequence[float]], owners: Sequence[int], settings: SearchSettings,
-                start: Optional[Sequence[Sequence[int]]] = None,
-                prefetched: Optional[Sequence[Sequence[int]]] = None) -> Materialized:
+def greedy_pass(counts: FloatMatrix, owners: Sequence[int], settings: SearchSettings,
+                start: Optional[IntMatrix] = None,
+                prefetched: Optional[IntMatrix] = None) -> Materialized:
     """One greedy pass (:func:`greedy_steps`) run to its end: the unit :class:`~.work.SearchWork` prices (a fresh
     :func:`schedule_materialization` may run two, and judges the proportional start)."""
     return run_to_end(greedy_steps(counts, owners, settings, start, prefetched))
@@ -316,9 +317,9 @@ def _unsearched(owners: Sequence[int], start, world: int, num_experts: int) -> M
     return materialized_of(holders)
 
 
-def greedy_steps(counts: Sequence[Sequence[float]], owners: Sequence[int], settings: SearchSettings,
-                 start: Optional[Sequence[Sequence[int]]] = None,
-                 prefetched: Optional[Sequence[Sequence[int]]] = None) -> Generator[Progress, None, Materialized]:
+def greedy_steps(counts: FloatMatrix, owners: Sequence[int], settings: SearchSettings,
+                 start: Optional[IntMatrix] = None,
+                 prefetched: Optional[IntMatrix] = None) -> Generator[Progress, None, Materialized]:
     """One greedy pass minimising :func:`estimate_layer`, as a generator: before each step a :class:`Progress` (work
     so far, the step's, the best placement so far), so that a caller may pause between steps and go on at a later
     call (:mod:`.sliced`); it returns the placement.

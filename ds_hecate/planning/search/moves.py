@@ -7,7 +7,7 @@ stands beside its code. Every input is identical on all ranks and ties break on 
 """
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import List, Optional, Set, Tuple
 
 import numpy as np
 
@@ -55,7 +55,7 @@ def candidate_moves(search: SearchState, best_times, extra, budget_per_rank: int
     load_on_bottleneck = search.proc[:, bottleneck]
     loaded = np.flatnonzero(load_on_bottleneck > 0)
     hot = sorted(loaded.tolist(), key=lambda e: (-load_on_bottleneck[e], e))[:candidate_experts]
-    moves = set()
+    moves: Set[Tuple[int, Tuple[int, ...]]] = set()
     several_nodes = search.world > ranks_per_node
     # every rank by (rounded time, rank id), once: an expert's open ranks in that order are a filter of it
     by_time_all = np.lexsort((np.arange(search.world), round12(best_times)))

@@ -10,7 +10,7 @@ from typing import Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..plan import Materialized, holders_matrix
+from ..plan import FloatMatrix, IntMatrix, Materialized, holders_matrix
 from .call_work import CALL_WORK, WorkMeter
 from ..cost_model import imbalance
 from ..dispatch import dispatch_flows
@@ -20,7 +20,7 @@ from .settings import SearchSettings
 from .sliced import SlicedSearch
 
 
-def load_shift(before: Sequence[Sequence[float]], after: Sequence[Sequence[float]],
+def load_shift(before: FloatMatrix, after: FloatMatrix,
                before_total: Optional[float] = None) -> float:
     """How far the (source rank, expert) loads moved: L1 distance over the total of ``before`` (0 = unchanged).
 
@@ -111,8 +111,8 @@ class ScheduleReuse:
         #: (placement, the loads it was planned for, its compute imbalance): :meth:`planned_imbalance`'s answer
         self._imbalance: Tuple[Optional[Materialized], Optional[np.ndarray], float] = (None, None, 1.0)
 
-    def schedule(self, counts: Sequence[Sequence[float]], owners: Sequence[int], settings: SearchSettings,
-                 start: Optional[Sequence[Sequence[int]]] = None, slice_us: Optional[float] = None) -> Materialized:
+    def schedule(self, counts: FloatMatrix, owners: Sequence[int], settings: SearchSettings,
+                 start: Optional[IntMatrix] = None, slice_us: Optional[float] = None) -> Materialized:
         """:func:`schedule_materialization` of ``counts``, or the previous result when it still applies.
 
         ``slice_us``: spread a search over calls, at most this much of its work per call (at least one step,
@@ -126,7 +126,7 @@ class ScheduleReuse:
                                     or load_shift(pending.loads, counts, pending.loads_total) > self.tolerance):
             self.pending = pending = None   # planned for a situation that no longer holds
         if pending is None:
-            if (self.placement is not None and key == self._key
+            if (self.placement is not None and key == self._key and self.planned_for is not None
                     and load_shift(self.planned_for, counts, self._planned_total) <= self.tolerance):
                 self.reuses += 1
                 return self.placement
@@ -141,9 +141,11 @@ class ScheduleReuse:
                 return self.placement
             pending = self.pending = self._start_search(
                 loads, owners, settings, start, key, self._search_start(loads, owners, settings.replica_budget, start))
+        assert slice_us is not None   # a search in progress exists only where the calls slice it
         ended = pending.advance(slice_us)
         self.last_work_us = pending.last_slice_us
         if ended:
+            assert pending.result is not None   # advance says the search ended once it has its result
             self.pending = None
             self.placement = pending.result
         else:
@@ -187,7 +189,7 @@ class ScheduleReuse:
         """The remembered calibration where it serves ``loads`` as a schedule would (a search then starts from it),
         else None."""
         fits = self._remembered(loads, owners, budget_per_rank, self.tolerance, start=start) is not None
-        return self.calibrated[0] if fits else None
+        return self.calibrated[0] if fits and self.calibrated is not None else None
 
     def _remembered(self, counts: np.ndarray, owners, budget_per_rank: int, threshold: float,
                     joined: Optional[np.ndarray] = None, start=None) -> Optional[np.ndarray]:
@@ -250,12 +252,12 @@ class ScheduleReuse:
         ``tolerance``, or :data:`NOISE_FACTOR` times those loads' sampling noise if larger."""
         return max(self.tolerance, NOISE_FACTOR * (self._noise or 0.0))
 
-    def still_fits(self, counts: Sequence[Sequence[float]]) -> bool:
+    def still_fits(self, counts: FloatMatrix) -> bool:
         """Whether ``counts`` are within :meth:`miss_threshold` of the loads the current schedule was computed for."""
         return (self.planned_for is not None
                 and load_shift(self.planned_for, counts, self._planned_total) <= self.miss_threshold())
 
-    def after_gate(self, counts: Sequence[Sequence[float]], materialized: Sequence[Sequence[int]],
+    def after_gate(self, counts: FloatMatrix, materialized: IntMatrix,
                    ranks_per_node: int, scheduled: bool = True) -> bool:
         """Score this call's prefetched placement and say whether calibration (a re-plan after the gate) can pay.
 
@@ -289,6 +291,7 @@ class ScheduleReuse:
         """What a resumed run needs to make the same reuse decisions (bitwise resume)."""
         state: dict = {}
         if self.placement is not None:
+            assert self._key is not None   # set with every placement
             state.update(planned_for=np.asarray(self.planned_for).tolist(),
                          placement=[list(r) for r in self.placement],
                          owners=list(self._key[0]))

@@ -50,6 +50,7 @@ class SlicedSearch:
         used = self._setup()
         stepped = False
         while self.result is None:
+            assert self.progress is not None   # _setup and _step leave a progress wherever there is no result
             if (stepped and used + self.progress.step_us > slice_us
                     and self.progress.last_gain_us <= self.progress.step_us):
                 self.last_slice_us = used

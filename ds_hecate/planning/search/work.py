@@ -7,7 +7,7 @@ same estimated microseconds, so that every rank stops at the same step whatever 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Generator, Optional, Union
+from typing import Generator, Optional, Union, overload
 
 import numpy as np
 
@@ -126,6 +126,12 @@ def budget_upper_us(budget: Budget) -> Optional[float]:
     return budget.cap_us if isinstance(budget, RelativeBudget) else budget
 
 
+@overload
+def budget_us_for(budget: Union[float, RelativeBudget], layer_s: float) -> float: ...
+@overload
+def budget_us_for(budget: None, layer_s: float) -> None: ...
+@overload
+def budget_us_for(budget: Budget, layer_s: float) -> Optional[float]: ...
 def budget_us_for(budget: Budget, layer_s: float) -> Optional[float]:
     """The budget of a search for a layer estimated at ``layer_s`` seconds: a relative one resolved, a number as it
     is, None (unbounded) as None."""
