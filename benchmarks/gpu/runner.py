@@ -60,8 +60,7 @@ STAGES: Sequence[Stage] = (
 
 
 def stage_main(args: argparse.Namespace) -> int:
-    """``--stage SPEC --out FILE``: one stage in this process (a pytest stage, or ``module[:function]``, default
-    ``run``), its result (or the exception's) written to FILE."""
+    """``--stage SPEC --out FILE``: one stage in this process, its result (or the exception's) written to FILE."""
     from benchmarks.gpu import suite
     from benchmarks.gpu.common import Context
     prior = json.loads(Path(args.prior).read_text()) if args.prior and Path(args.prior).is_file() else {}
@@ -148,16 +147,14 @@ def _cell(value) -> str:
 
 
 def failure_lines(report: dict, stages: Sequence[Stage], width: int = 300) -> List[str]:
-    """One line per stage that did not pass: its name, its status and why (the start of its summary, else the last
-    line of its log)."""
+    """One line per stage that did not pass: its name, its status and why (its summary, else its log's last line)."""
     failed = [(s.name, r) for s in stages if (r := report["stages"].get(s.name)) and r["status"] not in OK_STATUSES]
     return [f"- **{name} {r['status']}**: " + textwrap.shorten(str(r.get("summary") or (r.get("log_tail") or [
         "no output"])[-1]), width, placeholder="...") for name, r in failed]
 
 
 def render_markdown(report: dict, stages: Sequence[Stage]) -> str:
-    """The table docs/benchmarks.md promises: one row per stage (status, seconds, timeout, key figures), then each
-    stage's detail tables (micro-benchmarks, layer call)."""
+    """The table docs/benchmarks.md shows: a row per stage (status, seconds, timeout, key figures), then details."""
     device = report["stages"].get("device", {}).get("device_name", "unknown device")
     where = (f"dry run on the CPU (no GPU measurement; each stage given {DRY_RUN_STAGE_TIMEOUT_S} s, the timeouts "
              "below are a GPU's)" if report["dry_run"] else f"one {device}")
