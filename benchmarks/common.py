@@ -1,11 +1,7 @@
-"""What every benchmark shares: the machine record, paired ratios with bootstrap intervals, run records and the
-generated Markdown blocks.
-
-A run record (the JSON an entry point writes, by default under the git-ignored ``runs/``) holds the command, the
-date, the commit and the machine beside the figures, so a table rendered from it later (``--report-only``) still
-says where its numbers came from. A generated block of a Markdown file lies between two marker lines naming the
-command that owns it; everything around it stays as written by hand.
-"""
+"""What every benchmark shares: the machine record, paired ratios with bootstrap intervals, run records (the JSON
+under the git-ignored ``runs/``: command, date, commit and machine beside the figures, so a table rendered later with
+``--report-only`` still says where its numbers came from) and the generated Markdown blocks (between two marker lines
+naming the command that owns them)."""
 from __future__ import annotations
 
 import datetime
@@ -28,11 +24,8 @@ Ratio = Tuple[float, float, float]
 
 # -- the machine -------------------------------------------------------------------------------------------------
 def _first_line(path: str, prefix: str) -> Optional[str]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith(prefix)), None)
-    except OSError:
-        return None
+    lines = Path(path).read_text(encoding="utf-8").splitlines() if os.path.exists(path) else []
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith(prefix)), None)
 
 
 def _version(module: str) -> str:
@@ -58,10 +51,7 @@ def describe_machine() -> Dict[str, Any]:
 
 
 def load_average() -> Optional[float]:
-    try:
-        return round(os.getloadavg()[0], 2)
-    except (AttributeError, OSError):
-        return None
+    return round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
 
 
 def machine_line(m: Dict[str, Any], load_after: Optional[float] = None) -> str:
@@ -69,8 +59,6 @@ def machine_line(m: Dict[str, Any], load_after: Optional[float] = None) -> str:
     where = f"GPU {m['gpu']}" if m.get("gpu") else "no GPU"
     malloc = "".join(f", {k}={v}" for k, v in (m.get("malloc_env") or {}).items())
     load = m.get("load_average_1min")
-    if isinstance(load, list):   # older records: [before, after]
-        load, load_after = load
     loads = f"; 1-minute load average {load} before, {load_after} after" if load is not None and load_after else ""
     return (f"{m['cpu']}, {m['vcpus']} CPUs, {m.get('memory_gib')} GiB, {where}; Python {m.get('python')}, torch "
             f"{m.get('torch')}, DeepSpeed {m.get('deepspeed')}, transformers {m.get('transformers')}, "
@@ -108,7 +96,6 @@ def header_lines(record: dict) -> List[str]:
 # -- paired ratios -----------------------------------------------------------------------------------------------
 def paired_ratio(times: Sequence[float], reference: Sequence[float], resamples: int = 2000, seed: int = 0) -> Ratio:
     """Median over rounds of ``times[i] / reference[i]`` with a 95% bootstrap interval of that median (seeded).
-
     Paired because the systems take turns round by round: round i of both ran under the same drift of the machine,
     and the ratio per round removes most of it."""
     ratios = [a / b for a, b in zip(times, reference) if b > 0]

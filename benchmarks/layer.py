@@ -4,21 +4,23 @@
     python -m benchmarks.layer --shape host-bound --shape host-bound-8 --profile     # ds_hecate's phases too
     python -m benchmarks.layer --device cuda --dtype bf16 --systems plain,ds_hecate
     python -m benchmarks.layer --quick                                               # a tiny shape, 3 rounds
+    python -m benchmarks.layer --shape compute-bound --hf mixtral,gpt_oss,nemotron_h,glm4_moe
 
-One process per (shape, dtype) on one device (gloo on the CPU, NCCL on CUDA, one rank): the systems of
-:mod:`benchmarks.layer_systems` (``--n-rank``: each one's N-rank twin too) from the same weights, on the same input,
-routing and output gradient. Before any timing each system's first call is compared with the plain layer's, and each
-twin must compute its one-rank layer's bits and issue all-to-alls where that layer issues none (else the cell stops:
-the row would time another call). Then ``--reps`` rounds, every system once per round in a rotated order; per system
-the median call and the paired ratio to the plain layer (per round its time over the plain layer's, median and 95%
-bootstrap interval), and from one profiled call the top-level dispatcher ops (about one kernel launch each on a
-GPU), the allocations and the collectives. ds_hecate runs as after the cost model's first steps, its phases untimed;
-``--profile`` times them. The record goes to ``--json`` (default ``runs/layer.json``), the table to ``--markdown``.
+One process per (shape, dtype), one rank (gloo on the CPU, NCCL on CUDA): the systems of
+:mod:`benchmarks.layer_systems` (``--n-rank``: their N-rank twins too) from the same weights on the same input, routing
+and output gradient. First each system's call is compared with the plain layer's, and each twin must compute its
+one-rank layer's bits and issue all-to-alls where that layer issues none (else the cell stops). Then ``--reps``
+rounds in a rotated order; per system the median call, the paired ratio to the plain layer (median and 95% bootstrap
+interval) and, from one profiled call, the top-level dispatcher ops, allocations and collectives. ds_hecate runs as
+after the cost model's first steps; ``--profile`` times its phases. ``--hf FAMILIES``: transformers' experts modules
+of those families taken over by ds_hecate against transformers' own call (:func:`~benchmarks.layer_systems.build_hf`),
+and a check that no call relayouts the experts' weights (:func:`relayout_ops`), in place of ``--systems``.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -36,8 +38,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import common  # noqa: E402
-from benchmarks.layer_systems import (BUILDERS, DESCRIPTIONS, N_RANK_TWIN, ONE_RANK_TWIN, PROFILED,  # noqa: E402
-                                      SHAPES, SYSTEMS, routed_inputs)
+from benchmarks.layer_systems import (BUILDERS, DESCRIPTIONS, HF_FAMILIES, N_RANK_TWIN, ONE_RANK_TWIN,  # noqa: E402
+                                      PROFILED, SHAPES, SYSTEMS, hf_systems, routed_inputs)
 
 SCHEMA = "ds_hecate-layer/1"
 MODULE = "benchmarks.layer"
@@ -50,6 +52,9 @@ AGREEMENT_TOL = {"fp32": 1e-4, "bf16": 5e-2}
 GRAD_ORDER_TOL = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 1e-2}
 #: the dispatcher's namespaces: torch's, its collectives' and ds_hecate's registered ops
 DISPATCHED = ("aten::", "c10d::", "ds_hecate::")
+#: ops that write a tensor anew (a per-call relayout of the experts' weights is one of them; a transpose is a view)
+COPY_OPS = ("aten::copy_", "aten::clone", "aten::contiguous", "aten::_to_copy", "aten::cat", "aten::stack",
+            "aten::index_select", "aten::gather", "aten::_unsafe_view")
 
 
 def init_one_rank(device: torch.device) -> None:
@@ -103,6 +108,23 @@ def profile_call(fn: Callable[[], Any]) -> Dict[str, Any]:
             "allocated_bytes": sum(sizes)}
 
 
+def relayout_ops(layer, x, shape) -> List[str]:
+    """Copy ops of one forward (the backward's writes into gradient accumulators are no relayout) whose input is an
+    ``[E, ...]`` tensor of at least ``E * hidden * ffn`` elements: a per-call relayout of the experts' weights."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof, torch.no_grad():
+        layer.forward(x)
+    return [f"{e.name}{e.input_shapes}" for e in prof.events() if e.name in COPY_OPS and any(
+        len(s) >= 3 and s[0] == shape.experts and math.prod(s) >= shape.experts * shape.hidden * shape.ffn
+        for s in e.input_shapes or ())]
+
+
+def reference(system: str) -> str:
+    """What a system's output is checked against: the plain layer; for ``--hf``'s the family's other side."""
+    family, _, side = system.partition("/")
+    return f"{family}/{'transformers' if side == 'ds_hecate' else 'ds_hecate'}" if side else "plain"
+
+
 def _relative(a, b) -> float:
     a, b = a.float().reshape(b.shape), b.float()
     return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
@@ -152,6 +174,9 @@ def measure_cell(shape_name: str, dtype_name: str, device_name: str, reps: int, 
         except Exception as exc:  # a system that cannot run here (AutoEP without its pins) is reported, not fatal
             traceback.print_exc()
             skipped[name] = f"{type(exc).__name__}: {exc}".strip()[:600]
+    for s in [s for s in built if reference(s) not in built]:   # --hf: a family's two sides or neither
+        skipped[s] = f"{reference(s)} did not build"
+        del built[s]
     if "plain" not in built:
         raise SystemExit(f"layer: the plain layer did not build: {skipped.get('plain')}")
     xs = {s: inputs.x.reshape(b.input_shape) for s, b in built.items()}
@@ -170,14 +195,16 @@ def measure_cell(shape_name: str, dtype_name: str, device_name: str, reps: int, 
     for s, b in built.items():
         phases = {p: (v - before[s][p]) / reps for p, v in b.phases().items()} if b.phases and profile else None
         prof = one_call(b, xs[s], grads[s], device, profile_call)[0]
-        agreement = {"out": _relative(first[s][1], first["plain"][1]),
-                     "x_grad": _relative(first[s][2], first["plain"][2])}
-        out[s] = {"status": "ok", "description": DESCRIPTIONS.get(s, f"{ONE_RANK_TWIN.get(s)} on its N-rank path"),
+        ref = reference(s)
+        agreement = {"out": _relative(first[s][1], first[ref][1]), "x_grad": _relative(first[s][2], first[ref][2])}
+        out[s] = {"status": "ok", "description": DESCRIPTIONS.get(s) or (
+                      f"{ONE_RANK_TWIN[s]} on its N-rank path" if s in ONE_RANK_TWIN else f"--hf {s}"),
                   "times_s": times[s], "median_s": statistics.median(times[s]),
                   "ratio_vs_plain": list(common.paired_ratio(times[s], times["plain"])),
                   "ops": {"top": prof["top"], "nested": prof["nested"]}, "collectives": prof["collectives"],
                   "allocations": prof["allocations"], "allocated_bytes": prof["allocated_bytes"],
-                  "agreement": agreement, **({"phases_s": phases} if phases else {})}
+                  "agreement": agreement, **({"phases_s": phases} if phases else {}),
+                  **({"relayout_ops": relayout_ops(b, xs[s], shape)} if s.endswith("/ds_hecate") else {})}
     for s in names:
         out.setdefault(s, {"status": "not run", "reason": skipped.get(s, "")})
     return {"shape": shape_name, **shape.__dict__, "dtype": dtype_name, "device": device_name, "reps": reps,
@@ -201,21 +228,24 @@ def run(args: argparse.Namespace) -> dict:
             with tempfile.TemporaryDirectory(prefix="layer_") as tmp:
                 path = os.path.join(tmp, "cell.json")
                 cmd = [sys.executable, "-m", MODULE, "--cell", path, "--shape", shape, "--dtype", dtype, "--device",
-                       args.device, "--reps", str(args.reps), "--warmup", str(args.warmup), "--systems",
-                       ",".join(args.systems)] + (["--profile"] if args.profile else [])
+                       args.device, "--reps", str(args.reps), "--warmup", str(args.warmup)] + (
+                           ["--hf", ",".join(args.hf)] if args.hf else ["--systems", ",".join(args.systems)]) + (
+                           ["--profile"] if args.profile else [])
                 proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
                 if proc.returncode != 0 or not os.path.exists(path):
                     sys.exit(f"layer: {shape} {dtype} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
                 cells.append(json.loads(Path(path).read_text()))
             print(cell_lines(cells[-1]), flush=True)
-    return common.run_record(SCHEMA, MODULE, args.argv, machine, profile=args.profile, cells=cells)
+    return common.run_record(SCHEMA, MODULE, args.argv, machine, profile=args.profile, hf=args.hf, cells=cells)
 
 
 def markdown(record: dict) -> str:
     """One row per (shape, dtype): the plain layer's median call and every other system's paired ratio to it
     (``-``: not measured; ``not run``: could not run here; ``!``: differs from the plain layer beyond the dtype's
-    tolerance); the phases table when they were timed."""
+    tolerance); the phases table when they were timed. ``--hf``: :func:`hf_markdown`."""
     cells = record["cells"]
+    if record.get("hf"):
+        return hf_markdown(record)
     systems = [s for s in SYSTEMS if s != "plain" and any(s in c["systems"] for c in cells)]
     rows = []
     for c in cells:
@@ -243,6 +273,29 @@ def markdown(record: dict) -> str:
     return "\n".join(lines + [""] * bool(reasons) + [f"- **{s}** not run: {why}" for s, why in reasons.items()])
 
 
+def hf_markdown(record: dict) -> str:
+    """One row per (shape, dtype, family): both sides' median calls, ds_hecate's paired ratios to transformers' call
+    (``!``: outputs differ beyond the dtype's tolerance) and to the first family's through ds_hecate, the relayouts."""
+    rows, base = [], record["hf"][0] + "/ds_hecate"
+    for c in record["cells"]:
+        for family in record["hf"]:
+            r, t = (c["systems"][f"{family}/{side}"] for side in ("ds_hecate", "transformers"))
+            if r["status"] != "ok":
+                rows.append([c["shape"], c["dtype"], family, f"not run: {r['reason'][:80]}"])
+                continue
+            flag = " !" if max(r["agreement"].values()) > AGREEMENT_TOL[c["dtype"]] else ""
+            ratio = [common.ratio_text(common.paired_ratio(r["times_s"], ref["times_s"]))
+                     for ref in (t, c["systems"][base])]
+            rows.append([c["shape"], c["dtype"], family, f"{1e3 * r['median_s']:.2f}", f"{1e3 * t['median_s']:.2f}",
+                         ratio[0] + flag, ratio[1], "; ".join(r["relayout_ops"][:3]) or "none"])
+    lines = common.header_lines(record) + [
+        "transformers' experts modules taken over by ds_hecate (grouped GEMM) against transformers' own call "
+        f"(`grouped_mm`) on the same weights and routing, and against {record['hf'][0]}'s: medians of per-round "
+        "ratios over interleaved rounds [95% interval]; relayout ops: copies of all experts' weights in a call.", ""]
+    return "\n".join(lines + common.table(["shape", "dtype", "family", "ds_hecate ms", "transformers ms",
+                                            "/ transformers", f"/ {record['hf'][0]}", "relayout ops"], rows))
+
+
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", action="append", choices=sorted(SHAPES), help="repeatable (default: the device's)")
@@ -250,6 +303,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--systems", default=",".join(DESCRIPTIONS), help="comma-separated, from " + ", ".join(SYSTEMS))
     p.add_argument("--n-rank", action="store_true", help="also each system's N-rank twin")
+    p.add_argument("--hf", help="comma-separated transformers families, in place of --systems: from " +
+                   ", ".join(HF_FAMILIES) + "; the first is the others' base")
     p.add_argument("--profile", action="store_true", help="time ds_hecate's phases (the runtime's profiling on)")
     p.add_argument("--reps", type=int, default=None, help="interleaved rounds per cell (default 30; --quick 3)")
     p.add_argument("--warmup", type=int, default=None, help="untimed calls per system first (default 3; --quick 1)")
@@ -268,6 +323,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     unknown = [s for s in args.systems if s not in SYSTEMS]
     if unknown:
         p.error(f"unknown system(s) {unknown}; choose from {', '.join(SYSTEMS)}")
+    args.hf = [f for f in (args.hf or "").split(",") if f]
+    if [f for f in args.hf if f not in HF_FAMILIES] or (args.hf and args.n_rank):
+        p.error(f"--hf {','.join(args.hf)}: families from {', '.join(HF_FAMILIES)}, without --n-rank")
+    args.systems = hf_systems(args.hf) if args.hf else args.systems
     if args.n_rank:
         args.systems += [N_RANK_TWIN[s] for s in list(args.systems) if s in N_RANK_TWIN]
     args.systems = list(dict.fromkeys(args.systems))
@@ -282,7 +341,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         Path(args.cell).write_text(json.dumps(cell))
         return 0
     record = json.loads(Path(args.report_only).read_text()) if args.report_only else run(args)
-    return common.publish(MODULE, record, markdown(record), args.json, args.markdown, not args.report_only)
+    return common.publish(MODULE + " --hf" * bool(record.get("hf")), record, markdown(record), args.json,
+                          args.markdown, not args.report_only)
 
 
 if __name__ == "__main__":

@@ -1,17 +1,19 @@
 """The MoE layers ``python -m benchmarks.layer`` puts side by side, from one set of weights, fed one routing.
 
 Every system computes the same function: a bias-free router (fp32 logits, softmax, top-k, gates renormalized),
-SwiGLU experts and each token's gate-weighted sum; the weights are :func:`benchmarks.step_systems.canonical_weights`.
-DeepSpeed's engine is left out for every system (its buckets and optimizer belong to the step, not the layer).
-Each one-rank system has an N-rank twin (:data:`N_RANK_TWIN`): the same layer on the branches every rank of an N-rank
-run takes, its collectives through the one-rank process group (ds_hecate: the communicator's one-rank shortcuts off;
-DeepSpeed's layers: :class:`NRankBranches`; the plain layer: the all-to-all floor, :class:`PlainAllToAllMoE`).
+SwiGLU experts and each token's gate-weighted sum, from :func:`benchmarks.step_systems.canonical_weights`; no
+DeepSpeed engine (its buckets and optimizer belong to the step). Each one-rank system has an N-rank twin
+(:data:`N_RANK_TWIN`): the same layer on the branches every rank of an N-rank run takes, its collectives through the
+one-rank process group (ds_hecate: the communicator's one-rank shortcuts off; DeepSpeed's layers:
+:class:`NRankBranches`; the plain layer: the all-to-all floor, :class:`PlainAllToAllMoE`). ``--hf``'s systems:
+:func:`build_hf`.
 """
 from __future__ import annotations
 
 import argparse
 import functools
 import math
+import os
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
@@ -213,28 +215,35 @@ def build_plain(shape: LayerShape, inputs: RoutedInputs, dtype, device, cls: typ
     return Built(layer, (shape.tokens, shape.hidden), _clear(layer.parameters()), keep=[layer])
 
 
-def build_hecate(shape: LayerShape, inputs: RoutedInputs, dtype, device, one_rank_shortcuts: bool = True,
-                 profile: bool = False) -> Built:
-    """ds_hecate as ``deepspeed.initialize`` builds it (ZeRO-2, ``hecate.enabled``, bf16 when asked, defaults
-    otherwise), every expert owned, the call as after the cost model's first steps: phases untimed unless
-    ``profile``."""
-    from benchmarks.step_systems import build_model
+def hecate_runtime(model: nn.Module, convert: Callable, dtype, device, one_rank_shortcuts: bool = True,
+                   profile: bool = False):
+    """A one-rank runtime as ``deepspeed.initialize`` builds it (ZeRO-2, ``hecate.enabled``, bf16 when asked, defaults
+    otherwise) that took ``model``'s experts over (``convert``), every expert owned, the call as after the cost
+    model's first steps: phases untimed unless ``profile``."""
     from ds_hecate.config import split_hecate_section
-    from ds_hecate.deepspeed_glue.convert import convert_model
     from ds_hecate.deepspeed_glue.initialize import build_runtime
-    model = build_model(_model_args(shape), "hecate", 1, 0)
-    moe = model.blocks[0].moe
-    moe.gate.wg.weight.data.copy_(inputs.router.float().cpu())
-    config = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": dtype == torch.bfloat16},
-              "zero_optimization": {"stage": 2, "hecate": {"enabled": True, "log_conversion": False}}}
-    hcfg, stripped = split_hecate_section(config)
+    hecate = {"enabled": True, "log_conversion": False}
+    hcfg, stripped = split_hecate_section({"train_micro_batch_size_per_gpu": 1, "bf16": {
+        "enabled": dtype == torch.bfloat16}, "zero_optimization": {"stage": 2, "hecate": hecate}})
     assert hcfg is not None
     runtime = build_runtime(hcfg, stripped, model, one_rank_shortcuts=one_rank_shortcuts)
-    convert_model(model, runtime)
+    convert(model, runtime)
     model.to(device, dtype)   # what the engine does with the module: the gate (the experts are Hecate's now)
     # no optimizer step is taken here: end the first step as the engine would (the step observer unhooks itself)
     runtime.metrics.end_step(SimpleNamespace(monitor=None, global_rank=0))
     runtime.monitor.profiling = profile
+    return runtime
+
+
+def build_hecate(shape: LayerShape, inputs: RoutedInputs, dtype, device, one_rank_shortcuts: bool = True,
+                 profile: bool = False) -> Built:
+    """``ds_hecate.MoE`` on :func:`hecate_runtime`."""
+    from benchmarks.step_systems import build_model
+    from ds_hecate.deepspeed_glue.convert import convert_model
+    model = build_model(_model_args(shape), "hecate", 1, 0)
+    moe = model.blocks[0].moe
+    moe.gate.wg.weight.data.copy_(inputs.router.float().cpu())
+    runtime = hecate_runtime(model, convert_model, dtype, device, one_rank_shortcuts, profile)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         runtime.on_model_forward()   # the engine's forward pre-hook
@@ -340,3 +349,54 @@ BUILDERS: Dict[str, Callable[..., Built]] = {
 }
 #: the systems whose builders take ``profile`` (ds_hecate's runtimes)
 PROFILED = ("ds_hecate", "ds_hecate-no-shortcuts", "ds_hecate-call", "ds_hecate-call-no-shortcuts")
+
+
+# -- transformers' experts modules (``--hf``) ---------------------------------------------------------------------
+#: per transformers family, its config's keys of the experts' FFN width and of their number
+HF_FAMILIES: Dict[str, Tuple[str, str]] = {
+    "mixtral": ("intermediate_size", "num_local_experts"), "gpt_oss": ("intermediate_size", "num_local_experts"),
+    "nemotron_h": ("moe_intermediate_size", "n_routed_experts"),
+    "glm4_moe": ("moe_intermediate_size", "n_routed_experts"), "qwen3_moe": ("moe_intermediate_size", "num_experts")}
+
+
+def hf_systems(families: List[str]) -> List[str]:
+    """``--hf``'s systems: per family ``<family>/ds_hecate`` and ``<family>/transformers`` (:func:`build_hf`)."""
+    return [f"{f}/{side}" for f in families for side in ("ds_hecate", "transformers")]
+
+
+def build_hf(shape: LayerShape, inputs: RoutedInputs, dtype, device, family: str, hecate: bool) -> Built:
+    """The family's experts module from its transformers config at the shape's sizes (weights N(0, 0.02), seed 0)
+    fed the plain layer's routing of ``inputs``: taken over by :func:`hecate_runtime` (its layer call with Hugging
+    Face's weighting, what the ``"hecate"`` experts implementation runs; grouped GEMM forced, the fused fast path), or
+    (``hecate=False``) transformers' own call, ``grouped_mm``."""
+    from transformers import CONFIG_MAPPING
+    from ds_hecate.hf.interface import interface_classes
+    ffn_key, experts_key = HF_FAMILIES[family]
+    sizes: Dict[str, Any] = {"hidden_size": shape.hidden, ffn_key: shape.ffn, experts_key: shape.experts}
+    config = CONFIG_MAPPING[family](**sizes)
+    torch.manual_seed(0)
+    module = next(c.cls for c in interface_classes() if c.model_type == family)(config).to(device)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0.0, 0.02)
+    top, expert = F.linear(inputs.x.float(), inputs.router.float()).softmax(dim=-1).topk(shape.top_k, dim=-1)
+    indices, weights = expert.t().contiguous(), (top / top.sum(dim=-1, keepdim=True)).t().contiguous().to(dtype)
+    if not hecate:
+        module.to(dtype).config._experts_implementation = "grouped_mm"
+        return Built(lambda x: module(x, indices.t(), weights.t()), (shape.tokens, shape.hidden),
+                     _clear(module.parameters()), keep=[module])
+    from ds_hecate.hf import convert_hf_model
+    os.environ["DS_HECATE_GROUPED_MM"] = "1"   # read when a layer's experts are built
+    model = nn.ModuleDict({"experts": module})
+    runtime = hecate_runtime(model, convert_hf_model, dtype, device)
+    binding = runtime.bindings[0]
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        runtime.on_model_forward()   # the engine's forward pre-hook
+        return binding.run(x, indices, weights, "hf")
+    return Built(forward, (shape.tokens, shape.hidden), runtime.store.zero_grads, runtime.flush_reductions,
+                 keep=[model, runtime, binding])
+
+
+BUILDERS.update({s: functools.partial(build_hf, family=s.split("/")[0], hecate=s.endswith("/ds_hecate"))
+                 for s in hf_systems(list(HF_FAMILIES))})

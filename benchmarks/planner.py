@@ -4,14 +4,12 @@
     python -m benchmarks.planner --quick        # up to 64 ranks and experts, top-8, 20 calls per setting
 
 One process times the runtime's own calls for one rank of a simulated world (ranks 8 to 1,024, experts 8 to 256,
-top-k 2 and 8, 8,192 tokens per rank, 8 ranks per node), each call sequence as in training (a load window of 5, then
-new draws of the distribution: balanced, skewed (Zipf 1.2), or ``burst``, which moves the hot set every 10th call):
-the **critical path** from the all-gathered counts to this rank's splits and segments (``plan_after_gate``: the
-gate health check, the prediction's score, calibration within ``plan_budget_us`` when it fires), and the
-prediction-driven **search** (``schedule_materialization`` under ``search_budget_us``, off the critical path, fresh
-each time) beside the work its budget counted (``SearchWork``, what the simulator charges). Times are the planning
-thread's CPU time, so other load on the machine does not inflate them; the first call of each sequence (cold caches)
-is left out. The record goes to ``--json`` (default ``runs/planner.json``), one table (top-8) to ``--markdown``.
+top-k 2 and 8, 8,192 tokens per rank, 8 ranks per node), call sequences as in training (balanced, skewed (Zipf 1.2),
+or ``burst``: the hot set moves every 10th call): the **critical path** from the all-gathered counts to this rank's
+splits and segments (``plan_after_gate``, calibration within ``plan_budget_us`` when it fires), and the **search**
+(``schedule_materialization`` under ``search_budget_us``, off the critical path) beside the work its budget counted
+(what the simulator charges). Times are the planning thread's CPU time, so other load does not inflate them; the
+first call of each sequence (cold caches) is left out.
 """
 from __future__ import annotations
 
@@ -99,7 +97,6 @@ def one_setting(ranks: int, experts: int, top_k: int, load: str, calls: int, see
     """Time the critical path and the search for one (ranks, experts, top-k, load) setting."""
     seq = CallSequence(ranks, experts, top_k, load, seed)
     cfg, owners, rpn, rank, window, schedule = seq.cfg, seq.owners, seq.rpn, seq.rank, seq.window, seq.schedule
-
     search_s: List[float] = []
     critical_s: List[float] = []
     calibrated = searched = 0
@@ -114,7 +111,6 @@ def one_setting(ranks: int, experts: int, top_k: int, load: str, calls: int, see
         search_s.append(time.thread_time() - t0)
         counts = seq.draw(call)
         exchanged = torch.from_numpy(np.concatenate([counts, np.zeros((ranks, 2), np.int64)], axis=1))
-
         t0 = time.thread_time()
         host = exchanged.cpu().numpy()                            # what Communicator.exchange_counts returns
         call_counts = host[:, :experts]
@@ -135,13 +131,12 @@ def one_setting(ranks: int, experts: int, top_k: int, load: str, calls: int, see
         fresh.append(time.thread_time() - t0)
         charged.append(meter.us * 1e-6)
         window.push(seq.draw())
-    out = {"ranks": ranks, "experts": experts, "top_k": top_k, "load": load,
+    return {"ranks": ranks, "experts": experts, "top_k": top_k, "load": load,
            # the first call of a sequence is left out: cold caches, a one-time cost (up to 10x a later call)
            "critical_path": _stats(critical_s[1:]),
            "calibrated_calls": calibrated, "calibration_searches": searched,
            "search": _stats(fresh), "search_charged": _stats(charged), "search_with_reuse": _stats(search_s[1:]),
            "plan_budget_us": cfg.plan_budget_us, "search_budget_us": cfg.search_budget_us}
-    return out
 
 
 def run(quick: bool, argv: Sequence[str]) -> dict:
@@ -153,18 +148,16 @@ def run(quick: bool, argv: Sequence[str]) -> dict:
     results = []
     for ranks, experts, top_k, load in grid:
         t = time.perf_counter()
-        # 200 calls: with 60 the p99 was the slowest call, a single preemption
-        row = one_setting(ranks, experts, top_k, load, 20 if quick else 200)
+        row = one_setting(ranks, experts, top_k, load, 20 if quick else 200)   # 200: one preemption is no p99
         results.append({**row, "wall_s": round(time.perf_counter() - t, 2)})
         print(json.dumps(results[-1]), flush=True)
     return common.run_record("ds_hecate-planner/1", MODULE, argv, machine, results=results)
 
 
 def _budget_words(budget) -> str:
-    if budget is None:
-        return (f"automatic: {AUTO_BUDGET_SHARE:.0%} of the layer's estimated time, {AUTO_BUDGET_FLOOR_US:.0f} to "
-                f"{AUTO_BUDGET_CAP_US:.0f} us")
-    return f"{budget:.0f}"
+    return f"{budget:.0f}" if budget is not None else (
+        f"automatic: {AUTO_BUDGET_SHARE:.0%} of the layer's estimated time, {AUTO_BUDGET_FLOOR_US:.0f} to "
+        f"{AUTO_BUDGET_CAP_US:.0f} us")
 
 
 def markdown(record: dict) -> str:
@@ -182,16 +175,13 @@ def markdown(record: dict) -> str:
         charged = r.get("search_charged")
         return f"{r['search']['median_us']:.0f}" + (f" ({charged['median_us']:.0f})" if charged else "")
     first = record["results"][0]
-    when = f"Generated by `{record['command']}` on {record['date']}" if "command" in record else \
-        f"Generated by `python -m {MODULE}` on {record['generated']} UTC"
-    m = record["machine"]
-    lines = [f"{when}; {m['cpu']}, one thread, Python {m['python']}, numpy {m['numpy']}. One rank's host work per "
-             f"layer call in the planning thread's CPU time (us), top-8, 8,192 tokens per rank, {RANKS_PER_NODE} "
-             f"ranks per node, budgets at their defaults (`plan_budget_us` {_budget_words(first['plan_budget_us'])}, "
-             f"`search_budget_us` {first['search_budget_us']:.0f}); an H100-class expert ("
-             f"{COSTS.compute_s_per_pair * 1e6:.2f} us per pair, {COSTS.slowest_expert_transfer_s * 1e3:.1f} ms per "
-             f"expert across nodes). Search: the fresh search's median (in brackets what its work model counted).",
-             ""]
+    lines = common.header_lines(record) + [
+        f"One rank's host work per layer call in the planning thread's CPU time (us), one thread, top-8, 8,192 tokens "
+        f"per rank, {RANKS_PER_NODE} ranks per node, budgets at their defaults (`plan_budget_us` "
+        f"{_budget_words(first['plan_budget_us'])}, `search_budget_us` {first['search_budget_us']:.0f}); an "
+        f"H100-class expert ({COSTS.compute_s_per_pair * 1e6:.2f} us per pair, "
+        f"{COSTS.slowest_expert_transfer_s * 1e3:.1f} ms per expert across nodes). Search: the fresh search's median "
+        "(in brackets what its work model counted).", ""]
     lines += common.table(["ranks x experts", "critical path balanced: median / p99", "skewed", "burst",
                            "burst calls calibration searched", "search balanced", "search skewed"], [
         [f"{k[0]} x {k[1]}", path(v.get("balanced")), path(v.get("skewed")), path(v.get("burst")),

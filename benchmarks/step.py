@@ -4,14 +4,12 @@
     python -m benchmarks.step --quick                       # 2 workloads, a small model, 2 timed steps
     python -m benchmarks.step --report-only runs/step.json  # the tables again, from a run record
 
-The wrapper starts the ranks itself (``--ranks``, CPU processes through ``ds_hecate.tools.launch``, DeepSpeed's
-launcher); launching them by hand is the same: ``deepspeed --num_gpus 2 benchmarks/step.py ...``. Every system
-(:mod:`benchmarks.step_systems`) trains the same model from the same weights on the same tokens, its own gate forced
-to route exactly the workload's token-expert pairs (W0-W7 of :mod:`ds_hecate.sim.workloads`, or a routing trace
-replayed with ``--trace``), so all of them compute the same first loss. The systems take turns step by step in a
-rotated order in the same processes, so the machine's drift hits them alike; each baseline is compared with
-ds_hecate by the paired ratio of their step times. The record (``--json``, default ``runs/step.json``) holds every
-step; the table goes to ``--markdown``; the per-system detail and the simulator's prediction of the run
+The wrapper starts ``--ranks`` CPU processes through DeepSpeed's launcher (as ``deepspeed --num_gpus 2
+benchmarks/step.py ...`` would). Every system (:mod:`benchmarks.step_systems`) trains the same model from the same
+weights on the same tokens, its gate forced to route exactly the workload's token-expert pairs (W0-W7 of
+:mod:`ds_hecate.sim.workloads`, or a trace replayed with ``--trace``), so all compute the same first loss. The
+systems take turns step by step in a rotated order in the same processes; each baseline is compared with ds_hecate by
+the paired ratio of their step times. The per-system detail and the simulator's prediction of the run
 (:mod:`ds_hecate.sim.calibration`) are printed.
 """
 from __future__ import annotations
@@ -39,9 +37,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", -1)))
     p.add_argument("--ranks", type=int, default=2, help="ranks the wrapper launches (CPU processes)")
     p.add_argument("--steps", type=int, default=60, help="timed steps per workload")
-    p.add_argument("--warmup", type=int, default=6,
-                   help="untimed steps per workload first (> hecate.load_window: the prediction holds only the "
-                        "current workload)")
+    p.add_argument("--warmup", type=int, default=6, help="untimed steps per workload first (> hecate.load_window: "
+                   "the prediction holds only the current workload)")
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--ffn", type=int, default=512, help="SwiGLU expert hidden size")
     p.add_argument("--experts", type=int, default=8)
@@ -68,8 +65,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 
 def launch(argv: List[str], ranks: int) -> int:
-    """This file on ``ranks`` CPU processes through DeepSpeed's launcher, by ``ds_hecate.tools.launch`` (a free
-    master port; the job's CPU all-reduce buffers in /dev/shm removed when it ends, however it ends)."""
+    """This file on ``ranks`` CPU processes through DeepSpeed's launcher, by ``ds_hecate.tools.launch``."""
     from ds_hecate.tools.launch import run
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -102,16 +98,10 @@ def force_balanced(record: dict) -> Dict[Tuple[str, str], float]:
     costs nothing). The counterpart ran in another part of the run: the fraction carries the drift between."""
     args = _args(record)
     sources = {n: r for n, _, r in route_sources(args, record["world_size"]) if n in record["workloads"]}
-    found = counterparts(sources, args.warmup + args.steps, args.layers)
-    out = {}
-    for wname, ref in found.items():
-        if ref is None:
-            continue
-        base = _ok(record["workloads"][ref])
-        for s, r in _ok(record["workloads"][wname]).items():
-            if s in base:
-                out[(wname, s)] = base[s]["median_step_s"] / r["median_step_s"]
-    return out
+    ok = {w: _ok(record["workloads"][w]) for w in sources}
+    return {(w, s): ok[ref][s]["median_step_s"] / r["median_step_s"]
+            for w, ref in counterparts(sources, args.warmup + args.steps, args.layers).items() if ref is not None
+            for s, r in ok[w].items() if s in ok[ref]}
 
 
 def markdown(record: dict, calibrated: str = "") -> str:
@@ -150,16 +140,12 @@ def detail(record: dict) -> str:
     fb = force_balanced(record)
     header = ["workload", "system", "median step ms", "of ideal", "of force-balanced", "compute max/mean",
               "expert rows/rank (max)", "MB sent/step/rank (max)", "fwd / bwd / opt ms"]
-    rows = []
-    for wname, w in record["workloads"].items():
-        for s, r in _ok(w).items():
-            phases = " / ".join(f"{1e3 * max(p[k] for p in r['phases_s']):.0f}"
-                                for k in ("forward", "backward", "optimizer"))
-            rows.append([wname, s, f"{1e3 * r['median_step_s']:.1f}", f"{r.get('fraction_of_ideal') or 0:.2f}",
-                         f"{fb[(wname, s)]:.2f}" if (wname, s) in fb else "", f"{r['load_max_over_mean']:.2f}",
-                         f"{max(r['expert_rows_per_rank']):.0f}", f"{r['bytes_sent_per_step_max'] / 1e6:.2f}",
-                         phases])
-    return "\n".join(common.table(header, rows))
+    return "\n".join(common.table(header, [
+        [w, s, f"{1e3 * r['median_step_s']:.1f}", f"{r.get('fraction_of_ideal') or 0:.2f}",
+         f"{fb[(w, s)]:.2f}" if (w, s) in fb else "", f"{r['load_max_over_mean']:.2f}",
+         f"{max(r['expert_rows_per_rank']):.0f}", f"{r['bytes_sent_per_step_max'] / 1e6:.2f}",
+         " / ".join(f"{1e3 * max(p[k] for p in r['phases_s']):.0f}" for k in ("forward", "backward", "optimizer"))]
+        for w, workload in record["workloads"].items() for s, r in _ok(workload).items()]))
 
 
 def calibration(record: dict) -> Tuple[str, str]:

@@ -41,34 +41,31 @@ class ByteCounter:
             setattr(self.dist, name, original)
             setattr(self.dist.distributed_c10d, name, original)
 
+    #: per collective but the all-to-alls: the argument (name, position) it sends and the share of it, of W ranks
+    SHARES: Dict[str, Tuple[str, int, Callable[[int], float]]] = {
+        "all_reduce": ("tensor", 0, lambda w: 2.0 * (w - 1) / w), "all_gather": ("tensor", 1, lambda w: w - 1),
+        "reduce_scatter_tensor": ("input", 1, lambda w: (w - 1) / w), "broadcast": ("tensor", 0, lambda w: w - 1),
+        "reduce_scatter": ("input_list", 1, lambda w: (w - 1) / w),
+        "all_gather_into_tensor": ("input_tensor", 1, lambda w: w - 1),
+        "all_gather_single": ("input_tensor", 1, lambda w: w - 1)}
+
     def _sent(self, name: str, args, kwargs) -> float:
         def arg(key: str, index: int):
             return kwargs.get(key, args[index] if len(args) > index else None)
 
         def nbytes(t) -> float:
-            return t.numel() * t.element_size()
+            return sum(map(nbytes, t)) if isinstance(t, (list, tuple)) else t.numel() * t.element_size()
         group = kwargs.get("group", arg("group", 2) if name == "broadcast" else None)
-        w = self.dist.get_world_size(group)
-        if w <= 1:
+        w, me = self.dist.get_world_size(group), self.dist.get_rank(group)
+        if w <= 1 or (name == "broadcast" and self.dist.get_rank() != arg("src", 1)):
             return 0.0
         if name == "all_to_all_single":
             inp, splits = arg("input", 1), arg("input_split_sizes", 3)
-            own = splits[self.dist.get_rank(group)] * nbytes(inp) / max(1, inp.shape[0]) if splits else nbytes(inp) / w
-            return nbytes(inp) - own
-        if name == "all_reduce":
-            return 2.0 * (w - 1) / w * nbytes(arg("tensor", 0))
-        if name == "reduce_scatter_tensor":
-            return (w - 1) / w * nbytes(arg("input", 1))
-        if name in ("all_gather_into_tensor", "all_gather_single"):
-            return (w - 1) * nbytes(arg("input_tensor", 1))
-        if name == "all_gather":
-            return (w - 1) * nbytes(arg("tensor", 1))
-        if name == "broadcast":
-            return (w - 1) * nbytes(arg("tensor", 0)) if self.dist.get_rank() == arg("src", 1) else 0.0
-        if name == "reduce_scatter":
-            return (w - 1) / w * sum(nbytes(t) for t in arg("input_list", 1))
-        me = self.dist.get_rank(group)   # all_to_all
-        return sum(nbytes(t) for i, t in enumerate(arg("input_tensor_list", 1)) if i != me)
+            return nbytes(inp) - (splits[me] * nbytes(inp) / max(1, inp.shape[0]) if splits else nbytes(inp) / w)
+        if name == "all_to_all":
+            return sum(nbytes(t) for i, t in enumerate(arg("input_tensor_list", 1)) if i != me)
+        key, index, share = self.SHARES[name]
+        return share(w) * nbytes(arg(key, index))
 
     def _wrap(self, name: str, original: Callable) -> Callable:
         def counted(*args, **kwargs):
@@ -161,15 +158,10 @@ def run_workload(args, systems: Dict[str, System], routes, rank: int, world: int
 
 def _merge(per_rank: List[dict], world: int) -> dict:
     """Per system rank 0's step times (the same up to the barriers) and per-rank lists of rank-local figures."""
-    out = {}
-    for s in per_rank[0]:
-        rows = [r[s] for r in per_rank]
-        res = dict(rows[0])
-        for key in ("bytes_sent_per_step", "phases_s", "hecate_phases_s"):
-            if key in rows[0]:
-                res[key] = [r[key] for r in rows]
+    out = {s: {**per_rank[0][s], **{key: [r[s][key] for r in per_rank] for key in (
+        "bytes_sent_per_step", "phases_s", "hecate_phases_s") if key in per_rank[0][s]}} for s in per_rank[0]}
+    for res in out.values():
         res["bytes_sent_per_step_max"] = max(res["bytes_sent_per_step"])
-        out[s] = res
     ideal = out.get("ideal", {}).get("median_step_s")
     for res in out.values():
         res["fraction_of_ideal"] = ideal / res["median_step_s"] if ideal else None

@@ -1,11 +1,9 @@
 """What ``python -m benchmarks.step`` trains: one model and one set of weights for every system, the systems, and the
 routing forced on their gates.
 
-Systems: ``ds_hecate`` (placement ``hecate``), ``autoep`` (DeepSpeed AutoEP, dropless), ``deepspeed-ep`` (DeepSpeed's
-``deepspeed.moe.layer.MoE``, ``ep_size`` = world, ``drop_tokens=False``), ``gather-all`` (every expert on every rank,
-ZeRO-3 style: placement ``all``), ``fastermoe-shadow`` (FasterMoE-style shadowing of the hottest experts: placement
-``shadow``), ``ideal`` (balanced expert compute on the mean load, no communication); optional: ``ds_hecate-owner``,
-``ds_hecate-uncalibrated``, ``ds_hecate-replan``.
+Systems (docs/benchmarks.md): :data:`ALL_SYSTEMS`, and ``ds_hecate-owner``, ``ds_hecate-uncalibrated`` and
+``ds_hecate-replan`` on request; ``gather-all`` and ``fastermoe-shadow`` are ds_hecate's placements ``all`` and
+``shadow``.
 """
 from __future__ import annotations
 
@@ -193,12 +191,11 @@ class System:
 
     def __init__(self, name: str, args, world: int, rank: int) -> None:
         import torch
-        self.name = name
+        self.name, self.last_loss = name, float("nan")
         self.engine: Any = None
         self.local_model: Any = None
         self.optimizer: Any = None
         self.forcers: List[Any] = []
-        self.last_loss = float("nan")
         torch.manual_seed(1234)
         BUILDERS[name](self, args, world, rank)
 

@@ -172,8 +172,8 @@ def _check(tmp_path, stages):
 
 
 def test_a_stage_that_times_out_fails_the_check(tmp_path):
-    report, on_disk = _check(tmp_path, [runner.Stage("slow", "fake_stages:slow", 2, "sleeps"),
-                                        runner.Stage("after", "fake_stages:probe", 30, "runs anyway")])
+    report, on_disk = _check(tmp_path, [runner.Stage("slow", "fake_stages:slow", 2),
+                                        runner.Stage("after", "fake_stages:probe", 30)])
     assert report["stages"]["slow"]["status"] == "timeout" and report["ok"] is False
     assert report["stages"]["slow"]["seconds"] < 30, "the stage was not killed at its timeout"
     assert on_disk["stages"]["after"]["seen"] == {"slow": "timeout"}
@@ -181,10 +181,10 @@ def test_a_stage_that_times_out_fails_the_check(tmp_path):
 
 
 def test_the_json_is_written_after_a_stage_crash(tmp_path):
-    report, on_disk = _check(tmp_path, [runner.Stage("crash", "fake_stages:crash", 30, "dies"),
-                                        runner.Stage("boom", "fake_stages:boom", 30, "raises"),
-                                        runner.Stage("late", "fake_stages:passed_then_crash", 30, "dies at exit"),
-                                        runner.Stage("probe", "fake_stages:probe", 30, "reads the JSON")])
+    report, on_disk = _check(tmp_path, [runner.Stage("crash", "fake_stages:crash", 30),
+                                        runner.Stage("boom", "fake_stages:boom", 30),
+                                        runner.Stage("late", "fake_stages:passed_then_crash", 30),
+                                        runner.Stage("probe", "fake_stages:probe", 30)])
     stages = report["stages"]
     assert stages["crash"]["status"] == "crashed" and stages["crash"]["returncode"] == 3
     assert stages["boom"]["status"] == "failed" and "RuntimeError: boom" in stages["boom"]["summary"]
@@ -257,9 +257,9 @@ def test_make_gpu_check_runs_on_the_machine_as_it_is():
 
 def test_markdown_names_each_failed_stage_and_why_in_one_line(tmp_path):
     """The first failing stage does not stop the others, and under the table each failed one is named with why."""
-    report, _ = _check(tmp_path, [runner.Stage("boom", "fake_stages:boom", 30, "raises"),
-                                  runner.Stage("slow", "fake_stages:slow", 2, "sleeps"),
-                                  runner.Stage("after", "fake_stages:probe", 30, "runs anyway")])
+    report, _ = _check(tmp_path, [runner.Stage("boom", "fake_stages:boom", 30),
+                                  runner.Stage("slow", "fake_stages:slow", 2),
+                                  runner.Stage("after", "fake_stages:probe", 30)])
     lines = (tmp_path / "report.md").read_text().splitlines()
     failed = [line for line in lines if line.startswith("- **")]
     assert failed == ["- **boom failed**: RuntimeError: boom", "- **slow timeout**: timed out after 2 s (killed)"]
@@ -272,14 +272,14 @@ def test_a_file_with_the_checks_block_gets_the_block_replaced(tmp_path):
     begin, end = common.markers(runner.MODULE)
     doc = tmp_path / "report.md"
     doc.write_text(f"# Benchmarks\n{begin}\nold table\n{end}\nafter\n")
-    _check(tmp_path, [runner.Stage("probe", "fake_stages:probe", 30, "passes")])
+    _check(tmp_path, [runner.Stage("probe", "fake_stages:probe", 30)])
     text = doc.read_text()
     assert text.startswith(f"# Benchmarks\n{begin}") and text.endswith(f"{end}\nafter\n") and "old table" not in text
     assert "| probe | passed |" in text
 
 
 def test_markdown_table_marks_stages_not_run():
-    stages = [runner.Stage("a", "m", 5, "x"), runner.Stage("b", "m", 7, "y")]
+    stages = [runner.Stage("a", "m", 5), runner.Stage("b", "m", 7)]
     report = {"dry_run": False, "quick": True, "started": "now", "ok": False, "seconds": 1.0, "budget_s": 360,
               "stage_timeouts_s": 12, "stages": {"a": {"status": "failed", "seconds": 1.0, "summary": "x | y",
                                                        "device_name": "NVIDIA H200"}}}

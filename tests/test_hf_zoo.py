@@ -13,9 +13,9 @@ transformers, in a process that never imports ds_hecate, with the trained model'
 module, the class and the feature, while plain DeepSpeed trains them.
 
 Cost: one 2-rank job for every run (forked from the suite's fork server; transformers imported once per rank;
-each run 0.3 to 1 s), one interpreter reloading every saved folder, and the models table. Measured on the suite's
-2-core machine with other jobs running (load average 8 to 12): the module takes about 95 s on transformers 5.10.4
-(the job 61 s, the reload 16 s, the table 7 s) and about 160 s on 5.25 (117, 29 and 10 s).
+each run 0.3 to 1 s), one interpreter reloading every saved folder, and the models table: on 2 busy CPU cores
+about 95 s on transformers 5.10.4 (the job 61 s, the reload 16 s, the table 7 s) and about 160 s on 5.25 (117, 29
+and 10 s).
 """
 from __future__ import annotations
 

@@ -16,8 +16,8 @@ Low-precision cases force the routes (a fixed draw per step, rank and layer, ide
 reduces expert gradients in fp16/bf16, Hecate in fp32, and with learned routes that rounding flips a token's choice
 now and then, each flip moving a step's loss by about 1e-2, which would hide everything else.
 
-Runtime: four process sets (oracle and Hecate, on 2 and on 4 ranks): about 50 s on 2 idle CPU cores (2.5 min with
-the cores shared by other jobs); ``-k "2-"`` runs only the 2-rank sets. The watchdog of each set is 240 s.
+Runtime: four process sets (oracle and Hecate, on 2 and on 4 ranks): about 50 s on 2 idle CPU cores (2.5 min on
+busy ones); ``-k "2-"`` runs only the 2-rank sets. The watchdog of each set is 240 s.
 """
 from __future__ import annotations
 

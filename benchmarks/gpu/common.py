@@ -15,6 +15,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 ROOT = Path(__file__).resolve().parents[2]
 
+
 @dataclass
 class Context:
     """One stage's run: ``quick`` shrinks sizes, ``dry_run`` runs its code on the CPU under the GPU stand-in,
@@ -29,9 +30,7 @@ class Context:
 
     def left_s(self, margin: float = 4.0) -> Optional[float]:
         """Seconds left to a subprocess of this stage (None: no limit)."""
-        if self.timeout_s is None:
-            return None
-        return max(1.0, self.timeout_s - (time.monotonic() - self.started) - margin)
+        return None if self.timeout_s is None else max(1.0, self.timeout_s - (time.monotonic() - self.started) - margin)
 
     def stand_in(self):
         """In a dry run the GPU stand-in (tests/fake_cupy.py: CUDA tensors computed on the CPU, a CuPy whose kernels

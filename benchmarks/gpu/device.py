@@ -1,6 +1,5 @@
-"""Stage ``device``: what the machine is (GPU, torch, CUDA, CuPy and its NCCL) and its ceilings: HBM bandwidth
-nominal (memory clock x bus width, from the device's attributes) and measured (a device-to-device copy), and the
-dense bf16 matrix rate (a large torch matmul), which the later stages report their figures against."""
+"""Stage ``device``: the GPU, torch, CUDA, CuPy and its NCCL, and the ceilings the later stages report against: HBM
+bandwidth nominal (memory clock x bus width) and measured (a copy), and the dense bf16 matmul rate."""
 from __future__ import annotations
 
 import shutil

@@ -1,9 +1,8 @@
 """Stage ``layer``: ``python -m benchmarks.layer`` on the GPU in bf16, the plain grouped-GEMM layer against ds_hecate
 on the Qwen3-30B-A3B-like and the DeepSeek-V3-like layer, ds_hecate's paired ratio against its target
-(:data:`TARGETS`). One subprocess per shape with what is left of the stage's time and every core (the weights are
-drawn on the host: 1.4e9 for the DeepSeek-V3-like layer). It passes when every shape ran and the two systems agree;
-a missed speed target leads its summary (``TARGET MISSED``) but does not fail it: the check's pass or fail says
-whether the GPU path works and is right. Dry run: the CPU, fp32, the ``quick`` shape, 3 rounds.
+(:data:`TARGETS`), one subprocess per shape with every core (the weights are drawn on the host). It passes when
+every shape ran and the two systems agree; a missed speed target leads its summary (``TARGET MISSED``) but does not
+fail it: the check says whether the GPU path works and is right. Dry run: the CPU, fp32, the ``quick`` shape.
 """
 from __future__ import annotations
 
@@ -19,7 +18,6 @@ from .common import Context, result, run_command
 #: shape -> the largest paired ratio of ds_hecate's call over the plain layer's
 TARGETS: Dict[str, float] = {"qwen3-30b-a3b": 1.25, "deepseek-v3": 1.10}
 CHECKED = "ds_hecate"
-SYSTEMS = ("plain", CHECKED)
 
 
 def shapes(ctx: Context) -> List[Tuple[str, float]]:
@@ -29,7 +27,7 @@ def shapes(ctx: Context) -> List[Tuple[str, float]]:
 def command(ctx: Context, shape: str, out: Path) -> List[str]:
     device, dtype, reps = ("cpu", "fp32", 3) if ctx.dry_run else ("cuda", "bf16", 10 if ctx.quick else 20)
     return [sys.executable, "-m", "benchmarks.layer", "--device", device, "--dtype", dtype, "--shape", shape,
-            "--reps", str(reps), "--warmup", "1" if ctx.dry_run else "3", "--systems", ",".join(SYSTEMS),
+            "--reps", str(reps), "--warmup", "1" if ctx.dry_run else "3", "--systems", "plain," + CHECKED,
             "--json", str(out)]
 
 
@@ -51,13 +49,10 @@ def judge(cell: dict, target: float) -> dict:
         if agree > tol:
             errors.append(f"{name} differs from the plain layer by {agree:.1e} (tol {tol:g})")
     if "ratio" in out["systems"].get(CHECKED, {}):
-        out["ratio"] = out["systems"][CHECKED]["ratio"][0]
-        out["met"] = out["ratio"] <= target
+        out.update(ratio=out["systems"][CHECKED]["ratio"][0], met=out["systems"][CHECKED]["ratio"][0] <= target)
     elif not errors:
         errors.append(f"no {CHECKED} figures")
-    if errors:
-        out["error"] = "; ".join(errors)
-    return out
+    return {**out, "error": "; ".join(errors)} if errors else out
 
 
 def measure(ctx: Context) -> Tuple[List[dict], List[str]]:
@@ -66,14 +61,12 @@ def measure(ctx: Context) -> Tuple[List[dict], List[str]]:
     cells, failures = [], []
     with tempfile.TemporaryDirectory(prefix="gpu_check_layer_") as tmp:
         for shape, _ in shapes(ctx):
-            out = Path(tmp) / f"{shape}.json"
-            limit = ctx.left_s()
+            out, limit = Path(tmp) / f"{shape}.json", ctx.left_s()
             code, text = run_command(command(ctx, shape, out), limit, env)
-            tail = [line for line in text.strip().splitlines() if line.strip()]
-            if code is None:
-                failures.append(f"{shape}: ran past {limit:.0f} s (killed)")
-            elif code != 0 or not out.is_file():
-                failures.append(f"{shape}: exit {code}: {tail[-1] if tail else ''}")
+            last = ([line for line in text.strip().splitlines() if line.strip()] or [""])[-1]
+            if code is None or code != 0 or not out.is_file():
+                failures.append(f"{shape}: " + (f"ran past {limit:.0f} s (killed)" if code is None else
+                                                f"exit {code}: {last}"))
             else:
                 cells += json.loads(out.read_text()).get("cells", [])
     return cells, failures

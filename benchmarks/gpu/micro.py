@@ -1,8 +1,7 @@
-"""Stage ``micro``: each CUDA kernel's effective bandwidth (bytes read + written / median time, CUDA events) against
-the device's HBM bandwidth, nominal and measured (the ``device`` stage's, else a copy measured here), and against the
-torch op it replaces (the pack and the owner-side sum through the transport's device ops, what training calls).
-Target: pack/unpack at >= 70% of the memory bandwidth on large chunks. Dry run: tiny sizes under the GPU stand-in.
-"""
+"""Stage ``micro``: each CUDA kernel's effective bandwidth (bytes read + written / median time) against the HBM
+bandwidth, nominal and measured (the ``device`` stage's, else a copy here), and against the torch op it replaces
+(through the transport's device ops, what training calls). Target: pack/unpack at >= 70% of the memory bandwidth on
+large chunks. Dry run: tiny sizes under the GPU stand-in."""
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -29,11 +28,7 @@ def measure(ctx: Context, nominal, copy_gbs) -> Tuple[list, dict, Optional[float
                      "pct_nominal": 100 * gbs / nominal if nominal else None,
                      "pct_copy": 100 * gbs / copy_gbs if copy_gbs else None, "torch_op": torch_op,
                      "torch_s": t_torch, "torch_gbs": nbytes / t_torch / 1e9 if t_torch else None})
-
-    if ctx.dry_run:
-        n_chunks, numel = 4, 1 << 10
-    else:
-        n_chunks, numel = (16, 1 << 22) if ctx.quick else (64, 1 << 22)  # 64 x 16 MiB fp32 = 1 GiB
+    n_chunks, numel = (4, 1 << 10) if ctx.dry_run else (16 if ctx.quick else 64, 1 << 22)   # 64 x 16 MiB: 1 GiB
     src = torch.randn(n_chunks, numel, device=dev)
     chunks = list(src.unbind(0))
     big = torch.empty(n_chunks, numel, device=dev)
@@ -84,16 +79,12 @@ def measure(ctx: Context, nominal, copy_gbs) -> Tuple[list, dict, Optional[float
 
 
 def _fmt(value, spec: str) -> str:
-    if value is None:
-        return ""
-    return format(value, spec if abs(value) >= 10 else ".2f")
+    return "" if value is None else format(value, spec if abs(value) >= 10 else ".2f")
 
 
 def run(ctx: Context) -> dict:
-    nominal = ctx.prior_figure("device", "nominal_hbm_gbs")
-    copy_gbs = ctx.prior_figure("device", "copy_gbs")
-    if ctx.dry_run:
-        nominal = copy_gbs = None   # a CPU figure is no ceiling
+    nominal, copy_gbs = (None, None) if ctx.dry_run else (   # a CPU figure is no ceiling
+        ctx.prior_figure("device", "nominal_hbm_gbs"), ctx.prior_figure("device", "copy_gbs"))
     with ctx.stand_in():
         rows, used, copy_gbs = measure(ctx, nominal, copy_gbs)
     table = {"title": "Kernel micro-benchmarks (GB/s = bytes read + written / median time)"

@@ -1,15 +1,9 @@
-"""``make gpu-check``: every stage in its own process (``python benchmarks/gpu_check.py --stage SPEC``) with its own
-timeout, the JSON rewritten after each, a Markdown table at the end; exit status 0 only if every stage passed. The
-stages: the machine and its ceilings; the GPU tests (every kernel against its torch contract, the CuPy transport,
-1-rank NCCL); stream ordering, stream-side waits and the watchdog; training on CUDA against the CPU (fp32, bf16);
-the host syncs of the layer call; two ranks on one GPU on the N-rank path; compute-sanitizer memcheck; the kernels'
-bandwidth; the layer benchmark against its speed targets.
-
-A stage that times out, crashes or reports a failure fails the check, never stopping the ones after it; a skipped
-one (memcheck without the sanitizer) says why and does not. The stages' timeouts sum at most :data:`BUDGET_S`, a
-minute under the Makefile's limit. ``--dry-run`` runs every stage's code on the CPU under the GPU stand-in
-(tests/fake_cupy.py: CUDA tensors computed on the CPU, kernels checked at launch and computed by their contracts,
-NCCL a loopback or gloo) and writes the JSON and the Markdown as a real run does, marked as a dry run.
+"""``make gpu-check``: every stage of :data:`STAGES` in its own process (``python benchmarks/gpu_check.py --stage
+SPEC``) with its own timeout, the JSON rewritten after each, a Markdown table at the end; exit status 0 only if every
+stage passed. A stage that times out, crashes or reports a failure fails the check, never stopping the ones after
+it; a skipped one (memcheck without the sanitizer) says why and does not. The timeouts sum at most
+:data:`BUDGET_S`, a minute under the Makefile's limit. ``--dry-run`` runs every stage's code on the CPU under the
+GPU stand-in (tests/fake_cupy.py) and writes the JSON and the Markdown as a real run does, marked as a dry run.
 """
 from __future__ import annotations
 
@@ -20,11 +14,14 @@ import json
 import os
 import sys
 import tempfile
+import textwrap
 import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+
+from benchmarks import common
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -41,40 +38,29 @@ MODULE = "benchmarks.gpu_check"
 @dataclass(frozen=True)
 class Stage:
     """One stage: ``spec`` is ``module[:function]`` (called with a :class:`~benchmarks.gpu.common.Context`) or
-    ``pytest PATH...`` (:mod:`benchmarks.gpu.suite`)."""
+    ``pytest PATH...`` (:mod:`benchmarks.gpu.suite`); what each checks: docs/benchmarks.md."""
 
     name: str
     spec: str
     timeout_s: float
-    what: str
 
 
 #: In order; cheap and basic first, so that a GPU call cut short still says the most. Sized for one 80 GB H100.
 STAGES: Sequence[Stage] = (
-    Stage("device", "benchmarks.gpu.device", 20,
-          "GPU, torch, CuPy; HBM bandwidth nominal and measured (copy); bf16 matmul TFLOP/s"),
-    Stage("tests", "pytest tests/gpu/test_gpu_kernels.py tests/gpu/test_gpu_comm.py tests/test_kernels.py", 60,
-          "every kernel against its torch contract; the Communicator on the kernels; 1-rank NCCL round trips"),
-    Stage("streams", "pytest tests/gpu/test_gpu_streams.py", 20,
-          "stream ordering and its ablation; stream-side waits; the timeout watchdog"),
-    Stage("training", "pytest tests/gpu/test_gpu_training.py", 50,
-          "20 steps on CUDA (torch and CuPy transports, kernels and torch ops) against the CPU, fp32 and bf16"),
-    Stage("syncs", "pytest tests/gpu/test_gpu_syncs.py", 45,
-          "host syncs of the layer call on CUDA (sync debug mode): fp32, bf16, biased experts; shortcuts on/off"),
-    Stage("two_rank_training", "pytest tests/gpu/test_gpu_two_ranks.py", 60,
-          "2 ranks on one GPU over gloo with CUDA tensors, the N-rank layer path: 20 steps against the CPU run"),
-    Stage("memcheck", "benchmarks.gpu.suite:memcheck", 40,
-          "compute-sanitizer memcheck of the kernel tests (PYTORCH_NO_CUDA_MEMORY_CACHING=1)"),
-    Stage("micro", "benchmarks.gpu.micro", 20, "kernel micro-benchmarks: GB/s against HBM and the torch ops"),
-    Stage("layer", "benchmarks.gpu.layer", 120,
-          "the layer benchmark, bf16: plain grouped-GEMM layer vs ds_hecate, Qwen3-30B-A3B-like (<= 1.25x) and "
-          "DeepSeek-V3-like (<= 1.10x)"),
+    Stage("device", "benchmarks.gpu.device", 20),   # the machine, its HBM bandwidth and bf16 matmul rate
+    Stage("tests", "pytest tests/gpu/test_gpu_kernels.py tests/gpu/test_gpu_comm.py tests/test_kernels.py", 60),
+    Stage("streams", "pytest tests/gpu/test_gpu_streams.py", 20),
+    Stage("training", "pytest tests/gpu/test_gpu_training.py", 50),   # on CUDA against the CPU, fp32 and bf16
+    Stage("syncs", "pytest tests/gpu/test_gpu_syncs.py", 45),   # the layer call's host syncs, CUDA sync debug mode
+    Stage("two_rank_training", "pytest tests/gpu/test_gpu_two_ranks.py", 60),   # the N-rank path on one GPU
+    Stage("memcheck", "benchmarks.gpu.suite:memcheck", 40),   # compute-sanitizer on the kernel tests
+    Stage("micro", "benchmarks.gpu.micro", 20),   # each kernel's GB/s against HBM and the torch op
+    Stage("layer", "benchmarks.gpu.layer", 120),   # the layer benchmark in bf16 against its speed targets
 )
 
 
 def stage_main(args: argparse.Namespace) -> int:
-    """``--stage SPEC --out FILE``: one stage in this process (a pytest stage, or ``module[:function]``, default
-    ``run``), its result (or the exception's) written to FILE."""
+    """``--stage SPEC --out FILE``: one stage in this process, its result (or the exception's) written to FILE."""
     from benchmarks.gpu import suite
     from benchmarks.gpu.common import Context
     prior = json.loads(Path(args.prior).read_text()) if args.prior and Path(args.prior).is_file() else {}
@@ -130,18 +116,15 @@ def run_check(stages: Iterable[Stage], out: Path, markdown: Optional[Path], quic
               log: Callable[[str], None] = print) -> dict:
     """Run ``stages`` in order; the JSON at ``out`` is written first and after every stage."""
     stages = list(stages)
-    report: Dict[str, Any] = {"dry_run": dry_run, "quick": quick, "budget_s": BUDGET_S,
-              "stage_timeouts_s": sum(s.timeout_s for s in stages),
-              "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "stages": {}, "ok": None}
-    if dry_run:
-        report["note"] = ("dry run on the CPU under the GPU stand-in (tests/fake_cupy.py: the CUDA stand-in of "
-                          "tests/device_shim.py, CuPy and NCCL stand-ins); no figure is a GPU measurement")
+    report: Dict[str, Any] = {
+        "dry_run": dry_run, "quick": quick, "budget_s": BUDGET_S, "stage_timeouts_s": sum(s.timeout_s for s in stages),
+        "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "stages": {}, "ok": None,
+        **({"note": "dry run on the CPU under the GPU stand-in (tests/fake_cupy.py): no figure is a GPU measurement"}
+           if dry_run else {})}
     write_json(out, report)
     start = time.perf_counter()
     for stage in stages:
-        res = run_stage(stage, out, quick, dry_run, env, python)
-        report["stages"][stage.name] = res
+        res = report["stages"][stage.name] = run_stage(stage, out, quick, dry_run, env, python)
         report["seconds"] = round(time.perf_counter() - start, 1)
         write_json(out, report)
         log(f"[gpu-check] {stage.name}: {res['status']} in {res['seconds']} s - {res.get('summary', '')}")
@@ -150,7 +133,6 @@ def run_check(stages: Iterable[Stage], out: Path, markdown: Optional[Path], quic
                 log(f"    {line}")
     report["ok"] = all(r["status"] in OK_STATUSES for r in report["stages"].values())
     if markdown is not None:   # a file holding the check's block (docs/benchmarks.md) gets the block replaced
-        from benchmarks import common
         report["markdown"], text = str(markdown), render_markdown(report, stages)
         if markdown.is_file() and common.markers(MODULE)[0] in markdown.read_text():
             common.replace_block(str(markdown), text.rstrip(), MODULE)
@@ -165,45 +147,28 @@ def _cell(value) -> str:
 
 
 def failure_lines(report: dict, stages: Sequence[Stage], width: int = 300) -> List[str]:
-    """One line per stage that did not pass: its name, its status and why (the start of its summary, else the last
-    line of its log)."""
-    out = []
-    for stage in stages:
-        res = report["stages"].get(stage.name)
-        if res is None or res.get("status") in OK_STATUSES:
-            continue
-        why = str(res.get("summary") or (res.get("log_tail") or ["no output"])[-1]).replace("\n", " ")
-        why = why if len(why) <= width else why[:width - 3] + "..."
-        out.append(f"- **{stage.name} {res['status']}**: {why}")
-    return out
+    """One line per stage that did not pass: its name, its status and why (its summary, else its log's last line)."""
+    failed = [(s.name, r) for s in stages if (r := report["stages"].get(s.name)) and r["status"] not in OK_STATUSES]
+    return [f"- **{name} {r['status']}**: " + textwrap.shorten(str(r.get("summary") or (r.get("log_tail") or [
+        "no output"])[-1]), width, placeholder="...") for name, r in failed]
 
 
 def render_markdown(report: dict, stages: Sequence[Stage]) -> str:
-    """The table docs/benchmarks.md promises: one row per stage (status, seconds, timeout, key figures), then each
-    stage's detail tables (micro-benchmarks, layer call)."""
+    """The table docs/benchmarks.md shows: a row per stage (status, seconds, timeout, key figures), then details."""
     device = report["stages"].get("device", {}).get("device_name", "unknown device")
     where = (f"dry run on the CPU (no GPU measurement; each stage given {DRY_RUN_STAGE_TIMEOUT_S} s, the timeouts "
              "below are a GPU's)" if report["dry_run"] else f"one {device}")
-    lines = [f"make gpu-check: {where}, {report['started']}{', --quick' if report['quick'] else ''}", "",
-             "| stage | status | seconds | timeout s | key figures |", "|---|---|---|---|---|"]
-    for stage in stages:
-        res = report["stages"].get(stage.name)
-        if res is None:
-            lines.append(f"| {stage.name} | not run | | {stage.timeout_s:g} | |")
-            continue
-        lines.append(f"| {stage.name} | {res['status']} | {res['seconds']} | {stage.timeout_s:g} | "
-                     f"{_cell(res.get('summary', ''))} |")
-    verdict = "passed" if report["ok"] else "FAILED"
-    lines.append(f"| **all** | **{verdict}** | {report.get('seconds', '')} | {report['stage_timeouts_s']:g} | "
-                 f"budget {report['budget_s']} s |")
+    runs = [(s, report["stages"].get(s.name, {"status": "not run", "seconds": ""})) for s in stages]
+    rows = [[s.name, r["status"], r["seconds"], f"{s.timeout_s:g}", _cell(r.get("summary", ""))] for s, r in runs]
+    rows.append(["**all**", f"**{'passed' if report['ok'] else 'FAILED'}**", report.get("seconds", ""),
+                 f"{report['stage_timeouts_s']:g}", f"budget {report['budget_s']} s"])
+    lines = [f"make gpu-check: {where}, {report['started']}{', --quick' if report['quick'] else ''}", ""]
+    lines += common.table(["stage", "status", "seconds", "timeout s", "key figures"], rows)
     failed = failure_lines(report, stages)
-    if failed:
-        lines += [""] + failed
-    for stage in stages:
-        for table in report["stages"].get(stage.name, {}).get("tables", []):
-            lines += ["", f"{table['title']}:", "", "| " + " | ".join(table["header"]) + " |",
-                      "|" + "---|" * len(table["header"])]
-            lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in table["rows"]]
+    lines += [""] * bool(failed) + failed
+    for table in (t for _, r in runs for t in r.get("tables", [])):
+        lines += ["", f"{table['title']}:", ""] + common.table(table["header"], [[_cell(c) for c in row]
+                                                                                for row in table["rows"]])
     return "\n".join(lines) + "\n"
 
 
@@ -221,24 +186,18 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.stage:
         return stage_main(args)
-    stages = list(STAGES)
-    if args.stages:
-        names = args.stages.split(",")
-        unknown = sorted(set(names) - {s.name for s in STAGES})
-        if unknown:
-            parser.error(f"unknown stage(s) {unknown}")
-        stages = [s for s in STAGES if s.name in names]
+    names = args.stages.split(",") if args.stages else [s.name for s in STAGES]
+    if set(names) - {s.name for s in STAGES}:
+        parser.error(f"unknown stage(s) {sorted(set(names) - {s.name for s in STAGES})}")
+    stages = [s for s in STAGES if s.name in names]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     markdown = Path(args.markdown) if args.markdown else out.with_suffix(".md")
-    env = dict(os.environ)
-    if args.dry_run:
-        env.setdefault("DS_ACCELERATOR", "cpu")
+    env = dict(os.environ, **({"DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")} if args.dry_run else {}))
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env.setdefault("PYTHONUNBUFFERED", "1")
     report = run_check(stages, out, markdown, args.quick, args.dry_run, env)
-    print()
-    print(render_markdown(report, stages))
+    print("\n" + render_markdown(report, stages))
     print(f"gpu-check {'passed' if report['ok'] else 'FAILED'}{' (dry run)' if args.dry_run else ''} in "
           f"{report.get('seconds', 0)} s; JSON {out}, Markdown {markdown}")
     return 0 if report["ok"] else 1

@@ -1,10 +1,7 @@
-"""The GPU check's test stages: pytest on files of tests/gpu (and tests/test_kernels.py), one process per stage; and
-``memcheck``, the kernel tests under ``compute-sanitizer --tool memcheck``.
-
-On a GPU a stage fails when tests/gpu was skipped for want of CUDA or CuPy (its conftest's reasons): a green run
-must have run the kernels. Without one, tests/gpu's conftest runs every test under the GPU stand-in, and a skipped
-test fails the stage there too; of tests/test_kernels.py the dry run takes the CPU contract tests.
-"""
+"""The GPU check's test stages (pytest on files of tests/gpu and tests/test_kernels.py) and ``memcheck``. On a GPU a
+stage fails when tests/gpu was skipped for want of CUDA or CuPy: a green run must have run the kernels. Without one,
+tests/gpu runs under the GPU stand-in, where a skipped test fails the stage too; of tests/test_kernels.py the dry run
+takes the CPU contract tests."""
 from __future__ import annotations
 
 import os
@@ -28,10 +25,8 @@ def pytest_args(ctx: Context, paths: Sequence[str]) -> List[str]:
 
 def summary_counts(text: str) -> dict:
     """pytest's closing counts ("3 passed, 2 skipped in 4.1s") as a dict."""
-    counts = {}
-    for number, word in re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)", text):
-        counts[word.rstrip("s") if word.startswith("error") else word] = int(number)
-    return counts
+    return {word.rstrip("s") if word.startswith("error") else word: int(number) for number, word in re.findall(
+        r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)", text)}
 
 
 def run(ctx: Context, paths: Sequence[str]) -> dict:

@@ -43,7 +43,7 @@ class Communicator:
     ``one_rank_shortcuts``: on a 1-rank group every primitive is a local copy (or nothing), so by default the
     Communicator does it itself and never calls the transport. ``False`` issues them through the transport as on
     N ranks (on a 1-rank gloo or NCCL group they still complete): the per-rank path of an N-rank run, measurable on
-    one rank (``python -m benchmarks.layer_versus``, system ``ds_hecate-no-shortcuts``).
+    one rank (``python -m benchmarks.layer --n-rank``, system ``ds_hecate-no-shortcuts``).
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup], rank: int, world_size: int,

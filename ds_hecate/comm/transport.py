@@ -142,7 +142,7 @@ def cuda_side_scope(stream: Any, device: torch.device,
 
 def _all_gather_single(out: torch.Tensor, local: torch.Tensor, group) -> None:
     """torch 2.13 renamed ``all_gather_into_tensor`` to ``all_gather_single`` (the old name warns); older releases
-    (the GPU machines' torch 2.11) have only the old name. Looked up per call: a test may wrap either."""
+    (torch 2.11 among them) have only the old name. Looked up per call: a test may wrap either."""
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     gather(out, local, group=group)
 

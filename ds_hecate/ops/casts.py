@@ -1,8 +1,8 @@
 """Conversions that do not dispatch when there is nothing to convert.
 
 ``Tensor.to`` (and ``float()``) returns the tensor itself when its dtype already matches, but still dispatches an
-``aten::to``: host time on every call and, in a layer call of a dozen such no-ops, a visible share of its op count
-(``benchmarks/call_profile.py``). The same values either way.
+``aten::to``: host time on every call and, in a layer call of a dozen such no-ops, a visible share of its op count.
+The same values either way.
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ means the routing's skew costs nothing; 0.5 means the skew doubles the step. It 
 routing is *cheaper* than uniform (e.g. tokens that mostly stay on their own rank).
 
 One definition (:func:`force_uniform`) serves the simulator (``ds_hecate.sim``), the measured benchmark
-(``benchmarks/force_balanced.py``, which uses it to decide which run is a workload's forced-uniform counterpart)
+(``python -m benchmarks.step``, which uses it to decide which run is a workload's forced-uniform counterpart)
 and ``engine.hecate.stats()`` (:func:`estimated_force_balanced_fraction`, a cost-model estimate).
 """
 from __future__ import annotations

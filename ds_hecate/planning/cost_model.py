@@ -83,12 +83,11 @@ class StepCostModel:
     levels, fill included, hide behind compute with the first (:func:`~.fanout.relay_transfers`).
     replica_overhead_s: what one replica costs the rank that holds it in a layer call besides its rows' compute and
     its transfer (``hecate.replica_overhead_s``, else measured: :mod:`ds_hecate.runtime.profiling`): one more expert
-    kernel and its weight gradient, its weights landed in the call's buffer and its gradient sent back. Why: on two
-    CPU ranks (benchmarks/run.py W4) two replicas a layer priced 2 ms a step faster than none were
-    2.5-3.2% slower (forward and backward 1.4 and 1.7 ms longer, the timed exchanges alike); replayed with 0.13 ms or
-    more a replica the planner keeps the owners there and every other workload's replicas; measured (0.17 ms) the
-    next run placed none there and was ahead of AutoEP. 0: not priced (the simulator's presets: a GPU's grouped
-    kernel takes one more expert at no launch of its own).
+    kernel and its weight gradient, its weights landed in the call's buffer and its gradient sent back. Why: on CPU
+    ranks that work is a fraction of a millisecond a replica, and unpriced it makes replicas the model counts as a
+    gain of a few milliseconds a step come out a few percent slower; priced (about 0.15 ms there) the planner keeps
+    the owners where replicas would not pay and still replicates where they do. 0: not priced (the simulator's
+    presets: a GPU's grouped kernel takes one more expert at no launch of its own).
     """
 
     compute_s_per_pair: float

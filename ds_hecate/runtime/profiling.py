@@ -59,8 +59,8 @@ def _probe_replica_overhead_s(rt) -> float:
     experts against the same rows held by one (one more weight buffer, kernel and weight gradient), plus two copies
     of one expert (its gathered weights landed in the call's buffer, its gradient handed to the SparseReduceScatter).
     Medians of :data:`REPLICA_PROBE_REPS` after a warm-up. Why measured: the per-pair compute and the link are, and
-    without this a replica's fixed cost is priced at nothing (2-rank CPU benchmark W4: replicas that lost 2.5-3.2%
-    of a step were priced 2% faster)."""
+    without this a replica's fixed cost is priced at nothing (on CPU ranks, replicas that cost a few percent of a
+    step are then priced as a gain)."""
     from ..ops.grouped_experts import RowGroups, expert_outputs
     binding = rt.bindings[0]
     kernel, device, dtype = binding.shard.kernel, rt.comm.device, rt.compute_dtype

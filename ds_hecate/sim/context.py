@@ -93,7 +93,7 @@ class SimContext:
     def hecate_step_costs(self, world: int, rematerialize: bool = False) -> StepCostModel:
         """:meth:`step_costs` as Hecate's planners see it: token traffic priced at ``planner_token_price`` of its
         cost (1: the runtime's model). A what-if only: a price below 1 makes the search trade token traffic for
-        compute balance, while the time model still charges every row whole (benchmarks/balance_whatif.py)."""
+        compute balance, while the time model still charges every row whole."""
         costs, price = self.step_costs(world, rematerialize), self.planner_token_price
         inter = costs.token_transfer_inter_s
         return replace(costs, token_transfer_s=costs.token_transfer_s * price,

@@ -189,7 +189,7 @@ def simulate(cluster: Union[str, Cluster], model: Union[str, ModelShape], worklo
 
     ``counts``: explicit routing to replay instead of generating it from ``workload`` (then only a label):
     ``counts[step][layer]`` is a ``[world, experts]`` matrix of token-expert pairs, for every one of ``steps`` steps
-    and ``model.moe_layers`` layers. What the benchmark calibration passes (benchmarks/calibration.py), so the
+    and ``model.moe_layers`` layers. What the benchmark's calibration passes (:mod:`.calibration`), so the
     simulator replays exactly the counts a measured run forced, trace rescaling included.
 
     Groups that split a node are not modelled (an error). Host planning is charged as the runtime runs it:

@@ -32,7 +32,7 @@ BASELINE_SYSTEMS = ("autoep", "deepspeed-moe")
 #: the plain layer's passes over the routed rows besides its GEMMs (router, sort-permute gather, index_copy back,
 #: weighted sum; and their backward), for the GPU estimate
 PLAIN_TOKEN_PASSES = 10
-#: the memory bandwidth (GB/s) of the device the GPU record ran on when it does not say (an H200's HBM3e)
+#: the memory bandwidth (GB/s) of the device the GPU record ran on when it does not say (HBM3e)
 GPU_MEMORY_GBPS = 4800.0
 BYTES = {"fp32": 4, "bf16": 2}
 SOURCE_KEYS = ("date", "commit", "command", "machine", "started")

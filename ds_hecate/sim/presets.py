@@ -6,7 +6,7 @@ plan and the simulator need; a cluster preset describes devices, links and throu
 JSON file (``--model sizes.json``, ``--cluster cluster.json``) with the same field names; unknown fields are errors.
 
 Where the figures come from: the paper's Table 1 and §5.1 for GPT-MoE-S/L, BERT-MoE(-Deep) and the two AWS testbeds
-(``/work/shared/reference/paper-hecate.md``); the public model configurations for Mixtral-8x7B and DeepSeek-V3.
+(arXiv 2502.02581); the public model configurations for Mixtral-8x7B and DeepSeek-V3.
 Effective device throughput (a fraction of the vendor peak) is an assumption, stated per preset: calibrate it with
 measured values (``Cluster.from_measured``) before trusting absolute times.
 """
@@ -219,7 +219,7 @@ MODELS: Dict[str, ModelShape] = {m.name: m for m in (
 #: the presets' ``call_overhead`` follow from it, so a refit changes them without an edit here
 CALL_OVERHEAD_FIT = load_fit()
 #: each GPU preset's device memory bandwidth (GB/s, vendor figures: V100-32GB HBM2, A100-40GB HBM2, H100-80GB SXM
-#: HBM3), to which the GPU fit (one H200, 4800 GB/s) is scaled: byte terms by the ratio, the fixed term kept
+#: HBM3), to which the GPU fit (its device: 4800 GB/s) is scaled: byte terms by the ratio, the fixed term kept
 #: (``sim/overhead.scaled_to``; docs/simulator.md, "Call overhead")
 MEMORY_GBPS = {"v100-4x8": 900.0, "a100-4x8": 1555.0, "h100-128x8": 3350.0}
 
@@ -247,7 +247,7 @@ CLUSTERS: Dict[str, Cluster] = {c.name: c for c in (
     Cluster("cpu-2", nodes=1, devices_per_node=2, intra_node_gbps=0.9, inter_node_gbps=0.9, device_tflops=0.01,
             device_memory_gb=24.0, intra_latency_s=0.0, inter_latency_s=0.0, overlaps_compute=False,
             call_overhead=device_overheads(CALL_OVERHEAD_FIT, "cpu"),
-            description="this 2-vCPU machine, 2 gloo ranks; nominal figures from docs/benchmarks.md: pass the "
+            description="two CPU ranks over gloo on one host; nominal figures: pass the "
                         "measured costs of the run to compare with (--measured or Cluster.from_measured)"),
 )}
 

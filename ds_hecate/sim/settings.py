@@ -1,7 +1,7 @@
 """What a simulation is asked for besides the cluster, the model and the routing: one frozen object.
 
 Why one object: :func:`~ds_hecate.sim.core.simulate` took these as 18 keyword parameters and passed them all again
-to its own force-balanced run; its users (``ds-hecate simulate``, benchmarks/simulated.py and calibration.py, the
+to its own force-balanced run; its users (``ds-hecate simulate``, :mod:`.calibration`, the
 tests) now build one :class:`SimSettings`, and a variant is ``dataclasses.replace(settings, ...)``. Checked when
 built, with the messages ``simulate`` always gave.
 """

@@ -13,7 +13,7 @@ processes, then the cleanup). Only a SIGKILL of this process itself leaves them 
 
 Why a launcher and not only the hook in ``ds_hecate.initialize``: the hook unlinks the files once every rank has
 opened them, in jobs with Hecate enabled; a rank killed before that point, and the baselines without Hecate, leave
-theirs. The project's own launches (``make demo``, ``python -m benchmarks.run``) go through here.
+theirs. The project's own launches (``make demo``, ``python -m benchmarks.step``) go through here.
 """
 from __future__ import annotations
 

@@ -1,14 +1,14 @@
 """The host work of a layer call's planning after the gate, in estimated microseconds every run counts alike.
 
-Why: the simulator charges Hecate's host planning to its step. Timed on the machine that runs the simulation (thread
-CPU time), the same command moved a cell's charge by a quarter between runs on an idle CPU (a100-4x8
-gpt-moe-s W6: 6.2 to 9.5 ms per step) and more beside other jobs, enough to flip cells within 0.5% of a baseline.
+Why: the simulator charges Hecate's host planning to its step. Timed where the simulation runs (thread CPU time),
+the charge of one cell moves by a quarter from run to run, and more under load: enough to flip cells within 0.5% of
+a baseline.
 Counted here instead, from what the call did (the prediction scored, the imbalance estimated, the shadow move's
 estimates, calibration's search in :class:`~.work.SearchWork` units, the new placement's dispatch tables),
 the same command gives the same tables on every machine and under any load.
 
 The constants fit the medians of the runtime's own code timed on a CPU, caches swept between
-trials (``python -m benchmarks.call_work --fit`` re-measures them), rounded up: a per-call part and a part per
+trials, rounded up: a per-call part and a part per
 (rank, expert) cell of the exchanged counts for each piece of work. The search's constants
 (:class:`~.work.SearchWork`) are 90th percentiles, so the search is charged on the safe side.
 """

@@ -91,8 +91,8 @@ def schedule_materialization(counts: FloatMatrix, owners: Sequence[int], setting
     wins, ties to it. Why: a replica that deepens an expert's tree costs an exposed level at once and pays off only
     once the expert is replicated widely, a barrier a one-move-at-a-time greedy stops at (64 ranks x 8 experts,
     skewed: 0.175 s, imbalance 3.4, against 0.069 s past it), while the flow pricing walks through it. Each pass
-    gets the whole budget: halved, the 256-rank cases of ``python -m benchmarks.planner_decisions`` lost up to 21%
-    of layer time. Why only when imbalanced: where the first pass balanced the compute, the second never won on the
+    gets the whole budget: with half each, the two passes left 256-rank layers up to a fifth slower than with the
+    whole. Why only when imbalanced: where the first pass balanced the compute, the second never won on the
     simulated grid and only doubled the search's host time, which the simulator charges. Every rank computes the
     same. Calibration (``start`` given) extends its start with the first pricing alone (it is on the critical
     path).

@@ -6,17 +6,16 @@ every rank with room, while the estimate falls, a few estimates), takes most of 
 search (:func:`~.greedy.schedule_materialization`, from the prefetched placement) finds what it missed, at the
 price of its setup and at least two steps, and the faster of the two is taken. On some layers that pays on every
 call (a hot set the growth cannot spread without flooding the links: simulated W4); on others it almost never does.
-The demo trace of the real 2-rank benchmark, replayed through the planner with the benchmark's measured costs: over
-the searched calls the search's placement beat the growth's by 0.05 ms (median) for 3.3 ms of host time per search,
-and the benchmark resolved ds_hecate 5.6% slower than FasterMoE-style shadowing (0.944 [0.905, 0.973]) while
-ds_hecate's compute phase tied FasterMoE's. So each layer keeps the net of its last :data:`RECORD_LENGTH` searches
+On a small layer (two CPU ranks, the demo trace's routing) the search's placement beats the growth's by about
+0.05 ms for about 3 ms of host time per search: searching every call makes ds_hecate slower than FasterMoE-style
+shadowing although its compute ties. So each layer keeps the net of its last :data:`RECORD_LENGTH` searches
 (estimated layer time saved below the growth's placement, minus the search's work, both in microseconds of the same
 call) and searches while that sum is positive; after :data:`PROBE_INTERVAL` calibrations without a search it
 searches again, since the routing may have moved to where searches pay. Where a whole search (its budget) costs at
 most :data:`NEGLIGIBLE_SHARE` of the layer's estimated time, the record is not consulted: one search of the few that
-beat the growth repays many that lose (``python -m benchmarks.planner_decisions``, 256 x 256 top-8 bursts, layers of
-about 0.9 s and a 20 ms search: after call 9's search lost to the growth the record skipped call 19's, which would
-have taken 0.825 s against the growth's 0.935 s). Deterministic: every input is identical on every rank (the counts,
+beat the growth repays many that lose (256 ranks x 256 experts, top-8 bursts: on a layer of about 0.9 s one search
+that beats the growth can save 0.1 s, the price of five 20 ms searches, so a record of losses must not stop the
+next). Deterministic: every input is identical on every rank (the counts,
 the cost model, the search's work model), so every rank takes the same decision; the record travels with the
 schedule in checkpoints (:meth:`~.reuse.ScheduleReuse.state_dict`) so a resumed run decides the same.
 """
@@ -31,8 +30,8 @@ RECORD_LENGTH = 4
 PROBE_INTERVAL = 8
 #: the search's budget as a share of the layer's estimated time at or below which it runs whatever the record says:
 #: half the automatic budget's share (:data:`~.critical_path.AUTO_BUDGET_SHARE`), so it applies where that budget is
-#: capped (layers of 0.8 s and more) or set that low; the real benchmark's layers (budget 5% of the layer) and the
-#: simulated 32-GPU cells (5% or more) keep the record
+#: capped (layers of 0.8 s and more) or set that low; layers on the automatic budget's 5% and the simulated 32-GPU
+#: cells (5% or more) keep the record
 NEGLIGIBLE_SHARE = 0.025
 
 

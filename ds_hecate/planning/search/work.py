@@ -58,8 +58,7 @@ class SearchWork:
     It counts work instead, in estimated microseconds of this module's numpy search: a setup per
     (rank, expert) cell, a fixed cost per step, and a cost per evaluated (move, rank) cell. The constants were
     fitted on a CPU to the 90th percentile of measured setups and steps (8 to 256 ranks, 8 to 256
-    experts, fresh and calibration searches, the two-link objective with relay trees of issue 26; ``python -m
-    benchmarks.search_work --fit`` re-measures them), so a budget
+    experts, fresh and calibration searches, the two-link objective with relay trees of issue 26), so a budget
     holds there on nine searches in ten; a faster host finishes inside it sooner, a slower one overruns it by its
     slowness, never by a different decision.
     """
