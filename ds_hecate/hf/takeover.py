@@ -111,7 +111,7 @@ def convert_hf_model(model: nn.Module, runtime) -> Dict[int, Set[int]]:
     for name, module, spec in found:
         layer_id = len(runtime.bindings)
         removed[layer_id] = _take_over(name, module, spec, runtime)
-    configs = {}
+    configs: Dict[int, Any] = {}   # id -> the experts' (transformers) config
     for _, module, _ in found:
         if module_layout(module) is not None:
             configs[id(module.config)] = module.config
@@ -141,7 +141,7 @@ class HFTakeover:
             def num_parameters(only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
                 return original(only_trainable=only_trainable, exclude_embeddings=exclude_embeddings) + \
                     self.expert_parameter_count()
-            model.num_parameters = num_parameters
+            setattr(model, "num_parameters", num_parameters)
         self._stored_shapes = {f"{name}.{p.name}" if name else p.name: p.stored_shape(spec.num_experts)
                                for name, module in modules
                                for spec in [module.__dict__["_hecate_spec"]] for p in spec.params}
@@ -248,5 +248,5 @@ def patch_trainer_param_count() -> None:
         extra = takeover.expert_parameter_count() if takeover is not None else 0
         return original(model, trainable_only=trainable_only) + extra
 
-    get_model_param_count._hecate = True
-    trainer_module.get_model_param_count = get_model_param_count
+    setattr(get_model_param_count, "_hecate", True)
+    setattr(trainer_module, "get_model_param_count", get_model_param_count)
