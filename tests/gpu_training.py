@@ -82,7 +82,7 @@ def hecate_runtime(model, comm, dev, ranks_per_node: int, dtype=None, **hecate) 
     cast and moved to ``dev``, the expert optimizer following the dense one's learning rate."""
     from ds_hecate.config import parse_hecate_section
     from ds_hecate.deepspeed_glue.convert import convert_model
-    from ds_hecate.deepspeed_glue.expert_optimizer import ExpertOptimizer, LrSource
+    from ds_hecate.deepspeed_glue.expert_optimizer import attach_expert_optimizer
     from ds_hecate.runtime.hecate import HecateRuntime
 
     dtype = torch.float32 if dtype is None else dtype
@@ -90,9 +90,7 @@ def hecate_runtime(model, comm, dev, ranks_per_node: int, dtype=None, **hecate) 
     convert_model(model, rt)
     model.to(dtype).to(dev)   # dtype first: the CUDA stand-in cannot follow `.data =` on its tensors
     dense = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    rt.optimizer = ExpertOptimizer(torch.optim.AdamW, [{"params": rt.store.parameters(), "lr": 1e-3}],
-                                   [LrSource(dense.param_groups[0])])
-    rt.layer_group = {i: 0 for i in range(len(rt.bindings))}
+    attach_expert_optimizer(rt, torch.optim.AdamW, [dense.param_groups[0]])
     return rt, dense
 
 
