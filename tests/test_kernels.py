@@ -11,7 +11,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, cast
 
 import pytest
 import torch
@@ -80,7 +80,8 @@ class _LoopComm(Communicator):
         super().__init__(None, rank, world_size)
         self.mailbox, self.replay, self.calls = mailbox, replay, 0
 
-    def all_to_all(self, send, send_splits, recv_splits, async_op=False, out=None, **kwargs):
+    def all_to_all(self, send, send_splits, recv_splits, async_op=False, collective="token all-to-all", out=None,
+                   transport=None):
         key = self.calls
         self.calls += 1
         if not self.replay:
@@ -196,8 +197,8 @@ def test_reduce_contract_matches_sparse_reduce_scatter(seed, compute, wire):
             assert total.dtype == torch.float32
             assert torch.equal(total, results[r][e]), f"rank {r} expert {e}: reduce contract != torch path"
             # and it is the sum over every copy of the expert's gradient
-            every = sum(grads[s][e].to(wire if s != r else compute).float() for s in range(world)
-                        if e in placement.materialized[s])
+            every = cast(torch.Tensor, sum(grads[s][e].to(wire if s != r else compute).float() for s in range(world)
+                                           if e in placement.materialized[s]))
             assert torch.allclose(total, every, atol=1e-5, rtol=1e-5)
 
 
@@ -393,7 +394,8 @@ def test_device_work_follows_device_kernels(monkeypatch):
         return comm.transport.device_ops
 
     assert ops("auto", torch.device("cpu")) is TORCH_DEVICE_OPS
-    assert choice.agree_device_ops("auto", torch.device("cpu"), None, 1)[1].endswith("not CUDA")
+    reason = choice.agree_device_ops("auto", torch.device("cpu"), None, 1)[1]
+    assert reason is not None and reason.endswith("not CUDA")
     monkeypatch.setattr(backend, "kernels_status", lambda index: (True, "cupy (stand-in), kernels compiled"))
     assert type(ops("auto")) is KernelDeviceOps and type(ops("cupy")) is KernelDeviceOps
     assert ops("torch") is TORCH_DEVICE_OPS

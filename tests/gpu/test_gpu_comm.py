@@ -15,7 +15,7 @@ behind the host.
 import os
 import random
 import sys
-from typing import Dict
+from typing import Any, ContextManager, Dict
 
 import numpy as np
 import pytest
@@ -45,6 +45,8 @@ class Loopback:
 
         class _Transport:
             device, calls, device_ops = DEV, 0, shared.ops
+            rank: int
+            world_size: int
 
             def all_to_all(self, recv, send, recv_splits, send_splits, async_op):
                 self.calls += 1
@@ -82,7 +84,8 @@ class TorchLoop(Communicator):
         super().__init__(None, rank, world)
         self.mailbox, self.replay, self.n = mailbox, replay, 0
 
-    def all_to_all(self, send, send_splits, recv_splits, async_op=False, out=None, **kwargs):
+    def all_to_all(self, send, send_splits, recv_splits, async_op=False, collective="token all-to-all", out=None,
+                   transport=None):
         self.n += 1
         if not self.replay:
             self.mailbox[(self.rank, self.n)] = (send.clone(), list(send_splits))
@@ -98,7 +101,7 @@ class TorchLoop(Communicator):
 
 
 def torch_world(world, run):
-    mailbox = {}
+    mailbox: Dict[Any, Any] = {}
     for r in range(world):
         run(TorchLoop(r, world, mailbox, False))
     return [run(TorchLoop(r, world, mailbox, True)) for r in range(world)]
@@ -267,7 +270,7 @@ def _nccl_ranks(rank, world, stand_in):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch_comm = Communicator(dist.group.WORLD, rank, world)
     want = _collectives(torch_comm, rank, world, torch.device("cpu"))
-    context = contextlib.nullcontext()
+    context: ContextManager[Any] = contextlib.nullcontext()
     if stand_in:
         from fake_cupy import gpu_stand_in
         context = gpu_stand_in()
