@@ -11,7 +11,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List, cast
+from typing import Any, Callable, Dict, List, Tuple, cast
 
 import pytest
 import torch
@@ -100,7 +100,7 @@ class _LoopComm(Communicator):
         return (recv, None) if async_op else recv
 
 
-def _simulate(world_size: int, run):
+def _simulate(world_size: int, run: Callable[[Communicator], Any]) -> Tuple[List[Any], Dict]:
     mailbox: Dict = {}
     for r in range(world_size):
         run(_LoopComm(r, world_size, mailbox, replay=False))
@@ -138,7 +138,7 @@ def test_pack_unpack_contract_matches_sparse_all_gather(seed, dtype):
     masters = torch.randn(num_experts, numel)
     owned = [{e: masters[e].clone() for e in range(num_experts) if placement.owners[e] == r} for r in range(world)]
 
-    def run(comm):
+    def run(comm: Communicator):
         return comm.start_sparse_all_gather(placement, owned[comm.rank], numel, dtype, CommCounters()).wait().flats()
     results, mailbox = _simulate(world, run)
 
@@ -172,7 +172,7 @@ def test_reduce_contract_matches_sparse_reduce_scatter(seed, compute, wire):
     torch.manual_seed(seed)
     grads = [{e: torch.randn(numel).to(compute) for e in placement.materialized[r]} for r in range(world)]
 
-    def run(comm):
+    def run(comm: Communicator):
         own = owned_materialized(placement, comm.rank)
         experts = own + gather_layout(placement, comm.rank).recv_experts   # the gathered buffer's rows
         rows = torch.stack([grads[comm.rank][e] for e in experts]) if experts else torch.empty(0, numel)
