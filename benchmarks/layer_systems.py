@@ -14,7 +14,7 @@ import functools
 import math
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, cast
 
 import numpy as np
 import torch
@@ -233,7 +233,7 @@ def build_hecate(shape: LayerShape, inputs: RoutedInputs, dtype, device, one_ran
     convert_model(model, runtime)
     model.to(device, dtype)   # what the engine does with the module: the gate (the experts are Hecate's now)
     # no optimizer step is taken here: end the first step as the engine would (the step observer unhooks itself)
-    runtime.metrics.end_step(SimpleNamespace(monitor=None, global_rank=0))
+    cast(Any, runtime.metrics).end_step(SimpleNamespace(monitor=None, global_rank=0))   # StepMetrics, build_runtime's
     runtime.monitor.profiling = profile
 
     def forward(x: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
 import torch
 from torch import nn
@@ -34,6 +34,9 @@ from .experts import IMPLEMENTATION, experts_kernel, hecate_experts_forward, reg
 from .interface import module_layout
 from .layouts import ExpertsSpec, plan_experts
 from .registry import ARCHITECTURES, DOCS, architecture_of
+
+if TYPE_CHECKING:
+    from ..runtime.hecate import HecateRuntime
 
 
 def find_experts_modules(model: nn.Module) -> List[Tuple[str, nn.Module, ExpertsSpec]]:
@@ -127,7 +130,7 @@ def convert_hf_model(model: nn.Module, runtime) -> Dict[int, Set[int]]:
 class HFTakeover:
     """Keeps a converted HF model's state dict, 16-bit consolidation and parameter counts whole."""
 
-    def __init__(self, model: nn.Module, runtime, modules: List[Tuple[str, nn.Module]]) -> None:
+    def __init__(self, model: nn.Module, runtime: HecateRuntime, modules: List[Tuple[str, nn.Module]]) -> None:
         self.model = model
         self.runtime = runtime
         self.modules = modules
