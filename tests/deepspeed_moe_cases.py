@@ -332,8 +332,9 @@ def world4_cases(rank: int, world: int) -> Dict[str, dict]:
     import ds_hecate  # noqa: F401  (the training script's import; `pip install .` makes it automatic)
     deepspeed.init_distributed(dist_backend="gloo")
     _fp16_on_cpu()
-    cases: Dict[str, Callable[..., dict]] = {f"TestMoE[{ep}-{stage}-{res}]": (lambda ep=ep, stage=stage, res=res: moe_ep(ep, stage, res))
-             for res in (True, False) for stage in (0, 1, 2) for ep in (2, 4)}
+    cases: Dict[str, Callable[..., dict]] = {
+        f"TestMoE[{ep}-{stage}-{res}]": (lambda ep=ep, stage=stage, res=res: moe_ep(ep, stage, res))
+        for res in (True, False) for stage in (0, 1, 2) for ep in (2, 4)}
     cases.update({f"TestPRMoE[2-{res}]": (lambda res=res: pr_moe(res)) for res in (True, False)})
     cases.update({f"TestMOETensorParallel[{ep}-{tp}-{etp}-{res}]":
                   (lambda ep=ep, tp=tp, etp=etp, res=res: tensor_parallel(ep, tp, etp, res))

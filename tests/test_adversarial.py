@@ -91,7 +91,8 @@ def _random_routing_worker(rank: int, world: int, seeds: int) -> dict:
     dist.init_process_group("gloo")
     checked: Dict[str, Any] = {"seeds": 0, "empty_rank_cases": 0, "moved_experts": 0,
                                "by_placement": {}}
-    costs: Dict[str, Any] = dict(compute_s_per_pair=1e-4, link_gbps=100.0, non_moe_time_s=1e-3)   # compute-heavy: replicate
+    # compute-heavy: replicate
+    costs: Dict[str, Any] = dict(compute_s_per_pair=1e-4, link_gbps=100.0, non_moe_time_s=1e-3)
     runtimes = {p: build_runtime(HecateConfig(enabled=True, placement=p), {}) for p in ("owner", "local", "all")}
     runtimes["cost"] = build_runtime(HecateConfig(enabled=True, placement="cost", **costs), {})
     runtimes["shadow"] = build_runtime(HecateConfig(enabled=True, placement="shadow", **costs), {})

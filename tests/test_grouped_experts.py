@@ -128,7 +128,8 @@ def test_grouped_equals_loop(kind, dtype, monkeypatch):
     assert used_g and not used_l
     for a, b, what in zip(grouped, loop, ("output", "row gradient", "expert gradient")):
         if kind == "swiglu" and what == "row gradient":   # dx = dh1 W1 + dh3 W3 in one fused GEMM: one rounding
-            tol: Dict[str, Any] = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=2 ** -7)
+            tol: Dict[str, Any] = (dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32
+                                   else dict(rtol=2 ** -7, atol=2 ** -7))
             torch.testing.assert_close(a, b, **tol)
         else:
             assert torch.equal(a, b), f"{kind} {dtype} {what}: max diff {(a.float() - b.float()).abs().max()}"

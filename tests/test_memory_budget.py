@@ -133,7 +133,8 @@ def allocator_events(prof, device_type: str) -> List[Event]:
     from torch._C._profiler import _EventType
 
     events: List[Event] = []
-    stack: List[Tuple[Any, Tuple[str, ...]]] = [(root, ()) for root in prof.profiler.kineto_results.experimental_event_tree()]
+    stack: List[Tuple[Any, Tuple[str, ...]]] = [
+        (root, ()) for root in prof.profiler.kineto_results.experimental_event_tree()]
     while stack:
         ev, frames = stack.pop()
         if ev.tag == _EventType.Allocation:

@@ -57,7 +57,8 @@ def test_loads_beyond_the_tolerance_search_again():
 def test_a_changed_situation_searches_again_even_with_equal_loads(change):
     reuse = ScheduleReuse(1.0)                       # any load change is tolerated: only the key can force a search
     reuse.schedule(hot(600), OWNERS, SETTINGS)
-    changed: Dict[str, Any] = {"replica_budget": 1, "ranks_per_node": 1, "budget_us": 1e9, "costs": StepCostModel(3e-5, 1e-6, 2e-1)}
+    changed: Dict[str, Any] = {"replica_budget": 1, "ranks_per_node": 1, "budget_us": 1e9,
+                               "costs": StepCostModel(3e-5, 1e-6, 2e-1)}
     if change == "owners":
         reuse.schedule(hot(600), (0, 0, 0, 1, 1, 1, 1, 0), SETTINGS)
     else:

@@ -43,7 +43,8 @@ def moe_layer_shapes(model: nn.Module) -> Tuple[List[int], List[int]]:
     what the group rule (``hecate.ep_size``'s default) reads. Hugging Face experts carry no ``ep_size``."""
     layers = find_moe_layers(model)
     if layers:
-        return [int(getattr(m, "ep_size", 1) or 1) for _, m in layers], [int(cast(Any, m).num_experts) for _, m in layers]
+        return ([int(getattr(m, "ep_size", 1) or 1) for _, m in layers],
+                [int(cast(Any, m).num_experts) for _, m in layers])
     if _is_transformers_model(model):
         from ..hf.takeover import experts_counts
         return [], experts_counts(model)
