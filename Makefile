@@ -30,7 +30,7 @@ test: install $(if $(HAS_GPU),gpu-install)
 # red CI run), with the settings of mypy.ini (check_untyped_defs: the bodies of unannotated tests are checked too),
 # over TYPED. The types of torch, numpy and pydantic come from the installed packages, hence `install` first.
 MYPY_VERSION = 2.4.1
-TYPED ?= ds_hecate
+TYPED ?= ds_hecate tests benchmarks
 
 lint: install
 	$(PYTHON) -m pip install -q mypy==$(MYPY_VERSION)

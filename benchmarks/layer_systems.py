@@ -16,7 +16,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, cast
 
 import numpy as np
 import torch
@@ -230,7 +230,7 @@ def hecate_runtime(model: nn.Module, convert: Callable, dtype, device, one_rank_
     convert(model, runtime)
     model.to(device, dtype)   # what the engine does with the module: the gate (the experts are Hecate's now)
     # no optimizer step is taken here: end the first step as the engine would (the step observer unhooks itself)
-    runtime.metrics.end_step(SimpleNamespace(monitor=None, global_rank=0))
+    cast(Any, runtime.metrics).end_step(SimpleNamespace(monitor=None, global_rank=0))   # StepMetrics, build_runtime's
     runtime.monitor.profiling = profile
     return runtime
 

@@ -104,6 +104,7 @@ def one_setting(ranks: int, experts: int, top_k: int, load: str, calls: int, see
     calibration = calibration_settings(COSTS, REPLICAS_PER_RANK, rpn, cfg.plan_budget_us)
     for call in range(calls):
         prediction = window.predict_array()
+        assert prediction is not None
         t0 = time.thread_time()
         materialized = schedule.schedule(prediction, owners, search)
         placement = Placement(owners, materialized)
@@ -125,6 +126,7 @@ def one_setting(ranks: int, experts: int, top_k: int, load: str, calls: int, see
     fresh, charged = [], []
     for _ in range(min(5, calls)):
         prediction = window.predict_array()
+        assert prediction is not None
         meter = WorkMeter()
         t0 = time.thread_time()
         schedule_materialization(prediction, owners, search, meter=meter)

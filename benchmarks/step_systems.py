@@ -100,7 +100,7 @@ def build_model(args, kind: str, world: int, rank: int):
                 self.moe = (ds_hecate.MoE if kind == "hecate" else DeepSpeedMoE)(
                     H, SwiGLUExpert(H, Fh), num_experts=E, ep_size=1 if kind == "hecate" else world, k=k,
                     drop_tokens=False, use_rts=False, min_capacity=0, top2_2nd_expert_sampling=False)
-                inner = self.moe if kind == "hecate" else self.moe.deepspeed_moe
+                inner: Any = self.moe if kind == "hecate" else self.moe.deepspeed_moe
                 inner.gate.wg.weight.data.copy_(w["gate"])
                 experts = inner.experts if kind == "hecate" else inner.experts.deepspeed_experts
                 first = 0 if len(experts) == E else (rank % world) * len(experts)
@@ -108,7 +108,8 @@ def build_model(args, kind: str, world: int, rank: int):
                     _load_expert(expert, w, first + i)
             else:
                 self.moe = AutoEPSource() if kind == "autoep" else IdealMoE()
-                (self.moe.router if kind == "autoep" else self.moe.gate).weight.data.copy_(w["gate"])
+                router: Any = self.moe.router if kind == "autoep" else self.moe.gate
+                router.weight.data.copy_(w["gate"])
                 first = 0 if kind == "autoep" else rank * (E // world)
                 for i, expert in enumerate(self.moe.experts):
                     _load_expert(expert, w, first + i)

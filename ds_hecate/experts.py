@@ -92,12 +92,14 @@ class FFNForm:
         if self.gate_up is not None:
             hidden = self.gated(proj(x, self.gate_up, self.gate_up_bias))
         elif self.gate is not None:
+            assert self.up is not None, "a gated FFN form names its up projection"
             if fuse_gate_up:
                 gate, up = proj(x, f"{self.gate}+{self.up}", None).chunk(2, dim=-1)
             else:
                 gate, up = proj(x, self.gate, self.gate_bias), proj(x, self.up, self.up_bias)
             hidden = self.act(gate) * up
         else:
+            assert self.up is not None, "an FFN form without gate_up names its up projection"
             hidden = self.act(proj(x, self.up, self.up_bias))
         out = proj(hidden, self.down, self.down_bias)
         return self.post(out) if self.post is not None else out
@@ -207,7 +209,7 @@ class ExpertKernel:
     def flatten_grad(self, expert: nn.Module) -> torch.Tensor:
         """The expert's parameter gradients as one fp32 vector (zeros where a gradient is missing)."""
         params = dict(expert.named_parameters())
-        return torch.cat([(params[n].grad if params[n].grad is not None else torch.zeros_like(params[n]))
+        return torch.cat([(g if (g := params[n].grad) is not None else torch.zeros_like(params[n]))
                           .detach().reshape(-1).to(torch.float32) for n in self.names])
 
     def views(self, flat: torch.Tensor) -> Dict[str, torch.Tensor]:
@@ -221,6 +223,7 @@ class ExpertKernel:
         ``gate + '+' + up``."""
         names, numels, shapes = list(self.names), list(self.numels), [tuple(s) for s in self.shapes]
         if fuse_gate_up:
+            assert self.form is not None and self.form.gate is not None, "only a fusable form fuses gate and up"
             i = names.index(self.form.gate)
             names[i:i + 2] = [f"{names[i]}+{names[i + 1]}"]
             numels[i:i + 2] = [numels[i] + numels[i + 1]]

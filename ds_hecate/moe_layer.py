@@ -93,6 +93,9 @@ class MoE(nn.Module):
     unit of tensor-parallel size above 1 (``ds_hecate.deepspeed_glue.model_parallel``). ``use_tutel`` is not supported.
     """
 
+    #: set when Hecate takes the layer over and its experts leave the module (ds_hecate.deepspeed_glue.convert)
+    expert_kernel: ExpertKernel
+
     def __init__(self,
                  hidden_size: int,
                  expert: nn.Module,

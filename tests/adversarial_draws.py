@@ -35,7 +35,7 @@ from __future__ import annotations
 import functools
 import random
 from dataclasses import dataclass, replace
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -195,8 +195,9 @@ def _hecate_section(placement: str, rng: random.Random, steps: int) -> Tuple[dic
     notes = []
     if placement in ("hecate", "cost", "shadow"):
         regime = rng.choice(list(COST_REGIMES))
-        if COST_REGIMES[regime] is not None:
-            section.update(COST_REGIMES[regime])
+        costs = COST_REGIMES[regime]
+        if costs is not None:
+            section.update(costs)
         notes.append(f"costs={regime}")
     if placement == "hecate":
         section["calibration"] = rng.random() < 0.75
@@ -228,7 +229,7 @@ def _hecate_section(placement: str, rng: random.Random, steps: int) -> Tuple[dic
 def choices(seed: int, world: int) -> dict:
     """The independent random choices of campaign seed ``seed`` on ``world`` ranks (before EXCLUSIONS)."""
     rng = random.Random(f"ds_hecate-adversarial/{world}/{seed}")   # str seeds: stable across processes
-    c = {
+    c: Dict[str, Any] = {
         "placement": rng.choice(PLACEMENTS),
         "k": rng.choice((1, 2)),
         "precision": rng.choices(("fp32", "bf16", "fp16"), weights=(3, 1, 1))[0],

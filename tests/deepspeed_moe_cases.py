@@ -109,7 +109,7 @@ def _fp16_on_cpu() -> None:
     _allow_fp16_on_cpu()
 
 
-def run_cases(cases: Dict[str, Callable[[], dict]]) -> Dict[str, dict]:
+def run_cases(cases: Dict[str, Callable[..., dict]]) -> Dict[str, dict]:
     """Each case in turn; an exception becomes ``{"error": traceback}`` (every rank raises alike in these cases, so
     the next case still starts on all ranks together)."""
     out = {}
@@ -164,7 +164,8 @@ def singleton_all_to_all(ep_size: int) -> dict:
         hecate_calls.append(tuple(args[0].shape))
         return original_hecate(*args)
 
-    sharded_moe._AllToAll.apply, AllToAllTokens.apply = counted_ds, counted_hecate
+    sharded_moe._AllToAll.apply = counted_ds
+    setattr(AllToAllTokens, "apply", counted_hecate)
     try:
         x = torch.randn(1, 4, 8, requires_grad=True)
         output, l_aux, _ = engine(x)
@@ -172,7 +173,8 @@ def singleton_all_to_all(ep_size: int) -> dict:
         engine.backward(output.float().sum() + l_aux.float())
         backward = (len(deepspeed_calls), len(hecate_calls))
     finally:
-        sharded_moe._AllToAll.apply, AllToAllTokens.apply = original_ds, original_hecate
+        sharded_moe._AllToAll.apply = original_ds
+        setattr(AllToAllTokens, "apply", original_hecate)
     return {"module_is_the_model": engine.module is model, "module_type": type(engine.module).__name__,
             "num_local_experts": engine.num_local_experts, "forward_calls": forward, "after_backward": backward,
             "input_grad": x.grad is not None,
@@ -232,7 +234,7 @@ def world2_cases(rank: int, world: int) -> Dict[str, dict]:
     import ds_hecate  # noqa: F401  (the training script's import; `pip install .` makes it automatic)
     deepspeed.init_distributed(dist_backend="gloo")
     _fp16_on_cpu()
-    cases = {f"TestSimpleMoE[{s}]": (lambda s=s: simple_moe(s)) for s in (0, 1, 2)}
+    cases: Dict[str, Callable[..., dict]] = {f"TestSimpleMoE[{s}]": (lambda s=s: simple_moe(s)) for s in (0, 1, 2)}
     cases.update({f"TestMoESingleton.test_all_to_all[{n}]": (lambda ep=ep: singleton_all_to_all(ep))
                   for n, ep in (("single", 1), ("multi", 2))})
     cases.update({f"TestExpertWeightGradWithZero[{s}]": (lambda s=s: expert_grads_ep1_vs_ep2(s)) for s in (0, 1, 2)})
@@ -330,8 +332,9 @@ def world4_cases(rank: int, world: int) -> Dict[str, dict]:
     import ds_hecate  # noqa: F401  (the training script's import; `pip install .` makes it automatic)
     deepspeed.init_distributed(dist_backend="gloo")
     _fp16_on_cpu()
-    cases = {f"TestMoE[{ep}-{stage}-{res}]": (lambda ep=ep, stage=stage, res=res: moe_ep(ep, stage, res))
-             for res in (True, False) for stage in (0, 1, 2) for ep in (2, 4)}
+    cases: Dict[str, Callable[..., dict]] = {
+        f"TestMoE[{ep}-{stage}-{res}]": (lambda ep=ep, stage=stage, res=res: moe_ep(ep, stage, res))
+        for res in (True, False) for stage in (0, 1, 2) for ep in (2, 4)}
     cases.update({f"TestPRMoE[2-{res}]": (lambda res=res: pr_moe(res)) for res in (True, False)})
     cases.update({f"TestMOETensorParallel[{ep}-{tp}-{etp}-{res}]":
                   (lambda ep=ep, tp=tp, etp=etp, res=res: tensor_parallel(ep, tp, etp, res))

@@ -7,7 +7,7 @@ import queue
 import socket
 import time
 import traceback
-from typing import Any, Callable, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Sequence, cast
 
 import torch.multiprocessing as mp
 
@@ -86,7 +86,7 @@ def _start_fork_server(ctx) -> None:
 def _spawn(target: Callable, world_size: int, fn: Callable, args: Sequence[Any]):
     """Start ``world_size`` processes (:data:`START_METHOD`) running ``target(rank, world_size, port, fn, args,
     results, environ)``."""
-    ctx = mp.get_context(START_METHOD)
+    ctx = cast(Any, mp.get_context(START_METHOD))   # spawn or forkserver (typeshed's BaseContext has no Process)
     if START_METHOD == "forkserver":
         _start_fork_server(ctx)
     results = ctx.Queue()

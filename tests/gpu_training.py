@@ -10,12 +10,15 @@ gives a runtime over a chosen transport on a chosen device, so these reach the c
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, NamedTuple, Optional
+from typing import Any, Dict, List, NamedTuple, Optional, TYPE_CHECKING, Tuple
 
 import torch
 from torch import nn
 
 import ds_hecate
+
+if TYPE_CHECKING:
+    from ds_hecate.runtime.hecate import HecateRuntime
 
 #: CUDA runs against the CPU run (fp32), and in bf16 against each other (only atomics' order may differ)
 TOLERANCE = 1e-4
@@ -76,7 +79,8 @@ def blocks_loss(model: nn.ModuleDict, x: torch.Tensor) -> torch.Tensor:
     return x.float().pow(2).mean() + 0.01 * aux
 
 
-def hecate_runtime(model, comm, dev, ranks_per_node: int, dtype=None, **hecate) -> tuple:
+def hecate_runtime(model, comm, dev, ranks_per_node: int, dtype=None,
+                   **hecate) -> Tuple[HecateRuntime, torch.optim.AdamW]:
     """(runtime, dense AdamW) for ``model`` as the engine sets them up: its MoE layers converted onto a runtime over
     ``comm`` computing in ``dtype`` (default fp32) with :data:`FIXED_COSTS` (``hecate`` overrides keys), the model
     cast and moved to ``dev``, the expert optimizer following the dense one's learning rate."""
@@ -94,15 +98,16 @@ def hecate_runtime(model, comm, dev, ranks_per_node: int, dtype=None, **hecate) 
     return rt, dense
 
 
-def step(rt, dense, world: int, number: int) -> None:
+def step(rt: HecateRuntime, dense: torch.optim.Optimizer, world: int, number: int) -> None:
     """The optimizer step and the step boundary, as the engine makes them."""
     dense.step()
     dense.zero_grad()
+    assert rt.optimizer is not None
     rt.apply_step(True, world, 1.0, 0.0, rt.optimizer.current_hyperparameters())
     rt.after_step(number)
 
 
-def resident_error(rt) -> Optional[float]:
+def resident_error(rt: HecateRuntime) -> Optional[float]:
     """Largest difference of a resident weight row from its master cast to the compute dtype (None: every layer's
     masters are its weights, fp32)."""
     worst = None

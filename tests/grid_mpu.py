@@ -61,5 +61,5 @@ def flat_token_gather_on_gloo() -> None:
             tensor = tensor.reshape(-1)
         return original(output_tensor, tensor, group=group, async_op=async_op, **kwargs)
 
-    all_gather_into_tensor._flat_for_gloo = True
+    setattr(all_gather_into_tensor, "_flat_for_gloo", True)
     ds_comm.all_gather_into_tensor = all_gather_into_tensor

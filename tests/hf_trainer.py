@@ -6,7 +6,7 @@ to keep the process start-up cost (import of torch, transformers, deepspeed) to 
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, cast
 
 import torch
 
@@ -17,15 +17,16 @@ def tiny_config(kind: str, experts: int = 4):
     """Tiny random configs (no download); ``experts`` routed experts (4 by default), top-2, router logits on so the
     aux loss is in the loss."""
     import transformers as tf
-    common = dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+    common: Dict[str, Any] = dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
                   num_key_value_heads=1, max_position_embeddings=64, output_router_logits=True,
                   router_aux_loss_coef=0.02, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1,
                   eos_token_id=2, initializer_range=0.3)  # large init: experts move the loss visibly
     if kind == "mixtral":
         return tf.MixtralConfig(intermediate_size=24, num_local_experts=experts, num_experts_per_tok=2, **common)
-    if kind == "qwen3_moe":
-        return tf.Qwen3MoeConfig(intermediate_size=24, moe_intermediate_size=12, num_experts=experts, num_experts_per_tok=2,
-                                 head_dim=8, decoder_sparse_step=1, norm_topk_prob=True, **common)
+    if kind == "qwen3_moe":   # head_dim: kept as an attribute, though the config's __init__ does not declare it
+        return tf.Qwen3MoeConfig(  # type: ignore[call-arg]
+            intermediate_size=24, moe_intermediate_size=12, num_experts=experts, num_experts_per_tok=2,
+            head_dim=8, decoder_sparse_step=1, norm_topk_prob=True, **common)
     if kind == "qwen2_moe":
         return tf.Qwen2MoeConfig(intermediate_size=24, moe_intermediate_size=12, shared_expert_intermediate_size=20,
                                  num_experts=experts, num_experts_per_tok=2, decoder_sparse_step=1, **common)
@@ -123,10 +124,11 @@ def trainer_run(case: Dict[str, Any], workdir: str) -> Dict[str, Any]:
     trainer.train(resume_from_checkpoint=os.path.join(workdir, resume[0], f"checkpoint-{resume[1]}")
                   if resume else None)
     logs = [e for e in trainer.state.log_history if "loss" in e]
+    trained: Any = trainer.model   # the PreTrainedModel (the Trainer types it as any Module or None)
     result: Dict[str, Any] = {"loss": [e["loss"] for e in logs], "grad_norm": [e.get("grad_norm") for e in logs],
                               "learning_rate": [e.get("learning_rate") for e in logs],
                               "steps": [e.get("step") for e in logs],
-                              "num_parameters": trainer.model.num_parameters(),
+                              "num_parameters": trained.num_parameters(),
                               "ds_hecate_num_parameters": None,
                               # what the Trainer logs as "Number of trainable parameters"
                               "trainer_param_count": tf.trainer.get_model_param_count(trainer.model_wrapped, True),
@@ -134,14 +136,15 @@ def trainer_run(case: Dict[str, Any], workdir: str) -> Dict[str, Any]:
                                                                   if n.endswith((".gate_up_proj", ".down_proj"))]}
     if hecate:
         from ds_hecate.hf import hecate_of, num_parameters
-        takeover = hecate_of(trainer.model)
-        result["ds_hecate_num_parameters"] = num_parameters(trainer.model)
+        takeover = hecate_of(trained)
+        result["ds_hecate_num_parameters"] = num_parameters(trained)
         result["hecate_layers"] = list(takeover.runtime.layer_names) if takeover else []
         result["hecate_layer_stats"] = takeover.runtime.stats()["layers"] if takeover else []
     if case.get("final_state"):  # fp32 weights after the last step: dense (ZeRO-1/2) and Hecate's expert masters
         from ds_hecate.hf import hecate_of
-        result["dense"] = {n: p.detach().float().clone() for n, p in trainer.model_wrapped.module.named_parameters()}
-        takeover = hecate_of(trainer.model)
+        dense = cast(Any, trainer.model_wrapped).module   # the engine's module
+        result["dense"] = {n: p.detach().float().clone() for n, p in dense.named_parameters()}
+        takeover = hecate_of(trained)
         result["expert_masters"] = dict(takeover.runtime.full_expert_weights()) if takeover else {}
     if case.get("save"):
         save_dir = os.path.join(out_dir, "saved")
@@ -155,8 +158,9 @@ def trainer_run(case: Dict[str, Any], workdir: str) -> Dict[str, Any]:
         result["probe"] = probe
         result["logits"] = logits
         if hecate:
-            takeover = hecate_of(trainer.model)
-            names = {id(m): n for n, m in trainer.model.named_modules()}
+            takeover = hecate_of(trained)
+            assert takeover is not None
+            names = {id(m): n for n, m in trained.named_modules()}
             result["experts"] = {f"{names[id(m)]}.{k}": v for (_, m), fused in
                                  zip(takeover.modules, takeover.full_experts()) for k, v in fused.items()}
     trainer.accelerator.free_memory()
@@ -178,7 +182,7 @@ def rank_of_world() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def run_cases(rank: int, world_size: int, cases: List[Dict[str, Any]], workdir: str) -> List[Optional[dict]]:
+def run_cases(rank: int, world_size: int, cases: List[Dict[str, Any]], workdir: str) -> Optional[List[dict]]:
     """Entry point for dist_utils.run_ranks: every case in order; rank 0 returns the results."""
     results = []
     for case in cases:

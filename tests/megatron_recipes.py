@@ -26,7 +26,8 @@ from torch import nn
 def param_groups(model: nn.Module, moe_groups: bool = True, biases_apart: bool = True) -> List[Dict[str, Any]]:
     """Megatron's groups (``biases_apart`` False: one weight-decay group of every parameter, as a custom
     ``no_weight_decay_cond`` that never answers yes gives)."""
-    decay, no_decay = [], []
+    decay: List[Any] = []
+    no_decay: List[Any] = []
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue

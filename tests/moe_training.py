@@ -14,7 +14,7 @@ import importlib.util
 import os
 import sys
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, cast
 
 import torch
 import torch.utils.checkpoint
@@ -34,8 +34,10 @@ def _workloads():
     module = sys.modules.get("_oracle_workloads")
     if module is None:
         package = importlib.util.find_spec("ds_hecate")   # a top-level lookup: does not import the package
+        assert package is not None and package.submodule_search_locations is not None
         path = os.path.join(package.submodule_search_locations[0], "testing", "workloads.py")
         spec = importlib.util.spec_from_file_location("_oracle_workloads", path)
+        assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
         sys.modules["_oracle_workloads"] = module
         spec.loader.exec_module(module)
@@ -147,12 +149,13 @@ class Block(nn.Module):
                   if spec.expert_kind == "ffn" else GenericExpert(spec.hidden, ffn))
         if spec.native:
             from ds_hecate import MoE
-        else:
-            from deepspeed.moe.layer import MoE
-        self.moe = MoE(spec.hidden, expert, num_experts=spec.num_experts, ep_size=spec.ep_size, k=spec.k,
-                       drop_tokens=spec.drop_tokens, capacity_factor=spec.capacity_factor,
-                       min_capacity=spec.min_capacity, noisy_gate_policy=spec.noisy_gate_policy,
-                       use_residual=spec.use_residual, use_rts=False)
+        else:   # the same name, DeepSpeed's class
+            from deepspeed.moe.layer import MoE  # type: ignore[no-redef]
+        layer_of_either = MoE(spec.hidden, expert, num_experts=spec.num_experts, ep_size=spec.ep_size, k=spec.k,
+                              drop_tokens=spec.drop_tokens, capacity_factor=spec.capacity_factor,
+                              min_capacity=spec.min_capacity, noisy_gate_policy=spec.noisy_gate_policy,
+                              use_residual=spec.use_residual, use_rts=False)
+        self.moe = cast(Any, layer_of_either)   # ds_hecate's or DeepSpeed's layer: their attributes differ
         # Distinct experts (DeepSpeed deep-copies one expert), identical on every rank (same seed). With ep_size > 1
         # DeepSpeed's layer holds num_experts / ep_size local experts, drawn alike on every rank, so expert e has
         # the values of local expert e mod that: ds_hecate.MoE (all experts on every rank) is given the same.
@@ -211,7 +214,7 @@ class TinyMoE(nn.Module):
 
 
 def ds_config(spec: Spec) -> dict:
-    cfg = {
+    cfg: Dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": spec.gas,
         "gradient_clipping": spec.clip,
@@ -245,7 +248,7 @@ def batch(spec: Spec, step: int, micro: int, rank: int, dtype: torch.dtype):
     return x, y, used
 
 
-def _expert_flats(moe: nn.Module) -> Dict[int, torch.Tensor]:
+def _expert_flats(moe: Any) -> Dict[int, torch.Tensor]:
     """Expert id -> flat fp32 weights for an unconverted DeepSpeed or ds_hecate MoE layer on this rank."""
     if hasattr(moe, "deepspeed_moe"):
         experts = list(moe.deepspeed_moe.experts.deepspeed_experts)
@@ -284,7 +287,7 @@ def force_routes(model: nn.Module, spec: Spec, step: int, micro: int, rank: int,
     ``spec.gate_bias``), identical in the Hecate run and in the oracle, and for any world size."""
     weights = torch.softmax(torch.tensor(spec.gate_bias or (0.0,) * spec.num_experts, dtype=torch.float64), 0)
     tokens = 0 if spec.empty_rank == rank else spec.tokens
-    for layer, block in enumerate(model.blocks):
+    for layer, block in enumerate(cast(Any, model).blocks):   # TinyMoE's
         choices = []
         for v in _virtual(spec, rank, world_size):
             g = torch.Generator().manual_seed(spec.seed * 104729 + step * 7919 + micro * 131 + v * 17 + layer)
@@ -354,8 +357,8 @@ def train(rank: int, world_size: int, spec: Spec) -> dict:
             model = TinyMoE(spec)
     else:
         model = TinyMoE(spec)
-    optimizer = None
-    params = model.parameters()
+    optimizer: Optional[torch.optim.Optimizer] = None
+    params: Any = model.parameters()
     lr_scheduler = None
     if spec.client_optimizer:
         groups = [{"params": [p for p in model.parameters()], "name": "dense"}]
@@ -451,13 +454,14 @@ def model_state(engine, masters: bool = False) -> dict:
     named = [(n.replace("deepspeed_moe.", ""), p) for n, p in module.named_parameters()]
     dense = {n: _dense_value(engine, p) for n, p in named if "experts" not in n}
     low_precision = any(p.dtype in (torch.float16, torch.bfloat16) for _, p in named)
-    extra = {}
+    extra: Dict[str, Any] = {}
     if masters and low_precision:
         fp32 = {n: _fp32_master(engine, p) for n, p in named}
         if all(v is not None for v in fp32.values()):
             extra["dense_fp32"] = {n: v for n, v in fp32.items() if "experts" not in n}
             if getattr(engine, "hecate", None) is None:
-                extra["local_experts_fp32"] = _expert_masters(module, fp32)
+                complete = cast(Dict[str, torch.Tensor], fp32)   # no value is None (checked above)
+                extra["local_experts_fp32"] = _expert_masters(module, complete)
     if getattr(engine, "hecate", None) is not None:
         return {"dense": dense, "experts": dict(engine.hecate.full_expert_weights()), "local_experts": None, **extra}
     local = {name: _expert_flats(m) for name, m in module.named_modules() if name.endswith(".moe")}

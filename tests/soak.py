@@ -16,7 +16,7 @@ import os
 import sys
 import time
 from dataclasses import replace
-from typing import List
+from typing import Dict, List, cast
 
 import torch
 
@@ -43,7 +43,7 @@ def _set_routing_bias(model: torch.nn.Module, step: int, world_size: int, num_ex
     bias -= bias.mean()
     for module in model.modules():
         if hasattr(module, "logit_bias"):
-            module.logit_bias.copy_(bias)
+            cast(torch.Tensor, module.logit_bias).copy_(bias)
 
 
 def soak(rank: int, world_size: int, steps: int, warmup: int, spot_every: int) -> dict:
@@ -57,7 +57,7 @@ def soak(rank: int, world_size: int, steps: int, warmup: int, spot_every: int) -
         torch.manual_seed(spec.seed)
         s = replace(spec, hecate=hecate)
         engines[name], *_ = deepspeed.initialize(model=TinyMoE(s), model_parameters=None, config=ds_config(s))
-    losses = {name: [] for name in engines}
+    losses: Dict[str, List[float]] = {name: [] for name in engines}
     rss: List[int] = []
     worst_rel = 0.0
     start = time.perf_counter()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import replace
+from typing import Any, Dict, List, cast
 
 import pytest
 import torch
@@ -84,11 +85,14 @@ def _random_routing_worker(rank: int, world: int, seeds: int) -> dict:
     from ds_hecate.config import HecateConfig
     from ds_hecate.deepspeed_glue.convert import take_over_layer
     from ds_hecate.deepspeed_glue.initialize import build_runtime
+    from ds_hecate.runtime.layer import LayerBinding
     from ds_hecate.testing.workloads import BiasedTopKGate
 
     dist.init_process_group("gloo")
-    checked = {"seeds": 0, "empty_rank_cases": 0, "moved_experts": 0, "by_placement": {}}
-    costs = dict(compute_s_per_pair=1e-4, link_gbps=100.0, non_moe_time_s=1e-3)   # compute-heavy: replicate
+    checked: Dict[str, Any] = {"seeds": 0, "empty_rank_cases": 0, "moved_experts": 0,
+                               "by_placement": {}}
+    # compute-heavy: replicate
+    costs: Dict[str, Any] = dict(compute_s_per_pair=1e-4, link_gbps=100.0, non_moe_time_s=1e-3)
     runtimes = {p: build_runtime(HecateConfig(enabled=True, placement=p), {}) for p in ("owner", "local", "all")}
     runtimes["cost"] = build_runtime(HecateConfig(enabled=True, placement="cost", **costs), {})
     runtimes["shadow"] = build_runtime(HecateConfig(enabled=True, placement="shadow", **costs), {})
@@ -125,7 +129,7 @@ def _random_routing_worker(rank: int, world: int, seeds: int) -> dict:
         reference = copy.deepcopy(layer)
         runtime = runtimes[placement]
         take_over_layer(f"layer{seed}", layer, runtime)
-        binding = layer.binding
+        binding = cast(LayerBinding, layer.binding)   # the layer is taken over
 
         x = torch.randn(n_tokens, hidden, generator=torch.Generator().manual_seed(seed * 100 + rank))
         w = torch.randn(n_tokens, hidden, generator=torch.Generator().manual_seed(seed * 100 + rank + 50))
@@ -137,6 +141,7 @@ def _random_routing_worker(rank: int, world: int, seeds: int) -> dict:
             loss = (out * w).sum() + (0.1 * l_aux if n_tokens else 0.0)
             loss.backward()
             outs.append(out.detach())
+            assert xi.grad is not None
             grads.append((xi.grad.clone(), module.gate.wg.weight.grad.clone()))
         assert torch.allclose(outs[0], outs[1], atol=1e-5, rtol=1e-5), f"seed {seed}: outputs differ"
         assert torch.allclose(grads[0][0], grads[1][0], atol=1e-5, rtol=1e-5), f"seed {seed}: input grads differ"
@@ -151,6 +156,7 @@ def _random_routing_worker(rank: int, world: int, seeds: int) -> dict:
                 got = torch.zeros_like(ref[e])
             assert torch.allclose(got, ref[e], atol=1e-4, rtol=1e-5), f"seed {seed}: expert {e} grad differs"
         assert binding.replica_bytes_alive() == 0, f"seed {seed}: materialized experts outlive backward"
+        assert binding.tally.last_plan is not None
         checked["moved_experts"] += binding.tally.last_plan.num_moved
         tally["moved"] += int(binding.tally.last_plan.num_moved > 0)
         runtime.store.zero_grads()
@@ -182,10 +188,10 @@ def test_campaign_default_set(world):
     from adversarial_draws import draw
 
     seeds = default_seeds(world)
-    placements = {draw(s, world)[1].hecate["placement"] for s in seeds}
+    placements = {cast(dict, draw(s, world)[1].hecate)["placement"] for s in seeds}
     if world == 2:
         assert placements == {"hecate", "owner", "local", "cost", "shadow", "all"}, placements
-    lines = []
+    lines: List[str] = []
     result = campaign(world, seeds, out=lines.append)
     print("\n".join(lines))
     assert result["seeds"] == len(seeds) and result["ok"] == len(seeds), "\n".join(lines)

@@ -58,6 +58,7 @@ def test_calibration_from_the_owners_is_remembered_and_taken_again_without_a_sea
                             speculative=False)
     assert again.remembered and not again.searched and not first.remembered
     assert again.plan.materialized == first.plan.materialized
+    assert again.extras is not None and first.extras is not None
     assert again.extras.materialized == first.extras.materialized
 
 
@@ -85,6 +86,7 @@ def test_from_a_speculative_start_only_what_calibration_added_is_remembered(monk
     after = plan_after_gate(_hot_on(2), prefetched, schedule, calibration_settings(COSTS, 4, RPN, None), 0, True)
     assert after.extras is not None
     assert all(set(old_hot) <= set(after.plan.placement.materialized[r]) for r in (0, 1, 2, 3))   # kept this call
+    assert schedule.calibrated is not None
     remembered = schedule.calibrated[0]
     added = after.extras.holders
     assert not any(e in remembered[r] for r in (0, 1, 2, 3) for e in old_hot)   # not remembered
@@ -125,6 +127,7 @@ def test_the_remembered_calibration_survives_a_checkpoint():
     assert not ScheduleReuse.state_fits(broken, WORLD, EXPERTS)
     restored = ScheduleReuse(0.05)
     restored.load_state_dict(state, SearchSettings(COSTS, 4, RPN))
+    assert restored.calibrated is not None and schedule.calibrated is not None
     assert restored.calibrated[0] == schedule.calibrated[0] and restored.calibrated[2] == schedule.calibrated[2]
     assert np.array_equal(restored.calibrated[1], schedule.calibrated[1])
 

@@ -39,6 +39,7 @@ def _runtime(dtype: torch.dtype):
     config = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": dtype == torch.bfloat16},
               "zero_optimization": {"stage": 2, "hecate": {"enabled": True, "log_conversion": False}}}
     hcfg, stripped = split_hecate_section(config)
+    assert hcfg is not None
     runtime = build_runtime(hcfg, stripped, model)
     convert_model(model, runtime)
     model.to(dtype)

@@ -8,6 +8,7 @@ import json
 import math
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -92,7 +93,8 @@ def test_bad_terms_are_refused_by_name(terms, named):
     with pytest.raises(ValueError, match=f"baselines: .*{named}"):
         CallOverheads.of({"hecate": {}, "baselines": terms})
     with pytest.raises(HecateError, match=f"cluster 'bad'.*hecate: .*{named}"):
-        replace(CLUSTERS["v100-4x8"], name="bad", call_overhead={"hecate": terms})
+        raw: Any = {"hecate": terms}   # as a JSON file gives it: the cluster converts it
+        replace(CLUSTERS["v100-4x8"], name="bad", call_overhead=raw)
     with pytest.raises(ValueError, match=named):
         device_overheads({"gpu": {"hecate": terms, "device_memory_gbps": 4800.0}}, "gpu", 900.0)
 

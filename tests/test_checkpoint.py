@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pickle
 from dataclasses import replace
+from typing import Any, cast
 
 import pytest
 import torch
@@ -191,11 +192,11 @@ def test_consolidated_fp32_state_dict_equals_the_live_model(tmp_path):
     # The DeepSpeed layout loads strictly into the unconverted model the user built.
     model = TinyMoE(replace(spec, hecate=None))
     model.load_state_dict(outputs["deepspeed"], strict=True)
-    assert torch.equal(model.blocks[1].moe.deepspeed_moe.experts.deepspeed_experts[5][2].bias,
+    assert torch.equal(cast(Any, model.blocks[1]).moe.deepspeed_moe.experts.deepspeed_experts[5][2].bias,
                        outputs["deepspeed"]["blocks.1.moe.deepspeed_moe.experts.deepspeed_experts.5.2.bias"])
 
 
-def _load_each(rank: int, world: int, ckpts: list) -> list:
+def _load_each(rank: int, world: int, ckpts: list) -> dict:
     """Try to load each damaged checkpoint in turn on one engine; report the errors and whether anything changed."""
     import deepspeed
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import replace
+from typing import cast
 
 import pytest
 import torch
@@ -35,7 +36,7 @@ LAYOUTS = {"ep2x2": (4, 2), "ep4": (4, 4), "two": (2, None), "one": (1, None)}  
 
 def _spec(layout: str, **kw) -> Spec:
     world, ep_size = LAYOUTS[layout]
-    hecate = {k: v for k, v in BASE.hecate.items() if k != "ep_size"}
+    hecate = {k: v for k, v in cast(dict, BASE.hecate).items() if k != "ep_size"}
     if ep_size is not None:
         hecate["ep_size"] = ep_size
     return replace(BASE, hecate=hecate, **kw)

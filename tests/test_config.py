@@ -6,6 +6,7 @@ import json
 import math
 from collections import OrderedDict
 from types import MappingProxyType
+from typing import Any, Dict
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -189,7 +190,7 @@ def test_parse_does_not_mutate_input():
     before = copy.deepcopy(raw)
     parse_hecate_section(raw)
     assert raw == before
-    bad = {"enabled": "yes", "junk": [1, {"a": 2}]}
+    bad: Dict[str, Any] = {"enabled": "yes", "junk": [1, {"a": 2}]}
     before = copy.deepcopy(bad)
     with pytest.raises(HecateConfigError):
         parse_hecate_section(bad)
@@ -240,6 +241,7 @@ def test_split_top_level_section():
     cfg = _ds_config(hecate={"enabled": True, "reduce_dtype": "bf16"})
     before = copy.deepcopy(cfg)
     hcfg, stripped = split_hecate_section(cfg)
+    assert hcfg is not None
     assert hcfg.enabled is True and hcfg.reduce_dtype == "bf16"
     expected = copy.deepcopy(before)
     del expected["hecate"]
@@ -249,11 +251,13 @@ def test_split_top_level_section():
 
 def test_split_empty_section_gives_defaults():
     hcfg, stripped = split_hecate_section(_ds_config(hecate={}))
+    assert hcfg is not None
     assert _fields(hcfg) == DEFAULTS
     assert "hecate" not in stripped
     cfg = _ds_config()
     cfg["zero_optimization"]["hecate"] = {}
     hcfg, stripped = split_hecate_section(cfg)
+    assert hcfg is not None
     assert _fields(hcfg) == DEFAULTS
     assert stripped["zero_optimization"] == {"stage": 2, "overlap_comm": True}
 
@@ -302,6 +306,7 @@ def test_split_zero_optimization_not_a_dict():
     hcfg, stripped = split_hecate_section(cfg)
     assert hcfg is None and stripped == cfg
     hcfg, stripped = split_hecate_section(_ds_config(zero_optimization=None, hecate={"enabled": True}))
+    assert hcfg is not None
     assert hcfg.enabled is True and stripped["zero_optimization"] is None and "hecate" not in stripped
 
 
@@ -309,6 +314,7 @@ def test_split_from_json_file_contents():
     text = json.dumps({"train_batch_size": 4, "zero_optimization": {"stage": 2, "hecate": {
         "enabled": True, "placement": "cost", "ranks_per_node": 8, "collective_timeout_s": 120}}})
     hcfg, stripped = split_hecate_section(json.loads(text))
+    assert hcfg is not None
     assert hcfg.enabled and hcfg.ranks_per_node == 8 and hcfg.collective_timeout_s == 120.0
     assert stripped == {"train_batch_size": 4, "zero_optimization": {"stage": 2}}
 

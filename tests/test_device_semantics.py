@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from typing import Any, Dict
 
 import pytest
 import torch
@@ -68,7 +69,7 @@ def _train(rank: int, world: int, device: str, kind: str, dtype_name: str, resha
     torch.manual_seed(0)
     model = Net(kind)
     shim = cuda_shim() if device == "cuda" else contextlib.nullcontext()
-    out = {"losses": []}
+    out: Dict[str, Any] = {"losses": []}
     with shim as active:
         dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
         # configured costs win over the measured ones (still measured, and checked): the placements, and so the
@@ -97,6 +98,7 @@ def _train(rank: int, world: int, device: str, kind: str, dtype_name: str, resha
             dense.step()
             dense.zero_grad()
             rt.last_total_norm = norm
+            assert rt.optimizer is not None
             rt.apply_step(True, world, 1.0, 0.0, rt.optimizer.current_hyperparameters())
             rt.after_step(step)   # measures the cost model at step 1
             if step == 2 and reshard_to is not None:   # heterogeneous re-sharding with optimizer state
@@ -117,6 +119,7 @@ def _train(rank: int, world: int, device: str, kind: str, dtype_name: str, resha
         checkpoint.prepare_load(rt, directory, True)()
         shard = rt.bindings[0].shard
         out["ckpt_equal"] = all(torch.equal(shard.masters[e].detach().cpu(), before[e]) for e in before)
+        assert rt.optimizer is not None
         out["ckpt_devices"] = sorted({str(p.device) for p in rt.store.parameters()} |
                                      {str(v.device) for p in rt.store.parameters()
                                       for v in rt.optimizer.state_of(p).values()

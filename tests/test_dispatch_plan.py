@@ -1,6 +1,8 @@
 """The vectorised planner (planning/dispatch_plan.py, critical_path.py, the search budget) against the explicit
 reference: same splits, routes, loads, node traffic and expert-major order on random placements; the search's
 anytime budget never returns a placement worse than its start."""
+from typing import Any, Dict, List, Set
+
 import numpy as np
 import pytest
 import torch
@@ -21,7 +23,7 @@ def _random_case(rng):
     n, num_e = int(rng.integers(1, 10)), int(rng.integers(1, 9))
     rpn = int(rng.integers(1, n + 1))
     owners = tuple(int(x) for x in rng.integers(0, n, num_e))
-    mat = [set() for _ in range(n)]
+    mat: List[Set[int]] = [set() for _ in range(n)]
     for e, o in enumerate(owners):
         mat[o].add(e)
     for _ in range(int(rng.integers(0, n * num_e + 1))):
@@ -37,7 +39,8 @@ def _reference_order(ref: LayerPlan, rank: int):
         for e in range(ref.num_experts):
             seg[(src, e)] = offset
             offset += tm[src][rank][e]
-    order, sizes = [], []
+    order: List[int] = []
+    sizes: List[int] = []
     for e in ref.materialized[rank]:
         size = 0
         for src in range(ref.world_size):
@@ -136,6 +139,7 @@ def test_plan_after_gate_is_deterministic_and_calibrates_within_budget():
     for _ in range(2):
         schedule = ScheduleReuse(0.05)
         after = plan_after_gate(skewed, placement, schedule, calibration_settings(costs, 4, 4, 1e9), 3, True)
+        assert after.extras is not None
         outs.append((after.plan.materialized, after.extras.materialized, after.mine.send_splits))
     assert outs[0] == outs[1] and outs[0][0] != placement.materialized
     none = plan_after_gate(skewed, placement, ScheduleReuse(0.05), calibration_settings(costs, 4, 4, 0.0), 3, True)
@@ -152,9 +156,11 @@ def test_invalid_placement_is_refused_before_any_collective():
 
 @pytest.mark.parametrize("key", ["plan_budget_us", "search_budget_us"])
 def test_budget_keys_validated(key):
-    assert getattr(HecateConfig(**{key: 123.0}), key) == 123.0
+    valid: Dict[str, Any] = {key: 123.0}
+    invalid: Dict[str, Any] = {key: -1}
+    assert getattr(HecateConfig(**valid), key) == 123.0
     with pytest.raises(Exception, match=key):
-        HecateConfig(**{key: -1})
+        HecateConfig(**invalid)
 
 
 def test_automatic_calibration_budget_is_a_share_of_the_prefetched_estimate():

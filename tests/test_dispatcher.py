@@ -19,6 +19,7 @@ def _slots(top_k: int, tokens: int, dropped: int, seed: int) -> torch.Tensor:
 def _grad(x: torch.Tensor, slots: torch.Tensor, top_k: int, grad: torch.Tensor) -> torch.Tensor:
     leaf = x.detach().requires_grad_(True)
     SlotRows.apply(leaf, slots, top_k).backward(grad)
+    assert leaf.grad is not None
     return leaf.grad
 
 
@@ -28,6 +29,7 @@ def test_cpu_backward_is_autogradss_index_select(monkeypatch):
     grad = torch.randn(slots.numel(), 16)
     leaf = x.detach().requires_grad_(True)
     leaf.index_select(0, slots % 50).backward(grad)
+    assert leaf.grad is not None
     assert torch.equal(_grad(x, slots, 4, grad), leaf.grad)
 
 

@@ -80,8 +80,10 @@ def test_readme_names_the_autoload_hook_and_switch_as_installed():
     """The README's automatic-activation paragraph names the .pth file setup.py installs and the switch the hook
     reads (tests/test_autoload.py runs them)."""
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    pth = re.search(r'AUTOLOAD_PTH = "([^"]+)"', (ROOT / "setup.py").read_text(encoding="utf-8")).group(1)
-    switch = re.search(r'ENV_SWITCH = "([^"]+)"', (ROOT / "ds_hecate_autoload.py").read_text(encoding="utf-8")).group(1)
+    pth_line = re.search(r'AUTOLOAD_PTH = "([^"]+)"', (ROOT / "setup.py").read_text(encoding="utf-8"))
+    switch_line = re.search(r'ENV_SWITCH = "([^"]+)"', (ROOT / "ds_hecate_autoload.py").read_text(encoding="utf-8"))
+    assert pth_line is not None and switch_line is not None
+    pth, switch = pth_line.group(1), switch_line.group(1)
     assert f"`{pth}`" in readme and (ROOT / pth).read_text(encoding="utf-8").strip() == "import ds_hecate_autoload"
     assert f"`{switch}=0`" in readme
 

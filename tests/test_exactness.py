@@ -16,7 +16,7 @@ schedules, activation checkpointing) and the placements.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Dict, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 import pytest
 
@@ -25,7 +25,7 @@ from trajectory_checks import assert_same_trajectory
 
 BASE = Spec(steps=20)
 # Few tokens, cheap experts: the 'cost' placement then materializes remote experts (spAG/spRS on the wire).
-CHEAP_EXPERTS = dict(ffn=4, tokens=64)
+CHEAP_EXPERTS: Dict[str, Any] = dict(ffn=4, tokens=64)
 
 # Two hot experts (both owned by rank 0 under even sharding): the scheduler replicates them, re-sharding moves them.
 HOT = (3.0, 3.0) + (0.0,) * 6

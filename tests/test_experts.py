@@ -127,6 +127,8 @@ def test_swiglu_forward_formula():
 class NormedExpert(nn.Module):
     """LayerNorm + FFN with a buffer: not a fast-path shape."""
 
+    scale: torch.Tensor   # a buffer
+
     def __init__(self):
         super().__init__()
         self.norm = nn.LayerNorm(HIDDEN)
@@ -209,6 +211,7 @@ def test_generic_path_tuple_output_first_element():
     # out_bias is in the layout but receives no gradient through the first element
     leaf = kernel.flatten(m).requires_grad_(True)
     kernel(leaf, x).sum().backward()
+    assert leaf.grad is not None
     views = kernel.views(leaf.grad)
     assert torch.count_nonzero(views["out_bias"]) == 0
     assert torch.count_nonzero(views["fc1.weight"]) > 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from typing import Any, Dict, cast
 
 import numpy as np
 import pytest
@@ -72,7 +73,7 @@ def test_relay_plan_stages_forward_only_what_arrived():
         placement = Placement(owners, mat)
         plan = RelayPlan.of(placement, rpn, rng.choice([1, 2]))
         holds = {(e, owners[e]) for e in range(experts)}
-        received = Counter()
+        received: Counter = Counter()
         for stage in plan.stages:
             assert all((e, src) in holds for e, src, _ in stage), "a rank forwards an expert it does not hold yet"
             holds |= {(e, dst) for e, _, dst in stage}
@@ -94,7 +95,7 @@ def test_scheduler_charges_the_tree_not_the_flat_fan_out():
     owners = tuple(e * world // 64 for e in range(64))
     counts = np.full((world, 64), 10.0)
     mat = tuple(tuple(sorted({e for e, o in enumerate(owners) if o == r} | {0})) for r in range(world))
-    base = dict(compute_s_per_pair=1e-9, token_transfer_s=1e-9, expert_transfer_s=1e-4,
+    base: Dict[str, Any] = dict(compute_s_per_pair=1e-9, token_transfer_s=1e-9, expert_transfer_s=1e-4,
                 token_transfer_inter_s=1e-8, expert_transfer_inter_s=8e-3)
     flat = estimate_layer(counts, owners, mat, StepCostModel(**base, fanout=0), rpn)
     tree = estimate_layer(counts, owners, mat, StepCostModel(**base, fanout=4), rpn)
@@ -146,7 +147,7 @@ def _collectives(rank, world, placement, fanout, numel, seed, rpn=2, chunks=1, f
     def counted(*args, **kwargs):
         exchanges.append(args[4] if len(args) > 4 else kwargs.get("async_op"))
         return exchange_rows(*args, **kwargs)
-    comm.exchange_rows = counted
+    setattr(comm, "exchange_rows", counted)
     gen = torch.Generator().manual_seed(seed)
     weights = torch.randint(-50, 50, (len(placement.owners), numel), generator=gen).float()
     owned = {e: weights[e].clone() for e, o in enumerate(placement.owners) if o == rank}
@@ -169,7 +170,8 @@ def _collectives(rank, world, placement, fanout, numel, seed, rpn=2, chunks=1, f
     finish()
     return {"issued_at_start": (gather_started, reduce_started),
             "issued": (gather_total, len(exchanges) - gather_total),
-            "scopes": (comm.weights.scopes, comm.weights.joins) if stream_ordered else None,
+            "scopes": ((cast(_StreamOrderedGloo, comm.weights).scopes, cast(_StreamOrderedGloo, comm.weights).joins)
+                       if stream_ordered else None),
             "rows": {e: row.clone() for e, row in gathered.flats().items()}, "weights": weights,
             "sums": dict(zip(gathered.experts[:gathered.owned], accumulator.unbind(0))),
             "stages": len(plan.stages), "sent": counters.allgather_bytes, "exchanges": len(exchanges),
@@ -314,7 +316,7 @@ def test_scheduler_exposes_the_deeper_levels():
     owners = tuple(e * world // 64 for e in range(64))
     counts = np.zeros((world, 64))
     mat = tuple(tuple(sorted({e for e, o in enumerate(owners) if o == r} | {0})) for r in range(world))
-    base = dict(compute_s_per_pair=1e-9, token_transfer_s=1e-9, expert_transfer_s=1e-3,
+    base: Dict[str, Any] = dict(compute_s_per_pair=1e-9, token_transfer_s=1e-9, expert_transfer_s=1e-3,
                 token_transfer_inter_s=1e-8, expert_transfer_inter_s=8e-3, overlap_s=10.0, fanout=4)
     flat = estimate_layer(counts, owners, mat, StepCostModel(**{**base, "fanout": 0}), rpn)
     assert flat.time_s == 0.0                     # one level: all of it hides
@@ -354,6 +356,7 @@ def test_fresh_search_passes_the_relay_barrier():
 
     seq = CallSequence(64, 8, 8, "skewed", 0)
     prediction, owners, rpn = seq.window.predict_array(), seq.owners, seq.rpn
+    assert prediction is not None
 
     def layer_s(materialized):
         return estimate_layer(prediction, owners, materialized, COSTS, rpn).time_s

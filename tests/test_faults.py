@@ -2,6 +2,8 @@
 instead of one rank failing while the others wait forever."""
 from __future__ import annotations
 
+from typing import List, cast
+
 import pytest
 import torch
 
@@ -86,10 +88,10 @@ def _arm_kill(phase: str, stamp: str, ckpt: str, kill_step: int, rank: int, step
 
         if phase == "forward":  # on entering the second MoE layer
             run = LayerBinding.run
-            LayerBinding.run = lambda self, *a: _die(stamp) if self.shard.layer_id == 1 else run(self, *a)
+            setattr(LayerBinding, "run", lambda self, *a: _die(stamp) if self.shard.layer_id == 1 else run(self, *a))
         elif phase == "backward":  # while returning the second layer's gradients (first MoE backward)
             from ds_hecate.comm.requests import ReduceScatterRequest
-            ReduceScatterRequest.start = lambda self, *a: _die(stamp)
+            setattr(ReduceScatterRequest, "start", lambda self, *a: _die(stamp))
         elif phase in ("sparse-collective", "reshard"):  # about to send experts (a re-sharding moves them with
             label = "SparseAllGather" if phase == "sparse-collective" else "re-sharding expert move"  # their state)
             exchange = Communicator.exchange_rows
@@ -98,17 +100,18 @@ def _arm_kill(phase: str, stamp: str, ckpt: str, kill_step: int, rank: int, step
                 if label in args:
                     _die(stamp)
                 return exchange(self, *args, **kwargs)
-            Communicator.exchange_rows = dying_exchange
+            setattr(Communicator, "exchange_rows", dying_exchange)
         elif phase == "save-experts":  # its first expert file written, while writing the second
             from ds_hecate.deepspeed_glue.checkpoint_integrity import DigestingWriter
-            write, written = DigestingWriter.save, []
+            write = DigestingWriter.save
+            written: List[str] = []
 
             def dying_write(self, obj, path):
                 if written:
                     _die(stamp)
                 write(self, obj, path)
                 written.append(path)
-            DigestingWriter.save = dying_write
+            setattr(DigestingWriter, "save", dying_write)
         else:  # save-deepspeed: every expert file written, while DeepSpeed writes this rank's optimizer state
             save = engine.checkpoint_engine.save
             engine.checkpoint_engine.save = lambda state, path: (_die(stamp) if "optim_states" in path
@@ -121,7 +124,8 @@ def _fault_spec(**kw):
     from dataclasses import replace
 
     from test_checkpoint import SCHEDULED
-    return replace(SCHEDULED, hecate={**SCHEDULED.hecate, **PINNED, "collective_timeout_s": TIMEOUT_S}, **kw)
+    pinned = {**cast(dict, SCHEDULED.hecate), **PINNED, "collective_timeout_s": TIMEOUT_S}
+    return replace(SCHEDULED, hecate=pinned, **kw)
 
 
 @pytest.fixture(scope="module")

@@ -42,16 +42,19 @@ def _record(rank: int, world: int, spec: Spec) -> Dict[str, object]:
 
     all_to_all, exchange_counts = Communicator.all_to_all, Communicator.exchange_counts
 
-    def recorded_all_to_all(self, *args, collective="token all-to-all", transport=None, **kwargs):
+    def recorded_all_to_all(self, *args, **kwargs):
+        collective = kwargs.setdefault("collective", "token all-to-all")
+        transport = kwargs.setdefault("transport", None)
         if self.world_size > 1:
             records.append((collective, ranks_of(transport or self.transport)))
-        return all_to_all(self, *args, collective=collective, transport=transport, **kwargs)
+        return all_to_all(self, *args, **kwargs)
 
     def recorded_counts(self, local_counts):
         if self.world_size > 1:
             records.append(("token-count exchange", ranks_of(self.transport)))
         return exchange_counts(self, local_counts)
-    Communicator.all_to_all, Communicator.exchange_counts = recorded_all_to_all, recorded_counts
+    setattr(Communicator, "all_to_all", recorded_all_to_all)
+    setattr(Communicator, "exchange_counts", recorded_counts)
     for name in ("all_reduce", "reduce_scatter", "all_gather_into"):   # the EDP step work, by collective name
         original = getattr(Communicator, name)
 

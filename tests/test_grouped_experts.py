@@ -11,7 +11,8 @@
 """
 from __future__ import annotations
 
-from typing import List
+
+from typing import Any, Dict, List
 
 import pytest
 import torch
@@ -71,6 +72,7 @@ def _autograd_reference(kernel: ExpertKernel, buffer: torch.Tensor, rows: torch.
     def proj(h: torch.Tensor, name: str, bias) -> torch.Tensor:
         out = F.grouped_mm(h.contiguous(), views[name].transpose(1, 2), offs=groups.offs)
         return out if bias is None else group_gemm.add_row_bias(out, views[bias], groups, rows_of)
+    assert kernel.form is not None
     out = kernel.form.run(proj, r, fuse)
     d_rows, d_buffer = torch.autograd.grad(out, (r, b), grad_out)
     return out.detach(), d_rows, d_buffer
@@ -109,6 +111,7 @@ def test_written_out_backward_is_autograds_bit_for_bit(kind, fuse, dtype):
     out, saved = ffn.forward(views, rows, groups, native=True)
     target = _Whole(buffer)
     d_rows = ffn.backward(views, saved, grad_out, groups, GradPart(target, kernel), native=True, need_input=True)
+    assert d_rows is not None
     ref_out, ref_rows, ref_buffer = _autograd_reference(kernel, buffer, rows, groups, grad_out, ffn.fuse)
     assert torch.equal(out, ref_out)
     assert torch.equal(d_rows, ref_rows), (d_rows - ref_rows).abs().max()
@@ -125,7 +128,8 @@ def test_grouped_equals_loop(kind, dtype, monkeypatch):
     assert used_g and not used_l
     for a, b, what in zip(grouped, loop, ("output", "row gradient", "expert gradient")):
         if kind == "swiglu" and what == "row gradient":   # dx = dh1 W1 + dh3 W3 in one fused GEMM: one rounding
-            tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=2 ** -7)
+            tol: Dict[str, Any] = (dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32
+                                   else dict(rtol=2 ** -7, atol=2 ** -7))
             torch.testing.assert_close(a, b, **tol)
         else:
             assert torch.equal(a, b), f"{kind} {dtype} {what}: max diff {(a.float() - b.float()).abs().max()}"
@@ -141,6 +145,7 @@ def test_unfused_grouped_swiglu_is_the_loop_bit_for_bit(dtype, monkeypatch):
     out, saved = ffn.forward(views, rows, groups, native=True)
     target = _Whole(buffer)
     d_rows = ffn.backward(views, saved, grad_out, groups, GradPart(target, kernel), native=True, need_input=True)
+    assert d_rows is not None
     _, loop_out, loop_rows, loop_buffer = _run("swiglu", sizes, dtype, "loop", monkeypatch)
     assert torch.equal(out, loop_out) and torch.equal(d_rows, loop_rows) and torch.equal(target.tensor, loop_buffer)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from typing import Any, Dict, List, Tuple
 
 import pytest
 import torch
@@ -16,7 +17,8 @@ transformers = pytest.importorskip("transformers")
 from dist_utils import run_ranks  # noqa: E402
 from hf_trainer import run_cases  # noqa: E402
 
-PAIRS = [  # (name, model, stage, options): each runs with plain DeepSpeed and with Hecate
+# (name, model, stage, options): each runs with plain DeepSpeed and with Hecate
+PAIRS: List[Tuple[str, str, int, Dict[str, Any]]] = [
     ("mixtral_z2", "mixtral", 2, dict(gas=2, save_steps=5)),
     ("mixtral_z3", "mixtral", 3, dict(gas=2, grad_ckpt=True, save_steps=10)),
     ("qwen3_z2", "qwen3_moe", 2, dict(ds_optimizer=False)),
@@ -32,8 +34,8 @@ def _cases():
     cases = []
     for name, model, stage, opts in PAIRS:
         for hecate in (False, True):
-            case = dict(name=f"{name}_{'hecate' if hecate else 'plain'}", model=model, stage=stage, hecate=hecate,
-                        **opts)
+            case: Dict[str, Any] = dict(name=f"{name}_{'hecate' if hecate else 'plain'}", model=model, stage=stage,
+                                        hecate=hecate, **opts)
             if hecate and name in SAVED:
                 case["save"] = True
             cases.append(case)
@@ -165,7 +167,9 @@ def test_registering_an_architecture(runs):
     assert architecture_of(MyExperts()) is None
     try:
         register_architecture(MoEArchitecture(name="my_moe", experts_classes=("MyExperts",)))
-        assert architecture_of(MyExperts()).name == "my_moe"
+        mine = architecture_of(MyExperts())
+        assert mine is not None and mine.name == "my_moe"
     finally:
         ARCHITECTURES.pop("my_moe", None)
-    assert architecture_of(MixtralExperts.__new__(MixtralExperts)).name == "mixtral"  # AutoEP preset name
+    preset = architecture_of(MixtralExperts.__new__(MixtralExperts))
+    assert preset is not None and preset.name == "mixtral"  # AutoEP preset name

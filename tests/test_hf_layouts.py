@@ -180,7 +180,9 @@ def _without(module, name):
 
 
 def _overridden(module):
-    class Overriding(type(module)):
+    base: Any = type(module)   # the experts class of the module (any of the interface's)
+
+    class Overriding(base):
         def forward(self, hidden_states, top_k_index, top_k_weights):
             return hidden_states
 
@@ -210,5 +212,6 @@ def test_transformers_biased_experts_take_the_grouped_path_in_16_bit():
     module = experts_class(transposed=True, bias=True, concatenated=False)
     hf = experts_kernel(plan_experts("experts", module), module)
     fused = ExpertKernel(SwiGLUExpert(H, FF, bias=True))
+    assert hf.form is not None
     assert hf.form.bias_apart and grouped_path(hf, torch.bfloat16)
     assert not grouped_path(fused, torch.bfloat16) and grouped_path(fused, torch.float32)

@@ -63,11 +63,13 @@ def _tokenizer(folder: Path) -> Path:
 def _config(folder: Path, vocab: int) -> Path:
     from transformers import Glm4MoeConfig
 
-    config = Glm4MoeConfig(vocab_size=vocab, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
-                           num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=2, num_key_value_heads=1,
-                           head_dim=16, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=1,
-                           topk_group=1, norm_topk_prob=True, max_position_embeddings=64, initializer_range=0.3,
-                           tie_word_embeddings=False, pad_token_id=1, eos_token_id=2, bos_token_id=2)
+    # head_dim: kept as an attribute, though the config's __init__ does not declare it
+    config = Glm4MoeConfig(  # type: ignore[call-arg]
+        vocab_size=vocab, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+        num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=16, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=1,
+        topk_group=1, norm_topk_prob=True, max_position_embeddings=64, initializer_range=0.3,
+        tie_word_embeddings=False, pad_token_id=1, eos_token_id=2, bos_token_id=2)
     config.architectures = ["Glm4MoeForCausalLM"]
     path = folder / "config"
     config.save_pretrained(path)

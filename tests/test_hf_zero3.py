@@ -15,6 +15,7 @@ the same pretrained folder (random weights saved once), so plain ZeRO-2 and ZeRO
 from __future__ import annotations
 
 import os
+from typing import Dict, List, Optional
 
 import pytest
 
@@ -26,7 +27,7 @@ from hf_trainer import run_cases, save_random_model  # noqa: E402
 #: model -> the stage of the plain DeepSpeed run it is held against
 MODELS = {"mixtral": 3, "qwen2_moe": 3, "qwen3_moe": 3, "olmoe": 2, "deepseek_v3": 2}
 ROUTINGS = ("skewed", "uniform")
-LEAVES = {"default_leaves": None, "no_leaves": []}
+LEAVES: Dict[str, Optional[List[str]]] = {"default_leaves": None, "no_leaves": []}
 STEPS = 3
 #: Adam's eps: with HF's default 1e-8 an element whose gradient is about 1e-8 takes a first step of about lr * g /
 #: (|g| + eps), which turns the last-bit differences of another summation order (Hecate's grouped experts against

@@ -3,6 +3,7 @@ every documented spelling; the engine exposes the runtime."""
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
@@ -51,6 +52,7 @@ def _errors_worker(rank: int, world: int) -> dict:
     stage0["optimizer"] = {"type": "Adam", "legacy_fusion": True, "params": {"lr": 1e-3}}
     out["stage0_fp16_legacy_fusion"] = _expect_error(moe, stage0, HecateUnsupportedError)
     out["no_moe"] = _expect_error(lambda: nn.Sequential(nn.Linear(4, 4)), cfg(), HecateModelError)
+    value: Any
     for case, (key, value) in {
         "offload": ("zero_optimization", {"stage": 2, "offload_optimizer": {"device": "cpu"}}),
         "hybrid_engine": ("hybrid_engine", {"enabled": True}),

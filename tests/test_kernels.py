@@ -11,7 +11,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List
+from typing import Any, Callable, Dict, List, Tuple, cast
 
 import pytest
 import torch
@@ -80,7 +80,8 @@ class _LoopComm(Communicator):
         super().__init__(None, rank, world_size)
         self.mailbox, self.replay, self.calls = mailbox, replay, 0
 
-    def all_to_all(self, send, send_splits, recv_splits, async_op=False, out=None, **kwargs):
+    def all_to_all(self, send, send_splits, recv_splits, async_op=False, collective="token all-to-all", out=None,
+                   transport=None):
         key = self.calls
         self.calls += 1
         if not self.replay:
@@ -99,7 +100,7 @@ class _LoopComm(Communicator):
         return (recv, None) if async_op else recv
 
 
-def _simulate(world_size: int, run):
+def _simulate(world_size: int, run: Callable[[Communicator], Any]) -> Tuple[List[Any], Dict]:
     mailbox: Dict = {}
     for r in range(world_size):
         run(_LoopComm(r, world_size, mailbox, replay=False))
@@ -137,7 +138,7 @@ def test_pack_unpack_contract_matches_sparse_all_gather(seed, dtype):
     masters = torch.randn(num_experts, numel)
     owned = [{e: masters[e].clone() for e in range(num_experts) if placement.owners[e] == r} for r in range(world)]
 
-    def run(comm):
+    def run(comm: Communicator):
         return comm.start_sparse_all_gather(placement, owned[comm.rank], numel, dtype, CommCounters()).wait().flats()
     results, mailbox = _simulate(world, run)
 
@@ -171,7 +172,7 @@ def test_reduce_contract_matches_sparse_reduce_scatter(seed, compute, wire):
     torch.manual_seed(seed)
     grads = [{e: torch.randn(numel).to(compute) for e in placement.materialized[r]} for r in range(world)]
 
-    def run(comm):
+    def run(comm: Communicator):
         own = owned_materialized(placement, comm.rank)
         experts = own + gather_layout(placement, comm.rank).recv_experts   # the gathered buffer's rows
         rows = torch.stack([grads[comm.rank][e] for e in experts]) if experts else torch.empty(0, numel)
@@ -196,8 +197,8 @@ def test_reduce_contract_matches_sparse_reduce_scatter(seed, compute, wire):
             assert total.dtype == torch.float32
             assert torch.equal(total, results[r][e]), f"rank {r} expert {e}: reduce contract != torch path"
             # and it is the sum over every copy of the expert's gradient
-            every = sum(grads[s][e].to(wire if s != r else compute).float() for s in range(world)
-                        if e in placement.materialized[s])
+            every = cast(torch.Tensor, sum(grads[s][e].to(wire if s != r else compute).float() for s in range(world)
+                                           if e in placement.materialized[s]))
             assert torch.allclose(total, every, atol=1e-5, rtol=1e-5)
 
 
@@ -393,7 +394,8 @@ def test_device_work_follows_device_kernels(monkeypatch):
         return comm.transport.device_ops
 
     assert ops("auto", torch.device("cpu")) is TORCH_DEVICE_OPS
-    assert choice.agree_device_ops("auto", torch.device("cpu"), None, 1)[1].endswith("not CUDA")
+    reason = choice.agree_device_ops("auto", torch.device("cpu"), None, 1)[1]
+    assert reason is not None and reason.endswith("not CUDA")
     monkeypatch.setattr(backend, "kernels_status", lambda index: (True, "cupy (stand-in), kernels compiled"))
     assert type(ops("auto")) is KernelDeviceOps and type(ops("cupy")) is KernelDeviceOps
     assert ops("torch") is TORCH_DEVICE_OPS

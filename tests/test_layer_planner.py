@@ -6,7 +6,7 @@ import pytest
 
 from ds_hecate.planning.cost_model import StepCostModel
 from ds_hecate.planning.layer_planner import LayerPlanner, PlanInputs, PlannerSettings, expert_data_parallel_start
-from ds_hecate.planning.placement import PLACEMENT_POLICIES, plan_layer
+from ds_hecate.planning.placement import PLACEMENT_POLICIES, CostModel, plan_layer
 from ds_hecate.planning.sharding import even_sharding
 
 COSTS = StepCostModel(compute_s_per_pair=1e-3, token_transfer_s=1e-6, expert_transfer_s=1e-4)
@@ -29,7 +29,7 @@ def test_stateless_policies_place_as_plan_layer(policy):
     planner = LayerPlanner(PlannerSettings(policy=policy, ranks_per_node=2), world, experts)
     counts = _hot(world, experts, 3, 0)
     inputs = _inputs(world, experts)
-    cost = inputs.costs if policy == "shadow" else None
+    cost: CostModel = inputs.costs if policy == "shadow" else None
     if policy == "cost":
         from ds_hecate.planning.cost_model import CommCostModel
         cost = CommCostModel(hidden_size=8, expert_numel=100)

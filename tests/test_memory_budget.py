@@ -66,7 +66,7 @@ from __future__ import annotations
 import gc
 import os
 from dataclasses import dataclass, replace
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 import torch
@@ -133,7 +133,8 @@ def allocator_events(prof, device_type: str) -> List[Event]:
     from torch._C._profiler import _EventType
 
     events: List[Event] = []
-    stack = [(root, ()) for root in prof.profiler.kineto_results.experimental_event_tree()]
+    stack: List[Tuple[Any, Tuple[str, ...]]] = [
+        (root, ()) for root in prof.profiler.kineto_results.experimental_event_tree()]
     while stack:
         ev, frames = stack.pop()
         if ev.tag == _EventType.Allocation:
@@ -157,7 +158,7 @@ def _under(frames: Tuple[str, ...], function: str, file: str = "collectives.py")
 _EXPERT_CODE = ("ds_hecate/", "torch/optim/", "torch/autograd/")
 
 
-def replay(events: List[Event], unit: int) -> Dict[str, object]:
+def replay(events: List[Event], unit: int) -> Dict[str, Any]:
     """Live bytes over time from allocator events alone: everything, the layer calls' expert buffers,
     SparseAllGather's send blocks, and blocks that are a whole number of ``unit`` bytes (experts) in size."""
     live: Dict[int, Tuple[int, Tuple[str, ...]]] = {}
@@ -187,8 +188,8 @@ def replay(events: List[Event], unit: int) -> Dict[str, object]:
                     odd.append(f"{size} bytes from {frames[-3:]}")
             live[ptr] = (size, tuple(kinds))
         elif ptr in live:   # blocks allocated before the profiled steps are not tracked (the profiler has no size)
-            size, kinds = live.pop(ptr)
-            size = -size
+            size, held = live.pop(ptr)
+            size, kinds = -size, list(held)
         else:
             continue
         for k in kinds:
@@ -228,6 +229,7 @@ def measure(rank: int, world_size: int, spec: Spec, cuda: bool = False) -> Measu
     def step(s: int) -> None:
         x, y, used = rank_batch(spec, s, 0, rank, world_size, torch.float32)
         if spec.forced_routes:   # the hot pair moves on every step: the prediction misses, calibration extends
+            assert spec.gate_bias is not None
             force_routes(engine.module, replace(spec, gate_bias=rotated(spec.gate_bias, 2 * s)), s, 0, rank,
                          world_size)
         loss = engine(x.to(device), y.to(device), None if used is None else used.to(device))
@@ -250,6 +252,7 @@ def measure(rank: int, world_size: int, spec: Spec, cuda: bool = False) -> Measu
     cuda_peak = None
     if cuda:
         torch.cuda.synchronize()
+        assert cuda_start is not None
         cuda_peak = torch.cuda.max_memory_allocated() - cuda_start
     peaks = replay(allocator_events(prof, "cuda" if cuda else "cpu"), expert_bytes(spec))
     stats = engine.hecate.stats()
@@ -324,7 +327,7 @@ def problems(results: Dict[str, List[Measured]], cuda: bool) -> List[Problem]:
     table = _table(results)
     eb = expert_bytes(BASE)
     slack = 8 * CUDA_ROUNDING if cuda else TOLERANCE_BYTES
-    found = []
+    found: List[Tuple[Optional[Tuple[str, int]], str]] = []   # (run and rank, or None for the whole check; text)
     # 3. The budget binds (unconstrained, the scheduler materializes more) and the measurement sees replicas.
     small = int(budget_mb(BASE, 1) * (1 << 20))
 
@@ -358,6 +361,7 @@ def problems(results: Dict[str, List[Measured]], cuda: bool) -> List[Problem]:
             # 2. Expert-shaped memory anywhere, against the same scheduler without replicas.
             if cuda:
                 allowance = cuda_allowance(BASE, m.budget)
+                assert m.cuda_peak is not None and zero.cuda_peak is not None
                 if m.cuda_peak - zero.cuda_peak > allowance:
                     found.append(((name, rank), f"{name} rank {rank}: max_memory_allocated is "
                                   f"{m.cuda_peak - zero.cuda_peak} bytes above the zero-budget run, more than {allowance}"))
@@ -374,7 +378,7 @@ def measure_and_check(cuda: bool, attempts: int = 5) -> Dict[str, List[Measured]
     measurement missed no free stands at once; one whose measurement missed a free is measured again, and fails only
     if it recurs in every attempt (a real excess, as the mutations inject, recurs; a missed free on a busy host
     does not, and it strikes one run and rank at a time)."""
-    recurring: Optional[Dict[Tuple[str, int], str]] = None
+    recurring: Optional[Dict[Optional[Tuple[str, int]], str]] = None
     for attempt in range(1, attempts + 1):
         results = _run(cuda)
         print(f"\nattempt {attempt}:\n{_table(results)}")

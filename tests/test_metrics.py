@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import os
 from dataclasses import replace
+from typing import Any, List, cast
 
 import pytest
 
@@ -48,8 +49,8 @@ def _train_capturing_gate(rank: int, world_size: int, specs, unwritable) -> list
                          torch.bincount(flat[flat >= 0].long(), minlength=self.shard.num_experts).tolist()))
         return original(self, x, indices, gates, *args)
 
-    rt.LayerBinding.run = run
-    out = []
+    setattr(rt.LayerBinding, "run", run)
+    out: List[Any] = []
     for spec in specs:
         seen.clear()
         result = train(rank, world_size, spec)
@@ -168,6 +169,7 @@ def test_metric_values_match_the_traced_plans(monitored_run):
         gathers = 2
         got = {m: _series(root, layer, m) for m in LOAD_METRICS + TRAFFIC_METRICS}
         for step, record in enumerate(records):
+            assert record.materialized is not None
             materialized = tuple(tuple(m) for m in record.materialized)
             plan = LayerPlan(world_size=2, num_experts=EXPERTS, owners=owners[layer], materialized=materialized,
                              routes=topology_aware_routes(record.counts, materialized, 2))
@@ -222,4 +224,4 @@ def test_trace_file_config_is_validated(tmp_path):
         parse_hecate_section({"enabled": True, "trace_file": 3})
     from ds_hecate.deepspeed_glue.monitor import TraceRecorder
     with pytest.raises(HecateConfigError, match="is a directory"):
-        TraceRecorder(None, str(tmp_path))
+        TraceRecorder(cast(Any, None), str(tmp_path))   # refused before the runtime is read

@@ -25,7 +25,7 @@ smaller norm.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Dict, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 import pytest
 
@@ -35,7 +35,7 @@ from trajectory_checks import assert_same_steps, oracle_experts_at
 WORLD, TP = 4, 2
 BASE = Spec(steps=4, tokens=16, per_step_state=True, tp_size=TP)
 HOT = (3.0, 3.0) + (0.0,) * 6       # experts 0 and 1 take most tokens
-TOL = {"loss_rtol": 1e-5, "param_atol": 2e-5}
+TOL: Dict[str, Any] = {"loss_rtol": 1e-5, "param_atol": 2e-5}
 
 CASES: Dict[str, Tuple[Spec, dict, dict]] = {
     "zero1": (replace(BASE, stage=1), {}, {}),

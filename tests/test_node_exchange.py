@@ -4,6 +4,8 @@ them; calibration's search (after the gate) never proposes it; calibration's sha
 balance the schedule was planned at (ScheduleReuse.planned_imbalance)."""
 from __future__ import annotations
 
+from typing import Dict, Set
+
 import numpy as np
 import pytest
 
@@ -60,7 +62,7 @@ def test_each_shift_is_a_permutation_of_the_nodes(copies):
         assert len({rank for _, rank in pairs}) == len(pairs)
         for expert, rank in pairs:
             assert OWNERS[expert] // RPN == (rank // RPN + shift) % 4
-        per_node = {}
+        per_node: Dict[int, Set[int]] = {}
         for expert, rank in pairs:
             per_node.setdefault(rank // RPN, set()).add(expert)
         assert sorted(per_node) == [0, 1, 2, 3] and all(len(e) == 1 for e in per_node.values())

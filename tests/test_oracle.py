@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import replace
-from typing import Dict, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 import pytest
 
@@ -35,7 +35,7 @@ from trajectory_checks import assert_same_steps
 BASE = Spec(steps=5, tokens=16, per_step_state=True, master_state=True, independent_norm=True)
 LOCAL = {"placement": "local"}      # every expert a rank's tokens route to is materialized there: replicas always
 HOT = (3.0, 3.0) + (0.0,) * 6       # experts 0 and 1 (owned by rank 0) take most tokens
-DEFAULT = {}                        # the default placement ('hecate': scheduler, prefetch, calibration)
+DEFAULT: Dict[str, Any] = {}        # the default placement ('hecate': scheduler, prefetch, calibration)
 # Low precision: DeepSpeed reduces gradients in fp16/bf16, Hecate expert gradients in fp32, and Adam turns a
 # rounding difference in a near-zero gradient element into an update difference of up to lr. With SGD an update is
 # linear in the gradient, so the SGD cases are tight, and they see a wrong loss-scale or clip factor, which Adam
@@ -76,10 +76,10 @@ def poison_replica_grad(rank: int, step: int, engine, at_step: int, rank_with_re
                     replica_grads = replica_grads.clone()
                     replica_grads[list(experts).index(expert) - owned] = float("inf")
                 return original(request, own_grads, replica_grads)
-            ReduceScatterRequest.start = poisoned
+            setattr(ReduceScatterRequest, "start", poisoned)
             engine._oracle_patch = original
         elif step == at_step + 1:
-            ReduceScatterRequest.start = engine._oracle_patch   # back to the class's own
+            setattr(ReduceScatterRequest, "start", engine._oracle_patch)   # back to the class's own
         return
     if step == at_step:
         moe = engine.module.blocks[layer].moe

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from dataclasses import replace
+from typing import cast
 
 import pytest
 
@@ -50,7 +51,7 @@ def test_plan_matches_shard_store_to_the_byte(ranks, precision, stage, ep_size):
     from ds_hecate.sim.presets import ModelShape
 
     spec = replace(SPEC, bf16=precision == "bf16", stage=stage,
-                   hecate={**SPEC.hecate, **({"ep_size": ep_size} if ep_size > 1 else {})})
+                   hecate={**cast(dict, SPEC.hecate), **({"ep_size": ep_size} if ep_size > 1 else {})})
     results = run_ranks(ranks, _memory_worker, spec)
     model = ModelShape(name="tiny", moe_layers=spec.layers, hidden_size=spec.hidden, ffn_size=spec.ffn,
                        num_experts=spec.num_experts, top_k=spec.k, vocab_size=0, seq_len=spec.tokens,
@@ -58,7 +59,8 @@ def test_plan_matches_shard_store_to_the_byte(ranks, precision, stage, ep_size):
     assert results[0]["numel"] == model.expert_params
     layout = optimizer_layout_from_ds_config(ds_config(spec))
     assert layout == probe_optimizer_state(torch.optim.AdamW)   # what the expert optimizer steps with
-    plan = plan_memory(model, HecateConfig(**spec.hecate), world_size=ranks, ranks_per_node=ranks, zero_stage=stage,
+    config = HecateConfig(**cast(dict, spec.hecate))
+    plan = plan_memory(model, config, world_size=ranks, ranks_per_node=ranks, zero_stage=stage,
                        precision=precision, optimizer=layout)
     for rank, got in enumerate(results):
         want = plan.expert_memory_bytes(rank)

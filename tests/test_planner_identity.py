@@ -9,6 +9,8 @@ calibration fires, and leave a rank without tokens.
 """
 from __future__ import annotations
 
+from typing import Any, Dict
+
 import numpy as np
 import pytest
 import torch
@@ -55,7 +57,7 @@ def _runtime_plans(rank: int, world: int, experts: int, sequence: list):
                             torch.float32, world)
     convert_model(model, runtime)
     binding = runtime.bindings[0]
-    out = {"calls": [], "inputs": None}
+    out: Dict[str, Any] = {"calls": [], "inputs": None}
     with torch.no_grad():
         for counts in sequence:
             local = torch.repeat_interleave(torch.arange(experts), torch.as_tensor(counts[rank]))
@@ -64,6 +66,7 @@ def _runtime_plans(rank: int, world: int, experts: int, sequence: list):
             prefetched = None if binding.gathers.pending is None else binding.gathers.pending.placement.materialized
             binding.run(x, local.reshape(1, -1), torch.ones(1, local.numel()))
             plan = binding.tally.last_plan
+            assert plan is not None
             mine = plan.for_rank(rank)
             out["calls"].append({"prefetched": prefetched, "executed": plan.placement.materialized,
                                  "send": list(mine.send_splits), "recv": list(mine.recv_splits)})
@@ -92,6 +95,7 @@ def _simulated_plans(world: int, experts: int, sequence: list):
     for step, counts in enumerate(sequence):
         system.step(step, counts.astype(np.float64))
         plan = system.last_plan
+        assert system.last_prefetched is not None
         calls.append({"prefetched": system.last_prefetched.materialized, "executed": plan.placement.materialized,
                       "send": [list(plan.for_rank(r).send_splits) for r in range(world)],
                       "recv": [list(plan.for_rank(r).recv_splits) for r in range(world)]})

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import List, Set, Tuple
 
 import pytest
 
@@ -157,7 +158,7 @@ def test_cost_model_threshold_property(hidden, numel, act, pb, gb, n):
 # ---------------------------------------------------------------------------------------------------------------
 def expected_materialized(counts, owners, policy, cost):
     world = len(counts)
-    sets = [set() for _ in range(world)]
+    sets: List[Set[int]] = [set() for _ in range(world)]
     for e, o in enumerate(owners):
         sets[o].add(e)
     for r in range(world):
@@ -232,7 +233,7 @@ def check_plan_invariants(plan, counts, owners, policy, cost, ranks_per_node):
     expected_pairs = tuple(sorted((e, d) for d in range(world) for e in mat[d] if owners[e] != d))
     assert plan.gather_pairs == expected_pairs
     assert plan.num_moved == len(plan.gather_pairs) == sum(len(m) for m in mat) - num_e
-    seen = []
+    seen: List[Tuple[int, int]] = []
     for owner in range(world):
         sends = plan.gather_sends(owner)
         for dst, experts in sends.items():

@@ -59,10 +59,12 @@ def test_predictor_window_average_property(window, world, experts, data):
         last = pushes[max(0, i + 1 - window):i + 1]
         assert len(p) == len(last)
         pred = p.predict()
+        assert pred is not None
         for r in range(world):
             for e in range(experts):
                 assert pred[r][e] == pytest.approx(sum(h[r][e] for h in last) / len(last), rel=1e-12)
         loads = p.expert_loads()
+        assert loads is not None
         for e in range(experts):
             assert loads[e] == pytest.approx(sum(pred[r][e] for r in range(world)), rel=1e-12)
             assert loads[e] == pytest.approx(sum(h[r][e] for h in last for r in range(world)) / len(last),

@@ -9,7 +9,7 @@ the order: the pending gather is waited for before the expert optimizer steps an
 """
 from __future__ import annotations
 
-from typing import List
+from typing import Any, Callable, List
 
 import torch
 from torch import nn
@@ -40,7 +40,8 @@ def _order_at_step(rank: int, world: int) -> List[str]:
     events: List[str] = []
     skipped = rt.bindings[1]   # its prefetch was issued, its call never came
     placement = skipped.planner.prefetch(skipped.plan_inputs(), rank)
-    skipped.gathers.pending = PendingGather(placement, lambda: events.append("prefetch waited"))
+    waited: Callable[[], Any] = lambda: events.append("prefetch waited")   # stands in for the gathered experts
+    skipped.gathers.pending = PendingGather(placement, waited)
 
     class Stepper:
         param_groups: list = [{"lr": 1e-3}]

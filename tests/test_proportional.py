@@ -3,6 +3,8 @@ fresh search judges by its estimate, kept only where it beats the greedy passes'
 ``min_gain``."""
 from __future__ import annotations
 
+from typing import List
+
 import numpy as np
 import pytest
 
@@ -66,8 +68,8 @@ def test_uniform_routing_does_not_take_it(monkeypatch):
                             EXPERTS)
     assert (placed != proportional_fill(counts, owners, fill_slots(EXPERTS, WORLD, BUDGET))).any()
     monkeypatch.setattr(greedy_search, "node_exchange_moves", lambda *a, **k: [])
-    placed = schedule_materialization(counts, owners, SearchSettings(A100_GPT, BUDGET, RPN))
-    assert holders_matrix(placed, WORLD, EXPERTS).sum() == EXPERTS
+    owners_only = schedule_materialization(counts, owners, SearchSettings(A100_GPT, BUDGET, RPN))
+    assert holders_matrix(owners_only, WORLD, EXPERTS).sum() == EXPERTS
 
 
 @pytest.mark.parametrize("calibrating", [False, True])
@@ -76,9 +78,13 @@ def test_only_a_fresh_search_within_its_budget_tries_it(monkeypatch, calibrating
     it out."""
     counts = _counts("W4")
     owners = even_sharding(EXPERTS, WORLD)
-    tried = []
+    tried: List[int] = []
     real = greedy_search.proportional_fill
-    monkeypatch.setattr(greedy_search, "proportional_fill", lambda *a: tried.append(1) or real(*a))
+
+    def counted(*a):
+        tried.append(1)
+        return real(*a)
+    monkeypatch.setattr(greedy_search, "proportional_fill", counted)
     if calibrating:
         start = [[2 * r, 2 * r + 1] for r in range(WORLD)]
         schedule_materialization(counts, owners, SearchSettings(A100_GPT, BUDGET, RPN, critical_path=True),

@@ -9,6 +9,7 @@ than with the copies). A layer that re-materializes gathers again in backward, i
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import cast
 
 import pytest
 
@@ -16,6 +17,7 @@ from ds_hecate.config import HecateConfig
 from ds_hecate.planning.cost_model import (BACKWARD_FACTOR, CommCostModel, StepCostModel, estimate_layer,
                                            scheduler_costs)
 from ds_hecate.runtime.hecate import HecateRuntime
+from ds_hecate.runtime.layer import LayerBinding
 
 # two ranks, one node; rank 1 takes a copy of expert 0 (prefetched); no token traffic in the way
 COUNTS = [[0, 0], [10, 0]]
@@ -66,7 +68,7 @@ def test_runtime_prices_its_layers_reduction_and_regather(rematerializes):
                               ranks_per_node=8, overlaps_compute=True, relays_stream_ordered=True, _costs={})
     cost = CommCostModel(hidden_size=16, expert_numel=1_000, activation_bytes=2, param_bytes=2, grad_bytes=4)
     binding = SimpleNamespace(cost=cost, rematerializes=rematerializes, index=0)
-    costs = HecateRuntime.step_costs(runtime, binding)
+    costs = HecateRuntime.step_costs(cast(HecateRuntime, runtime), cast(LayerBinding, binding))   # stand-ins
     assert costs.reduce_share == pytest.approx(4 / 6)
     assert costs.reduce_overlap_s == pytest.approx(BACKWARD_FACTOR * 1e-3)
     assert costs.regather is rematerializes
@@ -78,7 +80,7 @@ def test_simulator_plans_with_the_runtimes_windows():
     from ds_hecate.config import HecateConfig as Config
     from ds_hecate.sim.core import _context
     from ds_hecate.sim.presets import resolve_cluster, resolve_model
-    from ds_hecate.sim.systems import make_system
+    from ds_hecate.sim.systems import HecateSystem, make_system
     from ds_hecate.sim.model_state import ADAM
     from ds_hecate.sim.settings import SimSettings
 
@@ -86,7 +88,7 @@ def test_simulator_plans_with_the_runtimes_windows():
     ctx = _context(cluster, model, model.tokens_per_rank, Config(enabled=True, materialize_budget_mb=8000.0),
                    SimSettings(zero_stage=1, precision="bf16", optimizer=ADAM, spag="p2p"), cluster.world_size)
     for system, regather in (("hecate", False), ("hecate-rm", True)):
-        costs = make_system(system, ctx).planners[0].inputs.costs
+        costs = cast(HecateSystem, make_system(system, ctx)).planners[0].inputs.costs
         assert costs.reduce_share == pytest.approx(ctx.grad_b / (ctx.compute_b + ctx.grad_b))
         assert costs.reduce_overlap_s == pytest.approx(BACKWARD_FACTOR * costs.overlap_s) and costs.overlap_s > 0
         assert costs.regather is regather

@@ -7,6 +7,7 @@ cost model priced faster than none were slower on two CPU ranks (the step benchm
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Any, Dict
 
 import numpy as np
 import pytest
@@ -58,7 +59,8 @@ def test_a_replica_that_saves_less_than_its_overhead_is_not_placed():
 
 
 def test_configured_wins_over_measured_and_absent_is_not_priced():
-    args = dict(world_size=2, ranks_per_node=2, expert_bytes=1000, token_bytes=10, overlaps_compute=False)
+    args: Dict[str, Any] = dict(world_size=2, ranks_per_node=2, expert_bytes=1000, token_bytes=10,
+                                overlaps_compute=False)
     measured = {"compute_s_per_pair": 1e-5, "link_gbps": 1.0, "replica_overhead_s": 2e-4}
     assert scheduler_costs(HecateConfig(), measured, **args).replica_overhead_s == 2e-4
     assert scheduler_costs(HecateConfig(replica_overhead_s=0.0), measured, **args).replica_overhead_s == 0.0

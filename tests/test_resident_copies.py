@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import replace
+from typing import cast
 
 import torch
 
@@ -133,6 +134,7 @@ def test_accumulator_column_views_follow_a_replaced_or_freed_accumulator():
     target = ShardAccumulator(shard, torch.device("cpu"))
     lo, hi = shard.param_columns("w2.weight")
     first = target.columns_view(lo, hi, (8, 16))
+    assert shard.grads is not None
     assert first.data_ptr() == shard.grads[:, lo:].data_ptr()
     assert target.columns_view(lo, hi, (8, 16)) is first   # made once per accumulator
     for replaced in (False, True):
@@ -142,6 +144,7 @@ def test_accumulator_column_views_follow_a_replaced_or_freed_accumulator():
             shard.accumulator_rows(torch.device("cpu"))   # a new accumulator before the next view
         view = target.columns_view(lo, hi, (8, 16))
         assert shard.grads is not old
-        assert view.data_ptr() == shard.grads[:, lo:].data_ptr()
+        grads = cast(torch.Tensor, shard.grads)   # the accumulator the view made (typed None since the line above)
+        assert view.data_ptr() == grads[:, lo:].data_ptr()
         view.fill_(1.0)
-        assert bool((shard.grads[:, lo:hi] == 1.0).all())
+        assert bool((grads[:, lo:hi] == 1.0).all())

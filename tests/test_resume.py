@@ -57,8 +57,8 @@ def runs(tmp_path_factory):
     unmoved = replace(BASE, hecate={**SCHEDULER, "reshard_interval": 0}, save_after=SAVE_AT,
                       ckpt_dir=str(base / "unmoved"))
     names = list(CASES)
-    first = run_specs(2, [straight[n] for n in names[:-1]] + [unmoved, straight[names[-1]]])
-    first = dict(zip(names[:-1] + ["unmoved", names[-1]], first))
+    first_runs = run_specs(2, [straight[n] for n in names[:-1]] + [unmoved, straight[names[-1]]])
+    first = dict(zip(names[:-1] + ["unmoved", names[-1]], first_runs))
     dumps = {name: str(base / f"{name}-loaded") for name in names}
     resumed = [replace(CASES[n], resume_from=ckpts[n], step_hook=functools.partial(dump_expert_state, dumps[n]))
                for n in names]

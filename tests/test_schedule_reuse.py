@@ -6,6 +6,7 @@ checkpoints) is covered by tests/test_checkpoint.py's bitwise resume and by the 
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any, Dict, List
 
 import pytest
 
@@ -56,7 +57,8 @@ def test_loads_beyond_the_tolerance_search_again():
 def test_a_changed_situation_searches_again_even_with_equal_loads(change):
     reuse = ScheduleReuse(1.0)                       # any load change is tolerated: only the key can force a search
     reuse.schedule(hot(600), OWNERS, SETTINGS)
-    changed = {"replica_budget": 1, "ranks_per_node": 1, "budget_us": 1e9, "costs": StepCostModel(3e-5, 1e-6, 2e-1)}
+    changed: Dict[str, Any] = {"replica_budget": 1, "ranks_per_node": 1, "budget_us": 1e9,
+                               "costs": StepCostModel(3e-5, 1e-6, 2e-1)}
     if change == "owners":
         reuse.schedule(hot(600), (0, 0, 0, 1, 1, 1, 1, 0), SETTINGS)
     else:
@@ -74,7 +76,9 @@ def test_tolerance_zero_searches_on_every_change_but_not_on_identical_loads():
 
 def test_reuse_on_a_noisy_workload_saves_most_searches_and_tracks_the_moves():
     """W6 (hot set moves every 10 steps) through a 5-step window average, as the runtime predicts loads."""
-    reuse, window, placements = ScheduleReuse(0.05), [], []
+    reuse = ScheduleReuse(0.05)
+    window: List[List[List[int]]] = []
+    placements: List[Any] = []
     for step in range(40):
         window = (window + [routing_counts("W6", step, 2, 8, 1024, 2)])[-5:]
         predicted = [[sum(m[r][e] for m in window) / len(window) for e in range(8)] for r in range(2)]
@@ -157,6 +161,7 @@ def test_an_old_checkpoints_misses_record_is_ignored():
 def test_saved_state_is_checked_against_the_layer():
     reuse = ScheduleReuse(0.05)
     reuse.schedule(hot(600), OWNERS, SETTINGS)
+    assert reuse.placement is not None
     reuse.after_gate(hot(600), reuse.placement, 2)
     state = reuse.state_dict()
     assert ScheduleReuse.state_fits(state, 2, 8) and ScheduleReuse.state_fits({}, 2, 8)
@@ -173,9 +178,13 @@ def test_the_sampling_noise_is_computed_with_the_search_not_after_the_gate(monke
     that scored against a new schedule, it made that call's critical path twice the others' (benchmarks.planner's
     p99 at 3x its median at 256 x 256)."""
     import ds_hecate.planning.search.reuse as schedule_reuse
-    calls = []
+    calls: List[int] = []
     real = schedule_reuse.sampling_noise
-    monkeypatch.setattr(schedule_reuse, "sampling_noise", lambda loads: calls.append(1) or real(loads))
+
+    def counted(loads):
+        calls.append(1)
+        return real(loads)
+    monkeypatch.setattr(schedule_reuse, "sampling_noise", counted)
     reuse = ScheduleReuse(0.05)
     placement = reuse.schedule(hot(600), OWNERS, SETTINGS)
     planned = len(calls)

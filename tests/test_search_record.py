@@ -85,6 +85,7 @@ def test_searches_that_pay_keep_running_and_beat_the_growth():
         counts = _moving_hot(call, True)
         grown = growth_calibration(counts, _owners_only(),
                                    SearchSettings(DEAR, 4, RPN, budget_us=critical_path.AUTO_PLAN_BUDGET))
+        assert grown is not None
         taken = estimate_layer(counts, OWNERS, after.plan.materialized, DEAR, RPN,
                                prefetched=_owners_only().materialized).time_s
         assert taken < grown.time_s, call
@@ -100,6 +101,7 @@ def test_growth_takes_the_hottest_experts_while_the_estimate_falls():
         budget = 1 + trial % 3
         placement = _owners_only()
         grown = growth_calibration(counts, placement, SearchSettings(CHEAP, budget, RPN, budget_us=1e9))
+        assert grown is not None
         holders = placement.holders
 
         def estimate(h):

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from dataclasses import replace
+from typing import Any, Dict
 
 import numpy as np
 import pytest
@@ -347,7 +348,7 @@ def test_edp_partitioned_memory():
     the resident bf16 copy its calls compute from)."""
     from ds_hecate.sim.model_state import dense_state_bytes
 
-    kw = dict(steps=2, world_size=32, materialize_budget_mb=0.0, force_balanced=False)
+    kw: Dict[str, Any] = dict(steps=2, world_size=32, materialize_budget_mb=0.0, force_balanced=False)
     numel, layers = EIGHT.expert_params, EIGHT.moe_layers     # one expert per rank and layer
     for stage, ep_per_param, hc_per_param, transient in ((1, 2 + 2 + 12 / 4, 2 + 4 / 4 + 12 / 4, 2 * numel * 4),
                                                          (0, 16, 16 + 2, 0)):

@@ -38,6 +38,7 @@ def test_large_cases_table(tmp_path):
     assert case.command(3) == ("ds-hecate simulate --cluster h100-128x8 --model mixtral-8x7b --workload W2 --systems "
                                "ep hecate hecate-rm ideal --ep-size 8 --steps 3")
     results = grid.run_all([], [], [], steps=3, large=[case], charge_planning=False)
+    assert case.systems is not None
     ref = simulate("h100-128x8", "mixtral-8x7b", "W2", SimSettings(steps=3, ep_size=8, charge_planning=False),
                    systems=list(case.systems)).systems
     (row,) = _rows(grid.markdown_section(results), "mixtral-8x7b")
@@ -79,6 +80,7 @@ def test_token_price_reaches_hecates_planner_only():
                    cl.world_size)
     whole, seen = ctx.step_costs(cl.world_size), ctx.hecate_step_costs(cl.world_size)
     assert seen.token_transfer_s == pytest.approx(0.25 * whole.token_transfer_s) and whole.token_transfer_s > 0
+    assert whole.token_transfer_inter_s is not None
     assert seen.token_transfer_inter_s == pytest.approx(0.25 * whole.token_transfer_inter_s)
     assert seen.expert_transfer_s == whole.expert_transfer_s and seen.compute_s_per_pair == whole.compute_s_per_pair
     with pytest.raises(Exception, match="planner_token_price"):

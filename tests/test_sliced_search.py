@@ -104,11 +104,13 @@ def test_the_search_starts_from_the_remembered_calibration():
     other = ScheduleReuse(0.05)
     other.remember_calibration(whole, np.roll(loads, 7, axis=1), OWNERS)
     _calls(other, loads, 1)
+    assert other.pending is not None
     assert other.pending.begun_from is None
     tight = ScheduleReuse(0.05)
     tight.remember_calibration(whole, loads, OWNERS)
     tight.schedule(loads, OWNERS, SearchSettings(COSTS, int(_replicas(whole).max()) - 1, RPN, budget_us=SEARCH_BUDGET),
                    slice_us=ONE_STEP)
+    assert tight.pending is not None
     assert tight.pending.begun_from is None
 
 
@@ -125,6 +127,7 @@ def test_a_checkpoint_resumes_the_search_in_progress_exactly(first_calls):
     assert not ScheduleReuse.state_fits(dict(state, pending=dict(state["pending"], taken=-1)), WORLD, EXPERTS)
     resumed = ScheduleReuse(0.05)
     resumed.load_state_dict(state, SearchSettings(COSTS, BUDGET, RPN, budget_us=SEARCH_BUDGET))
+    assert resumed.pending is not None and original.pending is not None
     assert resumed.pending.taken == original.pending.taken
     assert _calls(resumed, loads, 30) == _calls(original, loads, 30)
 

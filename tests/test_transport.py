@@ -215,12 +215,14 @@ def test_cupy_waits_are_stream_side_and_the_watchdog_polls_off_the_caller_thread
     caller = threading.get_ident()
     queried_by = []
 
-    class Event(fakes.DoneEvent):
+    import gpu_fakes
+
+    class Event(gpu_fakes.DoneEvent):
         def query(self):
             queried_by.append(threading.get_ident())
             return True
 
-    class Streams(fakes.ImmediateStreams):
+    class Streams(gpu_fakes.ImmediateStreams):
         def done(self):
             return Event()
 
@@ -270,7 +272,8 @@ def test_cupy_build_communicator_gives_weights_their_own_nccl_communicator_and_s
     import ds_hecate.comm.gpu.nccl_comm as nccl_comm
     fakes = _fakes()
     cupy, cuda = types.ModuleType("cupy"), types.ModuleType("cupy.cuda")
-    cuda.nccl, cupy.cuda = fakes.FakeNccl(), cuda
+    setattr(cuda, "nccl", fakes.FakeNccl())
+    setattr(cupy, "cuda", cuda)
     monkeypatch.setitem(sys.modules, "cupy", cupy)
     monkeypatch.setitem(sys.modules, "cupy.cuda", cuda)
     groups = []
@@ -300,7 +303,8 @@ def _agree(rank, world, requested):
     from ds_hecate.errors import HecateConfigError
     dist.init_process_group("gloo", rank=rank, world_size=world)
     # rank 0 could use CuPy, rank 1 cannot (e.g. libnccl missing on that node)
-    backend.cupy_status = lambda: (True, "ok") if rank == 0 else (False, "cupy cannot load NCCL on this node")
+    setattr(backend, "cupy_status",
+            lambda: (True, "ok") if rank == 0 else (False, "cupy cannot load NCCL on this node"))
     choice.CUPY_VERIFIED = True   # as after a green GPU check: 'auto' would consider CuPy
     try:
         comm = choice.build_communicator(requested, dist.group.WORLD, rank, world, torch.device("cuda", rank))
@@ -330,7 +334,8 @@ def _agree_kernels(rank, world, requested):
     from ds_hecate.errors import HecateConfigError
     dist.init_process_group("gloo", rank=rank, world_size=world)
     # rank 0 compiles the kernels, rank 1 cannot (e.g. no NVRTC on that node)
-    backend.kernels_status = lambda index: (True, "ok") if rank == 0 else (False, "the CUDA kernels did not compile")
+    setattr(backend, "kernels_status",
+            lambda index: (True, "ok") if rank == 0 else (False, "the CUDA kernels did not compile"))
     try:
         comm = choice.build_communicator("torch", dist.group.WORLD, rank, world, torch.device("cuda", rank),
                                          device_kernels=requested)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Callable, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import pytest
 import torch
@@ -32,7 +32,7 @@ _LABEL = threading.local()   # the Communicator's name of the collective being i
 class _Job:
     def __init__(self) -> None:
         self.done = threading.Event()
-        self.error: BaseException = None
+        self.error: Optional[BaseException] = None
 
     def wait(self) -> None:
         self.done.wait()
@@ -106,20 +106,22 @@ def _completion_times(rank: int, world: int, separate: bool) -> dict:
     weight_group = dist.new_group(list(range(world))) if separate else None
     comm = build_communicator("torch", dist.group.WORLD, rank, world, torch.device("cpu"), weight_group=weight_group)
     log: List[Tuple[str, float]] = []
-    fifos = {}   # one queue per communicator the runtime built (as one stream per NCCL communicator)
+    # one queue per communicator the runtime built (as one stream per NCCL communicator)
+    fifos: Dict[int, FifoTransport] = {}
     comm.transport, comm.weights = (fifos.setdefault(id(t), FifoTransport(t, log))
                                     for t in (comm.transport, comm.weights))
 
     all_to_all, reduce_scatter = Communicator.all_to_all, Communicator.start_sparse_reduce_scatter
 
-    def labelled(self, *args, collective="token all-to-all", **kwargs):
-        _LABEL.name = collective
-        return all_to_all(self, *args, collective=collective, **kwargs)
+    def labelled(self, *args, **kwargs):
+        _LABEL.name = kwargs.setdefault("collective", "token all-to-all")
+        return all_to_all(self, *args, **kwargs)
 
     def delayed(self, *args, **kwargs):
         self.weights.stall(STALL_S)   # a slow link under SparseReduceScatter
         return reduce_scatter(self, *args, **kwargs)
-    Communicator.all_to_all, Communicator.start_sparse_reduce_scatter = labelled, delayed
+    setattr(Communicator, "all_to_all", labelled)
+    setattr(Communicator, "start_sparse_reduce_scatter", delayed)
 
     torch.manual_seed(0)
     expert = nn.Sequential(nn.Linear(HIDDEN, 2 * HIDDEN), nn.ReLU(), nn.Linear(2 * HIDDEN, HIDDEN))

@@ -3,7 +3,7 @@ leave the model; :mod:`.param_groups` then prunes them from whatever optimizer o
 DeepSpeed, which would crash on parameters that left the model and must never see expert parameters again)."""
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Any, Dict, List, Tuple, cast
 
 import torch
 from torch import nn
@@ -29,7 +29,7 @@ def _replace_child(model: nn.Module, qualified_name: str, new: nn.Module) -> Non
 
 def find_moe_layers(model: nn.Module) -> List[Tuple[str, nn.Module]]:
     """(qualified name, module) of every DeepSpeed or ds_hecate MoE layer, outermost first; no nesting."""
-    found = []
+    found: List[Tuple[str, nn.Module]] = []
     for name, module in model.named_modules():
         if isinstance(module, (DeepSpeedMoE, MoE)):
             if any(name.startswith(prev + ".") for prev, _ in found):
@@ -43,7 +43,8 @@ def moe_layer_shapes(model: nn.Module) -> Tuple[List[int], List[int]]:
     what the group rule (``hecate.ep_size``'s default) reads. Hugging Face experts carry no ``ep_size``."""
     layers = find_moe_layers(model)
     if layers:
-        return [int(getattr(m, "ep_size", 1) or 1) for _, m in layers], [int(m.num_experts) for _, m in layers]
+        return ([int(getattr(m, "ep_size", 1) or 1) for _, m in layers],
+                [int(cast(Any, m).num_experts) for _, m in layers])
     if _is_transformers_model(model):
         from ..hf.takeover import experts_counts
         return [], experts_counts(model)
@@ -178,7 +179,7 @@ def _convert_in_place(ds_moe: nn.Module) -> MoE:
     vars(ds_moe).clear()
     vars(ds_moe).update(state)
     ds_moe.__class__ = MoE
-    return ds_moe
+    return cast(MoE, ds_moe)
 
 
 def convert_model(model: nn.Module, runtime: HecateRuntime) -> RemovedParams:

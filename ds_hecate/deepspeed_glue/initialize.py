@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import os
 from datetime import timedelta
-from typing import Any, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,9 @@ from ..logging_utils import log_rank0, quiet_renamed_all_gather_warning
 from .model_parallel import refuse_unsupported_mpu
 from .setup_errors import same_on_every_rank
 from .shm_buffers import unlink_own_buffer_after_attach
+
+if TYPE_CHECKING:
+    from ..runtime.hecate import HecateRuntime
 
 _ORIGINAL_INITIALIZE = None
 
@@ -182,7 +185,7 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
 
 
 def build_runtime(hcfg: HecateConfig, ds_config: Dict[str, Any], model: Optional[torch.nn.Module] = None,
-                  mpu: Any = None, one_rank_shortcuts: bool = True):
+                  mpu: Any = None, one_rank_shortcuts: bool = True) -> HecateRuntime:
     """Hecate's process groups (its own communicators, with their own timeout) and an empty runtime with its
     observers (step metrics, routing trace) installed.
 

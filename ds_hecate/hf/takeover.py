@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
 import torch
 from torch import nn
@@ -34,6 +34,9 @@ from .experts import IMPLEMENTATION, experts_kernel, hecate_experts_forward, reg
 from .interface import module_layout
 from .layouts import ExpertsSpec, plan_experts
 from .registry import ARCHITECTURES, DOCS, architecture_of
+
+if TYPE_CHECKING:
+    from ..runtime.hecate import HecateRuntime
 
 
 def find_experts_modules(model: nn.Module) -> List[Tuple[str, nn.Module, ExpertsSpec]]:
@@ -111,7 +114,7 @@ def convert_hf_model(model: nn.Module, runtime) -> Dict[int, Set[int]]:
     for name, module, spec in found:
         layer_id = len(runtime.bindings)
         removed[layer_id] = _take_over(name, module, spec, runtime)
-    configs = {}
+    configs: Dict[int, Any] = {}   # id -> the experts' (transformers) config
     for _, module, _ in found:
         if module_layout(module) is not None:
             configs[id(module.config)] = module.config
@@ -127,7 +130,7 @@ def convert_hf_model(model: nn.Module, runtime) -> Dict[int, Set[int]]:
 class HFTakeover:
     """Keeps a converted HF model's state dict, 16-bit consolidation and parameter counts whole."""
 
-    def __init__(self, model: nn.Module, runtime, modules: List[Tuple[str, nn.Module]]) -> None:
+    def __init__(self, model: nn.Module, runtime: HecateRuntime, modules: List[Tuple[str, nn.Module]]) -> None:
         self.model = model
         self.runtime = runtime
         self.modules = modules
@@ -141,7 +144,7 @@ class HFTakeover:
             def num_parameters(only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
                 return original(only_trainable=only_trainable, exclude_embeddings=exclude_embeddings) + \
                     self.expert_parameter_count()
-            model.num_parameters = num_parameters
+            setattr(model, "num_parameters", num_parameters)
         self._stored_shapes = {f"{name}.{p.name}" if name else p.name: p.stored_shape(spec.num_experts)
                                for name, module in modules
                                for spec in [module.__dict__["_hecate_spec"]] for p in spec.params}
@@ -248,5 +251,5 @@ def patch_trainer_param_count() -> None:
         extra = takeover.expert_parameter_count() if takeover is not None else 0
         return original(model, trainable_only=trainable_only) + extra
 
-    get_model_param_count._hecate = True
-    trainer_module.get_model_param_count = get_model_param_count
+    setattr(get_model_param_count, "_hecate", True)
+    setattr(trainer_module, "get_model_param_count", get_model_param_count)

@@ -12,7 +12,7 @@ probe and tests use it); the layer call itself runs it inside one autograd node 
 from __future__ import annotations
 
 import os
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -70,12 +70,17 @@ class _GroupedExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows: torch.Tensor, buffer: torch.Tensor, kernel: ExpertKernel,
                 groups: RowGroups) -> torch.Tensor:
-        fuse = kernel.form.fusable(kernel.names)
+        form = kernel.form
+        assert form is not None, "the grouped path runs FFN experts only"
+        fuse = form.fusable(kernel.names)
         views = kernel.grouped_views(buffer, fuse)
         native = native_for([rows, *views.values()])
         target = _BufferTarget(buffer)
         part = GradPart(target, kernel)
-        if written_out(kernel.form):
+        compute: Union[GroupedFFN, FormGraph]
+        out: torch.Tensor
+        saved: Union[tuple, torch.Tensor]
+        if written_out(form):
             compute = GroupedFFN(kernel)
             out, saved = compute.forward(views, rows, groups, native)
         else:

@@ -140,7 +140,7 @@ PLACEMENT_POLICIES = ("hecate",) + tuple(POLICIES)
 
 
 def plan_layer(counts: IntMatrix, owners: Sequence[int], policy: str,
-               cost: Optional[CommCostModel] = None, ranks_per_node: Optional[int] = None) -> LayerPlan:
+               cost: CostModel = None, ranks_per_node: Optional[int] = None) -> LayerPlan:
     """Compute the plan for one layer call from all ranks' per-expert token-expert pair counts.
 
     Deterministic in its inputs (no dict order, no floats in tie-breaks), so every rank gets the same plan.

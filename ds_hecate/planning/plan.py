@@ -22,6 +22,8 @@ Materialized = Tuple[Tuple[int, ...], ...]
 #: ``FloatMatrix``: loads (predicted counts).
 IntMatrix = Union[Sequence[Sequence[int]], np.ndarray]
 FloatMatrix = Union[Sequence[Sequence[float]], np.ndarray]
+#: ``owners[expert]`` = the rank owning it: a sequence, or the 1-D numpy array the simulator keeps.
+IntVector = Union[Sequence[int], np.ndarray]
 
 
 def holders_matrix(placement, world: int, num_experts: int) -> np.ndarray:
@@ -48,7 +50,7 @@ def materialized_of(holders: np.ndarray) -> Materialized:
     return tuple(tuple(experts[cut[r]:cut[r + 1]]) for r in range(holders.shape[0]))
 
 
-def owned_experts(owners: Sequence[int], world: int) -> Materialized:
+def owned_experts(owners: IntVector, world: int) -> Materialized:
     """The sharded placement P as per-rank expert lists: each expert on its owner only (plain expert parallelism)."""
     owned: List[List[int]] = [[] for _ in range(world)]
     for e, o in enumerate(owners):

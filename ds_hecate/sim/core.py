@@ -332,7 +332,7 @@ def _pool_classes(system: str, ctx: SimContext, classes: List[Tuple[List[int], L
     if system not in ("hecate", "hecate-rm"):
         return [(layers, groups, None) for layers, groups in classes]
     grants = replica_pool(ctx, system).grants
-    out = []
+    out: List[Tuple[List[int], List[List[int]], Any]] = []
     for layers, groups in classes:
         by_grant: Dict[Any, List[int]] = {}
         for layer in layers:
@@ -353,8 +353,9 @@ def _simulate_system(system: str, ctx: SimContext, counts, classes: List[Tuple[L
     replicas_by_layer: List[Tuple[bool, np.ndarray]] = []
     for layers, group_classes, grant in _pool_classes(system, ctx, classes):
         sim = make_system(system, ctx, group_classes, grant)
-        if getattr(sim, "note", "") and sim.note not in notes:
-            notes.append(sim.note)
+        note = getattr(sim, "note", "")
+        if note and note not in notes:
+            notes.append(note)
         weight = len(layers)
         peak_reps = np.zeros(world)
         for s in range(steps):

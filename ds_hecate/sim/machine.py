@@ -18,7 +18,7 @@ import numpy as np
 from ..planning.cost_model import BACKWARD_FACTOR, imbalance, replica_transfers
 from ..planning.dispatch import dispatch_flows
 from ..planning.fanout import chunk_bounds
-from ..planning.plan import holders_matrix, owned_experts
+from ..planning.plan import IntVector, holders_matrix, owned_experts
 from .context import SimContext
 
 
@@ -181,7 +181,7 @@ def placement_matrix(placement: Sequence[Sequence[int]], num_experts: int) -> np
     return holders_matrix(placement, len(placement), num_experts)
 
 
-def owner_matrix(owners: Sequence[int], world: int) -> np.ndarray:
+def owner_matrix(owners: IntVector, world: int) -> np.ndarray:
     return holders_matrix(owned_experts(owners, world), world, len(owners))
 
 

@@ -24,7 +24,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional, Union
 
 import numpy as np
 
@@ -48,7 +48,7 @@ class CallOverhead:
     per_row_byte_s: float = 0.0
     per_owned_byte_s: float = 0.0
 
-    def seconds(self, rows: np.ndarray, row_bytes: int, owned_bytes: np.ndarray) -> np.ndarray:
+    def seconds(self, rows: np.ndarray, row_bytes: int, owned_bytes: Union[int, np.ndarray]) -> np.ndarray:
         """Per rank: the overhead of one call (forward and backward)."""
         return self.fixed_s + self.per_row_byte_s * rows * row_bytes + self.per_owned_byte_s * owned_bytes
 

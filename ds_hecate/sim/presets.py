@@ -16,10 +16,13 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping, Optional, Type, TypeVar, Union
+from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Type, TypeVar, Union
 
 from ..errors import HecateError
 from .overhead import CallOverheads, device_overheads, load_fit
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 
 @dataclass(frozen=True)
@@ -252,7 +255,7 @@ CLUSTERS: Dict[str, Cluster] = {c.name: c for c in (
 )}
 
 
-T = TypeVar("T")
+T = TypeVar("T", bound="DataclassInstance")   # a dataclass (ModelShape, Cluster)
 
 
 def _from_mapping(kind: Type[T], raw: Any, where: str) -> T:

@@ -107,7 +107,7 @@ def expert_distribution(name: str, step: int, world_size: int, num_experts: int,
         count = _quarter(num_experts)
         # round-robin over owners so the hot experts have different owners wherever possible
         by_owner = [_owned(r, world_size, num_experts) for r in range(world_size)]
-        hot: List[int] = []
+        hot = []
         depth = 0
         while len(hot) < count:
             for owned in by_owner:

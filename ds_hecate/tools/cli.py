@@ -122,7 +122,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         try:
             return args.run(args)
         except HecateError as exc:   # what only the work itself finds out (file contents, combinations): in
-            args.parser.error(str(exc))   # argparse's form too, from the command's parser (usage line, status 2)
+            command: argparse.ArgumentParser = args.parser
+            command.error(str(exc))   # argparse's form too, from the command's parser (usage line, status 2)
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
 

@@ -19,6 +19,7 @@ def _exit_guard():
     own exit handlers hand the GIL over by chance and would hide whether the guard does."""
     path = Path(__file__).resolve().parents[2] / "ds_hecate" / "comm" / "exit_guard.py"
     spec = importlib.util.spec_from_file_location("exit_guard", path)
+    assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

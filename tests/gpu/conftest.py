@@ -44,9 +44,11 @@ def pytest_collection_modifyitems(config, items):
     if MODE != "unusable":
         return
     here = os.path.dirname(__file__)
+    reason = gpu_skip_reason()
+    assert reason is not None   # an unusable GPU has a reason
     for item in items:
         if str(item.fspath).startswith(here):
-            item.add_marker(pytest.mark.skip(reason=gpu_skip_reason()))
+            item.add_marker(pytest.mark.skip(reason=reason))
 
 
 @pytest.fixture(autouse=True)

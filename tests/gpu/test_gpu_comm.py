@@ -15,7 +15,7 @@ behind the host.
 import os
 import random
 import sys
-from typing import Dict
+from typing import Any, Callable, ContextManager, Dict, List, Tuple, Union
 
 import numpy as np
 import pytest
@@ -45,6 +45,8 @@ class Loopback:
 
         class _Transport:
             device, calls, device_ops = DEV, 0, shared.ops
+            rank: int
+            world_size: int
 
             def all_to_all(self, recv, send, recv_splits, send_splits, async_op):
                 self.calls += 1
@@ -82,7 +84,8 @@ class TorchLoop(Communicator):
         super().__init__(None, rank, world)
         self.mailbox, self.replay, self.n = mailbox, replay, 0
 
-    def all_to_all(self, send, send_splits, recv_splits, async_op=False, out=None, **kwargs):
+    def all_to_all(self, send, send_splits, recv_splits, async_op=False, collective="token all-to-all", out=None,
+                   transport=None):
         self.n += 1
         if not self.replay:
             self.mailbox[(self.rank, self.n)] = (send.clone(), list(send_splits))
@@ -97,14 +100,14 @@ class TorchLoop(Communicator):
         return (recv, None) if async_op else recv
 
 
-def torch_world(world, run):
-    mailbox = {}
+def torch_world(world: int, run: Callable[[Communicator], Any]) -> List[Any]:
+    mailbox: Dict[Any, Any] = {}
     for r in range(world):
         run(TorchLoop(r, world, mailbox, False))
     return [run(TorchLoop(r, world, mailbox, True)) for r in range(world)]
 
 
-def cupy_world(world, start):
+def cupy_world(world: int, start: Callable[[Communicator], Callable[[], Any]]) -> Tuple[List[Any], Dict[str, int]]:
     loop = Loopback()
     comms = [Communicator(None, r, world, transport=loop.view(r, world)) for r in range(world)]
     finishes = [start(c) for c in comms]
@@ -141,7 +144,8 @@ def test_sparse_all_gather_matches_torch_backend(seed, dtype):
             assert torch.equal(got[r][e].cpu(), want[r][e])
 
 
-def _reduce_scatter(c, p, grads, numel, wire, device):
+def _reduce_scatter(c: Communicator, p: Placement, grads: List[Dict[int, torch.Tensor]], numel: int,
+                    wire: torch.dtype, device: Union[str, torch.device]) -> Callable[[], Dict[int, torch.Tensor]]:
     """Start the SparseReduceScatter of rank ``c.rank``'s gathered-buffer gradient; returns a function giving the
     owner's accumulator rows (expert -> fp32 row) once done."""
     own = owned_materialized(p, c.rank)
@@ -210,7 +214,7 @@ def primitives(transport, dev) -> Dict[str, bool]:
     return checks
 
 
-def collectives(comm, dev) -> Dict[str, bool]:
+def collectives(comm: Communicator, dev: torch.device) -> Dict[str, bool]:
     """Every Hecate collective over ``comm`` on 1 rank, checked (the owned experts go through the device ops)."""
     import torch
 
@@ -267,7 +271,7 @@ def _nccl_ranks(rank, world, stand_in):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch_comm = Communicator(dist.group.WORLD, rank, world)
     want = _collectives(torch_comm, rank, world, torch.device("cpu"))
-    context = contextlib.nullcontext()
+    context: ContextManager[Any] = contextlib.nullcontext()
     if stand_in:
         from fake_cupy import gpu_stand_in
         context = gpu_stand_in()
@@ -292,20 +296,21 @@ def _nccl_ranks(rank, world, stand_in):
     return checks
 
 
-def _collectives(comm, rank, world, dev):
+def _collectives(comm: Communicator, rank: int, world: int, dev: torch.device) -> Dict[str, Any]:
     """What every Hecate collective over ``comm`` returns on this rank, on inputs made on the CPU from seed 0."""
     torch.manual_seed(0)
     num_experts, numel = 8, 20011
     p = placement(3, world, num_experts)
     masters = torch.randn(num_experts, numel)
     owned = {e: masters[e].clone().to(dev) for e in range(num_experts) if p.owners[e] == rank}
-    out = {"all_gather": comm.start_sparse_all_gather(p, owned, numel, torch.bfloat16, CommCounters()).wait().flats()}
+    out: Dict[str, Any] = {
+        "all_gather": comm.start_sparse_all_gather(p, owned, numel, torch.bfloat16, CommCounters()).wait().flats()}
     grads = [{e: torch.randn(numel) for e in p.materialized[r]} for r in range(world)]
     out["reduce_scatter"] = _reduce_scatter(comm, p, grads, numel, torch.float32, dev)()
     out["counts"] = comm.exchange_counts((torch.arange(5) * (rank + 1)).to(dev))
     out["all_reduce"] = comm.all_reduce(torch.tensor([1.5 * (rank + 1)]).to(dev))
     sends = [3 + rank, 5 - rank]
-    recv = [3 + r if rank == 0 else 5 - r for r in range(world)] if world == 2 else None
+    recv = [3 + r if rank == 0 else 5 - r for r in range(world)] if world == 2 else sends   # one rank: its own
     out["all_to_all"] = comm.all_to_all(torch.randn(sum(sends), 64).to(dev), sends, recv)
     sources, targets = [0, 0, 1, 1, 0], [1, 0, 0, 1, 1]
     local = {e: masters[e].clone().to(dev) for e, s in enumerate(sources) if s == rank}

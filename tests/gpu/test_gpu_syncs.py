@@ -16,7 +16,7 @@ import os
 import traceback
 import warnings
 from collections import Counter
-from typing import Dict, Iterator, List, Tuple
+from typing import Any, Dict, Iterator, List, Tuple
 
 import pytest
 import torch
@@ -87,7 +87,7 @@ def _communicator(path: str, dev):
 def syncs(gpu, kind: str, dtype: torch.dtype, path: str) -> dict:
     """One model on one path: the syncs of each judged layer call, elsewhere in forward, in backward, in the steps."""
     hidden, ffn, experts, tokens, steps = (1024, 2048, 32, 4096, 3) if gpu.real else (32, 64, 8, 64, 2)
-    model = build_blocks(kind, hidden, ffn, experts)
+    model: Any = build_blocks(kind, hidden, ffn, experts)   # blocks: ModuleDicts
     dev = torch.device("cuda", 0)
     rt, dense = hecate_runtime(model, _communicator(path, dev), dev, 1, dtype)
     calls: List[List[Tuple[str, str]]] = []
@@ -145,7 +145,7 @@ def test_a_host_read_beyond_the_counts_is_named(gpu, one_rank_group, monkeypatch
 
     def reading(where):
         def build(*args):
-            model = built(*args)
+            model: Any = built(*args)   # blocks: ModuleDicts
             if where == "forward":
                 model["block0"]["moe"].register_forward_hook(lambda m, a, out: (out[0].sum().item(), None)[1],
                                                              prepend=True)

@@ -14,7 +14,7 @@ both runs place alike and sum in the same order. Under the GPU stand-in: the "CU
 from __future__ import annotations
 
 import time
-from typing import List
+from typing import Any, ContextManager, List
 
 import torch
 import torch.distributed as dist
@@ -35,7 +35,7 @@ def train(rank: int, world: int, device: str, steps: int) -> dict:
     from ds_hecate.comm.backend import build_communicator
 
     start = time.perf_counter()
-    model = build_blocks("biased", HIDDEN, 4 * HIDDEN, EXPERTS)
+    model: Any = build_blocks("biased", HIDDEN, 4 * HIDDEN, EXPERTS)   # blocks: ModuleDicts
     dev = torch.device("cuda", 0) if device == "cuda" else torch.device(device)
     # the engine's groups: tokens and weights each on a group of their own (the weights' prefetch on the second)
     comm = build_communicator("torch", dist.new_group(list(range(world))), rank, world, dev, timeout_s=60,
@@ -99,7 +99,7 @@ def _ranks(rank: int, world: int, real: bool, steps: int) -> dict:
     if real:
         torch.cuda.set_device(0)   # both ranks on the one GPU
     cpu = train(rank, world, "cpu", steps)
-    context = contextlib.nullcontext()
+    context: ContextManager[Any] = contextlib.nullcontext()
     if not real:
         from fake_cupy import gpu_stand_in
         context = gpu_stand_in()

@@ -19,6 +19,8 @@ from typing import Sequence
 
 import numpy as np
 
+from ..plan import FloatMatrix
+
 
 def fill_slots(num_experts: int, world: int, budget_per_rank: int) -> int:
     """Replicas per rank the proportional start fills: one rank's share of the experts (at least one), within the
@@ -26,7 +28,7 @@ def fill_slots(num_experts: int, world: int, budget_per_rank: int) -> int:
     return max(0, min(int(budget_per_rank), max(1, num_experts // max(1, world))))
 
 
-def proportional_fill(counts: Sequence[Sequence[float]], owners: Sequence[int], slots_per_rank: int) -> np.ndarray:
+def proportional_fill(counts: FloatMatrix, owners: Sequence[int], slots_per_rank: int) -> np.ndarray:
     """``[ranks, experts]`` bool holders: the owners, plus ``slots_per_rank`` replicas per rank given one at a time
     to the expert with the most load per copy (``counts`` summed over source ranks), each on the open rank (a free
     slot, not holding the expert) with the least expert load so far, every holder's share updated as a copy joins.
