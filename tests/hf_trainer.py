@@ -63,10 +63,10 @@ class TokenData(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-def ds_config(stage: int, hecate: bool, ds_optimizer: bool = True,
-              leaf_classes: Optional[List[str]] = None) -> Dict[str, Any]:
-    """A DeepSpeed config as HF users write it: "auto" everywhere the Trainer fills values in. ``leaf_classes``:
-    ZeRO-3's ``leaf_module.classes`` (None: DeepSpeed's default list)."""
+def zero_section(stage: int, hecate: bool, leaf_classes: Optional[List[str]] = None) -> Dict[str, Any]:
+    """The ``zero_optimization`` section of the HF tests' configs: ZeRO-3 saves 16-bit weights (what
+    ``save_pretrained`` needs), ``leaf_classes`` is ZeRO-3's ``leaf_module.classes`` (None: DeepSpeed's default
+    list), ``hecate`` adds the key."""
     zero: Dict[str, Any] = {"stage": stage}
     if stage == 3:
         zero["stage3_gather_16bit_weights_on_model_save"] = True
@@ -74,8 +74,15 @@ def ds_config(stage: int, hecate: bool, ds_optimizer: bool = True,
         zero["leaf_module"] = {"classes": list(leaf_classes)}
     if hecate:
         zero["hecate"] = {"enabled": True, "log_conversion": False}
+    return zero
+
+
+def ds_config(stage: int, hecate: bool, ds_optimizer: bool = True,
+              leaf_classes: Optional[List[str]] = None) -> Dict[str, Any]:
+    """A DeepSpeed config as HF users write it: "auto" everywhere the Trainer fills values in."""
     cfg: Dict[str, Any] = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-                           "gradient_clipping": "auto", "zero_optimization": zero, "bf16": {"enabled": "auto"}}
+                           "gradient_clipping": "auto", "zero_optimization": zero_section(stage, hecate, leaf_classes),
+                           "bf16": {"enabled": "auto"}}
     if ds_optimizer:
         cfg["optimizer"] = {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
                                                          "weight_decay": "auto", "torch_adam": True}}

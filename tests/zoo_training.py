@@ -20,15 +20,11 @@ BATCH = 2
 LR = 1e-2
 
 
-def ds_config(stage: int, hecate: bool, leaf_classes: Optional[List[str]] = None) -> Dict[str, Any]:
-    zero: Dict[str, Any] = {"stage": stage}
-    if stage == 3:
-        zero["stage3_gather_16bit_weights_on_model_save"] = True
-        if leaf_classes is not None:
-            zero["leaf_module"] = {"classes": list(leaf_classes)}
-    if hecate:
-        zero["hecate"] = {"enabled": True, "log_conversion": False}
-    return {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1, "zero_optimization": zero,
+def ds_config(stage: int, hecate: bool) -> Dict[str, Any]:
+    """The config ``deepspeed.initialize`` gets directly (no Trainer to fill in "auto" values)."""
+    from hf_trainer import zero_section
+    return {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1,
+            "zero_optimization": zero_section(stage, hecate),
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01, "eps": 1e-6,
                                                       "torch_adam": True}},
             "gradient_clipping": 1.0, "steps_per_print": 10 ** 9, "wall_clock_breakdown": False}
@@ -47,7 +43,7 @@ def probe_ids() -> torch.Tensor:
 
 
 def train(case: Dict[str, Any], workdir: str) -> Dict[str, Any]:
-    """One run: ``case`` = {model_type, stage, hecate, [leaf_classes], [save]}."""
+    """One run: ``case`` = {model_type, stage, hecate, [zero_init], [save]}."""
     import deepspeed
     import torch.distributed as dist
 
@@ -56,7 +52,7 @@ def train(case: Dict[str, Any], workdir: str) -> Dict[str, Any]:
     t0 = time.perf_counter()
     if case["hecate"] and case["model_type"] == hf_zoo.REGISTERED:
         hf_zoo.register_plain_experts()
-    config = ds_config(case["stage"], case["hecate"], case.get("leaf_classes"))
+    config = ds_config(case["stage"], case["hecate"])
     if case.get("zero_init"):   # built partitioned under zero.Init, as the Trainer builds a model at ZeRO-3
         from transformers.integrations import HfDeepSpeedConfig
         zero3 = HfDeepSpeedConfig(config)   # noqa: F841 - transformers reads it while the model is built
