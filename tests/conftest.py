@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 # port in /dev/shm and never removes it. The suite starts well over a hundred multi-rank jobs on fresh ports, which
 # would leave gigabytes of RAM-backed files behind (and starve the machine); each test removes the ones its jobs
 # created. Only buffers whose job has ended go: a job's master port is bound (rank 0's store listens on it) while
-# it runs, and a job running beside the suite (another test session, a benchmark) may create its buffers during a
+# it runs, and a job running beside the suite (another test run, a benchmark) may create its buffers during a
 # test and open its peers' a moment later. Unlinking is safe even if a process still maps the buffer.
 _DS_SHM_BUFFERS = "/dev/shm/deepspeed_allreduce_buffer_*"
 
