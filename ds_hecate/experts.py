@@ -171,6 +171,8 @@ class ExpertKernel:
         self.shapes: List[torch.Size] = [p.shape for _, p in named]
         self.numels: List[int] = [p.numel() for _, p in named]
         self.numel: int = sum(self.numels)
+        #: the names as a set (which parameters' gradient columns are fresh is a subset of it, asked every call)
+        self.name_set: frozenset = frozenset(self.names)
         #: The FFN shape of the expert, run without module dispatch (per expert or grouped); None: generic.
         self.form: Optional[FFNForm] = form if form is not None else detect_form(expert)
         #: How the module the experts came from stores them, when that differs from this flat layout (a Hugging

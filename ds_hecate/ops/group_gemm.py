@@ -47,10 +47,12 @@ class RowGroups:
     offs: torch.Tensor
     copy: Callable[[torch.Tensor, torch.device], torch.Tensor] = field(default=_plain_copy, repr=False,
                                                                        compare=False)
+    #: the rows of every group together (``sum(sizes)``, counted once: every GEMM of the call asks for it)
+    total: int = field(default=-1, compare=False)
 
-    @property
-    def total(self) -> int:
-        return sum(self.sizes)
+    def __post_init__(self) -> None:
+        if self.total < 0:
+            object.__setattr__(self, "total", sum(self.sizes))
 
     @functools.cached_property
     def lengths(self) -> torch.Tensor:
@@ -60,8 +62,10 @@ class RowGroups:
     @functools.cached_property
     def empty(self) -> Optional[torch.Tensor]:
         """The experts without rows, on the device (None when every expert has rows)."""
+        if 0 not in self.sizes:
+            return None
         idle = [i for i, s in enumerate(self.sizes) if s == 0]
-        return self.copy(torch.tensor(idle, dtype=torch.int64), self.offs.device) if idle else None
+        return self.copy(torch.tensor(idle, dtype=torch.int64), self.offs.device)
 
     @staticmethod
     def build(sizes: Sequence[int], device: torch.device,
@@ -72,7 +76,7 @@ class RowGroups:
             return RowGroups((), _no_offsets(device), to_device)
         # (the running sum of a few host ints: one pass, no intermediate arrays; group ends below 2**31 rows)
         ends = np.fromiter(itertools.accumulate(sizes), dtype=np.int32, count=len(sizes))
-        return RowGroups(tuple(map(int, sizes)), to_device(torch.from_numpy(ends), device), to_device)
+        return RowGroups(tuple(map(int, sizes)), to_device(torch.from_numpy(ends), device), to_device, int(ends[-1]))
 
     def group_of_row(self) -> torch.Tensor:
         """The expert of every token row, on the device (no host read: the total is known)."""
@@ -146,13 +150,13 @@ def weight_grads(grad: torch.Tensor, rows: torch.Tensor, groups: RowGroups, dest
     as a plain layer's is); elsewhere one grouped GEMM and one copy or add, with the products of experts that have
     no rows set to zero first (a grouped GEMM leaves them undefined on some GPUs); without a native grouped GEMM
     one ``mm`` per expert over the host sizes."""
-    sizes = list(groups.sizes)
-    total = sum(sizes)
+    total = groups.total
     if grad.shape[0] != total:   # (rows past the experts' carry no weight gradient)
         grad, rows = grad[:total], rows[:total]
-    out_features, in_features = dest.shape[1], dest.shape[2]
-    direct = grad.device.type == "cpu" and out_features * in_features * grad.element_size() >= CPU_DIRECT_MIN_BYTES
+    direct = (dest.shape[1] * dest.shape[2] * grad.element_size() >= CPU_DIRECT_MIN_BYTES
+              and grad.device.type == "cpu")
     if direct or not native:
+        sizes = list(groups.sizes)
         for g, h, d in zip(grad.split(sizes), rows.split(sizes), dest.unbind(0)):
             if not accumulate and d.dtype == g.dtype and direct:
                 torch.mm(g.t(), h, out=d)

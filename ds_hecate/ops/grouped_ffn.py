@@ -104,6 +104,12 @@ def _columns(names: Tuple[str, ...], numels: Tuple[int, ...]) -> Dict[str, Tuple
     return out
 
 
+@functools.lru_cache(maxsize=None)
+def _components(name: str) -> Tuple[str, ...]:
+    """The parameters a delivered name spans: ``"a+b"`` (a fused operand) -> ``("a", "b")``."""
+    return tuple(name.split("+"))
+
+
 class GradPart:
     """One part's weight gradients into a :class:`GradTarget` (the owner's accumulator, or a call's
     :class:`SendRows`), a parameter's columns written where fresh and added otherwise. Which are fresh is asked at
@@ -125,9 +131,10 @@ class GradPart:
         """Whether ``name``'s columns are written (fresh) rather than added to."""
         if self._fresh is None:
             self._fresh = {n for n in self.kernel.names if self.target.is_fresh(n)}
-        if "+" not in name:
+        names = _components(name)
+        if len(names) == 1:
             return name in self._fresh
-        fresh = [n in self._fresh for n in name.split("+")]
+        fresh = [n in self._fresh for n in names]
         if any(fresh) and not all(fresh):
             raise RuntimeError(f"gradient columns of '{name}' partly written: a fused projection's parameters "
                                "were delivered apart")
@@ -157,7 +164,7 @@ class GradPart:
         self._done(name)
 
     def _done(self, name: str) -> None:
-        names = name.split("+") if "+" in name else (name,)
+        names = _components(name)
         self.delivered.update(names)
         if self._fresh is not None:
             self._fresh.difference_update(names)

@@ -105,7 +105,7 @@ class LayerBinding:
             gathered = self._materialize(step, pending)
             del pending   # (it holds the gathered block too: the block's only reference must be the call's)
         with phases("dispatch"):
-            routes = Routes.of(flat, int(counts[setup.rank].sum()), x.shape[0], indices.shape[0],
+            routes = Routes.of(flat, sum(counts[setup.rank].tolist()), x.shape[0], indices.shape[0],
                                self.shard.num_experts, step.mine, setup.comm.alone)
             recv = phases.boundary(self.dispatcher.dispatch(x, routes), "compute_bwd", "dispatch_bwd")
         with phases("compute"):
@@ -130,8 +130,8 @@ class LayerBinding:
         out of range), on every rank of the group alike."""
         setup, experts = self.host.setup, self.shard.num_experts
         exchanged = setup.comm.exchange_counts(slot_histogram(flat, gates, experts))
-        flags = exchanged[:, experts:]   # out of range, non-finite: one reduction on the healthy path
-        if flags.any():
+        flags = exchanged[:, experts:]   # out of range, non-finite: one count on the healthy path
+        if np.count_nonzero(flags):
             setup.stops.check_gate(flags[:, ::-1], self.shard.name, experts, setup.comm.rank_name)
         return exchanged[:, :experts]
 

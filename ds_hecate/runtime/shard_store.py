@@ -232,7 +232,7 @@ class LayerShard:
         """The accumulator rows (allocated, not filled, when missing: their fresh columns hold nothing yet)."""
         if self.grads is None:
             self.grads = torch.empty(len(self.masters), self.kernel.numel, dtype=torch.float32, device=device)
-            self.fresh_params = frozenset(self.kernel.names)
+            self.fresh_params = self.kernel.name_set
         return self.grads
 
     def param_columns(self, name: str) -> Tuple[int, int]:
@@ -244,15 +244,17 @@ class LayerShard:
     def mark_written(self, names: Optional[Sequence[str]] = None) -> None:
         """Contributions to ``names`` (None: every parameter) are in the accumulator: later ones add; the masters'
         ``.grad`` view their rows."""
-        if not self.fresh_params:
+        fresh = self.fresh_params
+        if not fresh:
             return
-        first = self.fresh_params == frozenset(self.kernel.names)
-        self.fresh_params = frozenset() if names is None else self.fresh_params - set(names)
+        first = fresh == self.kernel.name_set
+        object.__setattr__(self, "fresh_params", frozenset() if names is None else fresh.difference(names))
         if first and self.partition is None:
             assert self.grads is not None   # the contributions were written into it
             # fresh views each window (a view handed out as .grad could have been re-pointed by its holder)
-            for e, row in zip(self.owned, self.grads.unbind(0)):
-                self.masters[e].grad = row
+            masters = self.masters
+            for e, row in zip(sorted(masters), self.grads.unbind(0)):
+                masters[e].grad = row
 
     def grad_rows(self, device: torch.device) -> torch.Tensor:
         """The owned experts' fp32 gradient rows (in :attr:`owned` order) to read or add into: the columns with no
@@ -275,14 +277,14 @@ class LayerShard:
     def optimizer_grads(self) -> Optional[torch.Tensor]:
         """The rows whose rows are the masters' ``.grad`` (the whole gradients, or partitioned their slices)."""
         if self.partition is None:
-            return None if self.fresh_params == frozenset(self.kernel.names) else self.grads
+            return None if self.fresh_params == self.kernel.name_set else self.grads
         return self.slice_grads
 
     def zero_grads(self) -> None:
         """A new accumulation window: the accumulator is kept (unpartitioned; freed partitioned, whose whole rows
         live only until the reduction over the peers) and written by the next contributions; the masters have no
         gradient until then."""
-        self.fresh_params = frozenset(self.kernel.names)
+        self.fresh_params = self.kernel.name_set
         self.slice_grads = None
         if self.partition is not None:
             self.grads = None

@@ -36,7 +36,7 @@ from ..comm.device import host_index, to_device
 from ..comm.requests import GatherRequest, ReduceScatterRequest
 from ..experts import ExpertKernel
 from ..ops.grouped_experts import grouped_path, loop
-from ..ops.grouped_ffn import FormGraph, GradPart, GroupedFFN, SendRows, written_out
+from ..ops.grouped_ffn import FormGraph, GradPart, GroupedFFN, SendRows, no_rows, written_out
 from ..ops.group_gemm import RowGroups, aligned, native_grouped_mm
 from ..ops.permute import Permute, permute_rows
 from ..planning.dispatch_plan import RankDispatch
@@ -318,13 +318,17 @@ class ExpertCall:
         return self._loop_backward(grad, recv, held, need_input)
 
     def _grad_part(self, own: bool, replicas: int, device: torch.device) -> GradPart:
-        """Where a part's weight gradients go: the owner's accumulator, or the ``replicas`` rows to send."""
+        """Where a part's weight gradients go: the owner's accumulator, or the ``replicas`` rows to send (new rows
+        each backward: what one backward sends is its own gradients)."""
         if own:
             return GradPart(self.accumulator, self.kernel)
-        target = getattr(self, "_sends", None)
-        if target is None:
-            target = self._sends = SendRows(replicas, self.kernel, self.reduce.wire_dtype, device)
-        return GradPart(target, self.kernel)
+        return GradPart(SendRows(replicas, self.kernel, self.reduce.wire_dtype, device), self.kernel)
+
+    def _send_rows(self, part: Optional[GradPart], device: torch.device) -> torch.Tensor:
+        """The replica rows' gradients SparseReduceScatter sends: the replica part's rows, or none."""
+        if part is None:
+            return no_rows(self.kernel.numel, self.reduce.wire_dtype, device)
+        return part.target.rows()
 
     def _part_grads(self, grad_y: torch.Tensor, parts: Sequence) -> List[torch.Tensor]:
         if len(parts) == 2:
@@ -343,13 +347,15 @@ class ExpertCall:
         parts = ([(owned_rows, rows.own)] if owned_rows.shape[0] else []) + (
             [(buffer, rows.replicas)] if buffer is not None and replicas else [])
         d_parts = []
+        send_part: Optional[GradPart] = None
         for i, ((weights, groups), part_grad) in enumerate(zip(parts, self._part_grads(grad_y, parts))):
             part = self._grad_part(weights is owned_rows, replicas, grad.device)
+            send_part = send_part if weights is owned_rows else part
             acts = tuple(saved[2 + i * PART_SLOTS:2 + (i + 1) * PART_SLOTS])
             d_parts.append(ffn.backward(compute.views(weights), acts, part_grad, groups, part, self.native,
                                         need_input))
             part.finish(len(groups.sizes))
-        sends = self._grad_part(False, replicas, grad.device).target.rows()   # (none: an empty set of rows)
+        sends = self._send_rows(send_part, grad.device)
         saved.clear()   # (re-materialization: the re-gathered replicas go before the reduce-scatter sends)
         del parts, owned_rows, buffer
         self._issue(None, sends)
@@ -371,12 +377,14 @@ class ExpertCall:
         replicas = g.buffer.shape[0]
         grad_y = rows.grad_to_experts(grad)
         d_parts = []
+        send_part: Optional[GradPart] = None
         for (weights, part_rows, groups), part_views, part_grad in zip(parts, views,
                                                                       self._part_grads(grad_y, parts)):
             part = self._grad_part(weights is g.owned_rows, replicas, grad.device)
+            send_part = send_part if weights is g.owned_rows else part
             d_parts.append(graph.backward(part_views, part_rows, groups, self.native, part, part_grad, need_input))
             part.finish(len(groups.sizes))
-        sends = self._grad_part(False, replicas, grad.device).target.rows()
+        sends = self._send_rows(send_part, grad.device)
         del g, parts, views
         self._issue(None, sends)
         if not need_input:
