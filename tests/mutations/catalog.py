@@ -314,7 +314,7 @@ MUTATIONS: List[Mutation] = [
         "SparseReduceScatter"),
     Mutation(
         "layer-call-reads-the-device", "ds_hecate/runtime/layer.py",
-        (("            routes = Routes.of(flat, int(counts[setup.rank].sum()), x.shape[0], indices.shape[0],\n",
+        (("            routes = Routes.of(flat, sum(counts[setup.rank].tolist()), x.shape[0], indices.shape[0],\n",
           "            routes = Routes.of(flat, int((flat >= 0).sum()), x.shape[0], indices.shape[0],"
           "  # MUTATION: a second sync\n"),),
         "the layer call reads a device tensor on the host besides the count exchange (a CUDA synchronisation)"),
