@@ -52,6 +52,8 @@ AGREEMENT_TOL = {"fp32": 1e-4, "bf16": 5e-2}
 GRAD_ORDER_TOL = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 1e-2}
 #: the dispatcher's namespaces: torch's, its collectives' and ds_hecate's registered ops
 DISPATCHED = ("aten::", "c10d::", "ds_hecate::")
+#: the phase table's column of the router, timed alone (:func:`router_seconds`)
+ROUTER = "router"
 #: ops that write a tensor anew (a per-call relayout of the experts' weights is one of them; a transpose is a view)
 COPY_OPS = ("aten::copy_", "aten::clone", "aten::contiguous", "aten::_to_copy", "aten::cat", "aten::stack",
             "aten::index_select", "aten::gather", "aten::_unsafe_view")
@@ -88,6 +90,23 @@ def one_call(layer, x0, grad, device, profile: Optional[Callable] = None):
     start = time.perf_counter()
     out = call()
     return time.perf_counter() - start, out, x.grad
+
+
+def router_seconds(router: Callable[[torch.Tensor], torch.Tensor], x0: torch.Tensor, reps: int,
+                   device: torch.device) -> float:
+    """The mean seconds of a layer's router alone, forward and backward (its gates' gradient all ones): the part of
+    a ds_hecate call outside the layer's phases, so that the phases and the router add up to the call."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    seconds = []
+    for _ in range(reps + 1):   # (the first call warms up)
+        x = x0.detach().requires_grad_(True)
+        sync()
+        start = time.perf_counter()
+        gates = router(x)
+        gates.backward(torch.ones_like(gates))
+        sync()
+        seconds.append(time.perf_counter() - start)
+    return statistics.fmean(seconds[1:])
 
 
 def profile_call(fn: Callable[[], Any]) -> Dict[str, Any]:
@@ -194,6 +213,8 @@ def measure_cell(shape_name: str, dtype_name: str, device_name: str, reps: int, 
     out: Dict[str, dict] = {}
     for s, b in built.items():
         phases = {p: (v - before[s][p]) / reps for p, v in b.phases().items()} if b.phases and profile else None
+        if phases is not None and b.router is not None:   # what the call runs outside the layer: its router
+            phases = {**phases, ROUTER: router_seconds(b.router, xs[s], reps, device)}
         prof = one_call(b, xs[s], grads[s], device, profile_call)[0]
         ref = reference(s)
         agreement = {"out": _relative(first[s][1], first[ref][1]), "x_grad": _relative(first[s][2], first[ref][2])}
@@ -265,10 +286,12 @@ def markdown(record: dict) -> str:
     phased = [(c, s, r) for c in cells for s, r in c["systems"].items() if r.get("phases_s") and record.get("profile")]
     if phased:
         names = list(phased[0][2]["phases_s"])
-        lines += ["", "ds_hecate's phases per call (ms; `--profile`), their sum and the call's median:", ""]
-        lines += common.table(["shape", "dtype", "system"] + names + ["sum", "call"], [
+        lines += ["", "ds_hecate's phases per call (ms, means; `--profile`), with the router outside them "
+                  f"(`{ROUTER}`, timed alone), their sum, the call's mean and the sum over the mean:", ""]
+        lines += common.table(["shape", "dtype", "system"] + names + ["sum", "call", "sum / call"], [
             [c["shape"], c["dtype"], s] + [f"{1e3 * r['phases_s'].get(p, 0.0):.2f}" for p in names]
-            + [f"{1e3 * sum(r['phases_s'].values()):.2f}", f"{1e3 * r['median_s']:.2f}"] for c, s, r in phased])
+            + [f"{1e3 * sum(r['phases_s'].values()):.2f}", f"{1e3 * statistics.fmean(r['times_s']):.2f}",
+               f"{sum(r['phases_s'].values()) / statistics.fmean(r['times_s']):.3f}"] for c, s, r in phased])
     reasons = {s: r["reason"] for c in cells for s, r in c["systems"].items() if r["status"] != "ok" and s in systems}
     return "\n".join(lines + [""] * bool(reasons) + [f"- **{s}** not run: {why}" for s, why in reasons.items()])
 

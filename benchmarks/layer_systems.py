@@ -192,6 +192,9 @@ class Built:
     after_backward: Callable[[], None] = lambda: None
     phases: Optional[Callable[[], Dict[str, float]]] = None
     keep: List[Any] = field(default_factory=list)   # what must stay alive (modules, engines, runtimes)
+    #: ds_hecate: the router alone, ``x -> gates`` (what the call runs outside the layer's phases), for the phase
+    #: table's check that the phases cover the rest of the call
+    router: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
 
 
 def _clear(params) -> Callable[[], None]:
@@ -240,6 +243,7 @@ def build_hecate(shape: LayerShape, inputs: RoutedInputs, dtype, device, one_ran
     """``ds_hecate.MoE`` on :func:`hecate_runtime`."""
     from benchmarks.step_systems import build_model
     from ds_hecate.deepspeed_glue.convert import convert_model
+    from ds_hecate.ops.topk_gate import gate_routes
     model = build_model(_model_args(shape), "hecate", 1, 0)
     moe = model.blocks[0].moe
     moe.gate.wg.weight.data.copy_(inputs.router.float().cpu())
@@ -253,7 +257,8 @@ def build_hecate(shape: LayerShape, inputs: RoutedInputs, dtype, device, one_ran
         runtime.store.zero_grads()
         moe.gate.wg.weight.grad = None
     return Built(forward, (shape.tokens, shape.hidden), reset, runtime.flush_reductions,
-                 lambda: dict(moe.binding.phase_seconds()), keep=[model, runtime])
+                 lambda: dict(moe.binding.phase_seconds()), keep=[model, runtime],
+                 router=lambda x: gate_routes(moe.gate, x, None)[2])
 
 
 def build_hecate_call(shape: LayerShape, inputs: RoutedInputs, dtype, device, one_rank_shortcuts: bool = True,
@@ -264,15 +269,19 @@ def build_hecate_call(shape: LayerShape, inputs: RoutedInputs, dtype, device, on
     moe = model.blocks[0].moe
     router = nn.Parameter(inputs.router.float().clone().to(device, dtype))
 
+    def route(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        top, expert = F.linear(x.float(), router.float()).softmax(dim=-1).topk(shape.top_k, dim=-1)
+        return expert.t(), (top / top.sum(dim=-1, keepdim=True)).t()
+
     def forward(x: torch.Tensor) -> torch.Tensor:
         runtime.on_model_forward()
-        top, expert = F.linear(x.float(), router.float()).softmax(dim=-1).topk(shape.top_k, dim=-1)
-        return moe.binding.run(x, expert.t(), (top / top.sum(dim=-1, keepdim=True)).t(), "deepspeed")
+        return moe.binding.run(x, *route(x), "deepspeed")
 
     def reset() -> None:
         runtime.store.zero_grads()
         router.grad = None
-    return Built(forward, hecate.input_shape, reset, hecate.after_backward, hecate.phases, [model, runtime, router])
+    return Built(forward, hecate.input_shape, reset, hecate.after_backward, hecate.phases, [model, runtime, router],
+                 lambda x: route(x)[1])
 
 
 def _engine_layer(shape: LayerShape, inputs: RoutedInputs, dtype, device, kind: str, extra: dict):
