@@ -57,6 +57,7 @@ DESCRIPTIONS = {
     "plain": "a grouped-GEMM MoE layer from torch ops (router, sort, F.grouped_mm, weighted un-permute): the floor",
     "ds_hecate": "ds_hecate.MoE (DeepSpeed's gate) on a 1-rank Hecate runtime built as deepspeed.initialize builds it",
     "ds_hecate-call": "ds_hecate's layer call (the Hugging Face path) behind the plain layer's router, same runtime",
+    "ds_hecate-ops": "the layer call's ops alone, no runtime around them (HecateOpsMoE): the floor of its host glue",
     "autoep": "DeepSpeed AutoEP layer (autoep_size 1, grouped GEMM)",
     "deepspeed-moe": "DeepSpeed's deepspeed.moe.layer.MoE (ep_size 1, drop_tokens=False)",
 }
@@ -178,6 +179,69 @@ class PlainAllToAllMoE(PlainGroupedMoE):
         rows = Exchange.apply(x.index_select(0, order // self.top_k), send, recv)
         y = self.experts(Permute.apply(rows, perm, inverse), offs)
         return self.combine(Exchange.apply(Permute.apply(y, inverse, perm), recv, send), order, gates, x)
+
+
+class _ExpertsToAccumulators(torch.autograd.Function):
+    """The experts of :class:`HecateOpsMoE`: GroupedFFN's arithmetic (ds_hecate.ops.grouped_ffn) written out with
+    no runtime around it, the weight gradients written into fp32 accumulators."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, offs: torch.Tensor, layer: "HecateOpsMoE") -> torch.Tensor:
+        x = x.contiguous()
+        gate, up = F.grouped_mm(x, layer.gate_up.detach().transpose(1, 2), offs=offs).chunk(2, dim=-1)
+        act = F.silu(gate)
+        hidden = act * up
+        ctx.save_for_backward(x, gate, up, act, hidden, offs)
+        ctx.layer = layer
+        return F.grouped_mm(hidden, layer.down.detach().transpose(1, 2), offs=offs)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, gate, up, act, hidden, offs = ctx.saved_tensors
+        layer: HecateOpsMoE = ctx.layer
+        grad = grad.contiguous()
+        d_hidden = F.grouped_mm(grad, layer.down.detach(), offs=offs)
+        layer.down_grad.copy_(F.grouped_mm(grad.t(), hidden, offs=offs))
+        d_both = torch.cat([torch.ops.aten.silu_backward(d_hidden * up, gate), d_hidden * act], dim=-1)
+        layer.gate_up_grad.copy_(F.grouped_mm(d_both.t(), x, offs=offs))
+        return F.grouped_mm(d_both, layer.gate_up.detach(), offs=offs), None, None
+
+
+class HecateOpsMoE(PlainGroupedMoE):
+    """ds_hecate's one-rank layer call reduced to its ops, with nothing of the runtime around them: the plain
+    router, the count row with its health flags and its one host read (``slot_histogram``), the expert-major sort
+    of the slots, one autograd node for the experts whose written-out backward writes fp32 accumulators, the
+    weighted un-permute (``ds_hecate.ops.combine``). What the call would cost if its host glue (planning, layout,
+    bookkeeping, the Python between the ops) were free: the floor the runtime's own work is measured against."""
+
+    gate_up_grad: torch.Tensor
+    down_grad: torch.Tensor
+
+    def __init__(self, router: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
+                 top_k: int) -> None:
+        super().__init__(router, w1, w3, w2, top_k)
+        self.register_buffer("gate_up_grad", torch.zeros(self.gate_up.shape, dtype=torch.float32), persistent=False)
+        self.register_buffer("down_grad", torch.zeros(self.down.shape, dtype=torch.float32), persistent=False)
+
+    def _apply(self, fn, recurse=True):   # the accumulators stay fp32 when the layer is cast
+        out = super()._apply(fn, recurse)
+        self.gate_up_grad, self.down_grad = self.gate_up_grad.float(), self.down_grad.float()
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from ds_hecate.ops.combine import weighted_unpermute
+        from ds_hecate.runtime.dispatcher import slot_histogram
+        experts = self.router.shape[0]
+        top, expert = F.linear(x.float(), self.router.float()).softmax(dim=-1).topk(self.top_k, dim=-1)
+        gates, flat = (top / top.sum(dim=-1, keepdim=True)).t(), expert.t().reshape(-1)
+        counts = slot_histogram(flat, gates, experts).cpu().numpy()
+        if np.count_nonzero(counts[experts:]):
+            raise RuntimeError("a route out of range or a gate not finite")
+        offs = torch.from_numpy(np.cumsum(counts[:experts]).astype(np.int32)).to(x.device)
+        slots = torch.argsort(flat, stable=True)
+        rows = x.index_select(0, slots % x.shape[0])
+        y = _ExpertsToAccumulators.apply(rows, offs, self)
+        return weighted_unpermute(y, gates, None, "deepspeed", None, slots)
 
 
 # -- the systems -------------------------------------------------------------------------------------------------
@@ -348,6 +412,7 @@ BUILDERS: Dict[str, Callable[..., Built]] = {
     "plain": build_plain,
     "plain-all-to-all": functools.partial(build_plain, cls=PlainAllToAllMoE),
     "ds_hecate": build_hecate,
+    "ds_hecate-ops": functools.partial(build_plain, cls=HecateOpsMoE),
     "ds_hecate-no-shortcuts": functools.partial(build_hecate, one_rank_shortcuts=False),
     "ds_hecate-call": build_hecate_call,
     "ds_hecate-call-no-shortcuts": functools.partial(build_hecate_call, one_rank_shortcuts=False),
