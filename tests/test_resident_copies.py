@@ -18,6 +18,7 @@ import functools
 from dataclasses import replace
 from typing import cast
 
+import pytest
 import torch
 
 from moe_training import Spec, run_specs
@@ -113,13 +114,16 @@ def test_partitioned_reshard_gathers_compute_copies():
     assert_same_trajectory(oracle, run, label="partitioned re-shard")
 
 
-def test_accumulation_windows_start_from_nothing():
+@pytest.mark.parametrize("expert_kind", ["ffn", "generic"])
+def test_accumulation_windows_start_from_nothing(expert_kind):
     """Gradient accumulation (3 micro-steps per step, 3 steps) on one rank: after every step the experts equal
-    plain DeepSpeed's, so no window's first micro-step adds onto what the persistent accumulator held."""
-    base = replace(ONE_RANK, gas=3, per_step_state=True, hecate=None)
+    plain DeepSpeed's, so no window's first micro-step adds onto what the persistent accumulator held. Both ways a
+    window's first gradients arrive: the grouped FFN path writes them into the accumulator's columns, the generic
+    experts' loop hands them to the SparseReduceScatter, which adds them in (``comm.buffers.add_into``)."""
+    base = replace(ONE_RANK, gas=3, per_step_state=True, hecate=None, expert_kind=expert_kind)
     oracle = run_specs(1, [base])[0]
     mine = run_specs(1, [replace(base, hecate=ONE_RANK.hecate)])[0]
-    assert_same_steps(oracle, mine, label="gas 3")
+    assert_same_steps(oracle, mine, label=f"gas 3, {expert_kind} experts")
 
 
 def test_accumulator_column_views_follow_a_replaced_or_freed_accumulator():

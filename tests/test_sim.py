@@ -204,6 +204,28 @@ def test_host_planning_is_charged_to_hecate_only():
     assert on.systems["hecate"].step_time_s == pytest.approx(off.systems["hecate"].step_time_s + planning, rel=1e-9)
 
 
+def test_thread_clock_charges_the_threads_cpu_time(monkeypatch):
+    """``planning_clock: thread`` charges what the planning thread's CPU clock (``time.thread_time``) says its calls
+    took, not the wall clock, which other processes stretch: with that clock replaced by one that advances one
+    second (then two) per reading, the charge follows it, whatever the wall clock did."""
+    from types import SimpleNamespace
+
+    import ds_hecate.sim.systems as systems
+
+    def charged(tick: float) -> float:
+        readings = iter(range(1_000_000))
+        clock = SimpleNamespace(thread_time=lambda: tick * next(readings), perf_counter=systems.time.perf_counter)
+        monkeypatch.setattr(systems, "time", clock)
+        result = simulate("a100-4x8", "gpt-moe-s", "W1", SimSettings(steps=3, force_balanced=False,
+                                                                    planning_clock="thread"), systems=["hecate"])
+        monkeypatch.undo()
+        return result.systems["hecate"].breakdown_s["host_planning"]
+
+    one, two = charged(1.0), charged(2.0)
+    assert one > 0.5, one   # whole seconds per planning call: the replaced clock is the one read
+    assert two > one + 0.5, (one, two)
+
+
 def test_planning_charge_does_not_move_with_the_machines_load():
     """Issue 26, item 6: by default host planning is charged from what the planner did, in its work models'
     microseconds (``planning_clock: work``), so the same cell gives the same figures, to the bit, on an idle machine

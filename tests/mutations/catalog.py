@@ -234,8 +234,11 @@ MUTATIONS: List[Mutation] = [
         "partitioned expert state: the expert-data-parallel reduction waits for the accumulation boundary, so every "
         "layer's whole fp32 gradient rows stay alive through the backward"),
     Mutation(
-        "objective-ignores-links", "ds_hecate/planning/search/state.py",
-        (("        self.costs = costs\n", "        self.costs = costs.single_link()  # MUTATION: one link for all\n"),),
+        "objective-ignores-links", "ds_hecate/planning/search/greedy.py",
+        # (the whole search: its passes and the judgement of the proportional start, which prices the links too)
+        (("    s = settings\n    world, num_experts = len(counts), len(owners)\n    slots = fill_slots(",
+          "    s = replace(settings, costs=settings.costs.single_link())  # MUTATION: one link for all\n"
+          "    world, num_experts = len(counts), len(owners)\n    slots = fill_slots("),),
         "the search prices every token row and expert at the slowest link, as before issue 26: a copy that keeps "
         "tokens on their node is worth no more than one beside the owner"),
     Mutation(
@@ -501,7 +504,8 @@ TESTS_FOR: Dict[str, List[str]] = {
     "budget-ignored-self-report-hidden": [_MEMORY],
     "rematerialize-replicas-outlive-layer": [_MEMORY],
     "calibration-extension-copies": [_MEMORY],
-    "planning-charged-in-wall-time": ["tests/test_sim.py::test_planning_charge_does_not_move_with_the_machines_load"],
+    "planning-charged-in-wall-time": ["tests/test_sim.py::test_thread_clock_charges_the_threads_cpu_time",
+                                      "tests/test_sim.py::test_planning_charge_does_not_move_with_the_machines_load"],
     "node-discovery-ignores-local-size": ["tests/test_initialize.py::test_ranks_per_node_from_the_launcher_environment"],
     # also killed by tests/test_hf.py::test_trainer_resume_from_checkpoint_is_exact (the Trainer loads the same way)
     "load-drops-optimizer-state": ["tests/test_universal.py::test_every_expert_arrives_with_its_optimizer_state",
