@@ -42,6 +42,8 @@ CASES = {
     "sim-measured": (SIM + ["--measured", MISSING + "/m.json"], "--measured", "no measured costs file"),
     "sim-json": (SIM + ["--json", MISSING + "/out.json"], "--json", "no directory"),
     "sim-precision": (SIM + ["--precision", "fp8"], "--precision", "invalid choice: 'fp8'"),
+    "sim-call-overhead-fit": (SIM + ["--call-overhead-fit", "gpu"], "--call-overhead-fit",
+                              "invalid choice: 'gpu' (choose from"),
     # plan
     "plan-device-memory": (PLAN + ["--device-memory-gb", "-1"], "--device-memory-gb",
                            "must be a positive number, got -1"),

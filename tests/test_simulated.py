@@ -24,6 +24,7 @@ def test_replaces_only_the_block_and_matches_simulate(tmp_path):
     text = doc.read_text()
     assert text.startswith(head + grid.MARK_BEGIN) and text.endswith(grid.MARK_END + tail)
     assert "99999" not in text and "stale" not in text and "host planning not charged" in text
+    assert "- per-call overhead: v100-4x8: fit 'cpu' (CPU layer benchmark" in text   # the fit and its age
     (row,) = _rows(text, "v100-4x8 / gpt-moe-s")
     for cell, workload in zip(row[1:], ("W1", "W3")):   # the CLI's call, one cell at a time
         ref = simulate("v100-4x8", "gpt-moe-s", workload, SimSettings(steps=4, charge_planning=False)).systems

@@ -75,14 +75,15 @@ def run_simulate(args: argparse.Namespace) -> int:
                            zero_stage=args.zero_stage if args.zero_stage is not None else stage,
                            precision=args.precision or precision, spag=args.spag,
                            charge_planning=not args.no_planning_charge, ep_size=args.ep_size,
-                           planning_clock=args.planning_clock, charge_call_overhead=not args.no_call_overhead)
+                           planning_clock=args.planning_clock, charge_call_overhead=not args.no_call_overhead,
+                           call_overhead_fit=args.call_overhead_fit)
     result = simulate(cluster, args.model, args.workload, settings, systems=systems)
     print(format_table(result))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:
             json.dump({"cluster": result.cluster.name, "model": result.model.name, "workload": result.workload,
                        "world_size": result.world_size, "ep_size": result.ep_size, "edp_size": result.edp_size,
-                       "steps": result.steps, "wall_s": result.wall_s,
+                       "steps": result.steps, "wall_s": result.wall_s, "call_overhead": result.call_overhead,
                        "systems": {k: vars(v) for k, v in result.systems.items()}}, handle, indent=1)
     return 0
 
@@ -95,12 +96,14 @@ def run_grid(args: argparse.Namespace) -> int:
     if args.markdown:
         grid.check_markers(args.markdown)   # before minutes of simulation, not after
     flags = [("--no-large", args.no_large), ("--no-planning-charge", args.no_planning_charge),
-             ("--no-call-overhead", args.no_call_overhead), (f"--steps {args.steps}", args.steps != 30),
+             ("--no-call-overhead", args.no_call_overhead),
+             (f"--call-overhead-fit {args.call_overhead_fit}", args.call_overhead_fit),
+             (f"--steps {args.steps}", args.steps != 30),
              (f"--json {args.json}", args.json), (f"--markdown {args.markdown}", args.markdown)]
     command = " ".join(["ds-hecate simulate --grid"] + [flag for flag, given in flags if given])
     results = grid.run_all(steps=args.steps, large=() if args.no_large else grid.LARGE_CASES, command=command,
                            charge_planning=not args.no_planning_charge,
-                           charge_call_overhead=not args.no_call_overhead,
+                           charge_call_overhead=not args.no_call_overhead, call_overhead_fit=args.call_overhead_fit,
                            progress=lambda line: print(line, file=sys.stderr, flush=True))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:
@@ -146,7 +149,7 @@ def add_parsers(sub: Any) -> None:
     """Register ``simulate`` and ``plan`` on the ``ds-hecate`` sub-parsers (every flag typed by
     :mod:`ds_hecate.cli_args`: a bad value is argparse's error, exit status 2)."""
     from .. import cli_args as args
-    from .presets import CLUSTERS, MODELS
+    from .presets import CALL_OVERHEAD_FIT, CLUSTERS, DEFAULT_CALL_OVERHEAD_FIT, MODELS
     from .workloads import WORKLOADS
     from .core import SYSTEMS
 
@@ -188,8 +191,10 @@ def add_parsers(sub: Any) -> None:
     sim.add_argument("--no-planning-charge", action="store_true",
                      help="leave Hecate's host planning time out of its step")
     sim.add_argument("--no-call-overhead", action="store_true",
-                     help="leave every system's per-call runtime overhead out (the cluster's call_overhead, fitted "
-                          "per device class: docs/simulator.md, Call overhead)")
+                     help="leave every system's per-call runtime overhead out (the cluster's call_overhead: "
+                          "docs/simulator.md, Call overhead)")
+    sim.add_argument("--call-overhead-fit", choices=sorted(CALL_OVERHEAD_FIT["fits"]), help="charge this committed "
+                     f"per-call overhead fit (default: the cluster's; a preset's: {DEFAULT_CALL_OVERHEAD_FIT})")
     sim.add_argument("--planning-clock", choices=("work", "thread"), default="work",
                      help="count the host planning from what the planner did, in its work models' microseconds "
                           "(work: the same figures on every machine), or as this machine's thread CPU time")
@@ -197,7 +202,8 @@ def add_parsers(sub: Any) -> None:
                      help="also write the results as JSON to this file")
     sim.add_argument("--grid", action="store_true",
                      help="the simulator's tables instead of one simulation: the 32-GPU grid and the 1,024-GPU cases "
-                          "(--steps, --json, --markdown, --no-large, --no-planning-charge, --no-call-overhead apply)")
+                          "(--steps, --json, --markdown, --no-large, --no-planning-charge, --no-call-overhead, "
+                          "--call-overhead-fit apply)")
     sim.add_argument("--markdown", default=None, type=args.writable_path,
                      help="with --grid: replace the generated block of this Markdown file by the tables")
     sim.add_argument("--no-large", action="store_true", help="with --grid: leave the 1,024-GPU cases out")

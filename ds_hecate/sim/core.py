@@ -24,6 +24,7 @@ experts. Activations and dense-gradient all-reduce are left out (identical for e
 """
 from __future__ import annotations
 
+import datetime
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
@@ -77,6 +78,7 @@ class SimResult:
     notes: List[str] = field(default_factory=list)
     ep_size: int = 0                    # G, the group size every system but the ideal ran in
     edp_size: int = 1                   # world / G expert-data-parallel copies of each expert
+    call_overhead: str = ""             # what charged the per-call overhead (Cluster.call_overhead_note)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -202,6 +204,8 @@ def simulate(cluster: Union[str, Cluster], model: Union[str, ModelShape], worklo
     if unknown:
         raise HecateError(f"unknown system(s) {unknown}; choose from {', '.join(SYSTEMS)}")
     cl = resolve_cluster(cluster)
+    if settings.call_overhead_fit is not None:
+        cl = cl.charged_by(settings.call_overhead_fit)
     mdl = resolve_model(model)
     if settings.world_size is not None:
         cl = cl.with_world_size(settings.world_size)
@@ -236,7 +240,15 @@ def simulate(cluster: Union[str, Cluster], model: Union[str, ModelShape], worklo
                                                                      counts=forced))
     return SimResult(cluster=cl, model=mdl, workload=workload, world_size=cl.world_size, steps=s.steps,
                      warmup=s.warmup, systems=results, wall_s=time.perf_counter() - start_wall, notes=notes,
-                     ep_size=ep_size, edp_size=ctx.edp_size)
+                     ep_size=ep_size, edp_size=ctx.edp_size, call_overhead=call_overhead_note(cl, s))
+
+
+def call_overhead_note(cluster: Cluster, settings: SimSettings) -> str:
+    """``per-call overhead: ...``: which fit charged the cluster, from what and how old on today's date, or that
+    none was charged."""
+    if not settings.charge_call_overhead:
+        return f"per-call overhead: not charged ({cluster.name}, --no-call-overhead)"
+    return "per-call overhead: " + cluster.call_overhead_note(datetime.datetime.now(datetime.timezone.utc).date())
 
 
 def _hecate_config(settings: SimSettings, cl: Cluster) -> HecateConfig:
@@ -425,5 +437,6 @@ def format_table(result: SimResult) -> str:
             lines.append("  ".join("-" * w for w in widths))
     lines.append("")
     lines.append(f"simulated in {result.wall_s:.1f} s wall time")
+    lines.append(result.call_overhead)
     lines += [f"note: {n}" for n in result.notes]
     return "\n".join(lines)

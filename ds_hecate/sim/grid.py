@@ -72,19 +72,21 @@ def _defaults():
 
 def run_one(cluster: str, model: str, workload: str, *, steps: int, systems: Optional[Sequence[str]] = None,
             materialize_budget_mb: Optional[float] = None, ep_size: Optional[int] = None,
-            charge_planning: bool = True, charge_call_overhead: bool = True) -> Dict[str, Any]:
+            charge_planning: bool = True, charge_call_overhead: bool = True,
+            call_overhead_fit: Optional[str] = None) -> Dict[str, Any]:
     """One simulation as ``ds-hecate simulate`` runs it without ``--config`` (hecate defaults, ZeRO-1, bf16), as a
     JSON-able record."""
     from dataclasses import replace
     from . import SYSTEMS, simulate
     start = time.perf_counter()
     settings = replace(_defaults(), steps=steps, materialize_budget_mb=materialize_budget_mb, ep_size=ep_size,
-                       charge_planning=charge_planning, charge_call_overhead=charge_call_overhead)
+                       charge_planning=charge_planning, charge_call_overhead=charge_call_overhead,
+                       call_overhead_fit=call_overhead_fit)
     result = simulate(cluster, model, workload, settings, systems=list(systems or SYSTEMS))
     return {"cluster": cluster, "model": model, "workload": workload, "materialize_budget_mb": materialize_budget_mb,
             "ep_size": ep_size, "world_size": result.world_size, "ep_size_used": result.ep_size,
             "edp_size": result.edp_size, "steps": result.steps, "warmup": result.warmup,
-            "wall_s": time.perf_counter() - start, "notes": list(result.notes),
+            "wall_s": time.perf_counter() - start, "notes": list(result.notes), "call_overhead": result.call_overhead,
             "systems": {name: {"step_time_s": r.step_time_s, "speedup_vs_ep": r.speedup_vs_ep,
                                "fraction_of_ideal": r.fraction_of_ideal,
                                "force_balanced_step_s": r.force_balanced_step_s,
@@ -107,9 +109,10 @@ def _machine() -> Dict[str, Any]:
 def run_all(clusters: Optional[Sequence[str]] = None, models: Optional[Sequence[str]] = None,
             workloads: Optional[Sequence[str]] = None, steps: Optional[int] = None,
             large: Sequence[Case] = LARGE_CASES, command: str = COMMAND, charge_planning: bool = True,
-            charge_call_overhead: bool = True, progress=None) -> Dict[str, Any]:
+            charge_call_overhead: bool = True, call_overhead_fit: Optional[str] = None,
+            progress=None) -> Dict[str, Any]:
     """Every simulation of the grid (default :data:`GRID_CLUSTERS` x :data:`GRID_MODELS` x :data:`GRID_WORKLOADS`)
-    and of ``large``, as one JSON-able record."""
+    and of ``large``, as one JSON-able record (``call_overhead``: what charged each cluster, and how old it is)."""
     clusters = GRID_CLUSTERS if clusters is None else clusters
     models = GRID_MODELS if models is None else models
     workloads = GRID_WORKLOADS if workloads is None else workloads
@@ -122,16 +125,18 @@ def run_all(clusters: Optional[Sequence[str]] = None, models: Optional[Sequence[
         for m in models:
             for w in workloads:
                 results["grid"].append(run_one(c, m, w, steps=steps, charge_planning=charge_planning,
-                                               charge_call_overhead=charge_call_overhead))
+                                               charge_call_overhead=charge_call_overhead,
+                                               call_overhead_fit=call_overhead_fit))
                 if progress:
                     progress(f"{c} {m} {w}: {results['grid'][-1]['wall_s']:.1f} s")
     for case in large:
         rec = run_one(case.cluster, case.model, case.workload, steps=steps, systems=case.systems, ep_size=case.ep_size,
                       materialize_budget_mb=case.materialize_budget_mb, charge_planning=charge_planning,
-                      charge_call_overhead=charge_call_overhead)
+                      charge_call_overhead=charge_call_overhead, call_overhead_fit=call_overhead_fit)
         results["large"].append({**rec, "label": case.label, "cli": case.command(steps)})
         if progress:
             progress(f"{case.command(steps)}: {rec['wall_s']:.1f} s")
+    results["call_overhead"] = {r["cluster"]: r["call_overhead"] for r in results["grid"] + results["large"]}
     results["load_after"] = _machine()["load_average_1min"]
     return results
 
@@ -150,7 +155,8 @@ def markdown_section(results: Dict[str, Any]) -> str:
              f"{m['numpy']}): {results['steps']} simulated steps per cell, `ds-hecate simulate`'s defaults, host "
              f"planning {'charged' if results['planning_charged'] else 'not charged'}, per-call runtime overhead "
              f"{'charged' if results['call_overhead_charged'] else 'not charged'}. Model outputs, not measurements.",
-             ""]
+             ""] + [f"- {line}" for line in results.get("call_overhead", {}).values()] + [""] * bool(
+                 results.get("call_overhead"))
     grid = results["grid"]
     if grid:
         workloads = list(dict.fromkeys(r["workload"] for r in grid))

@@ -13,13 +13,15 @@ Every system's call is charged, per rank ``r``, one formula of the same form:
 
 (``routed_rows_r``: token-expert pairs the rank computes; ``row_bytes``: one token row in the compute dtype;
 ``owned_bytes_r``: the rank's owned experts in the compute dtype), and a layer waits for its slowest rank. The
-coefficients are fitted per device class from side-by-side measurements against the plain layer
-(:mod:`.overhead_fit`, which writes ``ds_hecate/sim/call_overhead_fit.json``, package data): the CPU's from the layer
-benchmark (``python -m benchmarks.layer``), the GPU presets' from the GPU check's layer-call figures.
-``docs/simulator.md`` says what was fitted where, and from which runtime.
+coefficients are fitted from side-by-side measurements against the plain layer (:mod:`.overhead_fit`, which writes
+``ds_hecate/sim/call_overhead_fit.json``, package data): its default fit ``cpu``, from one run of the layer benchmark
+(``python -m benchmarks.layer``) with ds_hecate and DeepSpeed's layers on their N-rank paths, charges every preset,
+its byte terms scaled to the preset's memory bandwidth (:func:`scaled_to`). ``docs/simulator.md`` says what was
+fitted where, and from which runtime.
 """
 from __future__ import annotations
 
+import datetime
 import json
 import math
 from dataclasses import dataclass
@@ -74,8 +76,8 @@ class CallOverhead:
 
 @dataclass(frozen=True)
 class CallOverheads:
-    """The coefficients of one device class: ds_hecate's and the baselines' (EP, FasterMoE, SmartMoE, FlexMoE:
-    expert-parallel layers, fitted from DeepSpeed's)."""
+    """The coefficients of one fit: ds_hecate's and the baselines' (EP, FasterMoE, SmartMoE, FlexMoE:
+    expert-parallel layers, charged the lower-overhead of DeepSpeed's two layers)."""
 
     hecate: CallOverhead = CallOverhead()
     baselines: CallOverhead = CallOverhead()
@@ -107,7 +109,7 @@ class CallOverheads:
 
 
 def scaled_to(fit: Mapping[str, Mapping[str, float]], fitted_gbps: float, device_gbps: float) -> CallOverheads:
-    """A device class's fitted coefficients for another device of the class: the byte terms (memory-bound passes)
+    """A fit's coefficients for another device: the byte terms (memory-bound passes)
     scaled by the ratio of their memory bandwidths, the fixed term (launches, host work) kept. The fit is checked
     first (:meth:`CallOverheads.of`: a bad term is an error naming it)."""
     ratio = float(fitted_gbps) / float(device_gbps)
@@ -132,21 +134,57 @@ def fit_path() -> Path:
 
 
 def load_fit(path: Optional[Path] = None) -> Dict[str, Any]:
-    """The fit file (``{"cpu": {...}, "gpu": {...}}``), the committed one unless ``path`` is given."""
+    """The fit file (``{"default": name, "fits": {name: {...}}}``), the committed one unless ``path`` is given."""
     path = path or fit_path()
     try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
+        raw = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise HecateError(f"cannot read the call overhead fit {str(path)!r}: {exc}") from None
+    if not isinstance(raw, dict) or not isinstance(raw.get("fits"), dict) or raw.get("default") not in raw["fits"]:
+        raise HecateError(f"the call overhead fit {str(path)!r} has no fits or no default among them; refit it with "
+                          "python -m ds_hecate.sim.overhead_fit")
+    return raw
 
 
-def device_overheads(fit: Mapping[str, Any], device: str, device_gbps: Optional[float] = None) -> CallOverheads:
-    """The coefficients of one device class of ``fit`` (``"cpu"`` or ``"gpu"``), as fitted, or for a device of the
-    class with memory bandwidth ``device_gbps`` (:func:`scaled_to` from the fit's ``device_memory_gbps``)."""
-    if device not in fit:
-        raise HecateError(f"the call overhead fit has no {device!r} coefficients (it has {sorted(fit)})")
-    entry = fit[device]
+def fit_entry(fit: Mapping[str, Any], name: str) -> Mapping[str, Any]:
+    """The fit called ``name`` of a fit file; an unknown name is an error naming it and the file's fits."""
+    fits = fit["fits"]
+    if name not in fits:
+        raise HecateError(f"unknown call overhead fit {name!r}; the fit file has {', '.join(sorted(fits))}")
+    return fits[name]
+
+
+def fit_overheads(fit: Mapping[str, Any], name: str, device_gbps: Optional[float] = None) -> CallOverheads:
+    """The coefficients of the fit ``name`` of ``fit`` as fitted, or for a device of memory bandwidth
+    ``device_gbps`` (:func:`scaled_to` from the fit's ``device_memory_gbps``)."""
+    entry = fit_entry(fit, name)
     families = {family: entry[family] for family in ("hecate", "baselines") if family in entry}
     if device_gbps is None:
         return CallOverheads.of(families)
     return scaled_to(families, float(entry["device_memory_gbps"]), device_gbps)
+
+
+def fit_date(entry: Mapping[str, Any]) -> Optional[datetime.date]:
+    """The day a fit's input was measured (its record's ``date``, else ``started``), None if it does not say."""
+    source = entry.get("source", {})
+    stamp = source.get("date") or source.get("started")
+    try:
+        return datetime.date.fromisoformat(str(stamp)[:10])
+    except ValueError:
+        return None
+
+
+def describe_fit(fit: Mapping[str, Any], name: str, device_gbps: Optional[float], run_date: datetime.date) -> str:
+    """Which fit charges a cluster, from what and how old: ``fit 'cpu' (CPU layer benchmark, N-rank paths, run on
+    2026-12-07 at commit 41acf1f; 0 days before this run), byte terms scaled from 7.9 to 900 GB/s, baselines
+    charged autoep's coefficients``."""
+    entry = fit_entry(fit, name)
+    source, measured = entry.get("source", {}), fit_date(entry)
+    age = f"{(run_date - measured).days} days before this run" if measured else "age unknown"
+    scale = (f"byte terms scaled from {entry['device_memory_gbps']:g} to {device_gbps:g} GB/s memory bandwidth"
+             if device_gbps is not None and device_gbps != entry["device_memory_gbps"] else "byte terms as fitted")
+    baselines = entry.get("baselines_from")
+    return (f"fit {name!r} ({entry.get('description', 'no description')}, run on "
+            f"{measured.isoformat() if measured else 'an unrecorded date'} at commit "
+            f"{source.get('commit', 'unrecorded')}; {age}), {scale}, baselines charged "
+            + (f"{baselines}'s coefficients" if baselines else "nothing (none measured)"))

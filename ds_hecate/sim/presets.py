@@ -13,13 +13,14 @@ measured values (``Cluster.from_measured``) before trusting absolute times.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Type, TypeVar, Union
 
 from ..errors import HecateError
-from .overhead import CallOverheads, device_overheads, load_fit
+from .overhead import CallOverheads, describe_fit, fit_overheads, load_fit
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -123,11 +124,25 @@ class Cluster:
     #: each system's per-call runtime overhead over the plain layer (sim/overhead.py; a JSON object
     #: ``{"hecate": {...}, "baselines": {...}}`` in a cluster file); None: none charged
     call_overhead: Optional[CallOverheads] = None
+    #: the device's memory bandwidth (GB/s), to which a fit's byte terms are scaled (:meth:`charged_by`)
+    memory_gbps: Optional[float] = None
+    #: the committed fit that charges this cluster when ``call_overhead`` is not given (:meth:`charged_by`); None:
+    #: the cluster's own coefficients, or none
+    call_overhead_fit: Optional[str] = None
     description: str = ""
 
     def __post_init__(self) -> None:
         raw = self.call_overhead
-        if raw is not None and not isinstance(raw, CallOverheads):
+        if raw is None and self.call_overhead_fit is not None:   # charged by a committed fit (:meth:`charged_by`)
+            if self.memory_gbps is None:
+                raise HecateError(f"cluster {self.name!r} has no memory_gbps to scale the call overhead fit "
+                                  f"{self.call_overhead_fit!r} to; give it in the cluster file")
+            try:
+                fitted = fit_overheads(CALL_OVERHEAD_FIT, self.call_overhead_fit, float(self.memory_gbps))
+            except ValueError as exc:
+                raise HecateError(f"cluster {self.name!r}: {exc}") from None
+            object.__setattr__(self, "call_overhead", fitted)
+        elif raw is not None and not isinstance(raw, CallOverheads):
             try:
                 object.__setattr__(self, "call_overhead", CallOverheads.of(raw))
             except (TypeError, ValueError, AttributeError) as exc:
@@ -136,6 +151,22 @@ class Cluster:
     def call_overheads(self) -> CallOverheads:
         """The per-call overhead model of this cluster's devices (none charged when not given)."""
         return self.call_overhead if self.call_overhead is not None else CallOverheads()
+
+    def charged_by(self, fit_name: str) -> "Cluster":
+        """This cluster charged the committed fit ``fit_name`` (``ds-hecate simulate --call-overhead-fit``), its byte
+        terms scaled to :attr:`memory_gbps`; an unknown fit, or a cluster without a memory bandwidth, is an error."""
+        return dataclasses.replace(self, call_overhead=None, call_overhead_fit=fit_name)
+
+    def call_overhead_note(self, run_date: datetime.date) -> str:
+        """What charges this cluster's layer calls, for the simulator's tables: the committed fit (its source, commit,
+        date and age on ``run_date``, :func:`~.overhead.describe_fit`), the cluster's own coefficients, or none."""
+        if self.call_overhead is None:
+            return f"{self.name}: no per-call overhead (the cluster gives none)"
+        name = self.call_overhead_fit
+        if name is not None and name in CALL_OVERHEAD_FIT["fits"] and self.call_overhead == fit_overheads(
+                CALL_OVERHEAD_FIT, name, self.memory_gbps):
+            return f"{self.name}: {describe_fit(CALL_OVERHEAD_FIT, name, self.memory_gbps, run_date)}"
+        return f"{self.name}: the cluster's own call_overhead coefficients"
 
     @property
     def world_size(self) -> int:
@@ -218,38 +249,42 @@ MODELS: Dict[str, ModelShape] = {m.name: m for m in (
 )}
 
 #: the committed fit of the per-call overhead model (ds_hecate/sim/call_overhead_fit.json, written by
-#: ``python -m ds_hecate.sim.overhead_fit``):
-#: the presets' ``call_overhead`` follow from it, so a refit changes them without an edit here
+#: ``python -m ds_hecate.sim.overhead_fit``): every preset is charged its default fit (``cpu``), so a refit changes
+#: them without an edit here
 CALL_OVERHEAD_FIT = load_fit()
-#: each GPU preset's device memory bandwidth (GB/s, vendor figures: V100-32GB HBM2, A100-40GB HBM2, H100-80GB SXM
-#: HBM3), to which the GPU fit (its device: 4800 GB/s) is scaled: byte terms by the ratio, the fixed term kept
-#: (``sim/overhead.scaled_to``; docs/simulator.md, "Call overhead")
-MEMORY_GBPS = {"v100-4x8": 900.0, "a100-4x8": 1555.0, "h100-128x8": 3350.0}
+DEFAULT_CALL_OVERHEAD_FIT: str = CALL_OVERHEAD_FIT["default"]
+#: each preset's device memory bandwidth (GB/s) to which the fit's byte terms are scaled, the fixed term kept
+#: (``sim/overhead.scaled_to``; docs/simulator.md, "Call overhead"): vendor figures for V100-32GB HBM2, A100-40GB
+#: HBM2, H100-80GB SXM HBM3; ``cpu-2`` the bandwidth measured beside the CPU fit (the host it ran on)
+MEMORY_GBPS = {"v100-4x8": 900.0, "a100-4x8": 1555.0, "h100-128x8": 3350.0,
+               "cpu-2": float(CALL_OVERHEAD_FIT["fits"]["cpu"]["device_memory_gbps"])}
 
 
-def _gpu_overhead(name: str) -> CallOverheads:
-    return device_overheads(CALL_OVERHEAD_FIT, "gpu", MEMORY_GBPS[name])
+def _charged(name: str) -> Dict[str, Any]:
+    """A preset's memory bandwidth and its charge: the default fit."""
+    gbps = MEMORY_GBPS[name]
+    return dict(memory_gbps=gbps, call_overhead_fit=DEFAULT_CALL_OVERHEAD_FIT)
 
 
 CLUSTERS: Dict[str, Cluster] = {c.name: c for c in (
     Cluster("v100-4x8", nodes=4, devices_per_node=8, intra_node_gbps=150.0, inter_node_gbps=12.5,
             device_tflops=50.0, device_memory_gb=32.0, intra_latency_s=5e-6, inter_latency_s=3e-5,
-            call_overhead=_gpu_overhead("v100-4x8"),
+            **_charged("v100-4x8"),
             description="paper cluster A: 4x AWS p3dn.24xlarge, 8x V100-32GB, NVLink 300 GB/s (150 per direction), "
                         "100 Gb/s per node; effective 50 TFLOP/s (40% of fp16 peak, assumed)"),
     Cluster("a100-4x8", nodes=4, devices_per_node=8, intra_node_gbps=300.0, inter_node_gbps=50.0,
             device_tflops=125.0, device_memory_gb=40.0, intra_latency_s=5e-6, inter_latency_s=2e-5,
-            call_overhead=_gpu_overhead("a100-4x8"),
+            **_charged("a100-4x8"),
             description="paper cluster B: 4x AWS p4d.24xlarge, 8x A100-40GB, NVSwitch 600 GB/s (300 per "
                         "direction), 400 Gb/s per node; effective 125 TFLOP/s (40% of bf16 peak, assumed)"),
     Cluster("h100-128x8", nodes=128, devices_per_node=8, intra_node_gbps=450.0, inter_node_gbps=400.0,
             device_tflops=600.0, device_memory_gb=80.0, intra_latency_s=3e-6, inter_latency_s=1e-5,
-            call_overhead=_gpu_overhead("h100-128x8"),
+            **_charged("h100-128x8"),
             description="128 nodes x 8 H100-80GB, NVLink4 450 GB/s per direction, 8x 400 Gb/s NICs per node; "
                         "effective 600 TFLOP/s (about 60% of bf16 peak, assumed)"),
     Cluster("cpu-2", nodes=1, devices_per_node=2, intra_node_gbps=0.9, inter_node_gbps=0.9, device_tflops=0.01,
             device_memory_gb=24.0, intra_latency_s=0.0, inter_latency_s=0.0, overlaps_compute=False,
-            call_overhead=device_overheads(CALL_OVERHEAD_FIT, "cpu"),
+            **_charged("cpu-2"),
             description="two CPU ranks over gloo on one host; nominal figures: pass the "
                         "measured costs of the run to compare with (--measured or Cluster.from_measured)"),
 )}

@@ -41,6 +41,8 @@ class SimSettings:
     ``thread`` (this thread's CPU time as it runs here). ``charge_call_overhead``: every system's per-call runtime
     overhead (the cluster's ``call_overhead``, :mod:`.overhead`; ``call_overhead`` in the breakdown); False leaves
     it out, a what-if of runtimes as lean as a plain layer (the planners decide alike either way).
+    ``call_overhead_fit``: charge the cluster the committed fit of that name instead of its own charge
+    (:meth:`~ds_hecate.sim.presets.Cluster.charged_by`; None: the cluster's, the default fit on a preset).
 
     ``ep_size``: the group size G every system but the ideal runs in (Hecate's domain, the EP baselines'
     expert-parallel size); None: the ``hecate`` config's ``ep_size``, else the runtime's rule
@@ -62,6 +64,7 @@ class SimSettings:
     force_balanced: bool = True
     charge_planning: bool = True
     charge_call_overhead: bool = True
+    call_overhead_fit: Optional[str] = None
     ep_size: Optional[int] = None
     planning_clock: str = "work"
     planner_token_price: float = 1.0
