@@ -245,8 +245,10 @@ def test_planning_charge_does_not_move_with_the_machines_load():
         time.sleep(0.3)   # the burners are running
         started = time.perf_counter(), time.process_time()
         busy = simulate("a100-4x8", "gpt-moe-s", "W6", work, systems=["hecate"])
-        wall, cpu = time.perf_counter() - started[0], time.process_time() - started[1]
         busy_thread = simulate("a100-4x8", "gpt-moe-s", "W6", thread, systems=["hecate"])
+        while time.process_time() - started[1] < 0.5:   # half a second of CPU at least, however fast the cells ran
+            pass
+        wall, cpu = time.perf_counter() - started[0], time.process_time() - started[1]
     finally:
         for b in burners:
             b.kill()
