@@ -201,9 +201,11 @@ class _ExpertsToAccumulators(torch.autograd.Function):
         layer: HecateOpsMoE = ctx.layer
         grad = grad.contiguous()
         d_hidden = F.grouped_mm(grad, layer.down.detach(), offs=offs)
-        layer.down_grad.copy_(F.grouped_mm(grad.t(), hidden, offs=offs))
+        assert layer.accumulators is not None   # made by the forward
+        gate_up_grad, down_grad = layer.accumulators
+        down_grad.copy_(F.grouped_mm(grad.t(), hidden, offs=offs))
         d_both = torch.cat([torch.ops.aten.silu_backward(d_hidden * up, gate), d_hidden * act], dim=-1)
-        layer.gate_up_grad.copy_(F.grouped_mm(d_both.t(), x, offs=offs))
+        gate_up_grad.copy_(F.grouped_mm(d_both.t(), x, offs=offs))
         return F.grouped_mm(d_both, layer.gate_up.detach(), offs=offs), None, None
 
 
@@ -214,19 +216,11 @@ class HecateOpsMoE(PlainGroupedMoE):
     weighted un-permute (``ds_hecate.ops.combine``). What the call would cost if its host glue (planning, layout,
     bookkeeping, the Python between the ops) were free: the floor the runtime's own work is measured against."""
 
-    gate_up_grad: torch.Tensor
-    down_grad: torch.Tensor
-
     def __init__(self, router: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
                  top_k: int) -> None:
         super().__init__(router, w1, w3, w2, top_k)
-        self.register_buffer("gate_up_grad", torch.zeros(self.gate_up.shape, dtype=torch.float32), persistent=False)
-        self.register_buffer("down_grad", torch.zeros(self.down.shape, dtype=torch.float32), persistent=False)
-
-    def _apply(self, fn, recurse=True):   # the accumulators stay fp32 when the layer is cast
-        out = super()._apply(fn, recurse)
-        self.gate_up_grad, self.down_grad = self.gate_up_grad.float(), self.down_grad.float()
-        return out
+        #: the fp32 accumulators of the weights' gradients (gate/up, down), made at the first call on its device
+        self.accumulators: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from ds_hecate.ops.combine import weighted_unpermute
@@ -238,6 +232,9 @@ class HecateOpsMoE(PlainGroupedMoE):
         if np.count_nonzero(counts[experts:]):
             raise RuntimeError("a route out of range or a gate not finite")
         offs = torch.from_numpy(np.cumsum(counts[:experts]).astype(np.int32)).to(x.device)
+        if self.accumulators is None:
+            self.accumulators = (torch.empty(self.gate_up.shape, dtype=torch.float32, device=x.device),
+                                 torch.empty(self.down.shape, dtype=torch.float32, device=x.device))
         slots = torch.argsort(flat, stable=True)
         rows = x.index_select(0, slots % x.shape[0])
         y = _ExpertsToAccumulators.apply(rows, offs, self)

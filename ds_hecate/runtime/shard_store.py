@@ -248,7 +248,7 @@ class LayerShard:
         if not fresh:
             return
         first = fresh == self.kernel.name_set
-        object.__setattr__(self, "fresh_params", frozenset() if names is None else fresh.difference(names))
+        self.fresh_params = frozenset() if names is None else fresh.difference(names)
         if first and self.partition is None:
             assert self.grads is not None   # the contributions were written into it
             # fresh views each window (a view handed out as .grad could have been re-pointed by its holder)
