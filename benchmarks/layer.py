@@ -52,7 +52,7 @@ AGREEMENT_TOL = {"fp32": 1e-4, "bf16": 5e-2}
 GRAD_ORDER_TOL = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 1e-2}
 #: the dispatcher's namespaces: torch's, its collectives' and ds_hecate's registered ops
 DISPATCHED = ("aten::", "c10d::", "ds_hecate::")
-#: the phase table's column of the router, timed alone (:func:`router_seconds`)
+#: the phase table's column of the router, timed alone (:func:`router_call`)
 ROUTER = "router"
 #: ops that write a tensor anew (a per-call relayout of the experts' weights is one of them; a transpose is a view)
 COPY_OPS = ("aten::copy_", "aten::clone", "aten::contiguous", "aten::_to_copy", "aten::cat", "aten::stack",
@@ -92,21 +92,19 @@ def one_call(layer, x0, grad, device, profile: Optional[Callable] = None):
     return time.perf_counter() - start, out, x.grad
 
 
-def router_seconds(router: Callable[[torch.Tensor], torch.Tensor], x0: torch.Tensor, reps: int,
-                   device: torch.device) -> float:
-    """The mean seconds of a layer's router alone, forward and backward (its gates' gradient all ones): the part of
-    a ds_hecate call outside the layer's phases, so that the phases and the router add up to the call."""
+def router_call(router: Callable[[torch.Tensor], torch.Tensor], x0: torch.Tensor, device: torch.device) -> float:
+    """The seconds of one call of a layer's router alone, forward and backward (its gates' gradient all ones), as
+    :func:`one_call` runs a layer: the part of a ds_hecate call outside the layer's phases (the router, and the
+    harness's leaf and backward entry), so that the phases and it add up to the call. Timed in the same interleaved
+    rounds as the calls, so that it sees the caches they see."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    seconds = []
-    for _ in range(reps + 1):   # (the first call warms up)
-        x = x0.detach().requires_grad_(True)
-        sync()
-        start = time.perf_counter()
-        gates = router(x)
-        gates.backward(torch.ones_like(gates))
-        sync()
-        seconds.append(time.perf_counter() - start)
-    return statistics.fmean(seconds[1:])
+    x = x0.detach().requires_grad_(True)
+    sync()
+    start = time.perf_counter()
+    gates = router(x)
+    gates.backward(torch.ones_like(gates))
+    sync()
+    return time.perf_counter() - start
 
 
 def profile_call(fn: Callable[[], Any]) -> Dict[str, Any]:
@@ -208,13 +206,15 @@ def measure_cell(shape_name: str, dtype_name: str, device_name: str, reps: int, 
         for s, b in built.items():
             one_call(b, xs[s], grads[s], device)
     before = {s: b.phases() for s, b in built.items() if b.phases}
-    times = common.interleaved({s: (lambda s=s: one_call(built[s], xs[s], grads[s], device)[0]) for s in built},
-                               reps)
+    calls = {s: (lambda s=s: one_call(built[s], xs[s], grads[s], device)[0]) for s in built}
+    routers = {f"{s} {ROUTER}": (lambda r=b.router, s=s: router_call(r, xs[s], device))
+               for s, b in built.items() if profile and b.phases and b.router is not None}
+    times = common.interleaved({**calls, **routers}, reps)
     out: Dict[str, dict] = {}
     for s, b in built.items():
         phases = {p: (v - before[s][p]) / reps for p, v in b.phases().items()} if b.phases and profile else None
         if phases is not None and b.router is not None:   # what the call runs outside the layer: its router
-            phases = {**phases, ROUTER: router_seconds(b.router, xs[s], reps, device)}
+            phases = {**phases, ROUTER: statistics.fmean(times[f"{s} {ROUTER}"])}
         prof = one_call(b, xs[s], grads[s], device, profile_call)[0]
         ref = reference(s)
         agreement = {"out": _relative(first[s][1], first[ref][1]), "x_grad": _relative(first[s][2], first[ref][2])}

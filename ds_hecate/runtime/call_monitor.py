@@ -4,7 +4,8 @@
   until the scheduler's cost model has measured the steady state (``runtime/profiling.py``, step
   :data:`~.profiling.WARM_PROFILE_STEP`), and throughout with ``hecate.profile``. Each timed phase is a
   ``torch.profiler.record_function`` range with a CUDA event pair (the host clock on the CPU), and the backward's
-  phases are cut by autograd boundaries (:mod:`.timing`). Off, a phase costs an attribute write: it still names
+  phases are cut by autograd boundaries (:mod:`.timing`). A forward call's phases tile it: each starts where the
+  call's previous one ended (:class:`~.timing.CallCursor`), so the glue between them is counted too. Off, a phase costs an attribute write: it still names
   what the layer is doing for a collective that fails inside it (``Communicator.activity``).
 - **Replica memory**: bytes of materialized replicas alive over every layer and each layer's own, and their peaks,
   each gathered block counted until it is freed (:class:`ReplicaMemory`).
@@ -12,12 +13,13 @@
 """
 from __future__ import annotations
 
+import time
 import weakref
 from typing import Any, Callable, List, Optional
 
 import torch
 
-from .timing import BackwardPhases, DeviceClock, PhaseBoundary, PhaseTimer, PhaseTimes
+from .timing import BackwardPhases, CallCursor, DeviceClock, PhaseBoundary, PhaseTimer, PhaseTimes
 
 
 class ReplicaBytes:
@@ -119,13 +121,15 @@ class CallMonitor:
         #: called as observe(layer, plan, counts) after each forward call's plan (not recomputes)
         self.observers: List[Callable[..., None]] = []
         self.last_layer_end: Optional[object] = None   # a DeviceClock mark, while profiling
+        #: the end of the forward call's last phase, where its next phase starts (while profiling)
+        self.cursor = CallCursor()
 
     def phase(self, comm: Any, label: str, times: PhaseTimes, name: str) -> Any:
         """A context for one phase of a layer call: names ``label`` as ``comm``'s activity, and times phase
         ``name`` into ``times`` while profiling."""
         if not self.profiling:
             return _Activity(comm, label)
-        return _TimedActivity(comm, label, PhaseTimer(times, name, self.backward_phases, label))
+        return _TimedActivity(comm, label, PhaseTimer(times, name, self.backward_phases, label, self.cursor))
 
     def boundary(self, tensor: torch.Tensor, times: PhaseTimes, ends: Optional[str],
                  starts: Optional[str]) -> torch.Tensor:
@@ -136,15 +140,23 @@ class CallMonitor:
         return PhaseBoundary.apply(tensor, self.backward_phases, times, ends, starts)
 
     def model_forward(self) -> None:
-        """A model forward starts: the gap to the first layer counts from here."""
+        """A model forward starts: the gap to the first layer counts from here (a call an error cut short left no
+        cursor behind)."""
         self.last_layer_end = self.clock.mark() if self.profiling else None
+        self.cursor.at = None
 
     def layer_starts(self, times: PhaseTimes) -> None:
-        """A forward layer call starts: the device time since the previous layer's end is this layer's gap."""
-        if self.profiling and self.last_layer_end is not None:
-            times.gap.add(self.last_layer_end, self.clock.mark())
+        """A forward layer call starts: the device time since the previous layer's end is this layer's gap, and
+        the call's first phase starts here (:class:`~.timing.CallCursor`)."""
+        if self.profiling:
+            start = self.clock.mark()
+            if self.last_layer_end is not None:
+                times.gap.add(self.last_layer_end, start)
+            self.cursor.at = (start, time.perf_counter())
 
     def layer_ends(self) -> None:
+        """A layer call ends (a forward's or a recompute's): phases outside a call take their own marks again."""
+        self.cursor.at = None
         if self.profiling:
             self.last_layer_end = self.clock.mark()
 

@@ -102,10 +102,12 @@ class PhaseTimes:
         self.host = {p: 0.0 for p in names}
         self.gap = Intervals(keep=16)
 
-    def record(self, phase: str, mark: Any, host_start: float, clock: "DeviceClock") -> None:
-        """An interval of ``phase`` from ``mark`` / ``host_start`` to now."""
-        self.host[phase] += time.perf_counter() - host_start
-        self.device[phase].add(mark, clock.mark())
+    def record(self, phase: str, mark: Any, host_start: float, clock: "DeviceClock") -> Tuple[Any, float]:
+        """An interval of ``phase`` from ``mark`` / ``host_start`` to now; returns now (device mark, host time)."""
+        end, host_end = clock.mark(), time.perf_counter()
+        self.host[phase] += host_end - host_start
+        self.device[phase].add(mark, end)
+        return end, host_end
 
     def seconds(self) -> Dict[str, float]:
         """Device seconds per phase so far (resolving CUDA events is a host synchronisation: step boundaries and
@@ -165,22 +167,53 @@ class PhaseBoundary(torch.autograd.Function):
         return grad, None, None, None, None
 
 
-class PhaseTimer:
-    """One timed phase of an MoE layer call (:meth:`PhaseTimes.record`), inside a
-    ``torch.profiler.record_function`` range of the same name; pauses a backward phase it runs inside
-    (:class:`BackwardPhases`)."""
+def profiler_records() -> bool:
+    """Whether a torch profiler (``torch.profiler.profile``, ``emit_nvtx``) is recording ranges now."""
+    enabled = getattr(torch._C._autograd, "_profiler_enabled", None)
+    return enabled is None or bool(enabled())
 
-    def __init__(self, times: PhaseTimes, phase: str, phases: BackwardPhases, label: str) -> None:
-        self.times, self.phase, self.phases, self.label = times, phase, phases, label
+
+class CallCursor:
+    """Where the last timed phase of the forward layer call in progress ended (``at``: device mark, host time; None
+    outside a forward call). The next phase of the call starts there rather than at its own entry, so a forward
+    call's phases tile it: the host work between two phases (the call's glue, the profiler range's entry, the
+    autograd boundaries) is counted in the later one, and the phases add up to the call."""
+
+    __slots__ = ("at",)
+
+    def __init__(self) -> None:
+        self.at: Optional[Tuple[Any, float]] = None
+
+
+class PhaseTimer:
+    """One timed phase of an MoE layer call (:meth:`PhaseTimes.record`), around a
+    ``torch.profiler.record_function`` range of the same name while a profiler records; pauses a backward phase it runs inside
+    (:class:`BackwardPhases`); in a forward call it starts where the call's previous phase ended (``cursor``)."""
+
+    def __init__(self, times: PhaseTimes, phase: str, phases: BackwardPhases, label: str,
+                 cursor: Optional[CallCursor] = None) -> None:
+        self.times, self.phase, self.phases, self.label, self.cursor = times, phase, phases, label, cursor
 
     def __enter__(self) -> None:
-        self.range = torch.profiler.record_function(self.label)
-        self.range.__enter__()
         self.paused = self.phases.pause()
-        self.mark = self.phases.clock.mark()
-        self.start = time.perf_counter()
+        cursor = self.cursor
+        self.took = cursor is not None and cursor.at is not None
+        if self.took:   # (a phase nested in this one takes its own marks: the cursor is this one's until it ends)
+            assert cursor is not None and cursor.at is not None
+            (self.mark, self.start), cursor.at = cursor.at, None
+        else:
+            self.mark, self.start = self.phases.clock.mark(), time.perf_counter()
+        # the range only where a profiler records it (a range costs tens of microseconds, recorded or not); its
+        # entry and exit are inside the phase's marks, so what profiling adds is counted in the phases
+        self.range = torch.profiler.record_function(self.label) if profiler_records() else None
+        if self.range is not None:
+            self.range.__enter__()
 
     def __exit__(self, *exc: Any) -> None:
-        self.times.record(self.phase, self.mark, self.start, self.phases.clock)
+        if self.range is not None:
+            self.range.__exit__(*exc)
+        end = self.times.record(self.phase, self.mark, self.start, self.phases.clock)
+        if self.took:
+            assert self.cursor is not None
+            self.cursor.at = end
         self.phases.resume(self.paused)
-        self.range.__exit__(*exc)

@@ -1,0 +1,64 @@
+"""The layer calls' phase timers: a forward call's phases tile it, and the profiler ranges exist only while a profiler
+records them (ds_hecate.runtime.timing, ds_hecate.runtime.call_monitor)."""
+import time
+from types import SimpleNamespace
+
+import torch
+
+from ds_hecate.runtime import timing
+from ds_hecate.runtime.call_monitor import CallMonitor, LayerPhases
+from ds_hecate.runtime.phases import PHASES
+from ds_hecate.runtime.timing import PhaseTimes
+
+GLUE_S = 0.02   # host work between two phases, long enough to stand out of a loaded host's noise
+
+
+def _layer(monitor: CallMonitor):
+    times = PhaseTimes(PHASES)
+    return times, LayerPhases(monitor, SimpleNamespace(activity=None), times, "l")
+
+
+def test_a_forward_calls_phases_tile_it():
+    """Inside a forward call the host work before and between phases is counted in the phase after it; outside
+    one (the next layer's prefetch between model forwards, say) a phase counts only itself."""
+    monitor = CallMonitor(torch.device("cpu"), profiling=True)
+    times, phases = _layer(monitor)
+    start = time.perf_counter()
+    monitor.layer_starts(times)
+    time.sleep(GLUE_S)
+    with phases("counts"):
+        pass
+    time.sleep(GLUE_S)
+    with phases("plan"):
+        with phases("gather"):   # nested: its own marks, so nothing is counted twice
+            pass
+    monitor.layer_ends()
+    call = time.perf_counter() - start
+    seconds = times.seconds()
+    assert GLUE_S <= seconds["counts"] < 2 * GLUE_S and GLUE_S <= seconds["plan"] < 2 * GLUE_S
+    assert seconds["gather"] < GLUE_S
+    assert seconds["counts"] + seconds["plan"] <= call
+    time.sleep(GLUE_S)
+    with phases("bookkeeping"):   # after the call: the sleep before it is no phase's
+        pass
+    assert times.seconds()["bookkeeping"] < GLUE_S / 2
+
+
+def test_phases_open_profiler_ranges_only_while_a_profiler_records(monkeypatch):
+    monitor = CallMonitor(torch.device("cpu"), profiling=True)
+    times, phases = _layer(monitor)
+    opened = []
+    real = torch.profiler.record_function
+
+    def record(name: str):
+        opened.append(name)
+        return real(name)
+    monkeypatch.setattr(torch.profiler, "record_function", record)
+    with phases("counts"):
+        pass
+    assert not opened and not timing.profiler_records()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with phases("counts"):
+            torch.ones(2).sum()
+    assert opened == ["counts of MoE layer 'l'"]
+    assert any(e.name == "counts of MoE layer 'l'" for e in prof.events())
