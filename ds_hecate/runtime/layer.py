@@ -87,11 +87,11 @@ class LayerBinding:
         ``gates`` also feeds the health check: non-finite gate values or expert ids out of range travel with the
         count exchange, so every rank of the group learns of a bad rank at the same collective (:mod:`.stops`;
         out-of-range routes are out of every count, so the call runs as if they were dropped)."""
-        host, setup, phases = self.host, self.host.setup, self.phases
         recompute = in_backward_pass()
-        host.sequence.called(self.index, recompute)
         if not recompute:
-            host.monitor.layer_starts(self.times)
+            self.host.monitor.layer_starts(self.times)
+        host, setup, phases = self.host, self.host.setup, self.phases
+        host.sequence.called(self.index, recompute)
         x = phases.boundary(x, "dispatch_bwd", None)
         self.tally.top_k = indices.shape[0]
         flat = indices.reshape(-1)
