@@ -52,7 +52,7 @@ AGREEMENT_TOL = {"fp32": 1e-4, "bf16": 5e-2}
 GRAD_ORDER_TOL = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 1e-2}
 #: the dispatcher's namespaces: torch's, its collectives' and ds_hecate's registered ops
 DISPATCHED = ("aten::", "c10d::", "ds_hecate::")
-#: the phase table's column of the router, timed alone (:func:`router_call`)
+#: the phase table's column of the router, timed in its own calls (:func:`router_call`)
 ROUTER = "router"
 #: ops that write a tensor anew (a per-call relayout of the experts' weights is one of them; a transpose is a view)
 COPY_OPS = ("aten::copy_", "aten::clone", "aten::contiguous", "aten::_to_copy", "aten::cat", "aten::stack",
@@ -287,7 +287,8 @@ def markdown(record: dict) -> str:
     if phased:
         names = list(phased[0][2]["phases_s"])
         lines += ["", "ds_hecate's phases per call (ms, means; `--profile`), with the router outside them "
-                  f"(`{ROUTER}`, timed alone), their sum, the call's mean and the sum over the mean:", ""]
+                  f"(`{ROUTER}`, timed in its own calls among the rounds), their sum, the call's mean and the sum "
+                  "over the mean:", ""]
         lines += common.table(["shape", "dtype", "system"] + names + ["sum", "call", "sum / call"], [
             [c["shape"], c["dtype"], s] + [f"{1e3 * r['phases_s'].get(p, 0.0):.2f}" for p in names]
             + [f"{1e3 * sum(r['phases_s'].values()):.2f}", f"{1e3 * statistics.fmean(r['times_s']):.2f}",
