@@ -2,11 +2,12 @@
 
 - **Phases** (:mod:`.phases`) are timed only while :attr:`CallMonitor.profiling` is on: from the start of training
   until the scheduler's cost model has measured the steady state (``runtime/profiling.py``, step
-  :data:`~.profiling.WARM_PROFILE_STEP`), and throughout with ``hecate.profile``. Each timed phase is a
-  ``torch.profiler.record_function`` range with a CUDA event pair (the host clock on the CPU), and the backward's
-  phases are cut by autograd boundaries (:mod:`.timing`). A forward call's phases tile it: each starts where the
-  call's previous one ended (:class:`~.timing.CallCursor`), so the glue between them is counted too. Off, a phase costs an attribute write: it still names
-  what the layer is doing for a collective that fails inside it (``Communicator.activity``).
+  :data:`~.profiling.WARM_PROFILE_STEP`), and throughout with ``hecate.profile``. Each timed phase is a CUDA event
+  pair (the host clock on the CPU), and a ``torch.profiler.record_function`` range while a profiler records; the
+  backward's phases are cut by autograd boundaries (:mod:`.timing`). A forward call's phases tile it: each starts
+  where the call's previous one ended (:class:`~.timing.CallCursor`), so the glue between them is counted too. Off,
+  a phase costs an attribute write: it still names what the layer is doing for a collective that fails inside it
+  (``Communicator.activity``).
 - **Replica memory**: bytes of materialized replicas alive over every layer and each layer's own, and their peaks,
   each gathered block counted until it is freed (:class:`ReplicaMemory`).
 - **Observers**: called after each forward call with its plan and counts (step metrics, the routing trace).

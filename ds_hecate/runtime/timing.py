@@ -187,8 +187,9 @@ class CallCursor:
 
 class PhaseTimer:
     """One timed phase of an MoE layer call (:meth:`PhaseTimes.record`), around a
-    ``torch.profiler.record_function`` range of the same name while a profiler records; pauses a backward phase it runs inside
-    (:class:`BackwardPhases`); in a forward call it starts where the call's previous phase ended (``cursor``)."""
+    ``torch.profiler.record_function`` range of the same name while a profiler records; pauses a backward phase it
+    runs inside (:class:`BackwardPhases`); in a forward call it starts where the call's previous phase ended
+    (``cursor``)."""
 
     def __init__(self, times: PhaseTimes, phase: str, phases: BackwardPhases, label: str,
                  cursor: Optional[CallCursor] = None) -> None:
