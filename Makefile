@@ -2,7 +2,7 @@
 PYTHON ?= python3
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install demo test lint gpu-check gpu-install gpu-wheels
+.PHONY: install demo test lint gpu-site gpu-check gpu-fit gpu-install gpu-wheels
 # A visible NVIDIA GPU: `make test` then installs the `gpu` extra (CuPy, NCCL) so tests/gpu run on the GPU itself
 # (without one they run under the GPU stand-in, tests/fake_cupy.py).
 HAS_GPU := $(shell nvidia-smi -L 2>/dev/null | grep -q GPU && echo 1)
@@ -42,29 +42,62 @@ gpu-install: install
 # The one-command check of the GPU path, on a GPU machine as it is (docs/benchmarks.md, "GPU check"): no install of
 # torch, CuPy or the requirements (whatever CUDA torch and CuPy are there stay). What is missing to import DeepSpeed
 # (DeepSpeed itself, pydantic, ...) comes from the wheelhouse .whl/ that `make gpu-wheels` builds where pip has
-# network, installed with --no-index into GPU_SITE only if deepspeed is not importable; ds_hecate runs from the
-# checkout. Every stage in its own process with its own timeout (they sum to at most 480 s, a minute under this
-# target's 540: benchmarks/gpu/runner.py); the JSON ($(GPU_OUT).json) is rewritten after each stage, the Markdown
-# table ($(GPU_OUT).md) printed at the end. `make gpu-check ARGS=--dry-run` runs every stage's code on the CPU under
-# the GPU stand-in (CI); ARGS=--quick shrinks sizes.
+# network, installed with --no-index into GPU_SITE only if deepspeed or transformers (AutoEP's) is not importable
+# (gpu-site); ds_hecate runs from the checkout. Every stage in its own process with its own timeout (they sum to at
+# most 480 s, a minute under this target's 540: benchmarks/gpu/runner.py); the JSON ($(GPU_OUT).json) is rewritten after each stage, the
+# Markdown table ($(GPU_OUT).md) printed at the end. `make gpu-check ARGS=--dry-run` runs every stage's code on the
+# CPU under the GPU stand-in (CI); ARGS=--quick shrinks sizes.
 ARGS ?=
 GPU_SITE ?= /tmp/ds_hecate_site
 GPU_OUT ?= runs/gpu_check
 GPU_PYTHONPATH = $(CURDIR):$(GPU_SITE)$${PYTHONPATH:+:$$PYTHONPATH}
 
-gpu-check:
-	@if PYTHONPATH="$(GPU_PYTHONPATH)" $(PYTHON) -c "import deepspeed, pydantic" >/dev/null 2>&1; then :; \
+gpu-site:
+	@if PYTHONPATH="$(GPU_PYTHONPATH)" $(PYTHON) -c "import deepspeed, pydantic, transformers" >/dev/null 2>&1; \
+	then :; \
 	elif ls .whl/*.whl >/dev/null 2>&1; then \
-		echo "gpu-check: deepspeed is not importable; installing the wheelhouse .whl/ into $(GPU_SITE)"; \
+		echo "gpu-site: deepspeed or transformers is not importable; installing the wheelhouse .whl/ into $(GPU_SITE)"; \
 		$(PYTHON) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
 			--target $(GPU_SITE) .whl/*.whl || exit 1; \
 	else \
-		echo "gpu-check: deepspeed is not importable and there is no wheelhouse .whl/ (run make gpu-wheels where"; \
-		echo "pip has network and bring .whl/ along)"; exit 1; \
+		echo "gpu-site: deepspeed or transformers is not importable and there is no wheelhouse .whl/ (run make"; \
+		echo "gpu-wheels where pip has network and bring .whl/ along)"; exit 1; \
 	fi
+
+gpu-check:
+	@$(MAKE) --no-print-directory gpu-site
 	@mkdir -p $(dir $(GPU_OUT))
 	PYTHONPATH="$(GPU_PYTHONPATH)" timeout 540 $(PYTHON) benchmarks/gpu_check.py --out $(GPU_OUT).json \
 		--markdown $(GPU_OUT).md $(ARGS)
+
+# The GPU's call overhead fit, on a GPU machine as it is (docs/simulator.md, "Call overhead"): the layer benchmark's
+# N-rank rows (ds_hecate's layer call, AutoEP, the plain layer and its all-to-alls) on the device in bf16, one
+# process per shape, each under its own timeout (a shape that fails leaves only its own cells out), then the records
+# cut into one fixture ($(FIT_OUT).json) with the device's memory bandwidth measured beside them. The fit itself
+# and the simulator's tables are made from that fixture on any machine. Each shape at most FIT_SHAPE_TIMEOUT
+# seconds (8 minutes for the four); `make gpu-fit FIT_DEVICE=cpu FIT_DTYPE=fp32 FIT_SHAPES=quick FIT_MIB=16` runs it
+# on the CPU (tests/test_gpu_fit.py).
+FIT_DEVICE ?= cuda
+FIT_DTYPE ?= bf16
+FIT_SHAPES ?= host-bound host-bound-8 qwen3-30b-a3b deepseek-v3
+FIT_REPS ?= 20
+FIT_MIB ?= 512
+FIT_SHAPE_TIMEOUT ?= 120
+FIT_OUT ?= runs/gpu_fit
+
+gpu-fit:
+	@$(MAKE) --no-print-directory gpu-site
+	@rm -rf $(FIT_OUT).d && mkdir -p $(FIT_OUT).d
+	@for shape in $(FIT_SHAPES); do \
+		echo "gpu-fit: $$shape"; \
+		PYTHONPATH="$(GPU_PYTHONPATH)" timeout $(FIT_SHAPE_TIMEOUT) $(PYTHON) -m benchmarks.layer \
+			--device $(FIT_DEVICE) --dtype $(FIT_DTYPE) --shape $$shape --n-rank \
+			--systems plain,ds_hecate-call,autoep --reps $(FIT_REPS) \
+			--json $(FIT_OUT).d/$$shape.json --markdown $(FIT_OUT).d/$$shape.md \
+			|| echo "gpu-fit: $$shape failed; its cells are left out"; \
+	done
+	PYTHONPATH="$(GPU_PYTHONPATH)" $(PYTHON) -m ds_hecate.sim.overhead_fit --trim $(FIT_OUT).d/*.json \
+		--fixture $(FIT_OUT).json --memory-mib $(FIT_MIB)
 
 # Where pip has network: the wheels a GPU machine without network lacks (Python 3.12, manylinux x86-64, --no-deps
 # with every dependency named; deepspeed built from its sdist), into .whl/, listed with sizes.

@@ -24,7 +24,6 @@ from ds_hecate.sim.presets import CLUSTERS, MEMORY_GBPS, resolve_cluster
 REPO = Path(__file__).resolve().parents[1]
 COMMITTED = REPO / "ds_hecate" / "sim" / FIT_NAME
 CPU_INPUT = REPO / "tests" / "fixtures" / "call_overhead_cpu.json"
-GPU_INPUT = REPO / "tests" / "fixtures" / "call_overhead_gpu.json"
 #: vendor memory bandwidths (GB/s) of the GPU presets, as docs/simulator.md lists them
 VENDOR_GBPS = {"v100-4x8": 900.0, "a100-4x8": 1555.0, "h100-128x8": 3350.0}
 #: the layer benchmark's rows each fitted system is read from: its N-rank path
@@ -53,10 +52,14 @@ def _raw() -> dict:
 
 
 def test_committed_fit_is_the_refit_of_the_committed_inputs():
+    """Every fit of the committed file is the refit of the fixture it names (a GPU fit added from ``make gpu-fit``
+    included), the CPU fit the default."""
     assert fit_path() == COMMITTED.resolve()
-    refit = json.loads(json.dumps(overhead_fit.fit_files(str(CPU_INPUT), str(GPU_INPUT))))
+    sources = {name: str(REPO / fit["source"]["path"]) for name, fit in _raw()["fits"].items()}
+    gpus = {name: path for name, path in sources.items() if name != "cpu"}
+    refit = json.loads(json.dumps(overhead_fit.fit_files(sources["cpu"], gpus)))
     _same(refit, _raw())
-    assert refit["default"] == "cpu" and set(refit["fits"]) == {"cpu", "gpu-h200"}
+    assert refit["default"] == "cpu" and set(refit["fits"]) >= {"cpu", "gpu-h200"}
     assert refit["fits"]["cpu"]["source"]["path"] == "tests/fixtures/call_overhead_cpu.json"
     assert refit["fits"]["gpu-h200"]["source"]["path"] == "tests/fixtures/call_overhead_gpu.json"
 
@@ -137,9 +140,17 @@ def test_a_fit_recovers_known_coefficients_and_wants_the_n_rank_rows():
     trimmed = overhead_fit.trim_record(record, {"gbps": 7.5, "method": "given"})
     assert trimmed["commit"] == "abc1234" and trimmed["memory_bandwidth"]["gbps"] == 7.5
     assert all(set(c["systems"]) == {"plain", *truth} for c in trimmed["cells"])
-    with pytest.raises(ValueError, match="autoep-no-shortcuts"):
+    without_autoep = [{**c, "systems": {k: v for k, v in c["systems"].items() if k != "autoep-no-shortcuts"}}
+                      for c in cells]   # one of DeepSpeed's layers is enough (a GPU run may time AutoEP alone)
+    assert overhead_fit.trim_record({"cells": without_autoep}, {})["cells"]
+    with pytest.raises(ValueError, match="autoep-no-shortcuts.*deepspeed-moe-no-shortcuts"):
         overhead_fit.trim_record({"cells": [{**c, "systems": {k: v for k, v in c["systems"].items()
-                                                             if k != "autoep-no-shortcuts"}} for c in cells]}, {})
+                                                             if k != "deepspeed-moe-no-shortcuts"}}
+                                            for c in without_autoep]}, {})
+    with pytest.raises(ValueError, match="ds_hecate-call-no-shortcuts"):
+        overhead_fit.trim_record({"cells": [{**c, "systems": {k: v for k, v in c["systems"].items()
+                                                             if k != "ds_hecate-call-no-shortcuts"}}
+                                            for c in cells]}, {})
 
 
 def test_memory_bandwidth_is_measured_and_says_how():

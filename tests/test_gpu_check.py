@@ -224,11 +224,16 @@ def test_wheelhouse_names_every_dependency(tmp_path):
     _wheel(tmp_path, "deepspeed", ["pydantic>=2.0.0", "torch>=2.0.0", "hjson", 'sphinx; extra == "dev"'])
     _wheel(tmp_path, "pydantic", ["pydantic-core==2.46.4", "annotated-types>=0.6.0"])
     _wheel(tmp_path, "pydantic_core", ["typing-extensions>=4.14.1"])
+    # a requirement whose marker does not hold on the target (Python 3.12 on Linux) is not needed there
+    _wheel(tmp_path, "kernels", ['tomli; python_version < "3.11"', 'colorama; platform_system == "Windows"',
+                                 'huggingface-hub>=0.26; python_version >= "3.9"'])
     wheels = sorted(tmp_path.glob("*.whl"))
     assert wheelhouse.check(wheels) == ["deepspeed-1.0-py3-none-any.whl needs hjson",
+                                        "kernels-1.0-py3-none-any.whl needs huggingface-hub",
                                         "pydantic-1.0-py3-none-any.whl needs annotated-types"]
     assert set(wheelhouse.FETCHED) | set(wheelhouse.BUILT) >= {"deepspeed", "pydantic", "pydantic-core", "hjson",
-                                                               "annotated-types", "typing-inspection"}
+                                                               "annotated-types", "typing-inspection",
+                                                               "transformers", "kernels", "huggingface-hub"}
 
 
 def _recipe(makefile: str, target: str) -> str:
@@ -242,15 +247,23 @@ def _recipe(makefile: str, target: str) -> str:
 
 
 def test_make_gpu_check_runs_on_the_machine_as_it_is():
+    """gpu-check and gpu-fit take the machine as it is: no install target before them, only the wheelhouse (gpu-site)
+    installed where DeepSpeed or AutoEP's transformers is missing, never torch, CuPy or the requirements."""
     makefile = (ROOT / "Makefile").read_text()
-    head = makefile.split("\ngpu-check:", 1)[1].splitlines()[0]
-    assert head.strip() == "", f"gpu-check must not depend on an install target: {head!r}"
+    for target in ("gpu-site", "gpu-check", "gpu-fit"):
+        head = makefile.split(f"\n{target}:", 1)[1].splitlines()[0]
+        assert head.strip() == "", f"{target} must not depend on an install target: {head!r}"
+        recipe = _recipe(makefile, target)
+        assert "torch" not in recipe and "cupy" not in recipe and "requirements" not in recipe, target
+        installs = [line for line in recipe.splitlines() if "pip install" in line]
+        assert all("--no-index" in line and "--no-deps" in line for line in installs), target
+        assert bool(installs) == (target == "gpu-site"), target
+    site = _recipe(makefile, "gpu-site")
+    assert "import deepspeed, pydantic, transformers" in site and ".whl/*.whl" in site
     recipe = _recipe(makefile, "gpu-check")
+    assert "$(MAKE) --no-print-directory gpu-site" in recipe
     assert "benchmarks/gpu_check.py" in recipe and "$(ARGS)" in recipe
     assert f"timeout {runner.MAKE_TIMEOUT_S} " in recipe
-    installs = [line for line in recipe.splitlines() if "pip install" in line]
-    assert installs and all("--no-index" in line and "--no-deps" in line and ".whl/" in makefile for line in installs)
-    assert "torch" not in recipe and "cupy" not in recipe and "requirements" not in recipe
     assert "tools/gpu_wheels.py" in _recipe(makefile, "gpu-wheels")
     assert "make gpu-check ARGS=--dry-run" in (ROOT / ".ci" / "run").read_text()
     assert "/.whl/" in (ROOT / ".gitignore").read_text().splitlines()

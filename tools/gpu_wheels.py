@@ -5,7 +5,9 @@ with ``--no-index``.
 The target: Python 3.12 on manylinux x86-64 with torch and CuPy already there (never replaced) and no DeepSpeed or
 pydantic. The wheelhouse holds exactly what is missing, every dependency named (``--no-deps``: pip resolves nothing
 there): ``deepspeed`` (an sdist, built here into a pure-Python wheel, ``DS_BUILD_OPS=0``: ds_hecate uses none of its
-ops), pydantic and its dependencies (pydantic-core as a cp312 manylinux binary), hjson and typing-extensions.
+ops), pydantic and its dependencies (pydantic-core as a cp312 manylinux binary), hjson and typing-extensions, and
+what DeepSpeed's AutoEP needs to run beside ds_hecate in the layer benchmark (transformers 5.10 and kernels 0.12,
+with their dependencies).
 Versions are the ones installed here, else the pins below; every wheel's requirements are checked against the
 wheelhouse and :data:`THERE`, and the listing is printed with sizes.
 """
@@ -28,7 +30,15 @@ PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x
 BUILT = {"deepspeed": "0.19.8"}
 #: fetched as wheels for the target; the version installed here wins over the pin
 FETCHED = {"pydantic": "2.13.4", "pydantic-core": "2.46.4", "annotated-types": "0.7.0",
-           "typing-inspection": "0.4.2", "typing-extensions": "4.16.0", "hjson": "3.1.0"}
+           "typing-inspection": "0.4.2", "typing-extensions": "4.16.0", "hjson": "3.1.0",
+           # AutoEP, the baseline the layer benchmark and ``make gpu-fit`` time beside ds_hecate: DeepSpeed's AutoEP
+           # runs with transformers 5.10.x and kernels 0.12.x (benchmarks/requirements.txt)
+           "transformers": "5.10.4", "kernels": "0.12.3", "tokenizers": "0.23.3", "huggingface-hub": "2.4.0",
+           "safetensors": "0.8.0", "regex": "2026.12.2", "hf-xet": "1.8.0", "filelock": "4.3.2",
+           "fsspec": "2026.9.0", "httpx": "0.29.0", "httpcore": "1.0.9", "h11": "0.16.0", "anyio": "4.16.0",
+           "idna": "3.13", "certifi": "2026.5.20", "click": "8.5.1", "typer": "0.29.2", "shellingham": "1.5.4",
+           "rich": "15.0.0", "markdown-it-py": "4.3.0", "mdurl": "0.1.2", "pygments": "2.20.0",
+           "annotated-doc": "0.0.7"}
 #: what the target machine already has of what the wheels above require
 THERE = ("einops", "msgpack", "ninja", "numpy", "packaging", "psutil", "py-cpuinfo", "torch", "tqdm",
          "typing-extensions", "nvidia-ml-py", "pyyaml", "pytest", "hypothesis", "cupy-cuda13x", "setuptools")
@@ -50,15 +60,26 @@ def versions() -> Dict[str, str]:
     return out
 
 
+#: the target's environment markers, as a requirement's marker is evaluated there (no extra asked for)
+TARGET_MARKERS = {"python_version": PYTHON_VERSION, "python_full_version": PYTHON_VERSION + ".0",
+                  "platform_system": "Linux", "sys_platform": "linux", "os_name": "posix",
+                  "platform_machine": "x86_64", "implementation_name": "cpython",
+                  "platform_python_implementation": "CPython", "extra": ""}
+
+
 def requirements(wheel: Path) -> List[str]:
-    """The wheel's unconditional requirements (names), from its METADATA."""
+    """The wheel's requirements on the target (names), from its METADATA: those whose marker holds there (a
+    ``python_version < "3.11"`` backport, an extra's, a Windows-only one does not)."""
+    from packaging.requirements import Requirement
     with zipfile.ZipFile(wheel) as z:
         meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
         text = z.read(meta).decode("utf-8", "replace")
     names = []
     for line in text.splitlines():
-        if line.startswith("Requires-Dist:") and "extra ==" not in line:
-            names.append(_norm(re.split(r"[ ;<>=!~\[(]", line.split(":", 1)[1].strip())[0]))
+        if line.startswith("Requires-Dist:"):
+            req = Requirement(line.split(":", 1)[1].strip())
+            if req.marker is None or req.marker.evaluate(TARGET_MARKERS):
+                names.append(_norm(req.name))
     return names
 
 

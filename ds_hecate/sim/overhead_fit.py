@@ -8,7 +8,7 @@ From a layer benchmark record to the committed fit, in two steps (docs/simulator
         --shape host-bound --shape host-bound-8 --dtype fp32 --dtype bf16 --n-rank --json runs/layer.json
     python -m ds_hecate.sim.overhead_fit --trim runs/layer.json --fixture tests/fixtures/call_overhead_cpu.json
     python -m ds_hecate.sim.overhead_fit --cpu tests/fixtures/call_overhead_cpu.json \\
-        --gpu tests/fixtures/call_overhead_gpu.json --json ds_hecate/sim/call_overhead_fit.json
+        --gpu gpu-h200=tests/fixtures/call_overhead_gpu.json --json ds_hecate/sim/call_overhead_fit.json
 
 - ``--trim``: the record cut to what the fit reads (every cell's shape and each fitted system's median call), with
   this machine's memory bandwidth measured beside it (:func:`measure_memory_gbps`; run it on the machine that ran
@@ -24,7 +24,9 @@ From a layer benchmark record to the committed fit, in two steps (docs/simulator
   beside it): the plain layer is estimated as the grouped GEMMs plus :data:`PLAIN_TOKEN_PASSES` passes over the
   routed rows at the device's memory bandwidth; the per-owned-byte term is what the ``plan`` and ``reduce_wait``
   phases spent per owned byte, the other two are fitted to the rest. No baseline ran there: they are charged
-  nothing.
+  nothing. Or the fixture of a layer benchmark run on a GPU (``make gpu-fit``: one record per shape, cut together by
+  ``--trim`` with the device's memory bandwidth measured beside them), fitted as the CPU one is, on the dtypes it
+  ran (bf16), every system measured (``--gpu gpu-h100=PATH`` names it).
 
 tests/test_call_overhead.py refits the committed file from the fixtures and requires the same numbers.
 """
@@ -36,7 +38,7 @@ import json
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -49,8 +51,12 @@ HECATE_FIT = "ds_hecate"
 BASELINE_CANDIDATES = ("autoep", "deepspeed-moe")
 #: the layer benchmark's reference row, overhead 0
 PLAIN = "plain"
+#: the rows of the baseline candidates, of which a record needs one at least
+BASELINE_ROWS = tuple(FIT_SYSTEMS[c] for c in BASELINE_CANDIDATES)
 #: the fields of a layer record's cell the fit reads
 CELL_KEYS = ("shape", "dtype", "hidden", "ffn", "experts", "top_k", "tokens")
+#: what a fixture keeps of a cell beside them, where the record has it: the device it ran on
+CELL_EXTRA_KEYS = ("device",)
 #: the dtypes whose cells are fitted: on a CPU a bf16 call is not memory-bound (the plain layer's weight-bound call
 #: takes 4x longer in bf16 than in fp32 at half the bytes), so its cells break the byte terms' premise; they stay in
 #: the fixture and the fit file beside the model's figure for them
@@ -194,8 +200,12 @@ def fit_gpu(data: dict) -> Dict[str, Any]:
     if "stages" in data:
         return {"description": "GPU check, ds_hecate's layer call before its rework; baselines not measured",
                 **fit_gpu_check(data)}
-    return {"description": "GPU layer benchmark, N-rank paths", **fit_layer_record(data),
-            "device_memory_gbps": GPU_MEMORY_GBPS}
+    dtypes = sorted({cell["dtype"] for cell in data["cells"]})   # (on a GPU, bf16 is the memory-bound reference)
+    bandwidth = data.get("memory_bandwidth")
+    measured: Optional[Dict[str, Any]] = bandwidth if isinstance(bandwidth, dict) and bandwidth.get("gbps") else None
+    return {"description": f"GPU layer benchmark, N-rank paths, {'/'.join(dtypes)}", **fit_layer_record(data, dtypes),
+            "device_memory_gbps": float(measured["gbps"]) if measured else GPU_MEMORY_GBPS,
+            **({"memory_bandwidth": measured} if measured else {})}
 
 
 def _source(path: str, raw: dict) -> dict:
@@ -208,10 +218,11 @@ def _source(path: str, raw: dict) -> dict:
     return {"path": shown, **{k: raw[k] for k in SOURCE_KEYS if k in raw}}
 
 
-def fit_files(cpu_path: Optional[str], gpu_path: Optional[str], gpu_name: str = GPU_FIT) -> dict:
-    """The fit file: ``{"default": name, "fits": {name: fit}}``, each fit naming its source."""
+def fit_files(cpu_path: Optional[str], gpu_paths: Mapping[str, str]) -> dict:
+    """The fit file: ``{"default": name, "fits": {name: fit}}``, each fit naming its source: the CPU fixture's fit
+    ``cpu`` and one fit per GPU input (``gpu_paths``: name -> path, in order)."""
     fits = {}
-    for name, path, fit in ((CPU_FIT, cpu_path, fit_cpu), (gpu_name, gpu_path, fit_gpu)):
+    for name, path, fit in [(CPU_FIT, cpu_path, fit_cpu)] + [(n, p, fit_gpu) for n, p in gpu_paths.items()]:
         if path:
             raw = json.loads(Path(path).read_text(encoding="utf-8"))
             fits[name] = {**fit(raw), "source": _source(path, raw)}
@@ -219,47 +230,91 @@ def fit_files(cpu_path: Optional[str], gpu_path: Optional[str], gpu_name: str = 
     return {"default": default, "fits": fits}
 
 
-def measure_memory_gbps(mib: int = 512, reps: int = 9) -> Dict[str, Any]:
-    """This machine's memory bandwidth as the layer call's memory-bound passes see it: ``torch.add(a, b, out=c)`` on
-    three fp32 tensors of ``mib`` MiB (far beyond any cache) on one thread, bytes read and written over the median
-    time of ``reps`` (``torch.Tensor.copy_`` beside it as a check)."""
+def gpu_inputs(values: Sequence[str], default_name: str = GPU_FIT) -> Dict[str, str]:
+    """``--gpu`` values, ``PATH`` (named ``default_name``) or ``NAME=PATH``, as name -> path; a name twice is
+    refused."""
+    out: Dict[str, str] = {}
+    for value in values:
+        name, sep, path = value.partition("=")
+        name, path = (name, path) if sep else (default_name, value)
+        if not name or not path or name in out or name == CPU_FIT:
+            raise ValueError(f"--gpu {value!r}: give PATH or NAME=PATH, each name once and not {CPU_FIT!r}")
+        out[name] = path
+    return out
+
+
+def measure_memory_gbps(mib: int = 512, reps: int = 9, device: str = "cpu") -> Dict[str, Any]:
+    """The memory bandwidth of ``device`` as the layer call's memory-bound passes see it: ``torch.add(a, b, out=c)``
+    on three fp32 tensors of ``mib`` MiB (far beyond any cache; on the CPU on one thread, as the benchmark runs),
+    bytes read and written over the median time of ``reps`` (``torch.Tensor.copy_`` beside it as a check; on CUDA
+    each timed between synchronisations)."""
     import torch
+    dev = torch.device(device)
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         n = mib * 2 ** 20 // 4
-        a, b, c = torch.rand(n), torch.rand(n), torch.empty(n)
+        a, b, c = (torch.rand(n, device=dev), torch.rand(n, device=dev), torch.empty(n, device=dev))
 
         def median_s(fn) -> float:
             fn()
             times = []
             for _ in range(reps):
+                sync()
                 start = time.perf_counter()
                 fn()
+                sync()
                 times.append(time.perf_counter() - start)
             return statistics.median(times)
         add_s, copy_s = median_s(lambda: torch.add(a, b, out=c)), median_s(lambda: c.copy_(a))
+        name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu, one thread"
     finally:
         torch.set_num_threads(threads)
     return {"gbps": round(3 * 4 * n / add_s / 1e9, 2), "copy_gbps": round(2 * 4 * n / copy_s / 1e9, 2),
-            "method": f"torch.add(a, b, out=c) on three fp32 tensors of {mib} MiB, one thread, median of {reps}: "
+            "method": f"torch.add(a, b, out=c) on three fp32 tensors of {mib} MiB ({name}), median of {reps}: "
                       "3 x the tensor's bytes over the seconds (copy_: 2 x)",
-            "torch": torch.__version__,
+            "device": str(dev), "torch": torch.__version__,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def record_device(records: Sequence[dict]) -> str:
+    """The device the records' cells ran on (``cpu`` where a cell does not say); several is refused: one fixture,
+    one memory bandwidth."""
+    devices = {cell.get("device", "cpu") for record in records for cell in record["cells"]}
+    if len(devices) != 1:
+        raise ValueError(f"the layer records ran on {sorted(devices)}: trim one device's records together")
+    return devices.pop()
+
+
+def merge_records(records: Sequence[dict]) -> dict:
+    """One record of several layer benchmark records of the same commit (a GPU run takes one process per shape,
+    so that a shape that does not fit in memory costs only its own cells): the first one's provenance, every
+    record's cells, the commands in ``commands``."""
+    if len(records) == 1:
+        return records[0]
+    commits = {r.get("commit") for r in records}
+    if len(commits) != 1:
+        raise ValueError(f"the layer records are of different commits {sorted(map(str, commits))}: rerun them")
+    return {**records[0], "commands": [r.get("command") for r in records],
+            "cells": [cell for r in records for cell in r["cells"]]}
 
 
 def trim_record(record: dict, memory_bandwidth: Dict[str, Any]) -> dict:
     """The fixture of a layer benchmark record: its provenance, each cell's shape and the medians of the rows the
-    fit reads, and the memory bandwidth of the machine it ran on."""
+    fit reads, and the memory bandwidth of the device it ran on."""
     wanted = (PLAIN,) + tuple(FIT_SYSTEMS.values())
-    cells = [{**{k: cell[k] for k in CELL_KEYS},
+    cells = [{**{k: cell[k] for k in CELL_KEYS}, **{k: cell[k] for k in CELL_EXTRA_KEYS if k in cell},
               "systems": {s: {"median_s": r["median_s"]} for s, r in cell["systems"].items()
                           if s in wanted and r.get("status", "ok") == "ok" and r.get("median_s") is not None}}
              for cell in record["cells"]]
-    missing = [row for row in wanted if not any(row in c["systems"] for c in cells)]
+    present = {row for c in cells for row in c["systems"]}
+    missing = [row for row in wanted if row not in present and row not in BASELINE_ROWS]
+    if not present & set(BASELINE_ROWS):   # one of DeepSpeed's layers at least (a GPU run may time AutoEP alone)
+        missing += list(BASELINE_ROWS)
     if missing:
         raise ValueError(f"the layer record has no {missing} rows: run python -m benchmarks.layer with --n-rank")
-    keep = ("schema",) + SOURCE_KEYS
+    keep = ("schema",) + SOURCE_KEYS + ("commands",)
     return {**{k: record[k] for k in keep if k in record}, "memory_bandwidth": memory_bandwidth, "cells": cells}
 
 
@@ -315,28 +370,43 @@ def _print(result: dict) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ds_hecate.sim.overhead_fit", description=__doc__.splitlines()[0])
-    parser.add_argument("--trim", metavar="RECORD", help="a layer benchmark record to cut into the CPU fixture")
+    parser.add_argument("--trim", metavar="RECORD", nargs="+", help="layer benchmark records (one commit, one "
+                        "device) to cut into a fixture")
     parser.add_argument("--fixture", help="with --trim: write the fixture here (tests/fixtures/call_overhead_cpu.json)")
-    parser.add_argument("--memory-gbps", type=float, help="with --trim: the benchmark machine's memory bandwidth, "
+    parser.add_argument("--memory-gbps", type=float, help="with --trim: the benchmark device's memory bandwidth, "
                                                           "when not measured here (GB/s)")
+    parser.add_argument("--memory-mib", type=int, default=512, help="with --trim: MiB per tensor of the bandwidth "
+                                                                     "measurement (default %(default)s)")
     parser.add_argument("--cpu", help="the CPU fixture (--trim's output)")
-    parser.add_argument("--gpu", help="a GPU check record with a layer_call stage, or a layer record run on a GPU")
-    parser.add_argument("--gpu-name", default=GPU_FIT, help="the GPU fit's name in the file (default %(default)s)")
+    parser.add_argument("--gpu", action="append", default=[], metavar="[NAME=]PATH",
+                        help="a GPU check record with a layer_call stage, or a GPU layer fixture (make gpu-fit); "
+                             "repeat for several fits, each NAME=PATH")
+    parser.add_argument("--gpu-name", default=GPU_FIT, help="the name of a --gpu given as a bare PATH "
+                                                            "(default %(default)s)")
     parser.add_argument("--json", help="write the fit here (the committed one: ds_hecate/sim/call_overhead_fit.json)")
     parser.add_argument("--tables", action="store_true", help="also print docs/simulator.md's tables of the fit")
     args = parser.parse_args(argv)
     if args.trim:
         if not args.fixture:
             parser.error("--trim needs --fixture")
-        bandwidth = (measure_memory_gbps() if args.memory_gbps is None else
-                     {"gbps": args.memory_gbps, "method": "given (--memory-gbps)"})
-        fixture = trim_record(json.loads(Path(args.trim).read_text(encoding="utf-8")), bandwidth)
+        records = [json.loads(Path(path).read_text(encoding="utf-8")) for path in args.trim]
+        try:
+            device, record = record_device(records), merge_records(records)
+        except ValueError as exc:
+            parser.error(str(exc))
+        bandwidth = (measure_memory_gbps(args.memory_mib, device=device) if args.memory_gbps is None else
+                     {"gbps": args.memory_gbps, "method": "given (--memory-gbps)", "device": device})
+        fixture = trim_record(record, bandwidth)
         Path(args.fixture).write_text(json.dumps(fixture, indent=1) + "\n", encoding="utf-8")
-        print(f"{args.fixture}: {len(fixture['cells'])} cells, memory bandwidth {bandwidth['gbps']} GB/s")
+        print(f"{args.fixture}: {len(fixture['cells'])} cells on {device}, memory bandwidth {bandwidth['gbps']} GB/s")
         return 0
     if not args.cpu and not args.gpu:
         parser.error("give --trim RECORD --fixture PATH, or --cpu and/or --gpu")
-    result = fit_files(args.cpu, args.gpu, args.gpu_name)
+    try:
+        gpus = gpu_inputs(args.gpu, args.gpu_name)
+    except ValueError as exc:
+        parser.error(str(exc))
+    result = fit_files(args.cpu, gpus)
     _print(result)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
