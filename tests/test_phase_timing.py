@@ -35,13 +35,13 @@ def test_a_forward_calls_phases_tile_it():
     monitor.layer_ends()
     call = time.perf_counter() - start
     seconds = times.seconds()
-    assert GLUE_S <= seconds["counts"] < 2 * GLUE_S and GLUE_S <= seconds["plan"] < 2 * GLUE_S
+    assert seconds["counts"] >= GLUE_S and seconds["plan"] >= GLUE_S   # each took the glue before it
     assert seconds["gather"] < GLUE_S
-    assert seconds["counts"] + seconds["plan"] <= call
+    assert seconds["counts"] + seconds["plan"] <= call   # and nothing twice
     time.sleep(GLUE_S)
     with phases("bookkeeping"):   # after the call: the sleep before it is no phase's
         pass
-    assert times.seconds()["bookkeeping"] < GLUE_S / 2
+    assert times.seconds()["bookkeeping"] < GLUE_S
 
 
 def test_phases_open_profiler_ranges_only_while_a_profiler_records(monkeypatch):
