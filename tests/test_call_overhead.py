@@ -11,7 +11,7 @@ import json
 import math
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 import pytest
 
@@ -111,20 +111,29 @@ def test_each_system_is_fitted_from_its_n_rank_row_against_plain():
     assert fit["baselines"] == fit["systems"][chosen] and fit["hecate"] == fit["systems"]["ds_hecate"]
 
 
+def known_cells(truth: Dict[str, Tuple[float, float, float]], shapes: List[Tuple[int, int, int]], top_k: int,
+                plain_s: float, **extra: Any) -> List[Dict[str, Any]]:
+    """Layer benchmark cells (``shapes``: tokens, hidden, experts; ``extra``: dtype, device) whose rows' calls are
+    the plain layer's (``plain_s`` times the cell's place) plus each row's overhead from ``truth``'s coefficients."""
+    cells: List[Dict[str, Any]] = []
+    for i, (tokens, hidden, experts) in enumerate(shapes):
+        cell: Dict[str, Any] = {"shape": f"s{i}", "dtype": "fp32", "hidden": hidden, "ffn": hidden,
+                                "experts": experts, "top_k": top_k, "tokens": tokens, **extra}
+        rows, owned = overhead_fit.features(cell)
+        plain = plain_s * (i + 1)
+        cell["systems"] = {"plain": {"median_s": plain}, **{
+            s: {"median_s": plain + f + r * rows + o * owned} for s, (f, r, o) in truth.items()}}
+        cells.append(cell)
+    return cells
+
+
 def test_a_fit_recovers_known_coefficients_and_wants_the_n_rank_rows():
     """A record built from known per-system coefficients is fitted back to them; one without the N-rank rows is
     refused naming the row (a one-rank AutoEP row skips its all-to-alls: it must not stand in)."""
     truth = {"ds_hecate-call-no-shortcuts": (1e-4, 2e-12, 0.0), "autoep-no-shortcuts": (3e-4, 1e-12, 5e-14),
              "deepspeed-moe-no-shortcuts": (9e-4, 4e-12, 1e-13), "plain-all-to-all": (5e-5, 5e-13, 0.0)}
-    cells: List[Dict[str, Any]] = []
-    shapes = [(64, 64, 128), (64, 32, 8), (512, 256, 128), (4096, 64, 128), (2048, 256, 16)]
-    for i, (tokens, hidden, experts) in enumerate(shapes):
-        cell: Dict[str, Any] = {"shape": f"s{i}", "dtype": "fp32", "hidden": hidden, "ffn": hidden,
-                                "experts": experts, "top_k": 2, "tokens": tokens}
-        rows, owned = overhead_fit.features(cell)
-        cell["systems"] = {"plain": {"median_s": 0.01 * (i + 1)}, **{
-            s: {"median_s": 0.01 * (i + 1) + f + r * rows + o * owned} for s, (f, r, o) in truth.items()}}
-        cells.append(cell)
+    cells = known_cells(truth, [(64, 64, 128), (64, 32, 8), (512, 256, 128), (4096, 64, 128), (2048, 256, 16)],
+                        top_k=2, plain_s=0.01)
     fit = overhead_fit.fit_layer_record({"cells": cells})
     for name, row in N_RANK_ROWS.items():
         for term, want in zip(TERMS, truth[row]):

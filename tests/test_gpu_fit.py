@@ -14,6 +14,7 @@ import pytest
 
 from ds_hecate.sim import overhead_fit
 from ds_hecate.sim.overhead import TERMS
+from test_call_overhead import known_cells
 
 ROOT = Path(__file__).resolve().parents[1]
 TRUTH = {"ds_hecate-call-no-shortcuts": (1e-4, 2e-12, 0.0), "autoep-no-shortcuts": (3e-4, 1e-12, 5e-14),
@@ -24,16 +25,8 @@ FITTED = {"ds_hecate-call-no-shortcuts": "ds_hecate", "autoep-no-shortcuts": "au
 
 def _cells(dtype: str, device: str) -> List[Dict[str, Any]]:
     """Cells whose systems' calls are the plain layer's plus :data:`TRUTH`'s overhead."""
-    cells = []
-    for i, (tokens, hidden, experts) in enumerate([(64, 64, 128), (64, 32, 8), (4096, 2048, 128), (4096, 7168, 32)]):
-        cell: Dict[str, Any] = {"shape": f"s{i}", "dtype": dtype, "device": device, "hidden": hidden, "ffn": hidden,
-                                "experts": experts, "top_k": 8, "tokens": tokens}
-        rows, owned = overhead_fit.features(cell)
-        plain = 1e-3 * (i + 1)
-        cell["systems"] = {"plain": {"median_s": plain},
-                           **{s: {"median_s": plain + f + r * rows + o * owned} for s, (f, r, o) in TRUTH.items()}}
-        cells.append(cell)
-    return cells
+    return known_cells(TRUTH, [(64, 64, 128), (64, 32, 8), (4096, 2048, 128), (4096, 7168, 32)], top_k=8,
+                       plain_s=1e-3, dtype=dtype, device=device)
 
 
 def test_a_gpu_fixture_is_fitted_on_its_dtype_at_its_measured_bandwidth():

@@ -157,8 +157,8 @@ class CallMonitor:
 
     def layer_ends(self) -> None:
         """A layer call ends (a forward's or a recompute's): phases outside a call take their own marks again."""
-        self.cursor.at = None
         if self.profiling:
+            self.cursor.at = None
             self.last_layer_end = self.clock.mark()
 
     def observe(self, layer: Any, plan: Any, counts: Any) -> None:

@@ -167,10 +167,13 @@ class PhaseBoundary(torch.autograd.Function):
         return grad, None, None, None, None
 
 
+#: torch's check of a recording profiler (private; a torch without it: assume one records, the ranges as before)
+_PROFILER_ENABLED = getattr(torch._C._autograd, "_profiler_enabled", None)
+
+
 def profiler_records() -> bool:
     """Whether a torch profiler (``torch.profiler.profile``, ``emit_nvtx``) is recording ranges now."""
-    enabled = getattr(torch._C._autograd, "_profiler_enabled", None)
-    return enabled is None or bool(enabled())
+    return _PROFILER_ENABLED is None or bool(_PROFILER_ENABLED())
 
 
 class CallCursor:

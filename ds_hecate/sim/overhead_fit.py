@@ -185,27 +185,33 @@ def fit_gpu_check(check: dict) -> Dict[str, Any]:
             "per_owned_byte_by_point_s": [float(v) for v in per_byte]}
 
 
-def fit_cpu(record: dict) -> Dict[str, Any]:
-    """The fit ``cpu``: :func:`fit_layer_record` at the memory bandwidth the fixture measured."""
-    bandwidth = record.get("memory_bandwidth")
-    if not isinstance(bandwidth, dict) or not bandwidth.get("gbps"):
+def fit_fixture(fixture: dict, dtypes: Sequence[str], description: str,
+                default_gbps: Optional[float] = None) -> Dict[str, Any]:
+    """A layer benchmark fixture's fit (:func:`fit_layer_record` over ``dtypes``) at the memory bandwidth measured
+    beside it (``--trim``), else ``default_gbps``; with neither it is refused."""
+    bandwidth = fixture.get("memory_bandwidth")
+    measured = bandwidth if isinstance(bandwidth, dict) and bandwidth.get("gbps") else None
+    if measured is None and default_gbps is None:
         raise ValueError("the CPU fixture has no memory_bandwidth.gbps: make it with python -m "
                          "ds_hecate.sim.overhead_fit --trim RECORD --fixture PATH")
-    return {"description": "CPU layer benchmark, N-rank paths", **fit_layer_record(record),
-            "device_memory_gbps": float(bandwidth["gbps"]), "memory_bandwidth": bandwidth}
+    return {"description": description, **fit_layer_record(fixture, dtypes),
+            "device_memory_gbps": float(measured["gbps"]) if measured else float(default_gbps or 0.0),
+            **({"memory_bandwidth": measured} if measured else {})}
+
+
+def fit_cpu(record: dict) -> Dict[str, Any]:
+    """The fit ``cpu``: the fixture's fp32 cells (:data:`FIT_DTYPES`) at the memory bandwidth it measured."""
+    return fit_fixture(record, FIT_DTYPES, "CPU layer benchmark, N-rank paths")
 
 
 def fit_gpu(data: dict) -> Dict[str, Any]:
-    """The fit of a GPU check record (or of a layer benchmark record run on a GPU)."""
+    """The fit of a GPU check record, or of a layer benchmark fixture run on a GPU: every dtype it ran (on a GPU,
+    bf16 is the memory-bound reference), at its measured bandwidth (else :data:`GPU_MEMORY_GBPS`)."""
     if "stages" in data:
         return {"description": "GPU check, ds_hecate's layer call before its rework; baselines not measured",
                 **fit_gpu_check(data)}
-    dtypes = sorted({cell["dtype"] for cell in data["cells"]})   # (on a GPU, bf16 is the memory-bound reference)
-    bandwidth = data.get("memory_bandwidth")
-    measured: Optional[Dict[str, Any]] = bandwidth if isinstance(bandwidth, dict) and bandwidth.get("gbps") else None
-    return {"description": f"GPU layer benchmark, N-rank paths, {'/'.join(dtypes)}", **fit_layer_record(data, dtypes),
-            "device_memory_gbps": float(measured["gbps"]) if measured else GPU_MEMORY_GBPS,
-            **({"memory_bandwidth": measured} if measured else {})}
+    dtypes = sorted({cell["dtype"] for cell in data["cells"]})
+    return fit_fixture(data, dtypes, f"GPU layer benchmark, N-rank paths, {'/'.join(dtypes)}", GPU_MEMORY_GBPS)
 
 
 def _source(path: str, raw: dict) -> dict:
@@ -231,7 +237,7 @@ def fit_files(cpu_path: Optional[str], gpu_paths: Mapping[str, str]) -> dict:
 
 
 def gpu_inputs(values: Sequence[str], default_name: str = GPU_FIT) -> Dict[str, str]:
-    """``--gpu`` values, ``PATH`` (named ``default_name``) or ``NAME=PATH``, as name -> path; a name twice is
+    """``--gpu`` values, ``PATH`` (the fit ``default_name``) or ``NAME=PATH``, as name -> path; a name twice is
     refused."""
     out: Dict[str, str] = {}
     for value in values:
@@ -380,9 +386,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--cpu", help="the CPU fixture (--trim's output)")
     parser.add_argument("--gpu", action="append", default=[], metavar="[NAME=]PATH",
                         help="a GPU check record with a layer_call stage, or a GPU layer fixture (make gpu-fit); "
-                             "repeat for several fits, each NAME=PATH")
-    parser.add_argument("--gpu-name", default=GPU_FIT, help="the name of a --gpu given as a bare PATH "
-                                                            "(default %(default)s)")
+                             f"repeat for several fits, each NAME=PATH (a bare PATH is the fit {GPU_FIT})")
     parser.add_argument("--json", help="write the fit here (the committed one: ds_hecate/sim/call_overhead_fit.json)")
     parser.add_argument("--tables", action="store_true", help="also print docs/simulator.md's tables of the fit")
     args = parser.parse_args(argv)
@@ -403,7 +407,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not args.cpu and not args.gpu:
         parser.error("give --trim RECORD --fixture PATH, or --cpu and/or --gpu")
     try:
-        gpus = gpu_inputs(args.gpu, args.gpu_name)
+        gpus = gpu_inputs(args.gpu)
     except ValueError as exc:
         parser.error(str(exc))
     result = fit_files(args.cpu, gpus)
