@@ -38,8 +38,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import common  # noqa: E402
-from benchmarks.layer_systems import (BUILDERS, DESCRIPTIONS, HF_FAMILIES, N_RANK_TWIN, ONE_RANK_TWIN,  # noqa: E402
-                                      PROFILED, SHAPES, SYSTEMS, hf_systems, routed_inputs)
+from benchmarks.layer_systems import (BUILDERS, DESCRIPTIONS, FLOOR_DESCRIPTIONS, HF_FAMILIES,  # noqa: E402
+                                      N_RANK_TWIN, NAMED_SYSTEMS, ONE_RANK_TWIN, PROFILED, SHAPES, SYSTEMS,
+                                      hf_systems, routed_inputs)
 
 SCHEMA = "ds_hecate-layer/1"
 MODULE = "benchmarks.layer"
@@ -218,7 +219,7 @@ def measure_cell(shape_name: str, dtype_name: str, device_name: str, reps: int, 
         prof = one_call(b, xs[s], grads[s], device, profile_call)[0]
         ref = reference(s)
         agreement = {"out": _relative(first[s][1], first[ref][1]), "x_grad": _relative(first[s][2], first[ref][2])}
-        out[s] = {"status": "ok", "description": DESCRIPTIONS.get(s) or (
+        out[s] = {"status": "ok", "description": {**DESCRIPTIONS, **FLOOR_DESCRIPTIONS}.get(s) or (
                       f"{ONE_RANK_TWIN[s]} on its N-rank path" if s in ONE_RANK_TWIN else f"--hf {s}"),
                   "times_s": times[s], "median_s": statistics.median(times[s]),
                   "ratio_vs_plain": list(common.paired_ratio(times[s], times["plain"])),
@@ -267,7 +268,7 @@ def markdown(record: dict) -> str:
     cells = record["cells"]
     if record.get("hf"):
         return hf_markdown(record)
-    systems = [s for s in SYSTEMS if s != "plain" and any(s in c["systems"] for c in cells)]
+    systems = [s for s in NAMED_SYSTEMS if s != "plain" and any(s in c["systems"] for c in cells)]
     rows = []
     for c in cells:
         row = [c["shape"], c["dtype"], f"{1e3 * c['systems']['plain']['median_s']:.2f}"]
@@ -325,7 +326,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--shape", action="append", choices=sorted(SHAPES), help="repeatable (default: the device's)")
     p.add_argument("--dtype", action="append", choices=("fp32", "bf16"), help="repeatable (default: fp32)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--systems", default=",".join(DESCRIPTIONS), help="comma-separated, from " + ", ".join(SYSTEMS))
+    p.add_argument("--systems", default=",".join(DESCRIPTIONS),
+                   help="comma-separated, from " + ", ".join(NAMED_SYSTEMS))
     p.add_argument("--n-rank", action="store_true", help="also each system's N-rank twin")
     p.add_argument("--hf", help="comma-separated transformers families, in place of --systems: from " +
                    ", ".join(HF_FAMILIES) + "; the first is the others' base")
@@ -344,9 +346,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     args.reps = args.reps if args.reps is not None else (3 if args.quick else 30)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
     args.systems = [s for s in args.systems.split(",") if s]
-    unknown = [s for s in args.systems if s not in SYSTEMS]
+    unknown = [s for s in args.systems if s not in NAMED_SYSTEMS]
     if unknown:
-        p.error(f"unknown system(s) {unknown}; choose from {', '.join(SYSTEMS)}")
+        p.error(f"unknown system(s) {unknown}; choose from {', '.join(NAMED_SYSTEMS)}")
     args.hf = [f for f in (args.hf or "").split(",") if f]
     if [f for f in args.hf if f not in HF_FAMILIES] or (args.hf and args.n_rank):
         p.error(f"--hf {','.join(args.hf)}: families from {', '.join(HF_FAMILIES)}, without --n-rank")

@@ -66,7 +66,15 @@ N_RANK_TWIN = {"plain": "plain-all-to-all", "ds_hecate": "ds_hecate-no-shortcuts
                "ds_hecate-call": "ds_hecate-call-no-shortcuts", "autoep": "autoep-no-shortcuts",
                "deepspeed-moe": "deepspeed-moe-no-shortcuts"}
 ONE_RANK_TWIN = {twin: one for one, twin in N_RANK_TWIN.items()}
+#: the ops floor with its parts taken back to the plain layer's code (:data:`FLOOR_PARTS`), asked for by name only
+FLOOR_DESCRIPTIONS = {
+    "ds_hecate-ops-no-flags": "ds_hecate-ops, its counts without the health flags",
+    "ds_hecate-ops-no-flags-plain-combine": "and the plain layer's combine",
+    "ds_hecate-ops-no-flags-plain-combine-experts": "and the plain layer's experts on autograd",
+    "ds_hecate-ops-no-flags-plain-combine-experts-no-read": "and the group ends from the device, no host read"}
 SYSTEMS = tuple(DESCRIPTIONS) + tuple(N_RANK_TWIN.values())
+#: every system ``--systems`` may name: :data:`SYSTEMS` (a default run's) and the floor's variants
+NAMED_SYSTEMS = SYSTEMS + tuple(FLOOR_DESCRIPTIONS)
 
 
 #: the input ``x`` ``[S, H]``, the router weight ``[E, H]`` and the output gradient ``[S, H]``
@@ -214,7 +222,19 @@ class HecateOpsMoE(PlainGroupedMoE):
     router, the count row with its health flags and its one host read (``slot_histogram``), the expert-major sort
     of the slots, one autograd node for the experts whose written-out backward writes fp32 accumulators, the
     weighted un-permute (``ds_hecate.ops.combine``). What the call would cost if its host glue (planning, layout,
-    bookkeeping, the Python between the ops) were free: the floor the runtime's own work is measured against."""
+    bookkeeping, the Python between the ops) were free: the floor the runtime's own work is measured against.
+
+    Each class flag below False takes that part back to the plain layer's code (:data:`FLOOR_PARTS`: what each of
+    the floor's parts costs, docs/perf/layer-call-2026-12-07.md)."""
+
+    #: the count row's health flags (out-of-range ids, non-finite gates), else the plain layer's counts
+    health_flags = True
+    #: the host read of the counts (the group ends from the host), else the group ends from the device
+    host_counts = True
+    #: the written-out experts node into fp32 accumulators, else the plain layer's experts on autograd
+    own_experts = True
+    #: the weighted un-permute of ds_hecate.ops.combine, else the plain layer's combine
+    own_combine = True
 
     def __init__(self, router: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
                  top_k: int) -> None:
@@ -228,17 +248,38 @@ class HecateOpsMoE(PlainGroupedMoE):
         experts = self.router.shape[0]
         top, expert = F.linear(x.float(), self.router.float()).softmax(dim=-1).topk(self.top_k, dim=-1)
         gates, flat = (top / top.sum(dim=-1, keepdim=True)).t(), expert.t().reshape(-1)
-        counts = slot_histogram(flat, gates, experts).cpu().numpy()
-        if np.count_nonzero(counts[experts:]):
-            raise RuntimeError("a route out of range or a gate not finite")
-        offs = torch.from_numpy(np.cumsum(counts[:experts]).astype(np.int32)).to(x.device)
+        if self.health_flags:
+            row = slot_histogram(flat, gates, experts)
+        else:
+            row = torch.zeros(experts, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
+        if self.host_counts:
+            counts = row.cpu().numpy()
+            if np.count_nonzero(counts[experts:]):
+                raise RuntimeError("a route out of range or a gate not finite")
+            offs = torch.from_numpy(np.cumsum(counts[:experts]).astype(np.int32)).to(x.device)
+        else:
+            offs = row[:experts].cumsum(0).to(torch.int32)
         if self.accumulators is None:
             self.accumulators = (torch.empty(self.gate_up.shape, dtype=torch.float32, device=x.device),
                                  torch.empty(self.down.shape, dtype=torch.float32, device=x.device))
         slots = torch.argsort(flat, stable=True)
         rows = x.index_select(0, slots % x.shape[0])
-        y = _ExpertsToAccumulators.apply(rows, offs, self)
-        return weighted_unpermute(y, gates, None, "deepspeed", None, slots)
+        y = _ExpertsToAccumulators.apply(rows, offs, self) if self.own_experts else self.experts(rows, offs)
+        if self.own_combine:
+            return weighted_unpermute(y, gates, None, "deepspeed", None, slots)
+        y_routes = torch.index_copy(torch.empty_like(y), 0, slots, y).view(self.top_k, x.shape[0], -1)   # [k, S, H]
+        return (y_routes * gates.unsqueeze(-1)).sum(dim=0).to(x.dtype)   # (the plain layer's, over [k, S])
+
+
+#: the floor's parts taken back to the plain layer's code one more at a time: the system -> its class flags
+FLOOR_PARTS: Dict[str, Dict[str, bool]] = {
+    "ds_hecate-ops-no-flags": {"health_flags": False},
+    "ds_hecate-ops-no-flags-plain-combine": {"health_flags": False, "own_combine": False},
+    "ds_hecate-ops-no-flags-plain-combine-experts": {"health_flags": False, "own_combine": False,
+                                                     "own_experts": False},
+    "ds_hecate-ops-no-flags-plain-combine-experts-no-read": {"health_flags": False, "own_combine": False,
+                                                             "own_experts": False, "host_counts": False},
+}
 
 
 # -- the systems -------------------------------------------------------------------------------------------------
@@ -417,6 +458,8 @@ BUILDERS: Dict[str, Callable[..., Built]] = {
     "autoep-no-shortcuts": lambda *a: _n_rank(build_autoep(*a), lambda layer: layer),
     "deepspeed-moe": build_deepspeed_moe,
     "deepspeed-moe-no-shortcuts": lambda *a: _n_rank(build_deepspeed_moe(*a), lambda layer: layer.deepspeed_moe),
+    **{name: functools.partial(build_plain, cls=type(name, (HecateOpsMoE,), flags))
+       for name, flags in FLOOR_PARTS.items()},
 }
 #: the systems whose builders take ``profile`` (ds_hecate's runtimes)
 PROFILED = ("ds_hecate", "ds_hecate-no-shortcuts", "ds_hecate-call", "ds_hecate-call-no-shortcuts")

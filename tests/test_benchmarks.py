@@ -4,6 +4,7 @@ same for every system) and the layer call (``python -m benchmarks.layer --quick 
 why not, each N-rank twin is checked against its one-rank layer before timing)."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -214,6 +215,26 @@ def _broken_n_rank_row(rank: int, world_size: int, broken: str):
     except SystemExit as exc:
         return str(exc)
     return None
+
+
+def test_the_floors_variants_compute_the_plain_layers_function():
+    """Each variant of the ops floor (``FLOOR_PARTS``: one more part taken back to the plain layer's code) runs,
+    computes the plain layer's output and input gradient, and takes back what its flags say."""
+    from benchmarks import layer, layer_systems
+    names = ["plain", "ds_hecate-ops", *layer_systems.FLOOR_PARTS]
+    cell = run_ranks(1, _layer_cell, names, False, timeout=240)[0]
+    for name in names:
+        r = cell["systems"][name]
+        assert r["status"] == "ok", (name, r.get("reason"))
+        assert max(r["agreement"].values()) <= layer.AGREEMENT_TOL["fp32"], (name, r["agreement"])
+    taken: set = set()
+    for name, flags in layer_systems.FLOOR_PARTS.items():   # each variant takes one part more than the one before
+        assert set(flags) > taken and not any(flags.values()), name
+        taken = set(flags)
+        build = layer_systems.BUILDERS[name]
+        assert isinstance(build, functools.partial), name
+        cls = build.keywords["cls"]
+        assert all(getattr(cls, flag) is False for flag in flags), name
 
 
 def test_layer_refuses_an_n_rank_row_that_is_not_the_n_rank_path():
