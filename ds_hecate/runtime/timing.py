@@ -207,7 +207,7 @@ class PhaseTimer:
             (self.mark, self.start), cursor.at = cursor.at, None
         else:
             self.mark, self.start = self.phases.clock.mark(), time.perf_counter()
-        # the range only where a profiler records it (a range costs tens of microseconds, recorded or not); its
+        # the range only where a profiler records it (a range costs about 10 microseconds, recorded or not); its
         # entry and exit are inside the phase's marks, so what profiling adds is counted in the phases
         self.range = torch.profiler.record_function(self.label) if profiler_records() else None
         if self.range is not None:
