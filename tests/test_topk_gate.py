@@ -3,11 +3,13 @@ the same gradients of the tokens and the router weight, bit for bit (it replaces
 layers, whose promise is DeepSpeed's training)."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
-from deepspeed.moe.sharded_moe import TopKGate
+from deepspeed.moe.sharded_moe import TopKGate, gumbel_rsample
 
-from ds_hecate.ops.topk_gate import gate_routes, sparse_topk_gate, supports
+from ds_hecate.ops.topk_gate import gate_routes, gumbel_noise, sparse_topk_gate, supports
 
 CASES = [  # tokens, hidden, experts, k, drop_tokens, capacity factor, input dtype
     (64, 16, 8, 3, False, 1.0, torch.float32),
@@ -96,6 +98,30 @@ def test_jitter_draws_the_same_noise():
     ref = _run(_deepspeed, gate, x, grads)
     assert all(torch.equal(a, b) for a, b in zip(ours[0], ref[0]))
     assert torch.equal(ours[1], ref[1]) and torch.equal(ours[2], ref[2])
+
+
+@pytest.mark.parametrize("shape", [(64, 8), (1, 3), (4096, 128)])
+def test_the_gumbel_draw_is_deepspeeds_bit_for_bit(shape):
+    """The top-2 gate's second-expert noise: DeepSpeed's values and zero signs, and the generator left where
+    DeepSpeed's draw leaves it."""
+    cpu = torch.device("cpu")
+    for seed in range(5):
+        torch.manual_seed(seed)
+        ref, ref_next = gumbel_rsample(shape, cpu), torch.rand(4)
+        torch.manual_seed(seed)
+        ours, ours_next = gumbel_noise(shape, cpu), torch.rand(4)
+        assert torch.equal(ours, ref) and torch.equal(ours.signbit(), ref.signbit())
+        assert torch.equal(ours_next, ref_next)
+
+
+def test_a_gumbel_draw_of_zero_is_a_positive_zero_as_in_deepspeed(monkeypatch):
+    """Uniform samples around ``1/e``, where ``log(-log(u))`` rounds to zero: DeepSpeed's ``0 + -1 * 0`` is ``+0``."""
+    near = torch.tensor(math.exp(-1), dtype=torch.float32) + torch.arange(-200, 200, dtype=torch.float32) * 2.0 ** -25
+    monkeypatch.setattr(torch, "rand", lambda *args, **kwargs: near.clone())
+    cpu = torch.device("cpu")
+    ref, ours = gumbel_rsample((400,), cpu), gumbel_noise((400,), cpu)
+    assert (ref == 0).any()
+    assert torch.equal(ours, ref) and torch.equal(ours.signbit(), ref.signbit())
 
 
 def test_top2_without_sampling_and_the_second_route_differs_from_the_first():

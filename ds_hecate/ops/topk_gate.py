@@ -28,11 +28,12 @@ group, whose gate all-reduces the capacity; DeepSpeed's wall-clock timers) run D
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
-from deepspeed.moe.sharded_moe import TopKGate, _capacity, gumbel_rsample, multiplicative_jitter
+from deepspeed.moe.sharded_moe import TopKGate, _capacity, multiplicative_jitter
 from torch import nn
 
 from .casts import cast
@@ -93,6 +94,28 @@ def supports(gate: nn.Module) -> bool:
             and gate.ep_group is None and not gate.wall_clock_breakdown)
 
 
+@functools.lru_cache(maxsize=None)
+def _uniform_bounds(device: torch.device, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The lower bound of the Gumbel draw's uniform samples and the width of their range, as ``torch.distributions``'
+    ``Gumbel`` sets them (``tiny`` and ``1 - eps``; the width, ``high - low``, the same bits whichever call makes it)."""
+    finfo = torch.finfo(dtype)
+    low = torch.full((), finfo.tiny, dtype=dtype, device=device)
+    return low, torch.full((), 1 - finfo.eps, dtype=dtype, device=device) - low
+
+
+def gumbel_noise(shape: Tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """DeepSpeed's ``gumbel_rsample(shape, device)``, the same draw of the global generator and the same bits, without
+    the Python of ``torch.distributions`` (half the time of the draw on a small layer): ``u = low + rand * (high -
+    low)``, then its transforms ``0 + -1 * log(u)`` and ``0 + -1 * log(that)``. Here in place: ``u``'s sum in the
+    other order (commutative), ``log(u) < 0`` so its negation is exact, and the last negation adds ``0.0`` so that a
+    zero comes out ``+0`` as ``0 + -1 * 0`` does. The dtype is the default one, as DeepSpeed's ``torch.tensor(1.0)``
+    has it."""
+    dtype = torch.get_default_dtype()
+    low, width = _uniform_bounds(torch.device(device), dtype)
+    noise = torch.rand(shape, dtype=dtype, device=device).mul_(width).add_(low)
+    return noise.log_().neg_().log_().neg_().add_(0.0)
+
+
 def _logits(gate: TopKGate, x: torch.Tensor) -> torch.Tensor:
     """``TopKGate.forward``'s fp32 logits (with its input jitter when asked)."""
     x_fp32 = cast(x, torch.float32)
@@ -112,8 +135,9 @@ def sparse_top2_gate(gate: TopKGate, x: torch.Tensor) -> GateRoutes:
     first = torch.argmax(gates, dim=1)
     mask1 = F.one_hot(first, num_classes=num_experts)
     if gate.top2_2nd_expert_sampling:
-        logits = logits + gumbel_rsample(logits.shape, device=logits.device)
-    second = torch.argmax(logits.masked_fill(mask1.bool(), float("-inf")), dim=1)
+        logits = logits + gumbel_noise(tuple(logits.shape), logits.device)
+    # (DeepSpeed's ``masked_fill(mask1.bool(), -inf)``: the same values, without the boolean copy of the mask)
+    second = torch.argmax(logits.scatter(1, first.unsqueeze(1), float("-inf")), dim=1)
     me = torch.mean(gates, dim=0)
     ce = torch.mean(mask1.float(), dim=0)
     l_aux = torch.mean(me * ce) * num_experts * num_experts
