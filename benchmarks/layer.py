@@ -55,6 +55,9 @@ GRAD_ORDER_TOL = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 1e-2}
 DISPATCHED = ("aten::", "c10d::", "ds_hecate::")
 #: the phase table's column of the router, timed in its own calls (:func:`router_call`)
 ROUTER = "router"
+#: the column of a layer that routes among its phases (ds_hecate.MoE's gate is its ``route`` phase): the harness's
+#: own leaf and backward entry, timed as a router is with one multiplication in the router's place
+HARNESS = "harness"
 #: ops that write a tensor anew (a per-call relayout of the experts' weights is one of them; a transpose is a view)
 COPY_OPS = ("aten::copy_", "aten::clone", "aten::contiguous", "aten::_to_copy", "aten::cat", "aten::stack",
             "aten::index_select", "aten::gather", "aten::_unsafe_view")
@@ -106,6 +109,11 @@ def router_call(router: Callable[[torch.Tensor], torch.Tensor], x0: torch.Tensor
     gates.backward(torch.ones_like(gates))
     sync()
     return time.perf_counter() - start
+
+
+def _harness(x: torch.Tensor) -> torch.Tensor:
+    """:data:`HARNESS`'s router: one node for the backward to run."""
+    return x * 1.0
 
 
 def profile_call(fn: Callable[[], Any]) -> Dict[str, Any]:
@@ -208,14 +216,17 @@ def measure_cell(shape_name: str, dtype_name: str, device_name: str, reps: int, 
             one_call(b, xs[s], grads[s], device)
     before = {s: b.phases() for s, b in built.items() if b.phases}
     calls = {s: (lambda s=s: one_call(built[s], xs[s], grads[s], device)[0]) for s in built}
-    routers = {f"{s} {ROUTER}": (lambda r=b.router, s=s: router_call(r, xs[s], device))
-               for s, b in built.items() if profile and b.phases and b.router is not None}
+    outside = {s: (ROUTER, b.router) if b.router is not None else (HARNESS, _harness)
+               for s, b in built.items() if profile and b.phases}
+    routers = {f"{s} {name}": (lambda r=router, s=s: router_call(r, xs[s], device))
+               for s, (name, router) in outside.items()}
     times = common.interleaved({**calls, **routers}, reps)
     out: Dict[str, dict] = {}
     for s, b in built.items():
         phases = {p: (v - before[s][p]) / reps for p, v in b.phases().items()} if b.phases and profile else None
-        if phases is not None and b.router is not None:   # what the call runs outside the layer: its router
-            phases = {**phases, ROUTER: statistics.fmean(times[f"{s} {ROUTER}"])}
+        if phases is not None:   # what the call runs outside the layer's phases: its router, or the harness alone
+            name = outside[s][0]
+            phases = {**phases, name: statistics.fmean(times[f"{s} {name}"])}
         prof = one_call(b, xs[s], grads[s], device, profile_call)[0]
         ref = reference(s)
         agreement = {"out": _relative(first[s][1], first[ref][1]), "x_grad": _relative(first[s][2], first[ref][2])}
@@ -286,10 +297,11 @@ def markdown(record: dict) -> str:
     lines += common.table(["shape", "dtype", "plain ms"] + systems, rows)
     phased = [(c, s, r) for c in cells for s, r in c["systems"].items() if r.get("phases_s") and record.get("profile")]
     if phased:
-        names = list(phased[0][2]["phases_s"])
-        lines += ["", "ds_hecate's phases per call (ms, means; `--profile`), with the router outside them "
-                  f"(`{ROUTER}`, timed in its own calls among the rounds), their sum, the call's mean and the sum "
-                  "over the mean:", ""]
+        names = list(dict.fromkeys(p for _, _, r in phased for p in r["phases_s"]))   # (the router: some have one)
+        lines += ["", "ds_hecate's phases per call (ms, means; `--profile`), with what runs outside them timed in "
+                  f"its own calls among the rounds (`{ROUTER}`: the router and the harness's leaf and backward entry; "
+                  f"`{HARNESS}`, where the gate is the layer's `route` phase: the harness alone), their sum, the "
+                  "call's mean and the sum over the mean:", ""]
         lines += common.table(["shape", "dtype", "system"] + names + ["sum", "call", "sum / call"], [
             [c["shape"], c["dtype"], s] + [f"{1e3 * r['phases_s'].get(p, 0.0):.2f}" for p in names]
             + [f"{1e3 * sum(r['phases_s'].values()):.2f}", f"{1e3 * statistics.fmean(r['times_s']):.2f}",

@@ -345,7 +345,6 @@ def build_hecate(shape: LayerShape, inputs: RoutedInputs, dtype, device, one_ran
     """``ds_hecate.MoE`` on :func:`hecate_runtime`."""
     from benchmarks.step_systems import build_model
     from ds_hecate.deepspeed_glue.convert import convert_model
-    from ds_hecate.ops.topk_gate import gate_routes
     model = build_model(_model_args(shape), "hecate", 1, 0)
     moe = model.blocks[0].moe
     moe.gate.wg.weight.data.copy_(inputs.router.float().cpu())
@@ -358,9 +357,9 @@ def build_hecate(shape: LayerShape, inputs: RoutedInputs, dtype, device, one_ran
     def reset() -> None:
         runtime.store.zero_grads()
         moe.gate.wg.weight.grad = None
+    # (no router beside the phases: the module's gate is its layer's "route" phase)
     return Built(forward, (shape.tokens, shape.hidden), reset, runtime.flush_reductions,
-                 lambda: dict(moe.binding.phase_seconds()), keep=[model, runtime],
-                 router=lambda x: gate_routes(moe.gate, x, None)[2])
+                 lambda: dict(moe.binding.phase_seconds()), keep=[model, runtime])
 
 
 def build_hecate_call(shape: LayerShape, inputs: RoutedInputs, dtype, device, one_rank_shortcuts: bool = True,

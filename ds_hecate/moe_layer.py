@@ -13,7 +13,7 @@ paths (``has_moe_layers``), which must stay off once Hecate owns the experts.
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING, Optional, Protocol, Tuple
+from typing import TYPE_CHECKING, Any, Optional, Protocol, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -39,12 +39,26 @@ class _BoundShard(Protocol):
     def kernel(self) -> ExpertKernel: ...
 
 
+class _GatePhases(Protocol):
+    """The part of the layer's phases (``ds_hecate.runtime.call_monitor.LayerPhases``) its gate runs in: the
+    ``route`` phase and the boundaries of ``route_bwd``."""
+
+    def route_starts(self) -> None: ...
+
+    def __call__(self, name: str) -> Any: ...
+
+    def boundary(self, tensor: torch.Tensor, ends: Optional[str], starts: Optional[str]) -> torch.Tensor: ...
+
+
 class ExpertsBinding(Protocol):
     """What the Hecate runtime attaches to a layer it takes over (``ds_hecate.runtime.layer.LayerBinding``): the
     layer sits below the runtime and names only what it calls."""
 
     @property
     def shard(self) -> _BoundShard: ...
+
+    @property
+    def phases(self) -> _GatePhases: ...
 
     def run(self, x: torch.Tensor, indices: torch.Tensor, gates: torch.Tensor,
             arithmetic: str = "deepspeed") -> torch.Tensor: ...
@@ -184,10 +198,22 @@ class MoE(nn.Module):
         x = hidden_states.reshape(-1, d_model)
         # DeepSpeed's gate with sparse routes (computed as DeepSpeed does, without the slots Hecate does not read:
         # ds_hecate.ops.topk_gate): indices/gates are [k, S]; dropped routes have index -1.
-        l_aux, indices, gates, exp_counts = gate_routes(self.gate, x, used_token)
-        if self.binding is not None:   # Hecate: DeepSpeed's combine arithmetic, fused with the un-permute
-            output = self.binding.run(x, indices, gates, "deepspeed").reshape(hidden_states.shape)
+        binding = self.binding
+        if binding is not None:
+            # Hecate: the gate is the layer's "route" phase (timed while profiling, its backward between the two
+            # boundaries); the combine is DeepSpeed's arithmetic, fused with the un-permute
+            phases = binding.phases
+            phases.route_starts()
+            x = phases.boundary(x, "route_bwd", None)
+            with phases("route"):
+                l_aux, indices, gates, exp_counts = gate_routes(self.gate, x, used_token)
+                # (kept as DeepSpeed's MoE keeps them; replacing the last call's frees what its graph still holds)
+                self.l_aux, self.exp_counts = l_aux, exp_counts
+            gates = phases.boundary(gates, None, "route_bwd")
+            output = binding.run(x, indices, gates, "deepspeed").reshape(hidden_states.shape)
         else:
+            l_aux, indices, gates, exp_counts = gate_routes(self.gate, x, used_token)
+            self.l_aux, self.exp_counts = l_aux, exp_counts
             y_slots = self._run_local(x, indices)
             output = combine_routes(y_slots, gates, y_slots.dtype).reshape(hidden_states.shape)
         if self.use_residual:
@@ -196,7 +222,6 @@ class MoE(nn.Module):
                 output_mlp = output_mlp[0]
             coef = F.softmax(self.coefficient(hidden_states), dim=-1)
             output = output * coef[..., 0:1] + output_mlp * coef[..., 1:]
-        self.l_aux, self.exp_counts = l_aux, exp_counts
         return output, l_aux, exp_counts
 
     def _run_local(self, x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:

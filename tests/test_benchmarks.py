@@ -178,17 +178,24 @@ def test_layer_quick_runs_and_its_table_is_well_formed(tmp_path):
 
 def test_layer_profile_times_ds_hecates_phases(tmp_path):
     """``--profile``: the runtime's profiling on, ds_hecate's phases per call in the record and a second table, with
-    the router timed alone beside them and the sum against the call's mean (a bound loose enough for a loaded host:
-    the phases and the router account for most of the call, and not for much more)."""
+    what runs outside them timed alone beside them (the layer call's router; for ds_hecate.MoE, whose gate is its
+    ``route`` phase, the harness) and the sum against the call's mean (a bound loose enough for a loaded host: they
+    account for most of the call, and not for much more)."""
     from benchmarks import layer
-    cell = run_ranks(1, _layer_cell, ["plain", "ds_hecate"], True, timeout=240)[0]
-    hecate = cell["systems"]["ds_hecate"]
-    phases = hecate["phases_s"]
-    assert set(phases) >= {"counts", "dispatch", "compute", "combine", layer.ROUTER} and phases[layer.ROUTER] > 0
-    assert 0.5 < sum(phases.values()) / (sum(hecate["times_s"]) / len(hecate["times_s"])) < 1.5
+    cell = run_ranks(1, _layer_cell, ["plain", "ds_hecate", "ds_hecate-call"], True, timeout=240)[0]
+    module, call = cell["systems"]["ds_hecate"], cell["systems"]["ds_hecate-call"]
+    for r, outside in ((module, layer.HARNESS), (call, layer.ROUTER)):
+        phases = r["phases_s"]
+        assert set(phases) >= {"counts", "dispatch", "compute", "combine", outside} and phases[outside] > 0
+        assert 0.5 < sum(phases.values()) / (sum(r["times_s"]) / len(r["times_s"])) < 1.5
+    assert module["phases_s"]["route"] > 0 and module["phases_s"]["route_bwd"] > 0 and layer.ROUTER not in module[
+        "phases_s"]
+    assert call["phases_s"]["route"] == 0 and call["phases_s"]["route_bwd"] == 0   # (its router is not the layer's)
     text = layer.markdown({"command": "x", "date": "d", "machine": {"cpu": "c", "vcpus": 1}, "profile": True,
                            "cells": [cell]})
     assert "ds_hecate's phases per call" in text and "| quick | fp32 | ds_hecate |" in text and "sum / call" in text
+    header = next(line for line in text.splitlines() if "| route |" in line)
+    assert f"| {layer.HARNESS} | {layer.ROUTER} |" in header   # every system's columns, not the first one's
 
 
 def _layer_cell(rank: int, world_size: int, names, profile):

@@ -44,6 +44,27 @@ def test_a_forward_calls_phases_tile_it():
     assert times.seconds()["bookkeeping"] < GLUE_S
 
 
+def test_a_layers_own_gate_starts_the_tiling_and_the_gap_still_ends_at_the_call():
+    """ds_hecate.MoE's gate runs before the call: its ``route`` phase starts where the layer started routing, the
+    call's first phase where the gate ended, and the gap to the previous layer (the prefetch's overlap, the
+    cost model's non-MoE time) still runs to the call's start, the gate in it."""
+    monitor = CallMonitor(torch.device("cpu"), profiling=True)
+    times, phases = _layer(monitor)
+    monitor.model_forward()
+    phases.route_starts()
+    time.sleep(GLUE_S)
+    with phases("route"):
+        pass
+    time.sleep(GLUE_S)
+    monitor.layer_starts(times)
+    with phases("counts"):
+        pass
+    monitor.layer_ends()
+    seconds = times.seconds()
+    assert seconds["route"] >= GLUE_S and seconds["counts"] >= GLUE_S
+    assert times.gap.total() >= 2 * GLUE_S
+
+
 def test_phases_open_profiler_ranges_only_while_a_profiler_records(monkeypatch):
     monitor = CallMonitor(torch.device("cpu"), profiling=True)
     times, phases = _layer(monitor)

@@ -20,7 +20,7 @@ from typing import Any, Callable, List, Optional
 
 import torch
 
-from .timing import BackwardPhases, CallCursor, DeviceClock, PhaseBoundary, PhaseTimer, PhaseTimes
+from .timing import BackwardPhases, CallCursor, DeviceClock, PhaseBoundary, PhaseTimer, PhaseTimes, in_backward_pass
 
 
 class ReplicaBytes:
@@ -110,6 +110,12 @@ class LayerPhases:
     def boundary(self, tensor: torch.Tensor, ends: Optional[str], starts: Optional[str]) -> torch.Tensor:
         return self.monitor.boundary(tensor, self.times, ends, starts)
 
+    def route_starts(self) -> None:
+        """The layer's own gate is about to run (``ds_hecate.MoE``): while profiling, its ``route`` phase and the
+        call's phases after it tile the layer from here (not in a recompute, whose phases take their own marks)."""
+        if self.monitor.profiling and not in_backward_pass():
+            self.monitor.route_starts()
+
 
 class CallMonitor:
     """One rank's instruments around its layer calls (see the module docstring)."""
@@ -146,14 +152,22 @@ class CallMonitor:
         self.last_layer_end = self.clock.mark() if self.profiling else None
         self.cursor.at = None
 
+    def route_starts(self) -> None:
+        """A layer's own gate starts, before its call: the gate's phase starts here, and the call's first phase
+        where the gate's ended (:meth:`layer_starts` keeps the cursor)."""
+        if self.profiling:
+            self.cursor.at = (self.clock.mark(), time.perf_counter())
+
     def layer_starts(self, times: PhaseTimes) -> None:
-        """A forward layer call starts: the device time since the previous layer's end is this layer's gap, and
-        the call's first phase starts here (:class:`~.timing.CallCursor`)."""
+        """A forward layer call starts: the device time since the previous layer's end is this layer's gap (its
+        gate in it: the prefetched gather overlaps the gate too), and the call's first phase starts here, or where
+        the layer's gate ended (:class:`~.timing.CallCursor`)."""
         if self.profiling:
             start = self.clock.mark()
             if self.last_layer_end is not None:
                 times.gap.add(self.last_layer_end, start)
-            self.cursor.at = (start, time.perf_counter())
+            if self.cursor.at is None:
+                self.cursor.at = (start, time.perf_counter())
 
     def layer_ends(self) -> None:
         """A layer call ends (a forward's or a recompute's): phases outside a call take their own marks again."""

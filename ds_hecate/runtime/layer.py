@@ -35,13 +35,7 @@ from .phases import PHASES
 from .shard_store import LayerShard, ShardAccumulator
 from .sharded_experts import ExpertCall, ExpertCompute, ExpertRows, sharded_experts
 from .tensor_parallel import run_layer
-from .timing import PhaseTimes
-
-
-def in_backward_pass() -> bool:
-    """True while autograd runs a backward pass (activation-checkpoint recompute happens there)."""
-    current = getattr(torch._C, "_current_graph_task_id", None)
-    return current is not None and current() != -1
+from .timing import PhaseTimes, in_backward_pass
 
 
 class LayerBinding:

@@ -21,6 +21,12 @@ import torch
 RESOLVE_EVERY = 256  # pending event pairs kept before folding in the completed ones (bounds memory)
 
 
+def in_backward_pass() -> bool:
+    """True while autograd runs a backward pass (activation-checkpoint recompute happens there)."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return current is not None and current() != -1
+
+
 class DeviceClock:
     """Marks in the device's execution order: CUDA events on the current stream, host time elsewhere."""
 
