@@ -65,6 +65,25 @@ def test_a_layers_own_gate_starts_the_tiling_and_the_gap_still_ends_at_the_call(
     assert times.gap.total() >= 2 * GLUE_S
 
 
+def test_a_call_cut_short_leaves_no_start_to_the_next():
+    """A call that an error ended before its end (no ``layer_ends``) leaves its cursor behind: the next call, of this
+    layer or another, starts its own tiling rather than counting from the stale mark."""
+    monitor = CallMonitor(torch.device("cpu"), profiling=True)
+    times, _ = _layer(monitor)
+    other, other_phases = _layer(monitor)
+    for layer in (times, other):   # the gate of ``times`` started, then its call cut short; or its call itself
+        if layer is times:
+            monitor.route_starts(times)
+        else:
+            monitor.layer_starts(times)
+        time.sleep(GLUE_S)
+        monitor.layer_starts(other)
+        with other_phases("counts"):
+            pass
+        monitor.layer_ends()
+        assert other.seconds()["counts"] < GLUE_S
+
+
 def test_phases_open_profiler_ranges_only_while_a_profiler_records(monkeypatch):
     monitor = CallMonitor(torch.device("cpu"), profiling=True)
     times, phases = _layer(monitor)

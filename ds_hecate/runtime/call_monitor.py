@@ -114,7 +114,7 @@ class LayerPhases:
         """The layer's own gate is about to run (``ds_hecate.MoE``): while profiling, its ``route`` phase and the
         call's phases after it tile the layer from here (not in a recompute, whose phases take their own marks)."""
         if self.monitor.profiling and not in_backward_pass():
-            self.monitor.route_starts()
+            self.monitor.route_starts(self.times)
 
 
 class CallMonitor:
@@ -152,11 +152,12 @@ class CallMonitor:
         self.last_layer_end = self.clock.mark() if self.profiling else None
         self.cursor.at = None
 
-    def route_starts(self) -> None:
-        """A layer's own gate starts, before its call: the gate's phase starts here, and the call's first phase
-        where the gate's ended (:meth:`layer_starts` keeps the cursor)."""
+    def route_starts(self, times: PhaseTimes) -> None:
+        """The gate of the layer timed into ``times`` starts, before its call: the gate's phase starts here, and the
+        call's first phase where the gate's ended (:meth:`layer_starts` keeps this layer's cursor)."""
         if self.profiling:
             self.cursor.at = (self.clock.mark(), time.perf_counter())
+            self.cursor.gate = times
 
     def layer_starts(self, times: PhaseTimes) -> None:
         """A forward layer call starts: the device time since the previous layer's end is this layer's gap (its
@@ -166,8 +167,10 @@ class CallMonitor:
             start = self.clock.mark()
             if self.last_layer_end is not None:
                 times.gap.add(self.last_layer_end, start)
-            if self.cursor.at is None:
-                self.cursor.at = (start, time.perf_counter())
+            cursor = self.cursor
+            if cursor.at is None or cursor.gate is not times:   # (not this layer's gate: stale, or none)
+                cursor.at = (start, time.perf_counter())
+            cursor.gate = None
 
     def layer_ends(self) -> None:
         """A layer call ends (a forward's or a recompute's): phases outside a call take their own marks again."""

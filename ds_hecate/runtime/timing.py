@@ -186,12 +186,15 @@ class CallCursor:
     """Where the last timed phase of the forward layer call in progress ended (``at``: device mark, host time; None
     outside a forward call). The next phase of the call starts there rather than at its own entry, so a forward
     call's phases tile it: the host work between two phases (the call's glue, the profiler range's entry, the
-    autograd boundaries) is counted in the later one, and the phases add up to the call."""
+    autograd boundaries) is counted in the later one, and the phases add up to the call. ``gate``: the layer (its
+    :class:`PhaseTimes`) whose own gate started the tiling before its call (ds_hecate.MoE), which the call then
+    continues; any other cursor a call finds is a stale one (a call cut short by an error) and starts anew."""
 
-    __slots__ = ("at",)
+    __slots__ = ("at", "gate")
 
     def __init__(self) -> None:
         self.at: Optional[Tuple[Any, float]] = None
+        self.gate: Optional[object] = None
 
 
 class PhaseTimer:
