@@ -97,7 +97,8 @@ def supports(gate: nn.Module) -> bool:
 @functools.lru_cache(maxsize=None)
 def _uniform_bounds(device: torch.device, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
     """The lower bound of the Gumbel draw's uniform samples and the width of their range, as ``torch.distributions``'
-    ``Gumbel`` sets them (``tiny`` and ``1 - eps``; the width, ``high - low``, the same bits whichever call makes it)."""
+    ``Gumbel`` sets them (``tiny`` and ``1 - eps``; the width, ``high - low``, the same bits whichever call makes
+    it)."""
     finfo = torch.finfo(dtype)
     low = torch.full((), finfo.tiny, dtype=dtype, device=device)
     return low, torch.full((), 1 - finfo.eps, dtype=dtype, device=device) - low

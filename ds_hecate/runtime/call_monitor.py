@@ -150,7 +150,7 @@ class CallMonitor:
         """A model forward starts: the gap to the first layer counts from here (a call an error cut short left no
         cursor behind)."""
         self.last_layer_end = self.clock.mark() if self.profiling else None
-        self.cursor.at = None
+        self.cursor.at = self.cursor.gate = None
 
     def route_starts(self, times: PhaseTimes) -> None:
         """The gate of the layer timed into ``times`` starts, before its call: the gate's phase starts here, and the

@@ -9,9 +9,10 @@ its call (DeepSpeed's gate, computed by ``ds_hecate.ops.topk_gate``); a model wh
 model taken over) routes outside the layer, and they stay at zero.
 """
 
-PHASE_LABELS = {"route": "routing (gate)", "counts": "count exchange", "plan": "planning", "gather": "gather wait", "dispatch": "dispatch",
-                "compute": "expert compute (fwd)", "combine": "combine", "bookkeeping": "bookkeeping (fwd)",
-                "combine_bwd": "combine (bwd)", "compute_bwd": "expert compute (bwd)",
-                "dispatch_bwd": "dispatch (bwd)", "route_bwd": "routing (bwd)", "reduce_scatter": "reduce-scatter issue",
-                "reduce_wait": "reduce-scatter wait", "regather": "re-gather (backward)"}
+PHASE_LABELS = {"route": "routing (gate)", "counts": "count exchange", "plan": "planning", "gather": "gather wait",
+                "dispatch": "dispatch", "compute": "expert compute (fwd)", "combine": "combine",
+                "bookkeeping": "bookkeeping (fwd)", "combine_bwd": "combine (bwd)",
+                "compute_bwd": "expert compute (bwd)", "dispatch_bwd": "dispatch (bwd)", "route_bwd": "routing (bwd)",
+                "reduce_scatter": "reduce-scatter issue", "reduce_wait": "reduce-scatter wait",
+                "regather": "re-gather (backward)"}
 PHASES = tuple(PHASE_LABELS)
