@@ -66,12 +66,29 @@ N_RANK_TWIN = {"plain": "plain-all-to-all", "ds_hecate": "ds_hecate-no-shortcuts
                "ds_hecate-call": "ds_hecate-call-no-shortcuts", "autoep": "autoep-no-shortcuts",
                "deepspeed-moe": "deepspeed-moe-no-shortcuts"}
 ONE_RANK_TWIN = {twin: one for one, twin in N_RANK_TWIN.items()}
-#: the ops floor with its parts taken back to the plain layer's code (:data:`FLOOR_PARTS`), asked for by name only
-FLOOR_DESCRIPTIONS = {
-    "ds_hecate-ops-no-flags": "ds_hecate-ops, its counts without the health flags",
-    "ds_hecate-ops-no-flags-plain-combine": "and the plain layer's combine",
-    "ds_hecate-ops-no-flags-plain-combine-experts": "and the plain layer's experts on autograd",
-    "ds_hecate-ops-no-flags-plain-combine-experts-no-read": "and the group ends from the device, no host read"}
+#: the ops floor's parts in the order its variants take them back to the plain layer's code: the variant's name
+#: suffix, the :class:`HecateOpsMoE` class flag set False, and what the variant then runs
+FLOOR_STEPS = (("-no-flags", "health_flags", "counts without the health flags"),
+               ("-plain-combine", "own_combine", "the plain layer's combine"),
+               ("-experts", "own_experts", "the plain layer's experts on autograd"),
+               ("-no-read", "host_counts", "the group ends from the device, no host read"))
+
+
+def _floor_variants() -> Dict[str, Tuple[Dict[str, bool], str]]:
+    """Each variant of the ops floor, one more part taken back than the one before: name -> (its class flags, its
+    description), names accumulating the suffixes (``ds_hecate-ops-no-flags-plain-combine``)."""
+    out: Dict[str, Tuple[Dict[str, bool], str]] = {}
+    name, flags, texts = "ds_hecate-ops", cast(Dict[str, bool], {}), cast(List[str], [])
+    for suffix, flag, text in FLOOR_STEPS:
+        name, flags, texts = name + suffix, {**flags, flag: False}, texts + [text]
+        out[name] = (flags, "ds_hecate-ops with " + ", ".join(texts))
+    return out
+
+
+#: the floor's variants (asked for by name only): the system -> the :class:`HecateOpsMoE` class flags it sets False
+FLOOR_PARTS: Dict[str, Dict[str, bool]] = {name: flags for name, (flags, _) in _floor_variants().items()}
+#: the floor's variants' descriptions
+FLOOR_DESCRIPTIONS: Dict[str, str] = {name: text for name, (_, text) in _floor_variants().items()}
 SYSTEMS = tuple(DESCRIPTIONS) + tuple(N_RANK_TWIN.values())
 #: every system ``--systems`` may name: :data:`SYSTEMS` (a default run's) and the floor's variants
 NAMED_SYSTEMS = SYSTEMS + tuple(FLOOR_DESCRIPTIONS)
@@ -269,17 +286,6 @@ class HecateOpsMoE(PlainGroupedMoE):
             return weighted_unpermute(y, gates, None, "deepspeed", None, slots)
         y_routes = torch.index_copy(torch.empty_like(y), 0, slots, y).view(self.top_k, x.shape[0], -1)   # [k, S, H]
         return (y_routes * gates.unsqueeze(-1)).sum(dim=0).to(x.dtype)   # (the plain layer's, over [k, S])
-
-
-#: the floor's parts taken back to the plain layer's code one more at a time: the system -> its class flags
-FLOOR_PARTS: Dict[str, Dict[str, bool]] = {
-    "ds_hecate-ops-no-flags": {"health_flags": False},
-    "ds_hecate-ops-no-flags-plain-combine": {"health_flags": False, "own_combine": False},
-    "ds_hecate-ops-no-flags-plain-combine-experts": {"health_flags": False, "own_combine": False,
-                                                     "own_experts": False},
-    "ds_hecate-ops-no-flags-plain-combine-experts-no-read": {"health_flags": False, "own_combine": False,
-                                                             "own_experts": False, "host_counts": False},
-}
 
 
 # -- the systems -------------------------------------------------------------------------------------------------
